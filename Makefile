@@ -1,0 +1,70 @@
+# kvtier's tasks. `make help` lists them. Everything runs from .venv/bin, so nothing needs to
+# be activated: a fresh clone needs only cargo and python3.11 (or set PYTHON=...).
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+CARGO ?= cargo
+VENV := .venv
+BIN := $(VENV)/bin
+# Written once the venv has its tools; rebuilt when pyproject.toml changes.
+VENV_STAMP := $(VENV)/.kvtier-tools
+SIMULATE_ARGS ?= --compare lru,importance
+
+.PHONY: help venv develop test test-rust test-py lint lint-rust lint-py stubtest simulate \
+	bench wheel clean
+
+help: ## list the targets
+	@echo "usage: make TARGET"
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | \
+		awk 'BEGIN {FS = ":.*## "}; {printf "  %-10s %s\n", $$1, $$2}'
+
+venv: $(VENV_STAMP) ## create .venv with maturin and the dev extras (pytest, mypy, ruff, ...)
+
+$(VENV_STAMP): pyproject.toml
+	@test -x $(BIN)/python || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	$(BIN)/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb")); \
+		print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependencies"]["dev"]))' \
+		> $(VENV)/requirements-tools.txt
+	$(BIN)/python -m pip install --quiet -r $(VENV)/requirements-tools.txt
+	@touch $@
+
+develop: venv ## build the extension (release) and install kvtier into .venv, editable
+	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/maturin develop --release -E dev
+
+test: test-rust test-py ## build, then run the Rust and the Python tests
+
+test-rust: ## run the core's Rust tests (cargo test -p kvtier)
+	$(CARGO) test -p kvtier
+
+test-py: develop ## run the Python tests (pytest; slow ones with: make test-py PYTEST_ARGS='-m slow')
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: lint-rust lint-py stubtest ## all the checks: fmt, clippy, ruff, mypy, stubtest
+
+lint-rust: ## cargo fmt --check and clippy with -D warnings
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+lint-py: venv ## ruff check, ruff format --check, mypy on python/kvtier
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy python/kvtier
+
+stubtest: develop ## check the hand-written _core.pyi against the built module
+	$(BIN)/python -m mypy.stubtest kvtier._core
+
+simulate: develop ## replay the bundled Mooncake trace through the real scheduler (no GPU)
+	$(BIN)/kvtier simulate $(SIMULATE_ARGS)
+
+bench: develop ## run the core benchmark (prints JSON figures, never pass/fail)
+	$(BIN)/python benchmarks/bench_core.py
+
+wheel: venv ## build a release wheel into dist/
+	$(BIN)/maturin build --release --out dist
+
+clean: ## remove build outputs and caches (keeps .venv; rm -rf .venv for a fresh start)
+	rm -rf target dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -f python/kvtier/_core*.so python/kvtier/_core*.pyd
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,354 @@
+//! `kvtier._core.Core`: the block table, pools, statistics and scheduler of one engine.
+//! The Rust `Core` sits behind a mutex; every call runs through [`PyCore::with`], which releases
+//! the GIL first, so batch calls never block other Python threads.
+
+use std::sync::Mutex;
+
+use kvtier::{Config, Core, Error, PolicyKind, Tier, TierConfig};
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::arrays::array;
+use crate::errors::IntoPy;
+use crate::plan::PyPlan;
+
+#[pyclass(name = "Core", module = "kvtier._core", frozen)]
+pub struct PyCore {
+    inner: Mutex<Core>,
+}
+
+impl PyCore {
+    /// Runs `f` on the core with the GIL released.
+    pub fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Core) -> R + Send) -> R {
+        py.detach(|| f(&mut self.inner.lock().unwrap_or_else(|e| e.into_inner())))
+    }
+
+    pub fn config(&self) -> Config {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).config().clone()
+    }
+}
+
+fn parse_tiers(tiers: Vec<(String, Option<u64>)>) -> PyResult<Vec<TierConfig>> {
+    tiers
+        .into_iter()
+        .map(|(name, budget_bytes)| Ok(TierConfig { tier: Tier::parse(&name).py_err()?, budget_bytes }))
+        .collect()
+}
+
+#[pymethods]
+impl PyCore {
+    #[new]
+    #[pyo3(signature = (
+        level_bytes, *, tiers = vec![("device".to_string(), None)], block_size = 16,
+        policy = "importance", enable_compression = true, pressure_only = false, compression_ratio = 0.5,
+        recent_window = 128, sink_blocks = 1, weights = (0.4, 0.4, 0.2), headroom = 0.1,
+        hysteresis = 0.1, max_move_bytes = None, decay = 0.9, attention_ema = 0.5,
+        scissorhands_window = 8, write_through = false, evict_on_full = false,
+        namespace = "default", pool_slots = vec![]
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        level_bytes: Vec<u64>,
+        tiers: Vec<(String, Option<u64>)>,
+        block_size: u32,
+        policy: &str,
+        enable_compression: bool,
+        pressure_only: bool,
+        compression_ratio: f32,
+        recent_window: u32,
+        sink_blocks: u32,
+        weights: (f32, f32, f32),
+        headroom: f32,
+        hysteresis: f32,
+        max_move_bytes: Option<u64>,
+        decay: f32,
+        attention_ema: f32,
+        scissorhands_window: u32,
+        write_through: bool,
+        evict_on_full: bool,
+        namespace: &str,
+        pool_slots: Vec<(String, u8, u32)>,
+    ) -> PyResult<Self> {
+        let pool_slots = pool_slots
+            .into_iter()
+            .map(|(t, l, n)| Ok((Tier::parse(&t).py_err()?, l, n)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let cfg = Config {
+            block_size,
+            level_bytes,
+            tiers: parse_tiers(tiers)?,
+            policy: PolicyKind::parse(policy).py_err()?,
+            enable_compression,
+            pressure_only,
+            compression_ratio,
+            recent_window,
+            sink_blocks,
+            weights: [weights.0, weights.1, weights.2],
+            headroom,
+            hysteresis,
+            max_move_bytes,
+            decay,
+            attention_ema,
+            scissorhands_window,
+            write_through,
+            evict_on_full,
+            namespace: kvtier::namespace_seed(namespace),
+            pool_slots,
+        };
+        Ok(PyCore { inner: Mutex::new(Core::new(cfg).py_err()?) })
+    }
+
+    #[getter]
+    fn block_size(&self) -> u32 {
+        self.config().block_size
+    }
+
+    #[getter]
+    fn policy(&self) -> &'static str {
+        self.config().policy.name()
+    }
+
+    #[getter]
+    fn level_bytes(&self) -> Vec<u64> {
+        self.config().level_bytes
+    }
+
+    #[getter]
+    fn tiers(&self) -> Vec<(&'static str, Option<u64>)> {
+        self.config().tiers.iter().map(|t| (t.tier.name(), t.budget_bytes)).collect()
+    }
+
+    /// The scheduler's step clock (number of plans made).
+    #[getter]
+    fn step(&self, py: Python<'_>) -> u32 {
+        self.with(py, |c| c.step_clock())
+    }
+
+    fn add_sequence(&self, py: Python<'_>) -> u32 {
+        self.with(py, |c| c.add_sequence())
+    }
+
+    /// Appends token ids; returns `(block_ids, shared)` for the blocks added.
+    fn append_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        seq: u32,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<bool>>)> {
+        let tokens = array::<u32>(tokens, "tokens", "uint32")?;
+        let t = tokens.as_slice()?;
+        let out = self.with(py, |c| c.append_tokens(seq, t)).py_err()?;
+        Ok((PyArray1::from_vec(py, out.blocks), PyArray1::from_vec(py, out.shared)))
+    }
+
+    /// Appends whole blocks by their chained hashes; returns `(block_ids, shared)`.
+    fn append_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        seq: u32,
+        hashes: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<bool>>)> {
+        let hashes = array::<u64>(hashes, "hashes", "uint64")?;
+        let h = hashes.as_slice()?;
+        let out = self.with(py, |c| c.append_blocks(seq, h)).py_err()?;
+        Ok((PyArray1::from_vec(py, out.blocks), PyArray1::from_vec(py, out.shared)))
+    }
+
+    /// Forks a sequence; returns `(child, copy)` where `copy` is `(src_block, dst_block)` of
+    /// the partial block whose bytes the engine must copy, or `None`.
+    fn fork(&self, py: Python<'_>, seq: u32) -> PyResult<(u32, Option<(u32, u32)>)> {
+        let f = self.with(py, |c| c.fork(seq)).py_err()?;
+        Ok((f.child, f.copy))
+    }
+
+    fn free_sequence(&self, py: Python<'_>, seq: u32) -> PyResult<()> {
+        self.with(py, |c| c.free_sequence(seq)).py_err()
+    }
+
+    fn sequence_blocks<'py>(&self, py: Python<'py>, seq: u32) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let v = self.with(py, |c| c.sequence_blocks(seq).map(<[u32]>::to_vec)).py_err()?;
+        Ok(PyArray1::from_vec(py, v))
+    }
+
+    fn sequence_tokens(&self, py: Python<'_>, seq: u32) -> PyResult<u64> {
+        self.with(py, |c| c.sequence_tokens(seq)).py_err()
+    }
+
+    fn sequences(&self, py: Python<'_>) -> Vec<u32> {
+        self.with(py, |c| c.sequence_ids())
+    }
+
+    /// Blocks of the longest cached prefix of these chained hashes.
+    fn lookup<'py>(&self, py: Python<'py>, hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let hashes = array::<u64>(hashes, "hashes", "uint64")?;
+        let h = hashes.as_slice()?;
+        Ok(PyArray1::from_vec(py, self.with(py, |c| c.lookup(h))))
+    }
+
+    /// Blocks of the longest cached prefix of these token ids.
+    fn lookup_tokens<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let tokens = array::<u32>(tokens, "tokens", "uint32")?;
+        let t = tokens.as_slice()?;
+        Ok(PyArray1::from_vec(py, self.with(py, |c| c.lookup_tokens(t))))
+    }
+
+    fn record_reads(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
+        let b = blocks.as_slice()?;
+        self.with(py, |c| c.record_reads(b)).py_err()
+    }
+
+    fn record_attention(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>, mass: &Bound<'_, PyAny>) -> PyResult<()> {
+        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
+        let mass = array::<f32>(mass, "mass", "float32")?;
+        let (b, m) = (blocks.as_slice()?, mass.as_slice()?);
+        self.with(py, |c| c.record_attention(b, m)).py_err()
+    }
+
+    fn set_magnitude(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
+        let values = array::<f32>(values, "values", "float32")?;
+        let (b, v) = (blocks.as_slice()?, values.as_slice()?);
+        self.with(py, |c| c.set_magnitude(b, v)).py_err()
+    }
+
+    fn set_learned(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
+        let values = array::<f32>(values, "values", "float32")?;
+        let (b, v) = (blocks.as_slice()?, values.as_slice()?);
+        self.with(py, |c| c.set_learned(b, v)).py_err()
+    }
+
+    fn pin(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
+        let b = blocks.as_slice()?;
+        self.with(py, |c| c.pin(b)).py_err()
+    }
+
+    fn unpin(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
+        let b = blocks.as_slice()?;
+        self.with(py, |c| c.unpin(b)).py_err()
+    }
+
+    /// Plans moves and holds them pending until `commit(plan.id)` or `abort(plan.id)`.
+    fn plan(&self, py: Python<'_>) -> PyResult<PyPlan> {
+        let plan = self.with(py, |c| c.plan().cloned()).py_err()?;
+        Ok(PyPlan::from(&plan))
+    }
+
+    fn commit(&self, py: Python<'_>, plan_id: u64) -> PyResult<()> {
+        self.with(py, |c| c.commit(plan_id)).py_err()
+    }
+
+    fn abort(&self, py: Python<'_>, plan_id: u64) -> PyResult<()> {
+        self.with(py, |c| c.abort(plan_id)).py_err()
+    }
+
+    /// Columns describing blocks: tier, level, slot, refcount, pinned, position, hash (0 for
+    /// a partial block), has_copy, score (the policy's primary ranking value).
+    fn block_info<'py>(&self, py: Python<'py>, blocks: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
+        let ids = blocks.as_slice()?;
+        let cols = self
+            .with(py, |c| -> Result<_, Error> {
+                let mut cols = BlockColumns::default();
+                for &b in ids {
+                    let loc = c.block_loc(b)?;
+                    cols.tier.push(loc.tier as u8);
+                    cols.level.push(loc.level);
+                    cols.slot.push(loc.slot);
+                    cols.refcount.push(c.block_refcount(b)?);
+                    cols.pinned.push(c.block_pinned(b)?);
+                    cols.position.push(c.block_position(b)?);
+                    cols.hash.push(c.block_hash(b)?.unwrap_or(0));
+                    cols.has_copy.push(c.block_copy(b)?.is_some());
+                    cols.score.push(c.block_score(b)?.0);
+                }
+                Ok(cols)
+            })
+            .py_err()?;
+        let d = PyDict::new(py);
+        d.set_item("tier", PyArray1::from_vec(py, cols.tier))?;
+        d.set_item("level", PyArray1::from_vec(py, cols.level))?;
+        d.set_item("slot", PyArray1::from_vec(py, cols.slot))?;
+        d.set_item("refcount", PyArray1::from_vec(py, cols.refcount))?;
+        d.set_item("pinned", PyArray1::from_vec(py, cols.pinned))?;
+        d.set_item("position", PyArray1::from_vec(py, cols.position))?;
+        d.set_item("hash", PyArray1::from_vec(py, cols.hash))?;
+        d.set_item("has_copy", PyArray1::from_vec(py, cols.has_copy))?;
+        d.set_item("score", PyArray1::from_vec(py, cols.score))?;
+        Ok(d)
+    }
+
+    /// Occupancy per pool: `[(tier, level, used_slots, capacity_slots, bytes), ...]`.
+    fn usage(&self, py: Python<'_>) -> Vec<(&'static str, u8, u32, u32, u64)> {
+        self.with(py, |c| c.usage())
+            .into_iter()
+            .map(|u| (u.tier.name(), u.level, u.used_slots, u.capacity_slots, u.bytes))
+            .collect()
+    }
+
+    /// Bytes in use per configured tier.
+    fn tier_bytes(&self, py: Python<'_>) -> Vec<(&'static str, u64)> {
+        let cfg = self.config();
+        let bytes = self.with(py, |c| c.tier_bytes().to_vec());
+        cfg.tiers.iter().map(|t| t.tier.name()).zip(bytes).collect()
+    }
+
+    fn set_budget(&self, py: Python<'_>, tier: &str, budget: Option<u64>) -> PyResult<()> {
+        let tier = Tier::parse(tier).py_err()?;
+        self.with(py, |c| c.set_budget(tier, budget)).py_err()
+    }
+
+    /// Event counters since creation.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (k, live, cached) = self.with(py, |c| (c.counters().clone(), c.live_blocks(), c.cached_blocks()));
+        counters_dict(py, &k, live as u64, cached)
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.config();
+        format!("Core(policy={:?}, levels={:?}, block_size={})", c.policy.name(), c.level_bytes, c.block_size)
+    }
+}
+
+#[derive(Default)]
+struct BlockColumns {
+    tier: Vec<u8>,
+    level: Vec<u8>,
+    slot: Vec<u32>,
+    refcount: Vec<u32>,
+    pinned: Vec<bool>,
+    position: Vec<u32>,
+    hash: Vec<u64>,
+    has_copy: Vec<bool>,
+    score: Vec<f64>,
+}
+
+pub fn counters_dict<'py>(py: Python<'py>, k: &kvtier::Counters, live: u64, cached: u64) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, v) in [
+        ("allocated", k.allocated),
+        ("released", k.released),
+        ("shared_hits", k.shared_hits),
+        ("evictions", k.evictions),
+        ("demotions", k.demotions),
+        ("promotions", k.promotions),
+        ("offloads", k.offloads),
+        ("fetches", k.fetches),
+        ("drops", k.drops),
+        ("backups", k.backups),
+        ("noop_promotions", k.noop_promotions),
+        ("deferred_moves", k.deferred_moves),
+        ("bytes_moved", k.bytes_moved),
+        ("plans", k.plans),
+        ("aborts", k.aborts),
+        ("live_blocks", live),
+        ("cached_blocks", cached),
+    ] {
+        d.set_item(name, v)?;
+    }
+    Ok(d)
+}

@@ -1,0 +1,49 @@
+//! Python bindings of the kvtier core: `kvtier._core`. Bindings only — one file per class,
+//! errors mapped in `errors.rs`, numpy arrays in through `arrays.rs`.
+
+mod arrays;
+mod core;
+mod errors;
+mod plan;
+mod sim;
+
+use pyo3::prelude::*;
+
+/// Chained 64-bit hashes of each full `block_size` block of `tokens` in a namespace — the
+/// same hashes `Core.append_tokens` indexes. Stable across processes and machines.
+#[pyfunction]
+#[pyo3(signature = (tokens, block_size, namespace = "default"))]
+fn prefix_hashes<'py>(
+    py: Python<'py>,
+    tokens: &Bound<'py, PyAny>,
+    block_size: usize,
+    namespace: &str,
+) -> PyResult<Bound<'py, numpy::PyArray1<u64>>> {
+    if block_size == 0 {
+        return Err(errors::to_py(kvtier::Error::InvalidArgument {
+            what: "block_size",
+            reason: "expected a positive number of tokens".into(),
+        }));
+    }
+    let tokens = arrays::array::<u32>(tokens, "tokens", "uint32")?;
+    let t = tokens.as_slice()?;
+    let seed = kvtier::namespace_seed(namespace);
+    let hashes = py.detach(|| kvtier::prefix_hashes(t, block_size, seed));
+    Ok(numpy::PyArray1::from_vec(py, hashes))
+}
+
+/// The 64-bit seed of a namespace's hash chain.
+#[pyfunction]
+fn namespace_seed(namespace: &str) -> u64 {
+    kvtier::namespace_seed(namespace)
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<core::PyCore>()?;
+    m.add_class::<plan::PyPlan>()?;
+    m.add_class::<sim::PySimulator>()?;
+    m.add_function(wrap_pyfunction!(prefix_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(namespace_seed, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,897 @@
+//! `Core`: the block table, sequences, slot pools, prefix index and statistics of one engine.
+//!
+//! Lifecycle of a block: allocated at level 0 on the device when a sequence first needs it (or
+//! shared from the prefix index when its hash is already present), referenced by one or more
+//! sequences (refcount), *cached* when the last sequence lets go while its hash is indexed, and
+//! freed when evicted (or at once, when it was never indexed). Moves between levels and tiers
+//! happen only through a [`crate::Plan`] (two-phase: plan reserves destination slots, commit frees
+//! the sources), so a slot is never reused before the copy out of it is done.
+//!
+//! Invariants: every live block with a slot holds exactly one slot of the pool of its
+//! (tier, level); per-tier byte counters equal the bytes of the slots in use; a cached block is
+//! in the eviction index of its pool exactly while it is evictable (refcount 0, unpinned, not in
+//! a pending plan).
+
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BTreeMap, BinaryHeap};
+
+use crate::config::{Config, PolicyKind, Tier};
+use crate::error::{Error, Result};
+use crate::pool::SlotPool;
+use crate::prefix::{chain_hash, PrefixIndex};
+use crate::stats::{DecayTable, Stats, KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
+
+pub const NO_SLOT: u32 = u32::MAX;
+
+/// Where a block's bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loc {
+    pub tier: Tier,
+    pub level: u8,
+    pub slot: u32,
+}
+
+/// Ranking key of a block under the policy: lower goes first. Compared lexicographically.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Key(pub f64, pub f64, pub u64);
+
+impl Eq for Key {}
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Key {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0).then(self.1.total_cmp(&other.1)).then(self.2.cmp(&other.2))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct HeapEntry {
+    key: Key,
+    block: u32,
+    version: u32,
+}
+
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sequence {
+    pub(crate) blocks: Vec<u32>,
+    pub(crate) tokens: u64,
+    /// Hash of the last full block (the namespace seed before the first).
+    chain: u64,
+    /// Token ids of the trailing partial block, hashed when it fills.
+    partial: Vec<u32>,
+}
+
+/// Event counters since the core was created.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub allocated: u64,
+    pub released: u64,
+    pub shared_hits: u64,
+    pub evictions: u64,
+    pub demotions: u64,
+    pub promotions: u64,
+    pub offloads: u64,
+    pub fetches: u64,
+    pub drops: u64,
+    pub backups: u64,
+    pub noop_promotions: u64,
+    pub deferred_moves: u64,
+    pub bytes_moved: u64,
+    pub plans: u64,
+    pub aborts: u64,
+}
+
+/// What an append did: the blocks added to the sequence, and which of them were already
+/// cached (shared, nothing to write) rather than new.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Appended {
+    pub blocks: Vec<u32>,
+    pub shared: Vec<bool>,
+}
+
+/// A fork: the child sequence, and the partial block the engine must copy (parent → child).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forked {
+    pub child: u32,
+    pub copy: Option<(u32, u32)>,
+}
+
+/// Occupancy of one pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolUsage {
+    pub tier: Tier,
+    pub level: u8,
+    pub used_slots: u32,
+    pub capacity_slots: u32,
+    pub bytes: u64,
+}
+
+/// Per-block columns, indexed by block id.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Blocks {
+    pub(crate) live: Vec<bool>,
+    pub(crate) refcount: Vec<u32>,
+    pub(crate) pins: Vec<u32>,
+    pub(crate) moving: Vec<bool>,
+    pub(crate) loc: Vec<Loc>,
+    /// A higher-precision copy kept in a lower tier (write-through), if any.
+    pub(crate) copy: Vec<Option<Loc>>,
+    pub(crate) hash: Vec<u64>,
+    pub(crate) indexed: Vec<bool>,
+    pub(crate) position: Vec<u32>,
+    pub(crate) fill: Vec<u32>,
+    /// Heap entry version; older entries are stale.
+    version: Vec<u32>,
+    /// Pool whose eviction index counts this block, or `usize::MAX`.
+    evictable_in: Vec<usize>,
+    free_ids: Vec<u32>,
+}
+
+pub struct Core {
+    pub(crate) cfg: Config,
+    pub(crate) pools: Vec<SlotPool>,
+    pub(crate) tier_bytes: Vec<u64>,
+    pub(crate) blocks: Blocks,
+    pub(crate) stats: Stats,
+    pub(crate) decay: DecayTable,
+    pub(crate) index: PrefixIndex,
+    pub(crate) seqs: BTreeMap<u32, Sequence>,
+    next_seq: u32,
+    pub(crate) step: u32,
+    clock: u64,
+    heaps: Vec<BinaryHeap<Reverse<HeapEntry>>>,
+    evictable_count: Vec<u64>,
+    pub(crate) evictable_bytes: Vec<u64>,
+    pub(crate) pending: Option<crate::Plan>,
+    pub(crate) next_plan: u64,
+    pub(crate) counters: Counters,
+}
+
+impl Core {
+    pub fn new(cfg: Config) -> Result<Core> {
+        cfg.validate()?;
+        let levels = cfg.num_levels();
+        let mut pools = Vec::with_capacity(cfg.tiers.len() * levels);
+        for t in &cfg.tiers {
+            for (level, &bytes) in cfg.level_bytes.iter().enumerate() {
+                let level = level as u8;
+                let explicit = cfg.pool_slots.iter().find(|p| p.0 == t.tier && p.1 == level);
+                let capacity = match (explicit, t.budget_bytes) {
+                    (Some(&(_, _, slots)), _) => slots,
+                    (None, _) if bytes == 0 => 0,
+                    // Sized so that a plan whose result fits the budget always finds a slot.
+                    (None, Some(budget)) => (budget / bytes).min(u64::from(NO_SLOT - 1)) as u32,
+                    (None, None) => NO_SLOT - 1,
+                };
+                pools.push(SlotPool::new(t.tier, level, capacity));
+            }
+        }
+        let n_pools = pools.len();
+        Ok(Core {
+            decay: DecayTable::new(cfg.decay),
+            tier_bytes: vec![0; cfg.tiers.len()],
+            pools,
+            blocks: Blocks::default(),
+            stats: Stats::default(),
+            index: PrefixIndex::default(),
+            seqs: BTreeMap::new(),
+            next_seq: 0,
+            step: 0,
+            clock: 0,
+            heaps: vec![BinaryHeap::new(); n_pools],
+            evictable_count: vec![0; n_pools],
+            evictable_bytes: vec![0; n_pools],
+            pending: None,
+            next_plan: 1,
+            counters: Counters::default(),
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    pub fn step_clock(&self) -> u32 {
+        self.step
+    }
+
+    // ---- pools and bytes -------------------------------------------------------------------
+
+    pub(crate) fn tier_pos(&self, tier: Tier) -> usize {
+        self.cfg.tier_index(tier).expect("tier validated against the config")
+    }
+
+    pub(crate) fn pool_index(&self, tier: Tier, level: u8) -> usize {
+        self.tier_pos(tier) * self.cfg.num_levels() + usize::from(level)
+    }
+
+    pub(crate) fn level_bytes(&self, level: u8) -> u64 {
+        self.cfg.level_bytes[usize::from(level)]
+    }
+
+    pub(crate) fn budget(&self, tier_pos: usize) -> Option<u64> {
+        self.cfg.tiers[tier_pos].budget_bytes
+    }
+
+    /// Takes a slot at (tier, level) and counts its bytes; `None` if the pool is full.
+    pub(crate) fn take_slot(&mut self, tier: Tier, level: u8) -> Option<Loc> {
+        let p = self.pool_index(tier, level);
+        let slot = self.pools[p].alloc_one()?;
+        let t = self.tier_pos(tier);
+        self.tier_bytes[t] += self.level_bytes(level);
+        Some(Loc { tier, level, slot })
+    }
+
+    pub(crate) fn give_slot(&mut self, loc: Loc) {
+        if loc.slot == NO_SLOT {
+            return;
+        }
+        let p = self.pool_index(loc.tier, loc.level);
+        self.pools[p].release(loc.slot);
+        let t = self.tier_pos(loc.tier);
+        self.tier_bytes[t] -= self.level_bytes(loc.level);
+    }
+
+    pub fn usage(&self) -> Vec<PoolUsage> {
+        self.pools
+            .iter()
+            .enumerate()
+            .map(|(i, pool)| {
+                let tier = self.cfg.tiers[i / self.cfg.num_levels()].tier;
+                let level = (i % self.cfg.num_levels()) as u8;
+                PoolUsage {
+                    tier,
+                    level,
+                    used_slots: pool.used(),
+                    capacity_slots: pool.capacity(),
+                    bytes: u64::from(pool.used()) * self.level_bytes(level),
+                }
+            })
+            .collect()
+    }
+
+    /// Bytes in use per tier, in config order.
+    pub fn tier_bytes(&self) -> &[u64] {
+        &self.tier_bytes
+    }
+
+    pub fn set_budget(&mut self, tier: Tier, budget: Option<u64>) -> Result<()> {
+        let t = self.cfg.tier_index(tier).ok_or_else(|| Error::InvalidArgument {
+            what: "tier",
+            reason: format!("{tier} is not configured"),
+        })?;
+        self.cfg.tiers[t].budget_bytes = budget;
+        Ok(())
+    }
+
+    // ---- block ids -------------------------------------------------------------------------
+
+    pub fn num_block_ids(&self) -> usize {
+        self.blocks.live.len()
+    }
+
+    pub fn live_blocks(&self) -> usize {
+        self.blocks.live.len() - self.blocks.free_ids.len()
+    }
+
+    pub(crate) fn check_blocks(&self, ids: &[u32]) -> Result<()> {
+        for &b in ids {
+            if !self.blocks.live.get(b as usize).copied().unwrap_or(false) {
+                return Err(Error::UnknownBlock { block: b });
+            }
+        }
+        Ok(())
+    }
+
+    fn new_block_id(&mut self, loc: Loc) -> u32 {
+        let b = match self.blocks.free_ids.pop() {
+            Some(b) => b,
+            None => {
+                let b = self.blocks.live.len() as u32;
+                let bl = &mut self.blocks;
+                bl.live.push(false);
+                bl.refcount.push(0);
+                bl.pins.push(0);
+                bl.moving.push(false);
+                bl.loc.push(loc);
+                bl.copy.push(None);
+                bl.hash.push(0);
+                bl.indexed.push(false);
+                bl.position.push(0);
+                bl.fill.push(0);
+                bl.version.push(0);
+                bl.evictable_in.push(usize::MAX);
+                self.stats.grow(b as usize + 1);
+                b
+            }
+        };
+        let i = b as usize;
+        let bl = &mut self.blocks;
+        bl.live[i] = true;
+        bl.refcount[i] = 1;
+        bl.pins[i] = 0;
+        bl.moving[i] = false;
+        bl.loc[i] = loc;
+        bl.copy[i] = None;
+        bl.hash[i] = 0;
+        bl.indexed[i] = false;
+        bl.fill[i] = 0;
+        self.stats.reset(i, self.step);
+        self.counters.allocated += 1;
+        b
+    }
+
+    /// Frees a block whose last reference is gone: its slots, its index entry, its id.
+    pub(crate) fn release_block(&mut self, b: u32) {
+        let i = b as usize;
+        debug_assert!(self.blocks.live[i] && self.blocks.refcount[i] == 0 && !self.blocks.moving[i]);
+        self.blocks.live[i] = false;
+        self.refresh_evictable(b);
+        let loc = self.blocks.loc[i];
+        self.give_slot(loc);
+        if let Some(copy) = self.blocks.copy[i].take() {
+            self.give_slot(copy);
+        }
+        if self.blocks.indexed[i] {
+            self.index.remove(self.blocks.hash[i], b);
+            self.blocks.indexed[i] = false;
+        }
+        self.blocks.free_ids.push(b);
+        self.counters.released += 1;
+    }
+
+    /// Releases a block nobody needs any more: unreferenced, unpinned, not moving, and either
+    /// not indexed or dropped (a dropped block cannot serve a prefix hit).
+    pub(crate) fn release_if_orphan(&mut self, b: u32) {
+        let i = b as usize;
+        let bl = &self.blocks;
+        if bl.live[i] && bl.refcount[i] == 0 && bl.pins[i] == 0 && !bl.moving[i] && !bl.indexed[i] {
+            self.release_block(b);
+        }
+    }
+
+    // ---- the eviction index ------------------------------------------------------------------
+
+    fn is_evictable(&self, b: usize) -> bool {
+        let bl = &self.blocks;
+        bl.live[b] && bl.refcount[b] == 0 && bl.pins[b] == 0 && !bl.moving[b] && bl.loc[b].slot != NO_SLOT
+    }
+
+    /// Re-derives whether `b` is evictable (and where) after any change to its refcount, pins,
+    /// moving flag, location or ranking key; keeps the per-pool counts and heaps in step.
+    pub(crate) fn refresh_evictable(&mut self, b: u32) {
+        let i = b as usize;
+        let now = if self.is_evictable(i) {
+            let loc = self.blocks.loc[i];
+            self.pool_index(loc.tier, loc.level)
+        } else {
+            usize::MAX
+        };
+        let before = self.blocks.evictable_in[i];
+        if before != usize::MAX {
+            self.evictable_count[before] -= 1;
+            self.evictable_bytes[before] -= self.cfg.level_bytes[before % self.cfg.num_levels()];
+        }
+        if now != usize::MAX {
+            self.evictable_count[now] += 1;
+            self.evictable_bytes[now] += self.cfg.level_bytes[now % self.cfg.num_levels()];
+            self.blocks.version[i] = self.blocks.version[i].wrapping_add(1);
+            let entry = HeapEntry { key: self.key(i), block: b, version: self.blocks.version[i] };
+            self.heaps[now].push(Reverse(entry));
+            self.compact_heap(now);
+        }
+        self.blocks.evictable_in[i] = now;
+    }
+
+    fn entry_valid(&self, pool: usize, e: &HeapEntry) -> bool {
+        let i = e.block as usize;
+        self.blocks.evictable_in[i] == pool && self.blocks.version[i] == e.version
+    }
+
+    /// Stale entries pile up as keys change; drop them once they outnumber live ones.
+    fn compact_heap(&mut self, pool: usize) {
+        if self.heaps[pool].len() as u64 > 2 * self.evictable_count[pool] + 1024 {
+            let mut heap = std::mem::take(&mut self.heaps[pool]);
+            heap.retain(|Reverse(e)| self.entry_valid(pool, e));
+            self.heaps[pool] = heap;
+        }
+    }
+
+    /// The lowest-ranked evictable block of a pool, left in place.
+    pub(crate) fn peek_evictable(&mut self, pool: usize) -> Option<(Key, u32)> {
+        while let Some(Reverse(e)) = self.heaps[pool].peek().copied() {
+            if self.entry_valid(pool, &e) {
+                return Some((e.key, e.block));
+            }
+            self.heaps[pool].pop();
+        }
+        None
+    }
+
+    /// The lowest-ranked evictable block among `pools`.
+    pub(crate) fn lowest_evictable(&mut self, pools: &[usize]) -> Option<(Key, u32)> {
+        let mut best: Option<(Key, u32)> = None;
+        for &p in pools {
+            if let Some(c) = self.peek_evictable(p) {
+                if best.is_none_or(|b| c < b) {
+                    best = Some(c);
+                }
+            }
+        }
+        best
+    }
+
+    /// Removes a cached block from the cache entirely (no copy needed: nobody reads it).
+    pub(crate) fn evict_now(&mut self, b: u32) {
+        debug_assert!(self.is_evictable(b as usize));
+        self.counters.evictions += 1;
+        self.release_block(b);
+    }
+
+    // ---- ranking -------------------------------------------------------------------------------
+
+    /// The policy's ranking key of a block. Lower is demoted, offloaded, evicted first.
+    pub(crate) fn key(&self, b: usize) -> Key {
+        let s = &self.stats;
+        let recency = s.last_access[b];
+        // log of the decayed read count, shifted to a step-invariant scale so keys computed at
+        // different steps compare correctly: ln(c * d^(now-t)) + now*ln(1/d) = ln c + t*ln(1/d).
+        let freq = if s.reads[b] > 0.0 {
+            f64::from(s.reads[b]).ln() + f64::from(s.reads_step[b]) * self.decay.log_inv()
+        } else {
+            f64::NEG_INFINITY
+        };
+        match self.cfg.policy {
+            PolicyKind::Lru => Key(0.0, 0.0, recency),
+            PolicyKind::Lfu => Key(freq, 0.0, recency),
+            PolicyKind::H2o => Key(f64::from(s.attn_sum[b]), 0.0, recency),
+            PolicyKind::Scissorhands => {
+                let mask = u32::MAX >> (32 - self.cfg.scissorhands_window);
+                let persistence = (s.attn_history[b] & mask).count_ones();
+                Key(f64::from(persistence), f64::from(s.attn_ema[b]), recency)
+            }
+            PolicyKind::Importance => Key(f64::from(s.importance[b]), freq, recency),
+        }
+    }
+
+    // ---- sequences -----------------------------------------------------------------------------
+
+    pub fn add_sequence(&mut self) -> u32 {
+        let id = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1);
+        self.seqs.insert(id, Sequence { chain: self.cfg.namespace, ..Sequence::default() });
+        id
+    }
+
+    fn seq(&self, seq: u32) -> Result<&Sequence> {
+        self.seqs.get(&seq).ok_or(Error::UnknownSequence { seq })
+    }
+
+    pub fn sequence_blocks(&self, seq: u32) -> Result<&[u32]> {
+        Ok(&self.seq(seq)?.blocks)
+    }
+
+    pub fn sequence_tokens(&self, seq: u32) -> Result<u64> {
+        Ok(self.seq(seq)?.tokens)
+    }
+
+    pub fn sequence_ids(&self) -> Vec<u32> {
+        self.seqs.keys().copied().collect()
+    }
+
+    /// Makes room on the device for `n` new level-0 blocks, evicting cached blocks when the
+    /// config allows; checks first, so on failure nothing was evicted.
+    fn ensure_device_room(&mut self, n: u64) -> Result<()> {
+        let bytes = self.cfg.level_bytes[0];
+        let need = n * bytes;
+        let budget = self.budget(0).unwrap_or(u64::MAX);
+        let free = budget.saturating_sub(self.tier_bytes[0]);
+        let pool0 = self.pool_index(Tier::Device, 0);
+        let free_slots = u64::from(self.pools[pool0].free_count());
+        if need <= free && n <= free_slots {
+            return Ok(());
+        }
+        let levels = self.cfg.num_levels();
+        let reclaimable: u64 = self.evictable_bytes[..levels].iter().sum();
+        let slots_ok = n <= free_slots + self.evictable_count[pool0]
+            || self.cfg.pool_slots.is_empty();
+        if !self.cfg.evict_on_full || need > free + reclaimable || !slots_ok {
+            return Err(Error::OutOfCapacity {
+                tier: Tier::Device,
+                level: 0,
+                requested: need,
+                free,
+                budget,
+            });
+        }
+        let device_pools: Vec<usize> = (0..levels).collect();
+        loop {
+            let free = budget.saturating_sub(self.tier_bytes[0]);
+            let free_slots = u64::from(self.pools[pool0].free_count());
+            if need <= free && n <= free_slots {
+                return Ok(());
+            }
+            // Short of level-0 slots only: evict from that pool.
+            let pools: &[usize] = if need <= free { std::slice::from_ref(&pool0) } else { &device_pools };
+            match self.lowest_evictable(pools) {
+                Some((_, b)) => self.evict_now(b),
+                None => {
+                    return Err(Error::OutOfSlots {
+                        tier: Tier::Device,
+                        level: 0,
+                        requested: n,
+                        free: free_slots,
+                    })
+                }
+            }
+        }
+    }
+
+    fn new_device_block(&mut self, position: u32) -> u32 {
+        let loc = self.take_slot(Tier::Device, 0).expect("room ensured before allocating");
+        let b = self.new_block_id(loc);
+        self.blocks.position[b as usize] = position;
+        self.last_touch(b as usize);
+        b
+    }
+
+    fn last_touch(&mut self, b: usize) {
+        self.clock += 1;
+        self.stats.last_access[b] = self.clock;
+    }
+
+    fn share(&mut self, b: u32) {
+        let i = b as usize;
+        self.blocks.refcount[i] += 1;
+        self.counters.shared_hits += 1;
+        self.refresh_evictable(b);
+    }
+
+    /// Appends full blocks given by their (already chained) hashes — how a trace replays. A hash
+    /// already in the index shares that block; the others get new level-0 device blocks.
+    pub fn append_blocks(&mut self, seq: u32, hashes: &[u64]) -> Result<Appended> {
+        let bs = u64::from(self.cfg.block_size);
+        let s = self.seq(seq)?;
+        if s.tokens % bs != 0 {
+            return Err(Error::InvalidArgument {
+                what: "append_blocks",
+                reason: format!("sequence {seq} ends in a partial block; append tokens instead"),
+            });
+        }
+        let mut start = s.blocks.len() as u32;
+        let present: Vec<Option<u32>> = hashes.iter().map(|&h| self.index.get(h)).collect();
+        // Reference the shared blocks first so that making room cannot evict them.
+        for b in present.iter().flatten() {
+            self.share(*b);
+        }
+        let missing = present.iter().filter(|p| p.is_none()).count() as u64;
+        if let Err(e) = self.ensure_device_room(missing) {
+            for b in present.iter().flatten() {
+                self.unshare(*b);
+            }
+            return Err(e);
+        }
+        let mut out = Appended::default();
+        for (&h, p) in hashes.iter().zip(&present) {
+            let b = match p {
+                Some(b) => *b,
+                None => {
+                    let b = self.new_device_block(start);
+                    let i = b as usize;
+                    self.blocks.hash[i] = h;
+                    self.blocks.fill[i] = self.cfg.block_size;
+                    self.blocks.indexed[i] = self.index.insert(h, b);
+                    b
+                }
+            };
+            start += 1;
+            out.blocks.push(b);
+            out.shared.push(p.is_some());
+        }
+        let s = self.seqs.get_mut(&seq).expect("checked above");
+        s.blocks.extend_from_slice(&out.blocks);
+        s.tokens += bs * hashes.len() as u64;
+        if let Some(&h) = hashes.last() {
+            s.chain = h;
+        }
+        Ok(out)
+    }
+
+    fn unshare(&mut self, b: u32) {
+        self.blocks.refcount[b as usize] -= 1;
+        self.counters.shared_hits -= 1;
+        self.refresh_evictable(b);
+    }
+
+    /// Appends token ids. Whole blocks whose chained hash is indexed are shared; other blocks are
+    /// new. A trailing partial block is hashed (and indexed) once it fills.
+    pub fn append_tokens(&mut self, seq: u32, tokens: &[u32]) -> Result<Appended> {
+        let bs = self.cfg.block_size as usize;
+        let s = self.seq(seq)?;
+        let fill = (s.tokens % bs as u64) as usize;
+        // Plan the blocks first (pure), then reference, make room, and write.
+        let head = if fill > 0 { (bs - fill).min(tokens.len()) } else { 0 };
+        let rest = &tokens[head..];
+        let mut chain = s.chain;
+        if fill > 0 && fill + head == bs {
+            let mut full = s.partial.clone();
+            full.extend_from_slice(&tokens[..head]);
+            chain = chain_hash(chain, &full);
+        }
+        let mut new_blocks: Vec<(Option<u64>, Option<u32>, usize)> = Vec::new(); // hash, shared, len
+        for chunk in rest.chunks(bs) {
+            if chunk.len() == bs {
+                chain = chain_hash(chain, chunk);
+                new_blocks.push((Some(chain), self.index.get(chain), bs));
+            } else {
+                new_blocks.push((None, None, chunk.len()));
+            }
+        }
+        for b in new_blocks.iter().filter_map(|n| n.1) {
+            self.share(b);
+        }
+        let missing = new_blocks.iter().filter(|n| n.1.is_none()).count() as u64;
+        if let Err(e) = self.ensure_device_room(missing) {
+            for b in new_blocks.iter().filter_map(|n| n.1) {
+                self.unshare(b);
+            }
+            return Err(e);
+        }
+
+        let mut s = self.seqs.remove(&seq).expect("checked above");
+        if head > 0 {
+            let last = *s.blocks.last().expect("a partial block exists");
+            s.partial.extend_from_slice(&tokens[..head]);
+            self.blocks.fill[last as usize] += head as u32;
+            if s.partial.len() == bs {
+                let h = chain_hash(s.chain, &s.partial);
+                s.chain = h;
+                s.partial.clear();
+                self.blocks.hash[last as usize] = h;
+                // An identical block may already be indexed; this one then stays private.
+                self.blocks.indexed[last as usize] = self.index.insert(h, last);
+            }
+        }
+        let mut out = Appended::default();
+        let mut offset = 0;
+        for (hash, shared, len) in new_blocks {
+            let position = s.blocks.len() as u32;
+            let b = match shared {
+                Some(b) => b,
+                None => {
+                    let b = self.new_device_block(position);
+                    let i = b as usize;
+                    self.blocks.fill[i] = len as u32;
+                    if let Some(h) = hash {
+                        self.blocks.hash[i] = h;
+                        self.blocks.indexed[i] = self.index.insert(h, b);
+                    }
+                    b
+                }
+            };
+            if let Some(h) = hash {
+                s.chain = h;
+            } else {
+                s.partial = rest[offset..offset + len].to_vec();
+            }
+            offset += len;
+            s.blocks.push(b);
+            out.blocks.push(b);
+            out.shared.push(shared.is_some());
+        }
+        s.tokens += tokens.len() as u64;
+        self.seqs.insert(seq, s);
+        Ok(out)
+    }
+
+    /// A child sequence sharing the parent's full blocks. The parent's partial block, if any, is
+    /// copied into a new block of the child: the engine copies its bytes (`Forked::copy`).
+    pub fn fork(&mut self, parent: u32) -> Result<Forked> {
+        let s = self.seq(parent)?;
+        let bs = u64::from(self.cfg.block_size);
+        let partial = if s.tokens % bs != 0 { s.blocks.last().copied() } else { None };
+        if partial.is_some() {
+            self.ensure_device_room(1)?;
+        }
+        let s = self.seqs.get(&parent).expect("checked above").clone();
+        let full = if partial.is_some() { &s.blocks[..s.blocks.len() - 1] } else { &s.blocks[..] };
+        for &b in full {
+            self.blocks.refcount[b as usize] += 1;
+            self.refresh_evictable(b);
+        }
+        let mut child = s.clone();
+        let copy = partial.map(|src| {
+            let dst = self.new_device_block(self.blocks.position[src as usize]);
+            self.blocks.fill[dst as usize] = self.blocks.fill[src as usize];
+            *child.blocks.last_mut().expect("partial block") = dst;
+            (src, dst)
+        });
+        let id = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1);
+        self.seqs.insert(id, child);
+        Ok(Forked { child: id, copy })
+    }
+
+    /// Drops the sequence's references. Indexed blocks stay cached for later prefix hits;
+    /// the rest are freed.
+    pub fn free_sequence(&mut self, seq: u32) -> Result<()> {
+        let s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence { seq })?;
+        for &b in &s.blocks {
+            self.blocks.refcount[b as usize] -= 1;
+            self.refresh_evictable(b);
+            self.release_if_orphan(b);
+        }
+        Ok(())
+    }
+
+    // ---- prefix lookup ------------------------------------------------------------------------
+
+    /// Blocks of the longest indexed prefix of `hashes`.
+    pub fn lookup(&self, hashes: &[u64]) -> Vec<u32> {
+        self.index.longest_prefix(hashes)
+    }
+
+    /// Blocks of the longest indexed prefix of a token sequence (full blocks only).
+    pub fn lookup_tokens(&self, tokens: &[u32]) -> Vec<u32> {
+        let hashes =
+            crate::prefix::prefix_hashes(tokens, self.cfg.block_size as usize, self.cfg.namespace);
+        self.lookup(&hashes)
+    }
+
+    // ---- statistics, in batches ----------------------------------------------------------------
+
+    /// Counts a read of each listed block (a block listed twice is read twice).
+    pub fn record_reads(&mut self, ids: &[u32]) -> Result<()> {
+        self.check_blocks(ids)?;
+        let step = self.step;
+        for &b in ids {
+            let i = b as usize;
+            let s = &mut self.stats;
+            let age = step - s.reads_step[i];
+            s.reads[i] = s.reads[i] * self.decay.pow(age) + 1.0;
+            s.reads_step[i] = step;
+            self.clock += 1;
+            s.last_access[i] = self.clock;
+            if self.blocks.evictable_in[i] != usize::MAX {
+                self.refresh_evictable(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// Attention mass each block received in one report (summed over layers and heads by the
+    /// caller). Blocks at or above the report's mean count as important for Scissorhands.
+    pub fn record_attention(&mut self, ids: &[u32], mass: &[f32]) -> Result<()> {
+        self.check_values("attention mass", ids, mass)?;
+        let mean = mass.iter().map(|&m| f64::from(m)).sum::<f64>() / mass.len().max(1) as f64;
+        let alpha = self.cfg.attention_ema;
+        for (&b, &m) in ids.iter().zip(mass) {
+            let i = b as usize;
+            let s = &mut self.stats;
+            s.attn_ema[i] = if s.known[i] & KNOWN_ATTENTION != 0 {
+                alpha * m + (1.0 - alpha) * s.attn_ema[i]
+            } else {
+                m
+            };
+            s.attn_sum[i] += m;
+            s.attn_history[i] = (s.attn_history[i] << 1) | u32::from(f64::from(m) >= mean);
+            s.known[i] |= KNOWN_ATTENTION;
+            if self.blocks.evictable_in[i] != usize::MAX {
+                self.refresh_evictable(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// Key/value magnitude of each block, computed when it was written.
+    pub fn set_magnitude(&mut self, ids: &[u32], values: &[f32]) -> Result<()> {
+        self.check_values("magnitude", ids, values)?;
+        for (&b, &v) in ids.iter().zip(values) {
+            self.stats.magnitude[b as usize] = v;
+            self.stats.known[b as usize] |= KNOWN_MAGNITUDE;
+        }
+        Ok(())
+    }
+
+    /// A learned importance score of each block (e.g. a probe on key features).
+    pub fn set_learned(&mut self, ids: &[u32], values: &[f32]) -> Result<()> {
+        self.check_values("learned score", ids, values)?;
+        for (&b, &v) in ids.iter().zip(values) {
+            self.stats.learned[b as usize] = v;
+            self.stats.known[b as usize] |= KNOWN_LEARNED;
+        }
+        Ok(())
+    }
+
+    fn check_values(&self, what: &'static str, ids: &[u32], values: &[f32]) -> Result<()> {
+        if ids.len() != values.len() {
+            return Err(Error::LengthMismatch { what, expected: ids.len(), got: values.len() });
+        }
+        if let Some(v) = values.iter().find(|v| !v.is_finite() || **v < 0.0) {
+            return Err(Error::InvalidArgument {
+                what,
+                reason: format!("{v} is not a finite non-negative number"),
+            });
+        }
+        self.check_blocks(ids)
+    }
+
+    // ---- pins ---------------------------------------------------------------------------------
+
+    /// Pins blocks the engine is reading: the scheduler never moves or evicts them.
+    pub fn pin(&mut self, ids: &[u32]) -> Result<()> {
+        self.check_blocks(ids)?;
+        for &b in ids {
+            self.blocks.pins[b as usize] += 1;
+            self.refresh_evictable(b);
+        }
+        Ok(())
+    }
+
+    pub fn unpin(&mut self, ids: &[u32]) -> Result<()> {
+        self.check_blocks(ids)?;
+        let mut count: BTreeMap<u32, u32> = BTreeMap::new();
+        for &b in ids {
+            *count.entry(b).or_default() += 1;
+        }
+        if let Some((&b, _)) = count.iter().find(|(b, n)| self.blocks.pins[**b as usize] < **n) {
+            return Err(Error::InvalidArgument { what: "unpin", reason: format!("block {b} is not pinned") });
+        }
+        for &b in ids {
+            self.blocks.pins[b as usize] -= 1;
+            self.refresh_evictable(b);
+            self.release_if_orphan(b);
+        }
+        Ok(())
+    }
+
+    // ---- inspection ----------------------------------------------------------------------------
+
+    pub fn block_loc(&self, b: u32) -> Result<Loc> {
+        self.check_blocks(&[b])?;
+        Ok(self.blocks.loc[b as usize])
+    }
+
+    pub fn block_copy(&self, b: u32) -> Result<Option<Loc>> {
+        self.check_blocks(&[b])?;
+        Ok(self.blocks.copy[b as usize])
+    }
+
+    pub fn block_refcount(&self, b: u32) -> Result<u32> {
+        self.check_blocks(&[b])?;
+        Ok(self.blocks.refcount[b as usize])
+    }
+
+    pub fn block_pinned(&self, b: u32) -> Result<bool> {
+        self.check_blocks(&[b])?;
+        Ok(self.blocks.pins[b as usize] > 0)
+    }
+
+    pub fn block_hash(&self, b: u32) -> Result<Option<u64>> {
+        self.check_blocks(&[b])?;
+        let i = b as usize;
+        Ok((self.blocks.fill[i] == self.cfg.block_size).then_some(self.blocks.hash[i]))
+    }
+
+    pub fn block_position(&self, b: u32) -> Result<u32> {
+        self.check_blocks(&[b])?;
+        Ok(self.blocks.position[b as usize])
+    }
+
+    pub fn block_score(&self, b: u32) -> Result<Key> {
+        self.check_blocks(&[b])?;
+        Ok(self.key(b as usize))
+    }
+
+    pub fn cached_blocks(&self) -> u64 {
+        self.evictable_count.iter().sum()
+    }
+}

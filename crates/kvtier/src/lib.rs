@@ -1,0 +1,22 @@
+//! kvtier core: the decisions of a tiered, mixed-precision KV-cache manager, with no tensors in
+//! it. Python owns the bytes; this crate owns block ids, slots, statistics and plans.
+//!
+//! - [`Core`] — block table, sequences, slot pools, prefix index, statistics ([`core`]);
+//! - [`Plan`] — the scheduler's moves, two-phase ([`scheduler`]);
+//! - [`sim`] — replays a request trace through a real `Core`.
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod core;
+pub mod error;
+pub mod pool;
+pub mod prefix;
+pub mod scheduler;
+pub mod sim;
+pub mod stats;
+
+pub use crate::config::{Config, PolicyKind, Tier, TierConfig};
+pub use crate::core::{Appended, Core, Counters, Forked, Key, Loc, PoolUsage, NO_SLOT};
+pub use crate::error::{Error, Result};
+pub use crate::prefix::{chain_hash, namespace_seed, prefix_hashes, PrefixIndex};
+pub use crate::scheduler::{Move, MoveKind, Plan};

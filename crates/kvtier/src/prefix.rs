@@ -1,0 +1,81 @@
+//! Prefix hashing and the prefix index.
+//!
+//! A block's hash chains its parent's hash with its own token ids:
+//! `h(i) = xxh3_64(token ids of block i as little-endian u32, seed = h(i-1))`, with
+//! `h(-1) = namespace seed`. Equal hash ⇒ equal whole prefix, so a lookup walks a request's
+//! hashes until the first one the index lacks. xxh3 is specified bit-for-bit, so hashes are
+//! stable across processes, machines and runs (unlike Python's `hash`).
+
+use std::collections::HashMap;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// Seed of the hash chain for a namespace (model, codec, tenant...).
+pub fn namespace_seed(namespace: &str) -> u64 {
+    xxh3_64(namespace.as_bytes())
+}
+
+/// Hash of one block of token ids given its parent's hash.
+pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
+    let mut bytes = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(&bytes, parent)
+}
+
+/// Chained hashes of every full block of `tokens`; a trailing partial block has none.
+pub fn prefix_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
+    let mut parent = seed;
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| {
+            parent = chain_hash(parent, block);
+            parent
+        })
+        .collect()
+}
+
+/// Hash → the block that holds that prefix. One block per hash: inserting a hash that is
+/// already present shares the existing block instead of storing it twice.
+#[derive(Debug, Default, Clone)]
+pub struct PrefixIndex {
+    map: HashMap<u64, u32>,
+}
+
+impl PrefixIndex {
+    pub fn get(&self, hash: u64) -> Option<u32> {
+        self.map.get(&hash).copied()
+    }
+
+    /// Registers `block` under `hash` unless the hash is taken; returns whether it was.
+    pub fn insert(&mut self, hash: u64, block: u32) -> bool {
+        use std::collections::hash_map::Entry;
+        match self.map.entry(hash) {
+            Entry::Occupied(_) => false,
+            Entry::Vacant(v) => {
+                v.insert(block);
+                true
+            }
+        }
+    }
+
+    /// Removes `hash` if it maps to `block`.
+    pub fn remove(&mut self, hash: u64, block: u32) {
+        if self.map.get(&hash) == Some(&block) {
+            self.map.remove(&hash);
+        }
+    }
+
+    /// Number of leading hashes present, and their blocks.
+    pub fn longest_prefix(&self, hashes: &[u64]) -> Vec<u32> {
+        hashes.iter().map_while(|h| self.get(*h)).collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}

@@ -1,0 +1,523 @@
+//! The tier scheduler: `plan()` ranks blocks under the policy and returns the moves that keep
+//! the rules of ARCHITECTURE.md "Scoring and scheduling"; the engine copies the bytes, then
+//! `commit`s (or `abort`s). Two-phase so that no slot is reused before its copy is done:
+//! planning reserves every destination slot and marks the block as moving; commit frees the
+//! sources; abort frees the destinations.
+//!
+//! One plan is pending at a time. A plan never leaves a budgeted tier over its budget after
+//! commit (given it was within budget before): bytes only enter a tier through a move admitted
+//! under that tier's budget, and a plan's moves are computed against projected post-commit bytes.
+//!
+//! The passes, in order:
+//! 1. live sequences: the sink blocks and the recent window want level 0 on the device; the
+//!    rest are ranked per sequence and split between levels 1 and 2 by `compression_ratio`, with
+//!    hysteresis at the boundary. A shared block takes the most precise wish of its owners.
+//! 2. those wishes become demotions (least important first), then promotions and fetches (most
+//!    important first) admitted while the device budget and the move cap allow. A lossy level
+//!    cannot give back precision: a promotion restores from a write-through copy when one
+//!    exists, otherwise it is counted as a no-op.
+//! 3. pressure, tier by tier: above `budget * (1 - headroom)` the lowest-ranked blocks are
+//!    demoted one level or offloaded to the next tier; above the budget itself, cached blocks
+//!    are evicted and, if the ladder has a `drop` level, live ones dropped.
+
+use crate::config::Tier;
+use crate::core::{Core, Key, Loc, NO_SLOT};
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum MoveKind {
+    /// To a lower-precision level, same tier.
+    Demote = 0,
+    /// To a higher-precision level on the device, restored from a write-through copy.
+    Promote = 1,
+    /// To the next (slower) tier, same level.
+    Offload = 2,
+    /// Back to the device from a slower tier, same level.
+    Fetch = 3,
+    /// Out of the cache; nothing to copy.
+    Evict = 4,
+    /// Out of attention (a `drop` level); nothing to copy.
+    Drop = 5,
+    /// A copy of the block's current bytes into the next tier, kept for a later promotion.
+    Backup = 6,
+}
+
+impl MoveKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            MoveKind::Demote => "demote",
+            MoveKind::Promote => "promote",
+            MoveKind::Offload => "offload",
+            MoveKind::Fetch => "fetch",
+            MoveKind::Evict => "evict",
+            MoveKind::Drop => "drop",
+            MoveKind::Backup => "backup",
+        }
+    }
+}
+
+/// One move: copy `src` into `dst` (decoding/encoding when the levels differ). `dst` is `None`
+/// for an eviction; a drop's `dst` has no slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Move {
+    pub block: u32,
+    pub kind: MoveKind,
+    pub src: Loc,
+    pub dst: Option<Loc>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub id: u64,
+    pub moves: Vec<Move>,
+    /// Promotions wanted but impossible (lossy level, no higher-precision copy).
+    pub noop_promotions: u64,
+    /// Moves left for a later step by the move cap or a full destination.
+    pub deferred: u64,
+    /// Bytes still over a budget after everything the plan could do.
+    pub unmet_bytes: u64,
+}
+
+/// What pass 1 wants for one referenced block.
+#[derive(Debug, Clone, Copy)]
+struct Wish {
+    block: u32,
+    level: u8,
+    protected: bool,
+}
+
+/// Mutable state of one planning pass.
+struct Pass {
+    moves: Vec<Move>,
+    projected: Vec<u64>,
+    moved_bytes: u64,
+    cap: u64,
+    noop_promotions: u64,
+    deferred: u64,
+}
+
+impl Core {
+    /// Plans moves for the current state and holds them pending until `commit`/`abort`.
+    pub fn plan(&mut self) -> Result<&crate::Plan> {
+        if let Some(p) = &self.pending {
+            return Err(Error::PlanPending { pending: p.id });
+        }
+        self.step = self.step.wrapping_add(1);
+        self.counters.plans += 1;
+        let mut pass = Pass {
+            moves: Vec::new(),
+            projected: self.tier_bytes.clone(),
+            moved_bytes: 0,
+            cap: self.cfg.max_move_bytes.unwrap_or(u64::MAX),
+            noop_promotions: 0,
+            deferred: 0,
+        };
+        let wishes = self.level_wishes();
+        self.move_live_blocks(&mut pass, &wishes);
+        let mut unmet = 0;
+        for t in 0..self.cfg.tiers.len() {
+            unmet += self.relieve_pressure(&mut pass, t, &wishes);
+        }
+        let plan = Plan {
+            id: self.next_plan,
+            moves: pass.moves,
+            noop_promotions: pass.noop_promotions,
+            deferred: pass.deferred,
+            unmet_bytes: unmet,
+        };
+        self.next_plan += 1;
+        self.counters.noop_promotions += plan.noop_promotions;
+        self.counters.deferred_moves += plan.deferred;
+        Ok(self.pending.insert(plan))
+    }
+
+    pub fn pending_plan(&self) -> Option<&Plan> {
+        self.pending.as_ref()
+    }
+
+    /// Pass 1: the level each referenced block should have, and whether it is protected (sink
+    /// or recent window of some sequence). One entry per block, sorted by block id; a shared
+    /// block takes the most precise wish of its owners.
+    fn level_wishes(&mut self) -> Vec<Wish> {
+        let bs = u64::from(self.cfg.block_size);
+        let window = u64::from(self.cfg.recent_window);
+        let sinks = self.cfg.sink_blocks as usize;
+        let compress =
+            self.cfg.enable_compression && !self.cfg.pressure_only && self.cfg.last_kept_level() > 0;
+        let low = self.cfg.last_kept_level().min(2);
+        let ratio = f64::from(self.cfg.compression_ratio);
+        let hyst = f64::from(self.cfg.hysteresis);
+        let mut wishes: Vec<Wish> = Vec::new();
+        let mut ranked: Vec<(Key, u32)> = Vec::new();
+        let seq_ids: Vec<u32> = self.seqs.keys().copied().collect();
+        for sid in seq_ids {
+            let s = &self.seqs[&sid];
+            let blocks = s.blocks.clone();
+            let recent_from = (s.tokens.saturating_sub(window) / bs) as usize;
+            if self.cfg.policy == crate::PolicyKind::Importance {
+                self.normalise_importance(&blocks);
+            }
+            ranked.clear();
+            for (i, &b) in blocks.iter().enumerate() {
+                let dropped = self.blocks.loc[b as usize].slot == NO_SLOT;
+                if i < sinks || i >= recent_from {
+                    wishes.push(Wish { block: b, level: 0, protected: true });
+                } else if !dropped {
+                    ranked.push((self.key(b as usize), b));
+                }
+            }
+            if !compress {
+                wishes.extend(ranked.iter().map(|&(_, b)| Wish { block: b, level: 0, protected: false }));
+                continue;
+            }
+            ranked.sort_unstable_by(|a, b| b.cmp(a));
+            let m = ranked.len() as f64;
+            let top = (ratio * m).round();
+            for (rank, &(_, b)) in ranked.iter().enumerate() {
+                let rank = rank as f64;
+                let cur = self.blocks.loc[b as usize].level;
+                // Hysteresis: a block keeps level 1 a little past the boundary and regains it
+                // only well inside.
+                let wish = match cur {
+                    1 if rank < top + hyst * m => 1,
+                    _ if cur >= low && rank < top - hyst * m => 1,
+                    _ if cur < low && cur != 1 && rank < top => 1,
+                    _ => low,
+                };
+                wishes.push(Wish { block: b, level: wish.min(low), protected: false });
+            }
+        }
+        wishes.sort_unstable_by_key(|w| w.block);
+        wishes.dedup_by(|later, first| {
+            let same = later.block == first.block;
+            if same {
+                first.level = first.level.min(later.level);
+                first.protected |= later.protected;
+            }
+            same
+        });
+        wishes
+    }
+
+    /// Min-max normalises each importance signal over the blocks of one sequence and combines
+    /// them with the configured weights; a signal a block lacks gives its weight to the others.
+    fn normalise_importance(&mut self, blocks: &[u32]) {
+        use crate::stats::{KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
+        let s = &mut self.stats;
+        let signals: [(&[f32], u8); 3] = [
+            (&s.magnitude, KNOWN_MAGNITUDE),
+            (&s.learned, KNOWN_LEARNED),
+            (&s.attn_ema, KNOWN_ATTENTION),
+        ];
+        let mut range = [(f32::INFINITY, f32::NEG_INFINITY); 3];
+        for &b in blocks {
+            for (k, (values, bit)) in signals.iter().enumerate() {
+                if s.known[b as usize] & bit != 0 {
+                    let v = values[b as usize];
+                    range[k] = (range[k].0.min(v), range[k].1.max(v));
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(blocks.len());
+        for &b in blocks {
+            let (mut sum, mut weight) = (0.0f32, 0.0f32);
+            for (k, (values, bit)) in signals.iter().enumerate() {
+                if s.known[b as usize] & bit != 0 {
+                    let (lo, hi) = range[k];
+                    let x = if hi > lo { (values[b as usize] - lo) / (hi - lo) } else { 0.5 };
+                    sum += self.cfg.weights[k] * x;
+                    weight += self.cfg.weights[k];
+                }
+            }
+            out.push(if weight > 0.0 { sum / weight } else { 0.0 });
+        }
+        for (&b, v) in blocks.iter().zip(out) {
+            s.importance[b as usize] = v;
+        }
+    }
+
+    fn movable(&self, b: u32) -> bool {
+        let i = b as usize;
+        self.blocks.pins[i] == 0 && !self.blocks.moving[i]
+    }
+
+    /// Reserves `dst` and records the move, or returns false when the pool or cap says no.
+    fn push_move(&mut self, pass: &mut Pass, block: u32, kind: MoveKind, src: Loc, dst: Option<(Tier, u8)>) -> bool {
+        let copies = !matches!(kind, MoveKind::Evict | MoveKind::Drop);
+        let src_bytes = self.level_bytes(src.level);
+        if copies && pass.moved_bytes + src_bytes > pass.cap {
+            pass.deferred += 1;
+            return false;
+        }
+        let dst = match (kind, dst) {
+            (MoveKind::Evict, _) => None,
+            (MoveKind::Drop, Some((tier, level))) => Some(Loc { tier, level, slot: NO_SLOT }),
+            (_, Some((tier, level))) => match self.take_slot(tier, level) {
+                Some(loc) => Some(loc),
+                None => {
+                    pass.deferred += 1;
+                    return false;
+                }
+            },
+            (_, None) => unreachable!("only evictions have no destination"),
+        };
+        if copies {
+            pass.moved_bytes += src_bytes;
+        }
+        let cur = self.blocks.loc[block as usize];
+        let t_cur = self.tier_pos(cur.tier);
+        if kind != MoveKind::Backup {
+            pass.projected[t_cur] -= self.level_bytes(cur.level);
+        }
+        if kind == MoveKind::Promote {
+            // The copy is consumed by the restore.
+            pass.projected[self.tier_pos(src.tier)] -= src_bytes;
+        }
+        if let Some(d) = dst.filter(|d| d.slot != NO_SLOT) {
+            pass.projected[self.tier_pos(d.tier)] += self.level_bytes(d.level);
+        }
+        if kind != MoveKind::Backup {
+            self.blocks.moving[block as usize] = true;
+            self.refresh_evictable(block);
+        }
+        pass.moves.push(Move { block, kind, src, dst });
+        true
+    }
+
+    fn fits(&self, pass: &Pass, tier_pos: usize, bytes: u64) -> bool {
+        self.budget(tier_pos).is_none_or(|b| pass.projected[tier_pos] + bytes <= b)
+    }
+
+    /// Pass 2: demotions toward the wished level, then promotions and fetches.
+    fn move_live_blocks(&mut self, pass: &mut Pass, wishes: &[Wish]) {
+        let mut down: Vec<(Key, u32, u8)> = Vec::new();
+        let mut up: Vec<(Key, u32, u8)> = Vec::new();
+        for w in wishes {
+            let (b, i) = (w.block, w.block as usize);
+            if !self.movable(b) {
+                continue;
+            }
+            let loc = self.blocks.loc[i];
+            if loc.slot == NO_SLOT && self.blocks.copy[i].is_none() {
+                continue;
+            }
+            if loc.level > w.level || loc.tier != Tier::Device {
+                up.push((self.key(i), b, w.level));
+            } else if loc.level < w.level {
+                down.push((self.key(i), b, w.level));
+            }
+        }
+        down.sort_unstable();
+        for (_, b, level) in down {
+            self.demote_to(pass, b, level);
+        }
+        up.sort_unstable_by(|a, b| b.cmp(a));
+        for (_, b, wished) in up {
+            let i = b as usize;
+            let loc = self.blocks.loc[i];
+            let restore = self.blocks.copy[i].filter(|c| c.level < loc.level || loc.slot == NO_SLOT);
+            if loc.level > wished && restore.is_none() {
+                pass.noop_promotions += 1;
+            }
+            let (kind, src) = match restore {
+                Some(copy) => (MoveKind::Promote, copy),
+                None if loc.tier != Tier::Device && loc.slot != NO_SLOT => (MoveKind::Fetch, loc),
+                None => continue,
+            };
+            let level = src.level;
+            if !self.fits(pass, 0, self.level_bytes(level)) {
+                pass.deferred += 1;
+                continue;
+            }
+            self.push_move(pass, b, kind, src, Some((Tier::Device, level)));
+        }
+    }
+
+    /// Demotes a device block to `level`, first backing it up to the next tier when
+    /// write-through is on and no higher-precision copy exists.
+    fn demote_to(&mut self, pass: &mut Pass, b: u32, level: u8) -> bool {
+        let i = b as usize;
+        let loc = self.blocks.loc[i];
+        if self.cfg.write_through && self.cfg.tiers.len() > 1 && self.blocks.copy[i].is_none() {
+            let next = self.cfg.tiers[self.tier_pos(loc.tier) + 1..].first().map(|t| t.tier);
+            if let Some(next) = next {
+                let t = self.tier_pos(next);
+                if self.fits(pass, t, self.level_bytes(loc.level)) {
+                    self.push_move(pass, b, MoveKind::Backup, loc, Some((next, loc.level)));
+                }
+            }
+        }
+        self.push_move(pass, b, MoveKind::Demote, loc, Some((loc.tier, level)))
+    }
+
+    /// Pass 3 for one tier. Returns the bytes it could not bring under the budget.
+    fn relieve_pressure(&mut self, pass: &mut Pass, t: usize, wishes: &[Wish]) -> u64 {
+        let Some(budget) = self.budget(t) else { return 0 };
+        let soft = (budget as f64 * (1.0 - f64::from(self.cfg.headroom))) as u64;
+        if pass.projected[t] <= soft {
+            return 0;
+        }
+        let tier = self.cfg.tiers[t].tier;
+        let next = self.cfg.tiers.get(t + 1).map(|c| c.tier);
+        let levels = self.cfg.num_levels();
+        let last_kept = self.cfg.last_kept_level();
+        let demotable = self.cfg.enable_compression && last_kept > 0;
+        // Live blocks of this tier that may be moved, least important first.
+        let mut live: Vec<(Key, u32)> = wishes
+            .iter()
+            .filter(|w| {
+                let loc = self.blocks.loc[w.block as usize];
+                !w.protected && self.movable(w.block) && loc.tier == tier && loc.slot != NO_SLOT
+            })
+            .map(|w| (self.key(w.block as usize), w.block))
+            .collect();
+        live.sort_unstable_by(|a, b| b.cmp(a)); // pop() takes the lowest
+        let all_pools: Vec<usize> = (t * levels..(t + 1) * levels).collect();
+        let mut hard = false;
+        loop {
+            let threshold = if hard { budget } else { soft };
+            if pass.projected[t] <= threshold {
+                return 0;
+            }
+            let next_room = next.is_some_and(|n| {
+                let np = self.tier_pos(n);
+                self.fits(pass, np, self.level_bytes(last_kept))
+            });
+            // Cached blocks are candidates where some action applies to their pool.
+            let pools: Vec<usize> = all_pools
+                .iter()
+                .copied()
+                .filter(|p| {
+                    let level = (p % levels) as u8;
+                    hard || next_room || (demotable && level < last_kept)
+                })
+                .collect();
+            let cached = self.lowest_evictable(&pools);
+            let from_live = live.last().copied();
+            let (b, is_live) = match (cached, from_live) {
+                (Some(c), Some(l)) if l < c => (l.1, true),
+                (Some(c), _) => (c.1, false),
+                (None, Some(l)) => (l.1, true),
+                (None, None) if !hard => {
+                    hard = true;
+                    continue;
+                }
+                (None, None) => return pass.projected[t] - budget,
+            };
+            if is_live {
+                live.pop();
+            }
+            let loc = self.blocks.loc[b as usize];
+            let acted = if demotable && loc.level < last_kept {
+                self.demote_to(pass, b, loc.level + 1)
+            } else if let (true, Some(n)) = (next_room, next) {
+                self.push_move(pass, b, MoveKind::Offload, loc, Some((n, loc.level)))
+            } else if hard && !is_live {
+                self.push_move(pass, b, MoveKind::Evict, loc, None)
+            } else if let (true, true, Some(d)) = (hard, is_live, self.cfg.drop_level()) {
+                self.push_move(pass, b, MoveKind::Drop, loc, Some((tier, d)))
+            } else {
+                false
+            };
+            if !acted && !is_live {
+                // The move cap or a full pool stopped a copy: keeping the headroom is off for
+                // this plan; above the budget itself, the block is evicted (that copies nothing).
+                if !hard {
+                    hard = true;
+                } else {
+                    self.push_move(pass, b, MoveKind::Evict, loc, None);
+                }
+            }
+        }
+    }
+
+    /// Applies a pending plan after the engine copied its bytes: sources are freed now.
+    pub fn commit(&mut self, plan_id: u64) -> Result<()> {
+        let plan = self.take_pending(plan_id)?;
+        for m in &plan.moves {
+            let b = m.block;
+            let i = b as usize;
+            match m.kind {
+                MoveKind::Backup => {
+                    let dst = m.dst.expect("a backup has a destination");
+                    if let Some(old) = self.blocks.copy[i].replace(dst) {
+                        self.give_slot(old);
+                    }
+                    self.counters.backups += 1;
+                }
+                MoveKind::Evict => {
+                    self.blocks.moving[i] = false;
+                    self.blocks.refcount[i] = 0;
+                    self.counters.evictions += 1;
+                    self.release_block(b);
+                    continue;
+                }
+                MoveKind::Promote => {
+                    let cur = self.blocks.loc[i];
+                    self.give_slot(cur);
+                    self.give_slot(m.src);
+                    self.blocks.copy[i] = None;
+                    self.blocks.loc[i] = m.dst.expect("a promotion has a destination");
+                    self.counters.promotions += 1;
+                }
+                MoveKind::Drop => {
+                    self.give_slot(m.src);
+                    self.blocks.loc[i] = m.dst.expect("a drop has a destination level");
+                    if self.blocks.indexed[i] {
+                        self.index.remove(self.blocks.hash[i], b);
+                        self.blocks.indexed[i] = false;
+                    }
+                    self.counters.drops += 1;
+                }
+                MoveKind::Demote | MoveKind::Offload | MoveKind::Fetch => {
+                    self.give_slot(m.src);
+                    self.blocks.loc[i] = m.dst.expect("a copy has a destination");
+                    match m.kind {
+                        MoveKind::Demote => self.counters.demotions += 1,
+                        MoveKind::Offload => self.counters.offloads += 1,
+                        _ => self.counters.fetches += 1,
+                    }
+                }
+            }
+            if !matches!(m.kind, MoveKind::Evict | MoveKind::Drop) {
+                self.counters.bytes_moved += self.level_bytes(m.src.level);
+            }
+            self.blocks.moving[i] = false;
+        }
+        self.settle(&plan);
+        Ok(())
+    }
+
+    /// Drops a pending plan: its destination slots are freed, every block stays where it was.
+    pub fn abort(&mut self, plan_id: u64) -> Result<()> {
+        let plan = self.take_pending(plan_id)?;
+        for m in &plan.moves {
+            if let Some(dst) = m.dst {
+                self.give_slot(dst);
+            }
+            self.blocks.moving[m.block as usize] = false;
+        }
+        self.counters.aborts += 1;
+        self.settle(&plan);
+        Ok(())
+    }
+
+    fn take_pending(&mut self, plan_id: u64) -> Result<Plan> {
+        match &self.pending {
+            Some(p) if p.id == plan_id => Ok(self.pending.take().expect("matched")),
+            _ => Err(Error::UnknownPlan { plan: plan_id }),
+        }
+    }
+
+    /// After commit/abort: re-index evictability and free blocks nobody needs any more.
+    fn settle(&mut self, plan: &Plan) {
+        for m in &plan.moves {
+            let i = m.block as usize;
+            if self.blocks.live[i] {
+                self.refresh_evictable(m.block);
+                self.release_if_orphan(m.block);
+            }
+        }
+    }
+}

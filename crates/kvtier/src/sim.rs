@@ -1,0 +1,159 @@
+//! Trace replay through a real [`Core`]: the numbers `kvtier simulate` reports.
+//!
+//! A trace is a list of requests, each a run of prefix-chained block hashes (equal hash ⇒ equal
+//! prefix, as in Mooncake traces) plus its token counts. Per request, in order:
+//! 1. the longest cached prefix is looked up; each hit block is counted by the (tier, level) it
+//!    was found at — a lower-precision or lower-tier hit is still a hit, and the report says so;
+//! 2. a sequence takes every block of the request (hits shared, misses allocated at level 0 on
+//!    the device, evicting cached blocks when the device is full), and reads are recorded;
+//! 3. every `step_every` requests the scheduler plans, and the plan is committed at once (the
+//!    simulator moves no bytes);
+//! 4. the sequence is freed: its blocks stay cached for later requests.
+//!
+//! Requests are replayed one at a time (no overlap), so the device holds at most one request's
+//! live blocks plus the cache.
+
+use crate::config::{Config, Tier};
+use crate::core::Core;
+use crate::error::{Error, Result};
+
+/// Requests in CSR form: the hashes of request `i` are `hashes[offsets[i]..offsets[i+1]]`.
+#[derive(Debug, Clone)]
+pub struct Trace {
+    pub offsets: Vec<u64>,
+    pub hashes: Vec<u64>,
+    /// Prompt tokens per request; the last block of a request may be partial.
+    pub input_tokens: Vec<u64>,
+}
+
+impl Trace {
+    pub fn new(offsets: Vec<u64>, hashes: Vec<u64>, input_tokens: Vec<u64>) -> Result<Trace> {
+        let n = input_tokens.len();
+        if offsets.len() != n + 1 {
+            return Err(Error::LengthMismatch { what: "trace offsets", expected: n + 1, got: offsets.len() });
+        }
+        if offsets[0] != 0 || offsets.windows(2).any(|w| w[1] < w[0]) || offsets[n] != hashes.len() as u64 {
+            return Err(Error::InvalidArgument {
+                what: "trace offsets",
+                reason: "expected non-decreasing offsets from 0 to the number of hashes".into(),
+            });
+        }
+        Ok(Trace { offsets, hashes, input_tokens })
+    }
+
+    pub fn len(&self) -> usize {
+        self.input_tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.input_tokens.is_empty()
+    }
+
+    pub fn request(&self, i: usize) -> &[u64] {
+        &self.hashes[self.offsets[i] as usize..self.offsets[i + 1] as usize]
+    }
+}
+
+/// Counters of one replay. Hits are indexed `[tier as usize][level]`.
+#[derive(Debug, Clone, Default)]
+pub struct SimStats {
+    pub requests: u64,
+    pub ref_blocks: u64,
+    pub hit_blocks: u64,
+    pub ref_tokens: u64,
+    pub hit_tokens: u64,
+    pub hit_blocks_at: Vec<Vec<u64>>,
+    pub hit_tokens_at: Vec<Vec<u64>>,
+    /// Requests whose new blocks did not fit even after evicting every cached block.
+    pub rejected: u64,
+    /// Peak bytes per tier (config order) seen after a request.
+    pub peak_tier_bytes: Vec<u64>,
+}
+
+pub struct Simulator {
+    pub core: Core,
+    trace: Trace,
+    step_every: u64,
+    next: usize,
+    pub stats: SimStats,
+}
+
+impl Simulator {
+    pub fn new(cfg: Config, trace: Trace, step_every: u64) -> Result<Simulator> {
+        if step_every == 0 {
+            return Err(Error::InvalidArgument { what: "step_every", reason: "expected at least 1".into() });
+        }
+        let levels = cfg.num_levels();
+        let tiers = cfg.tiers.len();
+        let core = Core::new(cfg)?;
+        Ok(Simulator {
+            core,
+            trace,
+            step_every,
+            next: 0,
+            stats: SimStats {
+                hit_blocks_at: vec![vec![0; levels]; Tier::ALL.len()],
+                hit_tokens_at: vec![vec![0; levels]; Tier::ALL.len()],
+                peak_tier_bytes: vec![0; tiers],
+                ..SimStats::default()
+            },
+        })
+    }
+
+    pub fn done(&self) -> usize {
+        self.next
+    }
+
+    pub fn total(&self) -> usize {
+        self.trace.len()
+    }
+
+    /// Replays up to `n` more requests; returns how many it replayed.
+    pub fn run(&mut self, n: usize) -> Result<usize> {
+        let end = (self.next + n).min(self.trace.len());
+        let start = self.next;
+        for i in start..end {
+            self.replay(i)?;
+            self.next = i + 1;
+        }
+        Ok(end - start)
+    }
+
+    fn replay(&mut self, i: usize) -> Result<()> {
+        let bs = u64::from(self.core.config().block_size);
+        let hashes = self.trace.request(i).to_vec();
+        let input = self.trace.input_tokens[i];
+        let tokens_of = |k: usize| -> u64 {
+            // Every block is full but the request's last, which holds what is left.
+            if k + 1 < hashes.len() { bs } else { input.saturating_sub(bs * k as u64).min(bs) }
+        };
+        let st = &mut self.stats;
+        st.requests += 1;
+        st.ref_blocks += hashes.len() as u64;
+        st.ref_tokens += input;
+        for (k, b) in self.core.lookup(&hashes).into_iter().enumerate() {
+            let loc = self.core.block_loc(b)?;
+            let (t, l) = (loc.tier as usize, usize::from(loc.level));
+            st.hit_blocks += 1;
+            st.hit_blocks_at[t][l] += 1;
+            let tokens = tokens_of(k);
+            st.hit_tokens += tokens;
+            st.hit_tokens_at[t][l] += tokens;
+        }
+        let seq = self.core.add_sequence();
+        match self.core.append_blocks(seq, &hashes) {
+            Ok(appended) => self.core.record_reads(&appended.blocks)?,
+            Err(Error::OutOfCapacity { .. } | Error::OutOfSlots { .. }) => self.stats.rejected += 1,
+            Err(e) => return Err(e),
+        }
+        if (i as u64 + 1) % self.step_every == 0 {
+            let id = self.core.plan()?.id;
+            self.core.commit(id)?;
+        }
+        self.core.free_sequence(seq)?;
+        for (peak, &now) in self.stats.peak_tier_bytes.iter_mut().zip(self.core.tier_bytes()) {
+            *peak = (*peak).max(now);
+        }
+        Ok(())
+    }
+}

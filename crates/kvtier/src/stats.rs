@@ -1,0 +1,86 @@
+//! Per-block statistics, updated in batches: reads (a decayed counter on the step clock and a
+//! monotonic access clock for recency), attention mass (moving average, running sum and a
+//! persistence history for Scissorhands), key/value magnitude and a learned score.
+//!
+//! Decay is lazy: a counter stores its value as of the step it was last touched, so a batch
+//! update costs O(batch) and `step()` costs nothing per block.
+
+/// Structure-of-arrays, indexed by block id. Rows are reset when a block id is reused.
+#[derive(Debug, Default, Clone)]
+pub struct Stats {
+    pub reads: Vec<f32>,
+    pub reads_step: Vec<u32>,
+    pub last_access: Vec<u64>,
+    pub attn_ema: Vec<f32>,
+    pub attn_sum: Vec<f32>,
+    /// Bit i set: the block was above its report's mean attention i reports ago.
+    pub attn_history: Vec<u32>,
+    pub magnitude: Vec<f32>,
+    pub learned: Vec<f32>,
+    /// Bit 0: magnitude known, bit 1: learned known, bit 2: attention known.
+    pub known: Vec<u8>,
+    /// Last normalised importance the scheduler computed (kept for cached blocks).
+    pub importance: Vec<f32>,
+}
+
+pub const KNOWN_MAGNITUDE: u8 = 1;
+pub const KNOWN_LEARNED: u8 = 2;
+pub const KNOWN_ATTENTION: u8 = 4;
+
+impl Stats {
+    pub fn grow(&mut self, len: usize) {
+        self.reads.resize(len, 0.0);
+        self.reads_step.resize(len, 0);
+        self.last_access.resize(len, 0);
+        self.attn_ema.resize(len, 0.0);
+        self.attn_sum.resize(len, 0.0);
+        self.attn_history.resize(len, 0);
+        self.magnitude.resize(len, 0.0);
+        self.learned.resize(len, 0.0);
+        self.known.resize(len, 0);
+        self.importance.resize(len, 0.0);
+    }
+
+    pub fn reset(&mut self, b: usize, step: u32) {
+        self.reads[b] = 0.0;
+        self.reads_step[b] = step;
+        self.last_access[b] = 0;
+        self.attn_ema[b] = 0.0;
+        self.attn_sum[b] = 0.0;
+        self.attn_history[b] = 0;
+        self.magnitude[b] = 0.0;
+        self.learned[b] = 0.0;
+        self.known[b] = 0;
+        self.importance[b] = 0.0;
+    }
+}
+
+/// `decay^k` for small k from a table, else computed: most reads are a few steps apart.
+#[derive(Debug, Clone)]
+pub struct DecayTable {
+    decay: f32,
+    table: [f32; 64],
+}
+
+impl DecayTable {
+    pub fn new(decay: f32) -> Self {
+        let mut table = [1.0f32; 64];
+        for k in 1..64 {
+            table[k] = table[k - 1] * decay;
+        }
+        DecayTable { decay, table }
+    }
+
+    #[inline]
+    pub fn pow(&self, k: u32) -> f32 {
+        match self.table.get(k as usize) {
+            Some(v) => *v,
+            None => self.decay.powi(k.min(i32::MAX as u32) as i32),
+        }
+    }
+
+    /// `ln(1/decay)`, the slope of the step-invariant log key of a decayed counter.
+    pub fn log_inv(&self) -> f64 {
+        -f64::from(self.decay).ln()
+    }
+}

@@ -1,0 +1,5 @@
+"""``python -m kvtier`` runs the command-line interface."""
+
+from kvtier.cli import main
+
+raise SystemExit(main())

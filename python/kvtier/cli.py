@@ -1,0 +1,402 @@
+"""The ``kvtier`` command: ``simulate``, ``bench`` and ``version``.
+
+Data goes to stdout (a table, or JSON with ``--json``); progress and logs go to stderr. Errors
+print two lines on stderr, ``error: ...`` and ``hint: ...``, and exit with status 2. The heavy
+parts (the simulator, the benchmarks, matplotlib) are imported only by the command that uses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .config import POLICIES, KvtierConfig, normalize_dtype, parse_bytes
+from .errors import ConfigError, KvtierError, require
+from .shapes import MODELS
+
+__all__ = ["main"]
+
+#: The dtype each model's checkpoint ships in: the default level 0 of the ladder.
+MODEL_DTYPES = {"llama3-8b": "bf16", "llama2-7b": "fp16", "smollm2-135m": "bf16"}
+
+#: Default device budget: about what an 80 GB GPU keeps for KV next to Llama-3-8B's 16 GB of
+#: weights. That is 1,000 full-precision 512-token blocks of Llama-3-8B (64 MiB each): on the
+#: bundled trace, full-precision LRU then hits ~4 % of blocks while an unlimited cache would hit
+#: ~33 %, so what the INT8/INT4 ladder and the lower tiers win back shows clearly.
+DEFAULT_DEVICE_BYTES = 64 * 2**30
+
+EXIT_ERROR = 2
+
+
+class _UsageError(KvtierError):
+    """A command line that argparse rejected."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message, hint=f"run '{self.prog} --help' for the options")
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument types (each raises ArgumentTypeError with a message that says what was expected)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip().lower() for part in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of names, got {text!r}")
+    return names
+
+
+def _policy_list(text: str) -> tuple[str, ...]:
+    """``lru,importance`` or with a ladder per policy: ``lru:bf16,importance:bf16+int8+int4``."""
+    specs = []
+    for part in text.split(","):
+        policy, sep, ladder = part.strip().lower().partition(":")
+        if policy not in POLICIES:
+            raise argparse.ArgumentTypeError(
+                f"unknown policy {policy!r} in {text!r}: expected names from {', '.join(POLICIES)}"
+            )
+        levels = [level.strip() for level in ladder.split("+")] if sep else []
+        if sep and not all(levels):
+            raise argparse.ArgumentTypeError(
+                f"invalid ladder in {part.strip()!r}: expected policy:level+level+..., "
+                "e.g. importance:bf16+int8+int4"
+            )
+        specs.append(policy + (":" + "+".join(levels) if sep else ""))
+    return tuple(dict.fromkeys(specs))
+
+
+# ---------------------------------------------------------------------------------------------
+# The parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kvtier",
+        description="kvtier: a tiered, mixed-precision KV-cache manager for LLM serving.",
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    sim = sub.add_parser(
+        "simulate",
+        help="replay a request trace through the real scheduler",
+        description=(
+            "Replay a request trace through kvtier's core and report hit rates by tier and "
+            "level, memory by level, the scheduler's moves and an estimated prefill saving. "
+            "No GPU and no server needed. Sizes accept 8GiB, 512MB, 1e9 or plain bytes; "
+            "budgets not given on the command line come from KVTIER_*_BUDGET when set."
+        ),
+    )
+    sim.add_argument(
+        "trace",
+        nargs="?",
+        help="trace file (Mooncake JSONL, optionally .gz; Azure or plain CSV); "
+        "default: the bundled Mooncake slice",
+    )
+    sim.add_argument(
+        "--format",
+        choices=("auto", "mooncake", "azure", "csv"),
+        default="auto",
+        help="trace format (default: detected from the file)",
+    )
+    sim.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default="llama3-8b",
+        help="KV shape preset (default: llama3-8b)",
+    )
+    sim.add_argument(
+        "--dtype",
+        help="model dtype, level 0 of the ladder: fp16, bf16 or fp32 "
+        "(default: the checkpoint's own: bf16 for llama3-8b, fp16 for llama2-7b)",
+    )
+    device = sim.add_mutually_exclusive_group()
+    device.add_argument(
+        "--device-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="device tier budget (default: 64GiB, about what an 80 GB GPU keeps for KV next to "
+        "Llama-3-8B's weights: 1,000 full-precision 512-token blocks)",
+    )
+    device.add_argument(
+        "--device-blocks",
+        type=_positive_int,
+        metavar="N",
+        help="device tier budget as N full-precision blocks",
+    )
+    for tier in ("host", "disk", "remote"):
+        sim.add_argument(
+            f"--{tier}-bytes",
+            type=_size,
+            metavar="SIZE",
+            help=f"{tier} tier budget (default: no {tier} tier)",
+        )
+    for tier, gbps in (("host", 25.0), ("disk", 5.0), ("remote", 1.25)):
+        sim.add_argument(
+            f"--{tier}-gbps",
+            type=_positive_float,
+            default=gbps,
+            metavar="GB/s",
+            help=f"{tier} tier bandwidth in GB/s (default: {gbps:g})",
+        )
+    sim.add_argument(
+        "--ladder",
+        type=_name_list,
+        metavar="L0,L1,...",
+        help="codec of each level, e.g. fp16,int8,int4 "
+        "(default: KVTIER_LADDER, else dtype,int8,int4 by KVTIER_LEVELS)",
+    )
+    policy = sim.add_mutually_exclusive_group()
+    policy.add_argument(
+        "--policy",
+        choices=POLICIES,
+        help="scheduling policy (default: KVTIER_POLICY, else importance)",
+    )
+    policy.add_argument(
+        "--compare",
+        type=_policy_list,
+        metavar="P1,P2,...",
+        help=f"run several policies side by side ({', '.join(POLICIES)}); each may name its "
+        "own ladder, e.g. lru:bf16,importance:bf16+int8+int4",
+    )
+    sim.add_argument(
+        "--limit", type=_positive_int, metavar="N", help="replay only the first N requests"
+    )
+    sim.add_argument(
+        "--block-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="tokens per simulated block (default: 512, the block size of Mooncake's hashes; "
+        "traces without hashes are cut into blocks of this size)",
+    )
+    sim.add_argument(
+        "--step-every",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="run the scheduler's step() every N requests (default: 1)",
+    )
+    sim.add_argument("--json", action="store_true", help="print the result as JSON")
+    sim.add_argument("--plot", metavar="PATH", help="also write hit rate and memory plots to PATH")
+    sim.add_argument("--no-progress", action="store_true", help="draw no progress bar")
+
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark and print its figures",
+        description="Run a benchmark; figures are printed, never judged pass/fail.",
+    )
+    bench.add_argument("suite", choices=("core",), help="which benchmark")
+    bench.add_argument("--json", action="store_true", help="print JSON only")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+
+    sub.add_parser("version", help="print the version")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands
+
+
+def _cmd_version() -> int:
+    from . import __version__
+
+    print(f"kvtier {__version__}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"kvtier.bench.{args.suite}")
+    argv = [flag for flag, on in (("--json", args.json), ("--quick", args.quick)) if on]
+    return int(module.main(argv) or 0)
+
+
+def _resolve_dtype(args: argparse.Namespace, base: KvtierConfig) -> str:
+    if args.dtype is not None:
+        return normalize_dtype(args.dtype)
+    if base.ladder is not None:
+        return base.ladder[0]
+    return MODEL_DTYPES.get(args.model, "fp16")
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    policies = list(args.compare) if args.compare else None
+    base = KvtierConfig.from_env(
+        policy=policies[0].partition(":")[0] if policies else args.policy,
+        ladder=args.ladder,
+        device_budget=args.device_bytes,
+        host_budget=args.host_bytes,
+        disk_budget=args.disk_bytes,
+        remote_budget=args.remote_bytes,
+    )
+    if policies is None:
+        policies = [base.policy]
+    dtype = _resolve_dtype(args, base)
+    ladder = base.resolved_ladder(dtype)
+    if ladder[0] != dtype:
+        raise ConfigError(
+            f"the ladder starts at {ladder[0]} but the model dtype is {dtype}",
+            hint="level 0 is the model's own dtype: make --ladder start with --dtype",
+        )
+
+    device_bytes = base.device_budget
+    if device_bytes is None and args.device_blocks is None:
+        device_bytes = DEFAULT_DEVICE_BYTES
+
+    if args.plot:
+        require("matplotlib", "plot", purpose="--plot needs matplotlib")
+
+    traces = importlib.import_module("kvtier.traces")
+    if args.trace is None:
+        trace_path = Path(traces.bundled_trace_path())
+    else:
+        trace_path = Path(args.trace)
+        if not trace_path.is_file():
+            raise FileNotFoundError(f"trace file not found: {trace_path}")
+    load_kwargs: dict[str, Any] = {"limit": args.limit}
+    if args.format != "auto":
+        load_kwargs["format"] = args.format
+    if args.block_tokens is not None:
+        load_kwargs["block_tokens"] = args.block_tokens
+    trace = traces.load_trace(trace_path, **load_kwargs)
+
+    simulate = importlib.import_module("kvtier.simulate")
+    config = simulate.SimulationConfig(
+        model=args.model,
+        dtype=dtype,
+        device_bytes=None if args.device_blocks is not None else device_bytes,
+        device_blocks=args.device_blocks,
+        host_bytes=base.host_budget,
+        disk_bytes=base.disk_budget,
+        remote_bytes=base.remote_budget,
+        host_gbps=args.host_gbps,
+        disk_gbps=args.disk_gbps,
+        remote_gbps=args.remote_gbps,
+        ladder=ladder,
+        step_every=args.step_every,
+        block_tokens=int(trace.block_tokens),
+        base=base,
+    )
+
+    from .report import Progress, plot, render_table
+
+    print(
+        f"kvtier simulate: {trace_path.name}, {len(trace):,} requests, "
+        f"policies {', '.join(policies)}, ladder {','.join(ladder)}",
+        file=sys.stderr,
+    )
+    with Progress(label="replaying", mode="off" if args.no_progress else None) as progress:
+        result = simulate.run(trace, config, policies=policies, progress=progress)
+
+    if args.json:
+        json.dump(result, sys.stdout, indent=2, default=_json_default)
+        sys.stdout.write("\n")
+    else:
+        color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        sys.stdout.write(render_table(result, color=color))
+    sys.stdout.flush()
+    if args.plot:
+        written = plot(result, args.plot)
+        print(f"kvtier simulate: wrote {written}", file=sys.stderr)
+    return 0
+
+
+def _json_default(obj: object) -> object:
+    # numpy scalars and arrays have .tolist(); anything else is a bug worth seeing as a string.
+    tolist = getattr(obj, "tolist", None)
+    return tolist() if callable(tolist) else str(obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _hint_for(exc: BaseException, command: str | None) -> str:
+    hint = getattr(exc, "hint", None)
+    if hint:
+        return str(hint)
+    help_cmd = f"kvtier {command} --help" if command else "kvtier --help"
+    if isinstance(exc, FileNotFoundError):
+        return "check the path, or give no trace to replay the bundled one"
+    if isinstance(exc, ConfigError):
+        return f"see '{help_cmd}' and the KVTIER_* table in the README"
+    if isinstance(exc, OSError):
+        return "check that the path exists and is readable"
+    return f"see '{help_cmd}' for what each option accepts"
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        text = f"{exc.strerror}: {exc.filename}"
+    else:
+        text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvtier`` command line; returns the exit status."""
+    parser = build_parser()
+    command: str | None = None
+    try:
+        args = parser.parse_args(argv)
+        command = args.command
+        if args.version or command == "version":
+            return _cmd_version()
+        if command is None:
+            parser.print_help(sys.stderr)
+            raise _UsageError("no command given", hint="try 'kvtier simulate'")
+        if command == "simulate":
+            return _cmd_simulate(args)
+        return _cmd_bench(args)
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`kvtier simulate | head`): that is not an error of ours.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except (KvtierError, ValueError, OSError) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"hint: {_hint_for(exc, command)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

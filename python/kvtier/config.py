@@ -1,0 +1,471 @@
+"""kvtier's configuration: one dataclass, filled from arguments, then ``KVTIER_*`` variables.
+
+:class:`KvtierConfig` holds every knob of the scheduler, the scorer and the tiers. Build it directly
+(environment ignored) or with :meth:`KvtierConfig.from_env`, where the precedence is
+
+    explicit argument  >  KVTIER_<NAME>  >  the original design's VLLM_* alias  >  default
+
+Every value is checked in ``__post_init__``; a bad one raises :class:`kvtier.errors.ConfigError`
+naming the field (and the variable it came from) and what was expected. :data:`ENV_VARS` lists the
+variables; the README's configuration table is generated from it (:func:`env_table_markdown`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "ENV_VARS",
+    "POLICIES",
+    "EnvVar",
+    "KvtierConfig",
+    "env_table_markdown",
+    "normalize_dtype",
+    "parse_bytes",
+]
+
+#: Scheduling policies the core knows by name.
+POLICIES: tuple[str, ...] = ("importance", "lru", "lfu", "h2o", "scissorhands")
+
+#: Most levels a ladder may have.
+MAX_LEVELS = 8
+
+_DTYPE_ALIASES = {
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+}
+
+_LEVEL_NAME = re.compile(r"^[a-z0-9][a-z0-9_.:+-]*$")
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a size such as ``8GiB``, ``512MB``, ``1.5 KiB``, ``1e9`` or ``4096`` into bytes.
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) powers of
+    1000; units are case-insensitive; a bare number is bytes. Raises :class:`ConfigError`.
+    """
+    m = _SIZE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ConfigError(
+            f"invalid size {text!r}: expected a non-negative number with an optional unit "
+            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '8GiB', '512MB', '1e9'"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value):
+        raise ConfigError(f"invalid size {text!r}: expected a finite number of bytes")
+    return round(value)
+
+
+def normalize_dtype(name: str) -> str:
+    """Map a dtype name (``float16``, ``torch.bfloat16``, ``fp32`` ...) to ``fp16``/``bf16``/``fp32``."""
+    key = str(name).strip().lower().removeprefix("torch.")
+    try:
+        return _DTYPE_ALIASES[key]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model dtype {name!r}: expected one of fp16, bf16, fp32 "
+            "(or float16, bfloat16, float32)"
+        ) from None
+
+
+def _default_ladder(dtype: str, levels: int) -> tuple[str, ...]:
+    return (normalize_dtype(dtype), "int8", "int4")[:levels]
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment variables
+
+
+def _parse_bool(text: str) -> bool:
+    key = text.strip().lower()
+    if key in ("1", "true", "yes", "on"):
+        return True
+    if key in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {text!r}")
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+
+
+def _parse_float(text: str) -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+
+
+def _parse_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(","))
+
+
+def _parse_weights(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"expected three comma-separated numbers (magnitude,learned,attention), got {text!r}"
+        ) from None
+
+
+def _parse_size(text: str) -> int:
+    return parse_bytes(text)
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable that :meth:`KvtierConfig.from_env` reads."""
+
+    name: str
+    field: str
+    alias: str | None
+    kind: str
+    help: str
+    parse: Callable[[str], Any] = field(repr=False, compare=False)
+
+
+def _var(field_name: str, kind: str, help: str, alias: str | None = None) -> EnvVar:
+    parse = {
+        "bool": _parse_bool,
+        "int": _parse_int,
+        "float": _parse_float,
+        "size": _parse_size,
+        "list": _parse_list,
+        "weights": _parse_weights,
+        "str": str.strip,
+    }[kind]
+    return EnvVar(f"KVTIER_{field_name.upper()}", field_name, alias, kind, help, parse)
+
+
+#: The variables :meth:`KvtierConfig.from_env` reads, in the order of the README table.
+ENV_VARS: tuple[EnvVar, ...] = (
+    _var(
+        "enable_compression",
+        "bool",
+        "store blocks below level 0 at all (off: every block stays at the model dtype)",
+        "VLLM_ENABLE_KV_COMPRESSION",
+    ),
+    _var(
+        "compression_ratio",
+        "float",
+        "fraction of the compressible blocks, by importance, kept at level 1 (the rest go lower)",
+        "VLLM_KV_COMPRESSION_RATIO",
+    ),
+    _var(
+        "levels",
+        "int",
+        "number of precision levels when no ladder is given: 1 = dtype, 2 = +int8, 3 = +int4",
+        "VLLM_KV_COMPRESSION_LEVELS",
+    ),
+    _var(
+        "ladder", "list", "codec of each level, comma-separated, e.g. `fp16,int8,int4`; sets levels"
+    ),
+    _var("policy", "str", "scheduling policy: " + ", ".join(POLICIES)),
+    _var("block_size", "int", "tokens per block"),
+    _var("recent_window", "int", "most recent tokens of each sequence kept at level 0"),
+    _var("sink_blocks", "int", "first blocks of each sequence (attention sink) kept at level 0"),
+    _var("weights", "weights", "importance weights `magnitude,learned,attention`"),
+    _var("device_budget", "size", "device tier budget in bytes (`8GiB`, `512MB`, `1e9`); unset = no limit"),
+    _var("host_budget", "size", "host (pinned DRAM) tier budget in bytes; unset = no host tier"),
+    _var("disk_budget", "size", "disk tier budget in bytes; unset = no disk tier"),
+    _var("remote_budget", "size", "remote (Redis/Valkey) tier budget in bytes; unset = no remote tier"),
+    _var("max_move_bytes", "size", "cap on bytes moved per `step()`; unset = no cap"),
+    _var("headroom", "float", "fraction of the device budget kept free for new blocks"),
+    _var("hysteresis", "float", "score margin a block must clear before it is promoted or demoted back"),
+    _var("decay", "float", "per-step decay of access counters"),
+    _var("attention_ema", "float", "weight of the newest attention observation in its moving average"),
+    _var("scissorhands_window", "int", "steps over which `scissorhands` measures persistence"),
+    _var("write_through", "bool", "also write each new block to the next tier right away"),
+    _var("evict_on_full", "bool", "evict the lowest-scored block when a pool is full instead of failing"),
+    _var("namespace", "str", "namespace of prefix hashes and stored keys (model, codec, tenant)"),
+)
+
+_ENV_BY_FIELD = {var.field: var for var in ENV_VARS}
+
+
+# ---------------------------------------------------------------------------------------------
+# The config
+
+
+@dataclass(frozen=True)
+class KvtierConfig:
+    """Every knob of kvtier. See the README's configuration table for the matching variables."""
+
+    enable_compression: bool = True
+    compression_ratio: float = 0.5
+    levels: int = 3
+    #: codec per level; ``None`` derives it from ``levels`` and the model dtype.
+    ladder: tuple[str, ...] | None = None
+    policy: str = "importance"
+    block_size: int = 16
+    recent_window: int = 128
+    sink_blocks: int = 1
+    #: importance weights (magnitude, learned, attention).
+    weights: tuple[float, float, float] = (0.4, 0.4, 0.2)
+    device_budget: int | None = None
+    host_budget: int | None = None
+    disk_budget: int | None = None
+    remote_budget: int | None = None
+    max_move_bytes: int | None = None
+    headroom: float = 0.1
+    hysteresis: float = 0.1
+    decay: float = 0.9
+    attention_ema: float = 0.5
+    scissorhands_window: int = 8
+    write_through: bool = False
+    evict_on_full: bool = False
+    namespace: str = "default"
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_env(
+        cls, *, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> KvtierConfig:
+        """Build a config: explicit ``overrides`` > ``KVTIER_*`` > ``VLLM_*`` aliases > defaults.
+
+        An override whose value is ``None`` counts as not given (so CLI options that were not
+        passed can be forwarded as they are). Empty variables count as unset. ``environ``
+        defaults to ``os.environ``.
+        """
+        env = os.environ if environ is None else environ
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ConfigError(
+                f"unknown config field(s) {', '.join(unknown)}: expected some of "
+                + ", ".join(sorted(fields))
+            )
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for var in ENV_VARS:
+            if overrides.get(var.field) is not None:
+                continue
+            for name in (var.name, var.alias):
+                if name is None or not env.get(name, "").strip():
+                    continue
+                try:
+                    values[var.field] = var.parse(env[name])
+                except (ValueError, ConfigError) as exc:
+                    raise ConfigError(f"{name} (config field '{var.field}'): {exc}") from None
+                sources[var.field] = name
+                break
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            # Name the variable the bad value came from, so the user knows where to look.
+            for fname, src in sources.items():
+                if str(exc).startswith(f"{fname}:"):
+                    raise ConfigError(f"{src}: {exc}") from None
+            raise
+
+    def replace(self, **changes: Any) -> KvtierConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def resolved_ladder(self, dtype_name: str) -> tuple[str, ...]:
+        """The codec of each level for a model of ``dtype_name`` (``fp16``, ``bfloat16`` ...).
+
+        An explicit ``ladder`` is returned as it is; otherwise ``levels`` picks a prefix of
+        ``(dtype, "int8", "int4")``. With ``enable_compression`` off, only level 0 remains.
+        """
+        ladder = self.ladder if self.ladder is not None else _default_ladder(dtype_name, self.levels)
+        return ladder if self.enable_compression else ladder[:1]
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        set_ = self._set
+        set_("enable_compression", _bool(self, "enable_compression"))
+        set_("write_through", _bool(self, "write_through"))
+        set_("evict_on_full", _bool(self, "evict_on_full"))
+
+        set_("compression_ratio", _number(self, "compression_ratio", 0.0, 1.0))
+        set_("headroom", _number(self, "headroom", 0.0, 1.0, hi_open=True))
+        set_("hysteresis", _number(self, "hysteresis", 0.0, 1.0))
+        set_("decay", _number(self, "decay", 0.0, 1.0, lo_open=True))
+        set_("attention_ema", _number(self, "attention_ema", 0.0, 1.0, lo_open=True))
+
+        set_("block_size", _integer(self, "block_size", 1))
+        set_("recent_window", _integer(self, "recent_window", 0))
+        set_("sink_blocks", _integer(self, "sink_blocks", 0))
+        set_("scissorhands_window", _integer(self, "scissorhands_window", 1))
+        for name in ("device_budget", "host_budget", "disk_budget", "remote_budget", "max_move_bytes"):
+            if getattr(self, name) is not None:
+                set_(name, _integer(self, name, 0, what="a byte count"))
+
+        if not isinstance(self.policy, str) or self.policy.strip().lower() not in POLICIES:
+            raise ConfigError(
+                f"policy: unknown policy {self.policy!r}: expected one of {', '.join(POLICIES)}"
+            )
+        set_("policy", self.policy.strip().lower())
+
+        if not isinstance(self.namespace, str) or not self.namespace or not self.namespace.isprintable():
+            raise ConfigError(
+                f"namespace: expected a non-empty printable string, got {self.namespace!r}"
+            )
+
+        weights = self.weights
+        if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__") or len(weights) != 3:
+            raise ConfigError(
+                f"weights: expected three numbers (magnitude, learned, attention), got {weights!r}"
+            )
+        ws = tuple(_as_float(w) for w in weights)
+        if any(w is None or not math.isfinite(w) or w < 0 for w in ws):
+            raise ConfigError(
+                f"weights: expected three finite non-negative numbers, got {tuple(weights)!r}"
+            )
+        if sum(w for w in ws if w is not None) <= 0:
+            raise ConfigError(f"weights: expected a positive sum, got {tuple(weights)!r}")
+        set_("weights", ws)
+
+        set_("levels", _integer(self, "levels", 1))
+        if self.ladder is None:
+            if not 1 <= self.levels <= 3:
+                raise ConfigError(
+                    f"levels: expected 1, 2 or 3 without a ladder (or up to {MAX_LEVELS} "
+                    f"with an explicit ladder), got {self.levels}"
+                )
+        else:
+            ladder = self._check_ladder(self.ladder)
+            set_("ladder", ladder)
+            # The ladder wins: levels is its length.
+            set_("levels", len(ladder))
+
+    def _check_ladder(self, ladder: object) -> tuple[str, ...]:
+        if isinstance(ladder, str):
+            ladder = _parse_list(ladder)
+        if not isinstance(ladder, (tuple, list)) or not ladder:
+            raise ConfigError(f"ladder: expected a non-empty list of codec names, got {ladder!r}")
+        names = tuple(str(x).strip().lower() for x in ladder)
+        if len(names) > MAX_LEVELS:
+            raise ConfigError(f"ladder: expected at most {MAX_LEVELS} levels, got {len(names)}")
+        for name in names:
+            if not _LEVEL_NAME.match(name):
+                raise ConfigError(
+                    f"ladder: invalid codec name {name!r}: expected names like fp16, int8, int4, "
+                    "drop, learned:mine"
+                )
+        if len(set(names)) != len(names):
+            raise ConfigError(f"ladder: expected distinct codec names, got {','.join(names)}")
+        if names[0] not in ("fp16", "bf16", "fp32"):
+            normalized = _DTYPE_ALIASES.get(names[0])
+            if normalized is None:
+                raise ConfigError(
+                    f"ladder: expected level 0 to be the model dtype (fp16, bf16 or fp32), got {names[0]!r}"
+                )
+            names = (normalized, *names[1:])
+        return names
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+
+
+def _as_float(x: object) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, Real):
+        return None
+    return float(x)
+
+
+def _bool(cfg: KvtierConfig, name: str) -> bool:
+    value = getattr(cfg, name)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, Integral) and int(value) in (0, 1):
+        return bool(value)
+    raise ConfigError(f"{name}: expected a boolean, got {value!r}")
+
+
+def _number(
+    cfg: KvtierConfig,
+    name: str,
+    lo: float,
+    hi: float,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:
+    value = getattr(cfg, name)
+    x = _as_float(value)
+    ok = (
+        x is not None
+        and math.isfinite(x)
+        and (x > lo if lo_open else x >= lo)
+        and (x < hi if hi_open else x <= hi)
+    )
+    if not ok or x is None:
+        rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise ConfigError(f"{name}: expected a number in {rng}, got {value!r}")
+    return x
+
+
+def _integer(cfg: KvtierConfig, name: str, lo: int, *, what: str = "an integer") -> int:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, Integral) or int(value) < lo:
+        bound = "non-negative" if lo == 0 else f">= {lo}"
+        raise ConfigError(f"{name}: expected {what} {bound}, got {value!r}")
+    return int(value)
+
+
+def _format_default(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def env_table_markdown() -> str:
+    """The README's configuration table (Markdown), generated from :data:`ENV_VARS`."""
+    defaults = KvtierConfig()
+    rows = [
+        "| variable | alias | field | default | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for var in ENV_VARS:
+        default = _format_default(getattr(defaults, var.field))
+        if var.field == "ladder":
+            default = "from levels"
+        alias = f"`{var.alias}`" if var.alias else ""
+        rows.append(
+            f"| `{var.name}` | {alias} | `{var.field}` | `{default}` | {var.help} |"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,96 @@
+"""kvtier's exceptions: one hierarchy under :class:`KvtierError`.
+
+Pure Python on purpose: the Rust bindings import these classes by name from ``kvtier.errors`` when
+they map a core error, so the names below are a contract with ``crates/kvtier-py``. Each class also
+derives from the built-in exception a caller would naturally catch (``ValueError`` for bad input,
+``KeyError`` for an unknown id, ``ImportError`` for a missing optional package), so code that knows
+nothing about kvtier still handles them sensibly.
+
+Any of them may carry a ``hint``: one line that tells the user what to do next. The CLI prints it
+under the error.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "BlockBusyError",
+    "ConfigError",
+    "InvalidArgumentError",
+    "InvalidBlockError",
+    "InvalidSequenceError",
+    "KvtierError",
+    "MissingDependencyError",
+    "OutOfCapacityError",
+    "PlanError",
+    "require",
+]
+
+
+class KvtierError(Exception):
+    """Base class of every error kvtier raises on purpose."""
+
+    hint: str | None = None
+
+    def __init__(self, *args: Any, hint: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if hint is not None:
+            self.hint = hint
+
+
+class ConfigError(KvtierError, ValueError):
+    """A configuration value (argument or ``KVTIER_*`` variable) is invalid."""
+
+
+class InvalidArgumentError(KvtierError, ValueError):
+    """An argument has the wrong shape, dtype, length or value."""
+
+
+class _KeyErrorMessage(KvtierError, KeyError):
+    # KeyError.__str__ returns repr(arg), which wraps a sentence in quotes; these carry sentences.
+    def __str__(self) -> str:
+        return Exception.__str__(self)
+
+
+class InvalidBlockError(_KeyErrorMessage):
+    """A block id is unknown or was already freed."""
+
+
+class InvalidSequenceError(_KeyErrorMessage):
+    """A sequence id is unknown or was already freed."""
+
+
+class OutOfCapacityError(KvtierError):
+    """A pool has no free slot for the request (and eviction was not allowed to make room)."""
+
+
+class PlanError(KvtierError, RuntimeError):
+    """A plan was committed or aborted out of order, twice, or after the state it was made for."""
+
+
+class BlockBusyError(KvtierError):
+    """A block can't be changed now: it is pinned, or part of a plan that is not yet committed."""
+
+
+class MissingDependencyError(KvtierError, ImportError):
+    """An optional package that this feature needs is not installed."""
+
+
+def require(module: str, extra: str, *, purpose: str | None = None) -> ModuleType:
+    """Import ``module``, or raise :class:`MissingDependencyError` naming the extra to install.
+
+    >>> np = require("numpy", "dev")
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        what = purpose or f"this feature of kvtier needs '{module}'"
+        install = f"pip install 'kvtier[{extra}]'"
+        raise MissingDependencyError(
+            f"{what}, which is not importable ({exc}); install it with {install}",
+            name=module,
+            hint=install,
+        ) from exc

@@ -1,0 +1,241 @@
+"""``kvtier simulate``: replay a request trace through the real core and report what a deployment
+would see — hit rates by tier and level, memory by level, moves, and the prefill time saved.
+
+The replay loop runs in Rust (``kvtier._core.Simulator``); this module sizes the tiers from the
+model's KV shape and the ladder, drives the replay in chunks (progress, timeline samples) and
+shapes the result as documented in docs/simulate-schema.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._core import Core, Simulator
+from .config import KvtierConfig
+from .errors import ConfigError
+from .shapes import KVShape, PrefillCost, model_shape
+from .traces import Trace
+
+TIERS = ("device", "host", "disk", "remote")
+#: Timeline points per replay (for the plot).
+TIMELINE_POINTS = 200
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    model: str = "llama3-8b"
+    dtype: str = "fp16"
+    #: Device budget in bytes, or in full-precision blocks (exactly one of the two).
+    device_bytes: int | None = None
+    device_blocks: int | None = None
+    host_bytes: int | None = None
+    disk_bytes: int | None = None
+    remote_bytes: int | None = None
+    host_gbps: float = 25.0
+    disk_gbps: float = 5.0
+    remote_gbps: float = 1.25
+    ladder: tuple[str, ...] = ("fp16", "int8", "int4")
+    step_every: int = 1
+    block_tokens: int = 512
+    base: KvtierConfig = field(default_factory=KvtierConfig)
+    #: Apply the per-sequence rank split of live blocks (a decode-time rule) during replay too.
+    split_live: bool = False
+    cost: PrefillCost = field(default_factory=PrefillCost)
+
+    def shape(self) -> KVShape:
+        return model_shape(self.model)
+
+    def device_budget(self) -> int:
+        if (self.device_bytes is None) == (self.device_blocks is None):
+            raise ConfigError("give the device budget either in bytes or in blocks, not both or neither")
+        if self.device_blocks is not None:
+            return self.device_blocks * self.shape().block_bytes(self.dtype, self.block_tokens)
+        assert self.device_bytes is not None
+        return self.device_bytes
+
+    def tiers(self) -> list[tuple[str, int | None]]:
+        tiers: list[tuple[str, int | None]] = [("device", self.device_budget())]
+        for name, budget in (("host", self.host_bytes), ("disk", self.disk_bytes), ("remote", self.remote_bytes)):
+            if budget is not None:
+                tiers.append((name, budget))
+        return tiers
+
+    def gbps(self, tier: str) -> float | None:
+        return {"host": self.host_gbps, "disk": self.disk_gbps, "remote": self.remote_gbps}.get(tier)
+
+
+def parse_policy_spec(spec: str, default_ladder: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """``"lru"`` or ``"lru:fp16"`` / ``"importance:fp16+int8+int4"`` → (policy, ladder)."""
+    policy, _, ladder = spec.partition(":")
+    return policy.strip(), tuple(x.strip() for x in ladder.split("+")) if ladder else default_ladder
+
+
+def build_core(config: SimulationConfig, policy: str, ladder: tuple[str, ...]) -> Core:
+    """A core configured like the simulated deployment (sized in bytes from the KV shape)."""
+    base = config.base
+    if ladder[0] != config.dtype:
+        raise ConfigError(f"ladder {'+'.join(ladder)} must start with the model dtype {config.dtype}")
+    return Core(
+        config.shape().ladder_bytes(ladder, config.block_tokens),
+        tiers=config.tiers(),
+        block_size=config.block_tokens,
+        policy=policy,
+        enable_compression=base.enable_compression and len(ladder) > 1,
+        pressure_only=not config.split_live,
+        compression_ratio=base.compression_ratio,
+        recent_window=base.recent_window,
+        sink_blocks=base.sink_blocks,
+        weights=base.weights,
+        headroom=base.headroom,
+        hysteresis=base.hysteresis,
+        max_move_bytes=base.max_move_bytes,
+        decay=base.decay,
+        attention_ema=base.attention_ema,
+        scissorhands_window=base.scissorhands_window,
+        write_through=base.write_through,
+        # A cache: a full device makes room by evicting what no running request needs.
+        evict_on_full=True,
+        namespace=base.namespace,
+    )
+
+
+def _replay(
+    trace: Trace,
+    config: SimulationConfig,
+    policy: str,
+    ladder: tuple[str, ...],
+    progress: Callable[[int, int], None] | None,
+    done_before: int,
+    total_all: int,
+) -> dict[str, Any]:
+    shape = config.shape()
+    level_bytes = shape.ladder_bytes(ladder, config.block_tokens)
+    sim = Simulator(
+        build_core(config, policy, ladder),
+        trace.hash_offsets.astype(np.uint64),
+        trace.hash_ids.astype(np.uint64),
+        trace.input_lengths.astype(np.uint64),
+        step_every=config.step_every,
+    )
+    n = len(trace)
+    chunk = max(1, n // TIMELINE_POINTS)
+    timeline: dict[str, Any] = {
+        "request": [],
+        "time_s": [],
+        "block_hit_rate": [],
+        "bytes_by_level": {name: [] for name in ladder},
+    }
+    start_ms = float(trace.timestamps_ms[0]) if n else 0.0
+    wall = 0.0
+    while sim.done < n:
+        t0 = time.perf_counter()
+        sim.run(chunk)
+        wall += time.perf_counter() - t0
+        done = sim.done
+        st = sim.stats()
+        timeline["request"].append(done)
+        timeline["time_s"].append((float(trace.timestamps_ms[done - 1]) - start_ms) / 1e3)
+        timeline["block_hit_rate"].append(st["hit_blocks"] / max(st["ref_blocks"], 1))
+        by_level = [0] * len(ladder)
+        for _tier, level, _used, _cap, nbytes in sim.usage():
+            by_level[level] += nbytes
+        for name, nbytes in zip(ladder, by_level):
+            timeline["bytes_by_level"][name].append(nbytes)
+        if progress is not None:
+            progress(done_before + done, total_all)
+
+    st = sim.stats()
+    counters = sim.counters()
+    seconds_per_token = config.cost.seconds_per_token(shape)
+    hits_by_place = []
+    saved_s = 0.0
+    for (tier, level), (blocks, tokens) in sorted(st["hits_by_place"].items(), key=lambda kv: (TIERS.index(kv[0][0]), kv[0][1])):
+        hits_by_place.append({"tier": tier, "level": ladder[level], "blocks": blocks, "tokens": tokens})
+        recompute = tokens * seconds_per_token
+        gbps = config.gbps(tier)
+        load = 0.0 if gbps is None else blocks * level_bytes[level] / (gbps * 1e9)
+        saved_s += max(0.0, recompute - load)
+    baseline_s = st["ref_tokens"] * seconds_per_token
+    bytes_by_place = [
+        {"tier": tier, "level": ladder[level], "blocks": used, "bytes": nbytes}
+        for tier, level, used, _cap, nbytes in sim.usage()
+        if used
+    ]
+    tier_names = [t for t, _ in config.tiers()]
+    return {
+        "policy": policy,
+        "ladder": list(ladder),
+        "requests": st["requests"],
+        "ref_blocks": st["ref_blocks"],
+        "hit_blocks": st["hit_blocks"],
+        "ref_tokens": st["ref_tokens"],
+        "hit_tokens": st["hit_tokens"],
+        "block_hit_rate": st["hit_blocks"] / max(st["ref_blocks"], 1),
+        "token_hit_rate": st["hit_tokens"] / max(st["ref_tokens"], 1),
+        "rejected_requests": st["rejected"],
+        "hits_by_place": hits_by_place,
+        "bytes_by_place": bytes_by_place,
+        "peak_bytes_by_tier": dict(zip(tier_names, st["peak_tier_bytes"])),
+        "moves": {
+            "promotions": counters["promotions"],
+            "demotions": counters["demotions"],
+            "offloads": counters["offloads"],
+            "fetches": counters["fetches"],
+            "evictions": counters["evictions"],
+            "noop_promotions": counters["noop_promotions"],
+            "bytes_moved": counters["bytes_moved"],
+        },
+        "allocated_blocks": counters["allocated"],
+        "released_blocks": counters["released"],
+        "prefill": {
+            "baseline_s": baseline_s,
+            "with_cache_s": baseline_s - saved_s,
+            "saved_s": saved_s,
+            "saved_fraction": saved_s / baseline_s if baseline_s else 0.0,
+            "cost_model": config.cost.describe(shape),
+        },
+        "wall_s": wall,
+        "timeline": timeline,
+    }
+
+
+def run(
+    trace: Trace,
+    config: SimulationConfig,
+    policies: Sequence[str] = ("importance",),
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Replays ``trace`` once per policy spec (``policy`` or ``policy:ladder+...``)."""
+    shape = config.shape()
+    specs = [parse_policy_spec(p, config.ladder) for p in policies]
+    results = []
+    total_all = len(trace) * len(specs)
+    for k, (policy, ladder) in enumerate(specs):
+        results.append(_replay(trace, config, policy, ladder, progress, k * len(trace), total_all))
+    all_levels = dict.fromkeys(name for _, ladder in specs for name in ladder)
+    return {
+        "trace": {
+            "path": trace.source,
+            "format": trace.format,
+            "requests": len(trace),
+            "block_refs": trace.block_refs,
+            "distinct_blocks": trace.distinct_blocks,
+            "block_tokens": config.block_tokens,
+            "duration_s": trace.duration_s,
+        },
+        "model": {
+            "name": shape.name,
+            "layers": shape.layers,
+            "kv_heads": shape.kv_heads,
+            "head_dim": shape.head_dim,
+            "dtype": config.dtype,
+            "bytes_per_token": {name: shape.block_bytes(name, config.block_tokens) / config.block_tokens for name in all_levels},
+        },
+        "tiers": [{"tier": t, "budget_bytes": b, "gbps": config.gbps(t)} for t, b in config.tiers()],
+        "results": results,
+    }

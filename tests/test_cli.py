@@ -1,0 +1,255 @@
+"""The ``kvtier`` command line: argument errors, and how ``simulate`` drives the simulator.
+
+The simulator itself is replaced by a recording fake here, so these tests pin down the CLI's side
+of the contract (``SimulationConfig`` fields, ``run(trace, config, policies=, progress=)``, the
+output streams); full replays are tested with the real simulator elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sample_result import sample_result
+
+from kvtier.cli import DEFAULT_DEVICE_BYTES, main
+from kvtier.config import ENV_VARS
+
+GiB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ENV_VARS:
+        monkeypatch.delenv(var.name, raising=False)
+        if var.alias:
+            monkeypatch.delenv(var.alias, raising=False)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+
+
+@pytest.fixture
+def trace_file(tmp_path: Path) -> Path:
+    rows = [
+        {"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [0, 1]},
+        {"timestamp": 5, "input_length": 1500, "output_length": 20, "hash_ids": [0, 1, 2]},
+        {"timestamp": 9, "input_length": 300, "output_length": 5, "hash_ids": [3]},
+    ]
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@dataclasses.dataclass
+class FakeSimulationConfig:
+    model: str
+    dtype: str
+    device_bytes: int | None
+    device_blocks: int | None
+    host_bytes: int | None
+    disk_bytes: int | None
+    remote_bytes: int | None
+    host_gbps: float
+    disk_gbps: float
+    remote_gbps: float
+    ladder: tuple[str, ...]
+    step_every: int
+    block_tokens: int
+    base: Any
+
+
+@pytest.fixture
+def fake_sim(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    calls: dict[str, Any] = {}
+
+    def run(trace: Any, config: Any, *, policies: list[str], progress: Any) -> dict[str, Any]:
+        calls.update(trace=trace, config=config, policies=policies)
+        progress(len(trace), len(trace))
+        return sample_result(policies=len(policies))
+
+    module = types.ModuleType("kvtier.simulate")
+    module.SimulationConfig = FakeSimulationConfig  # type: ignore[attr-defined]
+    module.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvtier.simulate", module)
+    return calls
+
+
+def _error_lines(stderr: str) -> tuple[str, str]:
+    lines = [line for line in stderr.splitlines() if line.startswith(("error:", "hint:"))]
+    assert len(lines) == 2, stderr
+    assert lines[0].startswith("error: ") and lines[1].startswith("hint: ")
+    return lines[0], lines[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "in_error"),
+    [
+        (["simulate", "/nonexistent/trace.jsonl"], "/nonexistent/trace.jsonl"),
+        (["simulate", "--device-bytes", "12XB"], "--device-bytes"),
+        (["simulate", "--device-bytes", "8GiB", "--device-blocks", "10"], "not allowed with"),
+        (["simulate", "--compare", "lru,fifo"], "fifo"),
+        (["simulate", "--compare", "lru:"], "lru:"),
+        (["simulate", "--compare", "lru:bf16++int4"], "policy:level+level"),
+        (["simulate", "--policy", "lru", "--compare", "lru,h2o"], "not allowed with"),
+        (["simulate", "--policy", "fifo"], "fifo"),
+        (["simulate", "--limit", "0"], "--limit"),
+        (["simulate", "--host-gbps", "-1"], "--host-gbps"),
+        (["simulate", "--format", "parquet"], "--format"),
+        (["simulate", "--ladder", "fp16,int8", "--dtype", "bf16"], "dtype"),
+        (["simulate", "--ladder", "int8,int4"], "ladder"),
+        (["simulate", "--dtype", "int3"], "int3"),
+        (["bench", "everything"], "everything"),
+        ([], "no command"),
+        (["frobnicate"], "frobnicate"),
+    ],
+)
+def test_bad_arguments_exit_2_with_error_and_hint(
+    capsys: pytest.CaptureFixture[str], argv: list[str], in_error: str
+) -> None:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    error, hint = _error_lines(err)
+    assert in_error in error
+    assert len(hint) > len("hint: ")
+
+
+def test_bad_environment_variable_is_reported_by_name(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVTIER_POLICY", "fifo")
+    assert main(["simulate", "/nonexistent/trace.jsonl"]) == 2
+    error, _ = _error_lines(capsys.readouterr().err)
+    assert "KVTIER_POLICY" in error
+
+
+def test_missing_trace_hint_mentions_the_bundled_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "/nonexistent/trace.jsonl"]) == 2
+    _, hint = _error_lines(capsys.readouterr().err)
+    assert "bundled" in hint
+
+
+def test_malformed_trace_is_an_error_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": "many"}\n')
+    assert main(["simulate", str(bad), "--format", "mooncake"]) == 2
+    _error_lines(capsys.readouterr().err)
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--help"]) == 0
+    assert "--device-bytes" in capsys.readouterr().out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["version"]) == 0
+    assert capsys.readouterr().out.startswith("kvtier ")
+
+
+def test_python_dash_m_kvtier_runs_the_cli() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier", "version"], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("kvtier ")
+
+
+def test_simulate_defaults(
+    fake_sim: dict[str, Any], trace_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", str(trace_file), "--no-progress"]) == 0
+    cfg = fake_sim["config"]
+    assert cfg.model == "llama3-8b"
+    assert cfg.dtype == "bf16"
+    assert cfg.device_bytes == DEFAULT_DEVICE_BYTES == 64 * GiB
+    assert cfg.device_blocks is None
+    assert (cfg.host_bytes, cfg.disk_bytes, cfg.remote_bytes) == (None, None, None)
+    assert (cfg.host_gbps, cfg.disk_gbps, cfg.remote_gbps) == (25.0, 5.0, 1.25)
+    assert cfg.ladder == ("bf16", "int8", "int4")
+    assert cfg.step_every == 1
+    assert cfg.block_tokens == 512
+    assert cfg.base.policy == "importance"
+    assert fake_sim["policies"] == ["importance"]
+    assert len(fake_sim["trace"]) == 3
+    out, err = capsys.readouterr()
+    assert "block hit rate" in out
+    assert "\033[" not in out  # captured stdout is not a terminal
+    assert "error" not in err
+
+
+def test_simulate_options_reach_the_simulator(
+    fake_sim: dict[str, Any], trace_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "simulate",
+        str(trace_file),
+        "--model", "llama2-7b",
+        "--device-blocks", "100",
+        "--host-bytes", "1GiB",
+        "--disk-bytes", "1e12",
+        "--remote-bytes", "512MB",
+        "--disk-gbps", "2.5",
+        "--ladder", "fp16,int4",
+        "--compare", "lru,importance,lru",
+        "--limit", "2",
+        "--step-every", "8",
+        "--no-progress",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    cfg = fake_sim["config"]
+    assert (cfg.model, cfg.dtype, cfg.ladder) == ("llama2-7b", "fp16", ("fp16", "int4"))
+    assert (cfg.device_bytes, cfg.device_blocks) == (None, 100)
+    assert (cfg.host_bytes, cfg.disk_bytes, cfg.remote_bytes) == (GiB, 10**12, 512 * 10**6)
+    assert cfg.disk_gbps == 2.5
+    assert cfg.step_every == 8
+    assert fake_sim["policies"] == ["lru", "importance"]
+    assert len(fake_sim["trace"]) == 2
+    out = capsys.readouterr().out
+    assert out.splitlines()[out.splitlines().index("") + 1].split() == ["policy", "lru", "importance"]
+
+
+def test_simulate_compare_accepts_a_ladder_per_policy(
+    fake_sim: dict[str, Any], trace_file: Path
+) -> None:
+    argv = ["simulate", str(trace_file), "--no-progress", "--compare", "lru:bf16,H2O:BF16+int8"]
+    assert main(argv) == 0
+    assert fake_sim["policies"] == ["lru:bf16", "h2o:bf16+int8"]
+    assert fake_sim["config"].base.policy == "lru"
+
+
+def test_simulate_budgets_fall_back_to_the_environment(
+    fake_sim: dict[str, Any], trace_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTIER_DEVICE_BUDGET", "8GiB")
+    monkeypatch.setenv("KVTIER_HOST_BUDGET", "16GiB")
+    monkeypatch.setenv("KVTIER_POLICY", "lru")
+    assert main(["simulate", str(trace_file), "--no-progress", "--host-bytes", "2GiB"]) == 0
+    cfg = fake_sim["config"]
+    assert (cfg.device_bytes, cfg.host_bytes) == (8 * GiB, 2 * GiB)
+    assert fake_sim["policies"] == ["lru"]
+
+
+def test_simulate_json_is_the_only_stdout(
+    fake_sim: dict[str, Any], trace_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", str(trace_file), "--json", "--compare", "lru,importance"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == sample_result()
+    assert "replaying" in err  # progress and logs go to stderr
+
+
+def test_simulate_plot(
+    fake_sim: dict[str, Any], trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib", reason="plotting needs the plot extra")
+    png = tmp_path / "out.png"
+    assert main(["simulate", str(trace_file), "--no-progress", "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert str(png) in capsys.readouterr().err

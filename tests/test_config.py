@@ -1,0 +1,269 @@
+"""KvtierConfig: precedence of arguments and environment, parsing, validation, the README table."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import ENV_VARS, POLICIES, KvtierConfig, env_table_markdown, parse_bytes
+from kvtier.errors import ConfigError
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+ALIASED = [
+    # field, KVTIER_* var, VLLM_* alias, (alias text, value), (KVTIER text, value), explicit value
+    ("compression_ratio", "KVTIER_COMPRESSION_RATIO", "VLLM_KV_COMPRESSION_RATIO", ("0.3", 0.3), ("0.7", 0.7), 0.9),
+    ("levels", "KVTIER_LEVELS", "VLLM_KV_COMPRESSION_LEVELS", ("1", 1), ("2", 2), 3),
+    ("enable_compression", "KVTIER_ENABLE_COMPRESSION", "VLLM_ENABLE_KV_COMPRESSION", ("0", False), ("1", True), False),
+]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ENV_VARS:
+        monkeypatch.delenv(var.name, raising=False)
+        if var.alias:
+            monkeypatch.delenv(var.alias, raising=False)
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    cfg = KvtierConfig.from_env()
+    assert cfg == KvtierConfig()
+    assert (cfg.enable_compression, cfg.compression_ratio, cfg.levels) == (True, 0.5, 3)
+    assert cfg.ladder is None
+    assert cfg.policy == "importance"
+    assert (cfg.block_size, cfg.recent_window, cfg.sink_blocks) == (16, 128, 1)
+    assert cfg.weights == (0.4, 0.4, 0.2)
+    assert cfg.device_budget is cfg.host_budget is cfg.disk_budget is cfg.remote_budget is None
+    assert cfg.max_move_bytes is None
+    assert (cfg.headroom, cfg.hysteresis, cfg.decay, cfg.attention_ema) == (0.1, 0.1, 0.9, 0.5)
+    assert cfg.scissorhands_window == 8
+    assert (cfg.write_through, cfg.evict_on_full) == (False, False)
+    assert cfg.namespace == "default"
+
+
+@pytest.mark.parametrize(("field", "var", "alias", "from_alias", "from_var", "explicit"), ALIASED)
+def test_precedence_explicit_then_kvtier_then_vllm_alias_then_default(
+    monkeypatch: pytest.MonkeyPatch,
+    field: str,
+    var: str,
+    alias: str,
+    from_alias: tuple[str, object],
+    from_var: tuple[str, object],
+    explicit: object,
+) -> None:
+    default = getattr(KvtierConfig(), field)
+    assert from_alias[1] != default
+    assert from_var[1] != from_alias[1]
+    assert explicit != from_var[1]
+    assert getattr(KvtierConfig.from_env(), field) == default
+
+    monkeypatch.setenv(alias, from_alias[0])
+    assert getattr(KvtierConfig.from_env(), field) == from_alias[1]
+
+    monkeypatch.setenv(var, from_var[0])
+    assert getattr(KvtierConfig.from_env(), field) == from_var[1]
+
+    assert getattr(KvtierConfig.from_env(**{field: explicit}), field) == explicit
+
+
+def test_constructor_ignores_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_POLICY", "lru")
+    assert KvtierConfig().policy == "importance"
+    assert KvtierConfig.from_env().policy == "lru"
+
+
+def test_none_override_and_empty_variable_count_as_not_given() -> None:
+    env = {"KVTIER_POLICY": "h2o", "KVTIER_BLOCK_SIZE": "  "}
+    cfg = KvtierConfig.from_env(environ=env, policy=None, block_size=None)
+    assert cfg.policy == "h2o"
+    assert cfg.block_size == 16
+
+
+def test_environment_values_are_parsed_by_type() -> None:
+    env = {
+        "KVTIER_ENABLE_COMPRESSION": "off",
+        "KVTIER_LADDER": "FP16, int8",
+        "KVTIER_POLICY": " LFU ",
+        "KVTIER_WEIGHTS": "1,0,0.5",
+        "KVTIER_DEVICE_BUDGET": "8GiB",
+        "KVTIER_HOST_BUDGET": "512MB",
+        "KVTIER_DISK_BUDGET": "1e12",
+        "KVTIER_MAX_MOVE_BYTES": "4096",
+        "KVTIER_DECAY": "0.5",
+        "KVTIER_WRITE_THROUGH": "yes",
+        "KVTIER_NAMESPACE": "llama3/int8",
+    }
+    cfg = KvtierConfig.from_env(environ=env)
+    assert cfg.enable_compression is False
+    assert cfg.ladder == ("fp16", "int8")
+    assert cfg.levels == 2
+    assert cfg.policy == "lfu"
+    assert cfg.weights == (1.0, 0.0, 0.5)
+    assert cfg.device_budget == 8 * 2**30
+    assert cfg.host_budget == 512 * 10**6
+    assert cfg.disk_budget == 10**12
+    assert cfg.max_move_bytes == 4096
+    assert cfg.decay == 0.5
+    assert cfg.write_through is True
+    assert cfg.namespace == "llama3/int8"
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"KVTIER_LEVELS": "three"}, ["KVTIER_LEVELS", "levels"]),
+        ({"VLLM_KV_COMPRESSION_LEVELS": "three"}, ["VLLM_KV_COMPRESSION_LEVELS", "levels"]),
+        ({"KVTIER_COMPRESSION_RATIO": "1.5"}, ["KVTIER_COMPRESSION_RATIO", "compression_ratio"]),
+        ({"KVTIER_ENABLE_COMPRESSION": "maybe"}, ["KVTIER_ENABLE_COMPRESSION"]),
+        ({"KVTIER_DEVICE_BUDGET": "8 gigs"}, ["KVTIER_DEVICE_BUDGET"]),
+        ({"KVTIER_POLICY": "fifo"}, ["KVTIER_POLICY", "policy"]),
+        ({"KVTIER_WEIGHTS": "1,2"}, ["KVTIER_WEIGHTS", "weights"]),
+    ],
+)
+def test_bad_environment_value_names_the_variable(env: dict[str, str], names: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        KvtierConfig.from_env(environ=env)
+    for name in names:
+        assert name in str(info.value)
+
+
+def test_unknown_override_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="polcy"):
+        KvtierConfig.from_env(polcy="lru")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("8GiB", 8 * 2**30),
+        ("8 gib", 8 * 2**30),
+        ("512MB", 512 * 10**6),
+        ("1.5KiB", 1536),
+        ("2TB", 2 * 10**12),
+        ("3TiB", 3 * 2**40),
+        ("64KB", 64_000),
+        ("1e9", 10**9),
+        ("4096", 4096),
+        ("100B", 100),
+        ("0", 0),
+    ],
+)
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1", "8 GiBs", "8XB", "1.2.3", "1e999", "ten"])
+def test_parse_bytes_rejects_with_the_expected_form(text: str) -> None:
+    with pytest.raises(ConfigError, match="expected"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("compression_ratio", 1.5),
+        ("compression_ratio", -0.1),
+        ("compression_ratio", float("nan")),
+        ("levels", 0),
+        ("levels", 4),  # more than 3 levels needs an explicit ladder
+        ("ladder", ()),
+        ("ladder", ("int8", "int4")),  # level 0 must be the model dtype
+        ("ladder", ("fp16", "int8", "int8")),
+        ("ladder", ("fp16", "bad name")),
+        ("ladder", tuple(["fp16"] + [f"int{i}" for i in range(8)])),
+        ("policy", "fifo"),
+        ("block_size", 0),
+        ("block_size", 16.0),
+        ("recent_window", -1),
+        ("sink_blocks", -1),
+        ("weights", (0.0, 0.0, 0.0)),
+        ("weights", (1.0, -1.0, 1.0)),
+        ("weights", (1.0, 1.0)),
+        ("device_budget", -1),
+        ("host_budget", -5),
+        ("disk_budget", 1.5),
+        ("remote_budget", "8GiB"),
+        ("max_move_bytes", -1),
+        ("headroom", 1.0),
+        ("hysteresis", 2.0),
+        ("decay", 0.0),
+        ("attention_ema", 1.5),
+        ("scissorhands_window", 0),
+        ("enable_compression", "yes"),
+        ("write_through", 2),
+        ("namespace", ""),
+    ],
+)
+def test_each_invalid_value_is_a_config_error_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        KvtierConfig(**{field: value})  # type: ignore[arg-type]
+    assert isinstance(info.value, ValueError)
+    assert str(info.value).startswith(f"{field}:")
+    assert "expected" in str(info.value)
+
+
+def test_ladder_wins_over_levels_and_names_are_normalised() -> None:
+    cfg = KvtierConfig(levels=3, ladder=("Float16", "INT8"))
+    assert cfg.ladder == ("fp16", "int8")
+    assert cfg.levels == 2
+    five = KvtierConfig(ladder=("bf16", "int8", "int4", "learned:mine", "drop"))
+    assert five.levels == 5
+
+
+@pytest.mark.parametrize(
+    ("levels", "expected"),
+    [(1, ("bf16",)), (2, ("bf16", "int8")), (3, ("bf16", "int8", "int4"))],
+)
+def test_resolved_ladder_from_levels(levels: int, expected: tuple[str, ...]) -> None:
+    assert KvtierConfig(levels=levels).resolved_ladder("torch.bfloat16") == expected
+
+
+def test_resolved_ladder_explicit_and_compression_off() -> None:
+    cfg = KvtierConfig(ladder=("fp16", "int4"))
+    assert cfg.resolved_ladder("fp16") == ("fp16", "int4")
+    assert KvtierConfig(enable_compression=False).resolved_ladder("float32") == ("fp32",)
+    with pytest.raises(ConfigError, match="dtype"):
+        KvtierConfig().resolved_ladder("int8")
+
+
+def test_config_is_frozen_and_replace_validates() -> None:
+    cfg = KvtierConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.policy = "lru"  # type: ignore[misc]
+    assert cfg.replace(policy="lru").policy == "lru"
+    with pytest.raises(ConfigError, match="policy"):
+        cfg.replace(policy="nope")
+
+
+def test_every_field_has_one_variable_and_policies_are_listed() -> None:
+    fields = [f.name for f in dataclasses.fields(KvtierConfig)]
+    assert sorted(v.field for v in ENV_VARS) == sorted(fields)
+    assert all(v.name == f"KVTIER_{v.field.upper()}" for v in ENV_VARS)
+    policy_var = next(v for v in ENV_VARS if v.field == "policy")
+    assert all(p in policy_var.help for p in POLICIES)
+
+
+def _readme_table_rows() -> list[list[str]]:
+    text = README.read_text(encoding="utf-8")
+    rows = []
+    for line in text.splitlines():
+        if re.match(r"^\|\s*`(KVTIER|VLLM)_", line):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_readme_env_table_lists_exactly_the_config_variables() -> None:
+    rows = _readme_table_rows()
+    names = [row[0].strip("`") for row in rows]
+    assert sorted(names) == sorted(v.name for v in ENV_VARS)
+    aliases = {row[0].strip("`"): row[1].strip("`") or None for row in rows}
+    assert aliases == {v.name: v.alias for v in ENV_VARS}
+
+
+def test_readme_env_table_is_the_generated_one() -> None:
+    # Regenerate with: python -c "from kvtier.config import env_table_markdown as t; print(t())"
+    assert env_table_markdown() in README.read_text(encoding="utf-8")

@@ -1,0 +1,244 @@
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.traces import (
+    BUNDLED_TRACE_REQUESTS,
+    Trace,
+    bundled_trace_path,
+    load_trace,
+    synthesize_hashes,
+)
+
+_ARRAYS = ("timestamps_ms", "input_lengths", "output_lengths", "hash_offsets", "hash_ids")
+
+
+def _shared_data() -> Path:
+    env = os.environ.get("KVTIER_SHARED_DATA")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+FULL_TRACE = _shared_data() / "traces" / "mooncake_conversation.jsonl"
+needs_full_trace = pytest.mark.skipif(
+    not FULL_TRACE.is_file(),
+    reason=f"real Mooncake trace not found at {FULL_TRACE} (set KVTIER_SHARED_DATA)",
+)
+
+
+@pytest.fixture(scope="module")
+def full_trace() -> Trace:
+    return load_trace(FULL_TRACE)
+
+
+def _assert_prefix_chained(trace: Trace) -> None:
+    """Equal id => equal whole prefix up to and including it."""
+    seen: dict[int, tuple[int, ...]] = {}
+    for i in range(trace.num_requests):
+        ids = trace.request_hashes(i).tolist()
+        for j, h in enumerate(ids):
+            prefix = tuple(ids[: j + 1])
+            assert seen.setdefault(h, prefix) == prefix, f"id {h} has two prefixes"
+
+
+def _assert_block_counts(trace: Trace) -> None:
+    expected = -(-trace.input_lengths // trace.block_tokens)
+    assert np.array_equal(trace.blocks_per_request, expected)
+
+
+@needs_full_trace
+def test_full_mooncake_trace_matches_data_readme(full_trace: Trace) -> None:
+    assert full_trace.format == "mooncake"
+    assert full_trace.block_tokens == 512
+    assert full_trace.num_requests == 12_031
+    assert full_trace.block_refs == 288_500
+    assert full_trace.distinct_blocks == 182_790
+    assert 58 * 60 < full_trace.duration_s < 60 * 60  # "~59 min"
+    assert full_trace.hash_ids.dtype == np.uint64
+    assert full_trace.hash_offsets.dtype == np.int64
+    _assert_block_counts(full_trace)
+
+
+@needs_full_trace
+def test_bundled_slice_is_head_of_real_trace(full_trace: Trace) -> None:
+    bundled = load_trace(bundled_trace_path())
+    assert bundled.num_requests == BUNDLED_TRACE_REQUESTS
+    head = full_trace.head(BUNDLED_TRACE_REQUESTS)
+    for name in _ARRAYS:
+        assert np.array_equal(getattr(bundled, name), getattr(head, name)), name
+
+
+def test_bundled_slice_loads() -> None:
+    path = bundled_trace_path()
+    assert path.name.endswith(".jsonl.gz")
+    assert path.stat().st_size < 1_000_000
+    assert (path.parent / "NOTICE.md").is_file()
+    trace = load_trace(path)
+    assert trace.num_requests == BUNDLED_TRACE_REQUESTS
+    assert trace.request_hashes(0)[0] == 0
+    _assert_block_counts(trace)
+
+
+def test_trace_accessors() -> None:
+    trace = load_trace(bundled_trace_path())
+    head = trace.head(3)
+    assert head.num_requests == len(head) == 3
+    assert head.block_refs == int(trace.hash_offsets[3])
+    assert np.array_equal(head.request_hashes(2), trace.request_hashes(2))
+    assert np.array_equal(trace.request_hashes(-1), trace.hash_ids[trace.hash_offsets[-2] :])
+    assert trace.duration_s == (trace.timestamps_ms[-1] - trace.timestamps_ms[0]) / 1000
+    with pytest.raises(IndexError):
+        trace.request_hashes(trace.num_requests)
+    with pytest.raises(ValueError):  # arrays are read-only
+        trace.hash_ids[0] = 1
+    assert trace.head(10**9).num_requests == trace.num_requests
+    assert trace.head(0).block_refs == 0
+
+
+def _write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+GOOD = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 1]}
+
+
+def test_gzip_and_plain_load_the_same(tmp_path: Path) -> None:
+    rows = [GOOD, {"timestamp": 7, "input_length": 512, "output_length": 1, "hash_ids": [0]}]
+    plain = _write_jsonl(tmp_path / "t.jsonl", rows)
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    a, b = load_trace(plain), load_trace(gz)
+    for name in _ARRAYS:
+        assert np.array_equal(getattr(a, name), getattr(b, name))
+    assert a.num_requests == 2 and a.block_refs == 3 and a.distinct_blocks == 2
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ('{"timestamp": 1, "input_length": 10', "malformed JSON"),
+        ({"timestamp": 1, "input_length": 10, "output_length": 1}, "missing field 'hash_ids'"),
+        (
+            {"timestamp": 1, "input_length": 1025, "output_length": 1, "hash_ids": [0, 1]},
+            "expected",
+        ),
+        ({"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}, "hash_ids"),
+        ({"timestamp": 1, "input_length": -1, "output_length": 1, "hash_ids": []}, "input_length"),
+        ("[1, 2]", "JSON object"),
+    ],
+)
+def test_malformed_line_names_the_line(tmp_path: Path, bad: object, message: str) -> None:
+    path = _write_jsonl(tmp_path / "bad.jsonl", [GOOD, "", bad, GOOD])
+    with pytest.raises(ValueError, match=rf"line 3\b.*{message}"):
+        load_trace(path)
+
+
+AZURE_ROWS = [
+    # Azure LLM inference trace format (AzurePublicDataset): wall-clock time with 100 ns digits.
+    ("2023-11-16 18:15:46.6805900", 374, 44),
+    ("2023-11-16 18:15:50.9951690", 396, 109),
+    ("2023-11-16 18:15:51.0004020", 879, 21),
+    ("2023-11-16 18:15:53.2145800", 1548, 231),
+    ("2023-11-16 18:15:53.5611230", 2113, 12),
+    ("2023-11-16 18:15:54.2000000", 4096, 77),
+    ("2023-11-16 18:15:55.0100000", 130, 5),
+    ("2023-11-16 18:15:56.0000000", 5000, 300),
+    ("2023-11-16 18:15:57.5000000", 6100, 90),
+    ("2023-11-16 18:15:58.7500000", 1024, 31),
+    ("2023-11-16 18:16:00.0000000", 7300, 64),
+    ("2023-11-16 18:16:01.0000000", 9000, 12),
+]
+
+
+def _write_azure(path: Path) -> Path:
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"] + [f"{t},{c},{g}" for t, c, g in AZURE_ROWS]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_azure_csv_is_loaded_with_synthesized_prefix_chained_hashes(tmp_path: Path) -> None:
+    path = _write_azure(tmp_path / "AzureLLMInferenceTrace_conv.csv")
+    trace = load_trace(path, seed=3)
+    assert trace.format == "azure"
+    assert trace.num_requests == len(AZURE_ROWS)
+    assert trace.input_lengths.tolist() == [c for _, c, _ in AZURE_ROWS]
+    assert trace.output_lengths.tolist() == [g for _, _, g in AZURE_ROWS]
+    assert trace.timestamps_ms[0] == 0.0
+    assert trace.timestamps_ms[1] == pytest.approx(4314.579)
+    assert trace.duration_s == pytest.approx(14.31941)
+    _assert_block_counts(trace)
+    _assert_prefix_chained(trace)
+
+    again = load_trace(path, seed=3)
+    for name in _ARRAYS:
+        assert np.array_equal(getattr(trace, name), getattr(again, name))
+
+
+def test_synthesis_is_deterministic_and_shares_prefixes() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 20_000, size=2_000)
+    a = synthesize_hashes(lengths, seed=11)
+    b = synthesize_hashes(lengths, seed=11)
+    c = synthesize_hashes(lengths, seed=12)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert not np.array_equal(a[1], c[1])
+    trace = Trace(
+        timestamps_ms=np.arange(len(lengths), dtype=np.float64),
+        input_lengths=lengths,
+        output_lengths=np.zeros(len(lengths), dtype=np.int64),
+        hash_offsets=a[0],
+        hash_ids=a[1],
+        format="csv",
+    )
+    _assert_block_counts(trace)
+    _assert_prefix_chained(trace)
+    assert trace.distinct_blocks < trace.block_refs  # some sharing happened
+    assert int(trace.hash_ids.max()) == trace.distinct_blocks - 1  # dense ids, like Mooncake
+
+
+def test_synthesis_model_parameters() -> None:
+    lengths = np.array([1100, 2000, 3000, 4000])
+    # No system prompts, no follow-ups: nothing is shared.
+    off, ids = synthesize_hashes(lengths, num_system_prompts=0, followup_prob=0.0)
+    assert len(np.unique(ids)) == len(ids) == sum(math.ceil(x / 512) for x in lengths)
+    # One system prompt of two blocks, no follow-ups: every request opens with the same 2 ids.
+    off, ids = synthesize_hashes(
+        lengths, num_system_prompts=1, system_prompt_tokens=1024, followup_prob=0.0
+    )
+    firsts = {tuple(ids[off[i] : off[i] + 2].tolist()) for i in range(len(lengths))}
+    assert len(firsts) == 1
+    # Always a follow-up of the only (growing) session: each turn extends the previous one.
+    off, ids = synthesize_hashes(lengths, num_system_prompts=0, followup_prob=1.0, session_window=1)
+    for i in range(1, len(lengths)):
+        prev_full = int(lengths[i - 1]) // 512
+        assert (
+            ids[off[i] : off[i] + prev_full].tolist()
+            == ids[off[i - 1] : off[i - 1] + prev_full].tolist()
+        )
+        assert ids[off[i] + prev_full] not in set(ids[: off[i]].tolist())
+
+
+def test_plain_csv_and_format_detection(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text("timestamp,input_length,output_length\n0,512,1\n250.5,1536,2\n")
+    trace = load_trace(path, block_tokens=256)
+    assert trace.format == "csv"
+    assert trace.timestamps_ms.tolist() == [0.0, 250.5]
+    assert trace.blocks_per_request.tolist() == [2, 6]
+    _assert_prefix_chained(trace)
+
+    weird = tmp_path / "trace.txt"
+    weird.write_text("a,b,c\n1,2,3\n")
+    with pytest.raises(ValueError, match="cannot tell the trace format"):
+        load_trace(weird)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,12x,3\n")
+    with pytest.raises(ValueError, match=r"line 2.*ContextTokens"):
+        load_trace(bad)
