@@ -82,7 +82,8 @@ def fake_sim(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 def _error_lines(stderr: str) -> tuple[str, str]:
     lines = [line for line in stderr.splitlines() if line.startswith(("error:", "hint:"))]
     assert len(lines) == 2, stderr
-    assert lines[0].startswith("error: ") and lines[1].startswith("hint: ")
+    assert lines[0].startswith("error: ")
+    assert lines[1].startswith("hint: ")
     return lines[0], lines[1]
 
 
@@ -212,7 +213,11 @@ def test_simulate_options_reach_the_simulator(
     assert fake_sim["policies"] == ["lru", "importance"]
     assert len(fake_sim["trace"]) == 2
     out = capsys.readouterr().out
-    assert out.splitlines()[out.splitlines().index("") + 1].split() == ["policy", "lru", "importance"]
+    assert out.splitlines()[out.splitlines().index("") + 1].split() == [
+        "policy",
+        "lru",
+        "importance",
+    ]
 
 
 def test_simulate_compare_accepts_a_ladder_per_policy(

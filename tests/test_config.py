@@ -15,9 +15,23 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 ALIASED = [
     # field, KVTIER_* var, VLLM_* alias, (alias text, value), (KVTIER text, value), explicit value
-    ("compression_ratio", "KVTIER_COMPRESSION_RATIO", "VLLM_KV_COMPRESSION_RATIO", ("0.3", 0.3), ("0.7", 0.7), 0.9),
+    (
+        "compression_ratio",
+        "KVTIER_COMPRESSION_RATIO",
+        "VLLM_KV_COMPRESSION_RATIO",
+        ("0.3", 0.3),
+        ("0.7", 0.7),
+        0.9,
+    ),
     ("levels", "KVTIER_LEVELS", "VLLM_KV_COMPRESSION_LEVELS", ("1", 1), ("2", 2), 3),
-    ("enable_compression", "KVTIER_ENABLE_COMPRESSION", "VLLM_ENABLE_KV_COMPRESSION", ("0", False), ("1", True), False),
+    (
+        "enable_compression",
+        "KVTIER_ENABLE_COMPRESSION",
+        "VLLM_ENABLE_KV_COMPRESSION",
+        ("0", False),
+        ("1", True),
+        False,
+    ),
 ]
 
 

@@ -17,7 +17,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
 
@@ -156,11 +156,11 @@ class EnvVar:
     alias: str | None
     kind: str
     help: str
-    parse: Callable[[str], Any] = field(repr=False, compare=False)
+    parse: Callable[[str], Any] = dataclasses.field(repr=False, compare=False)
 
 
 def _var(field_name: str, kind: str, help: str, alias: str | None = None) -> EnvVar:
-    parse = {
+    parsers: dict[str, Callable[[str], Any]] = {
         "bool": _parse_bool,
         "int": _parse_int,
         "float": _parse_float,
@@ -168,8 +168,8 @@ def _var(field_name: str, kind: str, help: str, alias: str | None = None) -> Env
         "list": _parse_list,
         "weights": _parse_weights,
         "str": str.strip,
-    }[kind]
-    return EnvVar(f"KVTIER_{field_name.upper()}", field_name, alias, kind, help, parse)
+    }
+    return EnvVar(f"KVTIER_{field_name.upper()}", field_name, alias, kind, help, parsers[kind])
 
 
 #: The variables :meth:`KvtierConfig.from_env` reads, in the order of the README table.
@@ -200,18 +200,36 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var("recent_window", "int", "most recent tokens of each sequence kept at level 0"),
     _var("sink_blocks", "int", "first blocks of each sequence (attention sink) kept at level 0"),
     _var("weights", "weights", "importance weights `magnitude,learned,attention`"),
-    _var("device_budget", "size", "device tier budget in bytes (`8GiB`, `512MB`, `1e9`); unset = no limit"),
+    _var(
+        "device_budget",
+        "size",
+        "device tier budget in bytes (`8GiB`, `512MB`, `1e9`); unset = no limit",
+    ),
     _var("host_budget", "size", "host (pinned DRAM) tier budget in bytes; unset = no host tier"),
     _var("disk_budget", "size", "disk tier budget in bytes; unset = no disk tier"),
-    _var("remote_budget", "size", "remote (Redis/Valkey) tier budget in bytes; unset = no remote tier"),
+    _var(
+        "remote_budget",
+        "size",
+        "remote (Redis/Valkey) tier budget in bytes; unset = no remote tier",
+    ),
     _var("max_move_bytes", "size", "cap on bytes moved per `step()`; unset = no cap"),
     _var("headroom", "float", "fraction of the device budget kept free for new blocks"),
-    _var("hysteresis", "float", "score margin a block must clear before it is promoted or demoted back"),
+    _var(
+        "hysteresis",
+        "float",
+        "score margin a block must clear before it is promoted or demoted back",
+    ),
     _var("decay", "float", "per-step decay of access counters"),
-    _var("attention_ema", "float", "weight of the newest attention observation in its moving average"),
+    _var(
+        "attention_ema", "float", "weight of the newest attention observation in its moving average"
+    ),
     _var("scissorhands_window", "int", "steps over which `scissorhands` measures persistence"),
     _var("write_through", "bool", "also write each new block to the next tier right away"),
-    _var("evict_on_full", "bool", "evict the lowest-scored block when a pool is full instead of failing"),
+    _var(
+        "evict_on_full",
+        "bool",
+        "evict the lowest-scored block when a pool is full instead of failing",
+    ),
     _var("namespace", "str", "namespace of prefix hashes and stored keys (model, codec, tenant)"),
 )
 
@@ -305,7 +323,9 @@ class KvtierConfig:
         An explicit ``ladder`` is returned as it is; otherwise ``levels`` picks a prefix of
         ``(dtype, "int8", "int4")``. With ``enable_compression`` off, only level 0 remains.
         """
-        ladder = self.ladder if self.ladder is not None else _default_ladder(dtype_name, self.levels)
+        ladder = (
+            self.ladder if self.ladder is not None else _default_ladder(dtype_name, self.levels)
+        )
         return ladder if self.enable_compression else ladder[:1]
 
     # -- validation -----------------------------------------------------------------------------
@@ -326,7 +346,13 @@ class KvtierConfig:
         set_("recent_window", _integer(self, "recent_window", 0))
         set_("sink_blocks", _integer(self, "sink_blocks", 0))
         set_("scissorhands_window", _integer(self, "scissorhands_window", 1))
-        for name in ("device_budget", "host_budget", "disk_budget", "remote_budget", "max_move_bytes"):
+        for name in (
+            "device_budget",
+            "host_budget",
+            "disk_budget",
+            "remote_budget",
+            "max_move_bytes",
+        ):
             if getattr(self, name) is not None:
                 set_(name, _integer(self, name, 0, what="a byte count"))
 
@@ -336,13 +362,21 @@ class KvtierConfig:
             )
         set_("policy", self.policy.strip().lower())
 
-        if not isinstance(self.namespace, str) or not self.namespace or not self.namespace.isprintable():
+        if (
+            not isinstance(self.namespace, str)
+            or not self.namespace
+            or not self.namespace.isprintable()
+        ):
             raise ConfigError(
                 f"namespace: expected a non-empty printable string, got {self.namespace!r}"
             )
 
         weights = self.weights
-        if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__") or len(weights) != 3:
+        if (
+            isinstance(weights, (str, bytes))
+            or not hasattr(weights, "__len__")
+            or len(weights) != 3
+        ):
             raise ConfigError(
                 f"weights: expected three numbers (magnitude, learned, attention), got {weights!r}"
             )
@@ -465,7 +499,5 @@ def env_table_markdown() -> str:
         if var.field == "ladder":
             default = "from levels"
         alias = f"`{var.alias}`" if var.alias else ""
-        rows.append(
-            f"| `{var.name}` | {alias} | `{var.field}` | `{default}` | {var.help} |"
-        )
+        rows.append(f"| `{var.name}` | {alias} | `{var.field}` | `{default}` | {var.help} |")
     return "\n".join(rows)

@@ -149,7 +149,9 @@ def render_table(result: Mapping[str, Any], *, color: bool) -> str:
     # Each row: (label, values, kind) where kind is "section", "rate" (higher is better) or "".
     rows: list[tuple[str, list[str], str, list[float | None]]] = []
 
-    def row(label: str, values: list[str], kind: str = "", nums: list[float | None] | None = None) -> None:
+    def row(
+        label: str, values: list[str], kind: str = "", nums: list[float | None] | None = None
+    ) -> None:
         rows.append((label, values, kind, nums or []))
 
     def section(label: str) -> None:
@@ -265,7 +267,7 @@ def render_table(result: Mapping[str, Any], *, color: bool) -> str:
             cells.append("  " + cell)
         out.append(label.ljust(label_w) + "".join(cells))
 
-    cost_models = {p.get("cost_model") for p in prefill if p.get("cost_model")}
+    cost_models = {str(p["cost_model"]) for p in prefill if p.get("cost_model")}
     for cm in sorted(cost_models):
         out.append("")
         out.append(paint(f"prefill cost model: {cm}", _DIM))
@@ -286,8 +288,7 @@ def plot(result: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise MissingDependencyError(
-            f"--plot needs matplotlib, which is not importable ({exc}): "
-            "pip install 'kvtier[plot]'",
+            f"--plot needs matplotlib, which is not importable ({exc}): pip install 'kvtier[plot]'",
             name="matplotlib",
             hint="pip install 'kvtier[plot]'",
         ) from exc
@@ -300,12 +301,15 @@ def plot(result: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     grid = fig.add_gridspec(nrows, ncols)
 
     ax = fig.add_subplot(grid[0, :])
-    for r in results:
+    styles = ("-", "--", ":", "-.")  # so that policies with equal curves stay visible
+    for i, r in enumerate(results):
         tl = r.get("timeline") or {}
         ax.plot(
             tl.get("request", []),
             [100 * x for x in tl.get("block_hit_rate", [])],
             label=f"{r.get('policy', '?')} ({','.join(r.get('ladder', []))})",
+            linestyle=styles[i % len(styles)],
+            linewidth=1.6,
         )
     ax.set_xlabel("requests replayed")
     ax.set_ylabel("cumulative block hit rate (%)")

@@ -264,7 +264,7 @@ impl PyCore {
                     cols.position.push(c.block_position(b)?);
                     cols.hash.push(c.block_hash(b)?.unwrap_or(0));
                     cols.has_copy.push(c.block_copy(b)?.is_some());
-                    cols.score.push(c.block_score(b)?.0);
+                    cols.score.push(c.block_score(b)?.primary());
                 }
                 Ok(cols)
             })

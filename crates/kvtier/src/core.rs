@@ -12,11 +12,11 @@
 //! in the eviction index of its pool exactly while it is evictable (refcount 0, unpinned, not in
 //! a pending plan).
 
-use std::cmp::{Ordering, Reverse};
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::BTreeMap;
 
 use crate::config::{Config, PolicyKind, Tier};
 use crate::error::{Error, Result};
+use crate::evict::{Entry, EvictionQueue};
 use crate::pool::SlotPool;
 use crate::prefix::{chain_hash, PrefixIndex};
 use crate::stats::{DecayTable, Stats, KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
@@ -31,27 +31,31 @@ pub struct Loc {
     pub slot: u32,
 }
 
-/// Ranking key of a block under the policy: lower goes first. Compared lexicographically.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Key(pub f64, pub f64, pub u64);
-
-impl Eq for Key {}
-impl PartialOrd for Key {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Key {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.0.total_cmp(&other.0).then(self.1.total_cmp(&other.1)).then(self.2.cmp(&other.2))
-    }
-}
-
+/// Ranking key of a block under the policy: lower goes first. Three components compared in
+/// order; floats are stored as order-preserving integers so heap comparisons are integer ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-struct HeapEntry {
-    key: Key,
-    block: u32,
-    version: u32,
+pub struct Key(u64, u64, u64);
+
+/// Maps an f64 onto a u64 with the same order (total order, -inf lowest).
+fn ordered(x: f64) -> u64 {
+    let bits = x.to_bits();
+    if bits >> 63 == 1 {
+        !bits
+    } else {
+        bits | (1 << 63)
+    }
+}
+
+impl Key {
+    pub fn new(primary: f64, secondary: f64, recency: u64) -> Key {
+        Key(ordered(primary), ordered(secondary), recency)
+    }
+
+    /// The primary component (the policy's score) as a float.
+    pub fn primary(self) -> f64 {
+        let bits = if self.0 >> 63 == 1 { self.0 & !(1 << 63) } else { !self.0 };
+        f64::from_bits(bits)
+    }
 }
 
 #[derive(Debug, Clone, Default)]
@@ -142,7 +146,7 @@ pub struct Core {
     next_seq: u32,
     pub(crate) step: u32,
     clock: u64,
-    heaps: Vec<BinaryHeap<Reverse<HeapEntry>>>,
+    heaps: Vec<EvictionQueue>,
     evictable_count: Vec<u64>,
     pub(crate) evictable_bytes: Vec<u64>,
     pub(crate) pending: Option<crate::Plan>,
@@ -181,7 +185,7 @@ impl Core {
             next_seq: 0,
             step: 0,
             clock: 0,
-            heaps: vec![BinaryHeap::new(); n_pools],
+            heaps: vec![EvictionQueue::default(); n_pools],
             evictable_count: vec![0; n_pools],
             evictable_bytes: vec![0; n_pools],
             pending: None,
@@ -384,14 +388,14 @@ impl Core {
             self.evictable_count[now] += 1;
             self.evictable_bytes[now] += self.cfg.level_bytes[now % self.cfg.num_levels()];
             self.blocks.version[i] = self.blocks.version[i].wrapping_add(1);
-            let entry = HeapEntry { key: self.key(i), block: b, version: self.blocks.version[i] };
-            self.heaps[now].push(Reverse(entry));
+            let entry = Entry { key: self.key(i), block: b, version: self.blocks.version[i] };
+            self.heaps[now].push(entry);
             self.compact_heap(now);
         }
         self.blocks.evictable_in[i] = now;
     }
 
-    fn entry_valid(&self, pool: usize, e: &HeapEntry) -> bool {
+    fn entry_valid(&self, pool: usize, e: &Entry) -> bool {
         let i = e.block as usize;
         self.blocks.evictable_in[i] == pool && self.blocks.version[i] == e.version
     }
@@ -400,20 +404,17 @@ impl Core {
     fn compact_heap(&mut self, pool: usize) {
         if self.heaps[pool].len() as u64 > 2 * self.evictable_count[pool] + 1024 {
             let mut heap = std::mem::take(&mut self.heaps[pool]);
-            heap.retain(|Reverse(e)| self.entry_valid(pool, e));
+            heap.retain(|e| self.entry_valid(pool, e));
             self.heaps[pool] = heap;
         }
     }
 
     /// The lowest-ranked evictable block of a pool, left in place.
     pub(crate) fn peek_evictable(&mut self, pool: usize) -> Option<(Key, u32)> {
-        while let Some(Reverse(e)) = self.heaps[pool].peek().copied() {
-            if self.entry_valid(pool, &e) {
-                return Some((e.key, e.block));
-            }
-            self.heaps[pool].pop();
-        }
-        None
+        let mut heap = std::mem::take(&mut self.heaps[pool]);
+        let top = heap.peek_valid(|e| self.entry_valid(pool, e));
+        self.heaps[pool] = heap;
+        top.map(|e| (e.key, e.block))
     }
 
     /// The lowest-ranked evictable block among `pools`.
@@ -444,21 +445,23 @@ impl Core {
         let recency = s.last_access[b];
         // log of the decayed read count, shifted to a step-invariant scale so keys computed at
         // different steps compare correctly: ln(c * d^(now-t)) + now*ln(1/d) = ln c + t*ln(1/d).
-        let freq = if s.reads[b] > 0.0 {
-            f64::from(s.reads[b]).ln() + f64::from(s.reads_step[b]) * self.decay.log_inv()
-        } else {
-            f64::NEG_INFINITY
+        let freq = || {
+            if s.reads[b] > 0.0 {
+                f64::from(s.reads[b]).ln() + f64::from(s.reads_step[b]) * self.decay.log_inv()
+            } else {
+                f64::NEG_INFINITY
+            }
         };
         match self.cfg.policy {
-            PolicyKind::Lru => Key(0.0, 0.0, recency),
-            PolicyKind::Lfu => Key(freq, 0.0, recency),
-            PolicyKind::H2o => Key(f64::from(s.attn_sum[b]), 0.0, recency),
+            PolicyKind::Lru => Key::new(0.0, 0.0, recency),
+            PolicyKind::Lfu => Key::new(freq(), 0.0, recency),
+            PolicyKind::H2o => Key::new(f64::from(s.attn_sum[b]), 0.0, recency),
             PolicyKind::Scissorhands => {
                 let mask = u32::MAX >> (32 - self.cfg.scissorhands_window);
                 let persistence = (s.attn_history[b] & mask).count_ones();
-                Key(f64::from(persistence), f64::from(s.attn_ema[b]), recency)
+                Key::new(f64::from(persistence), f64::from(s.attn_ema[b]), recency)
             }
-            PolicyKind::Importance => Key(f64::from(s.importance[b]), freq, recency),
+            PolicyKind::Importance => Key::new(f64::from(s.importance[b]), freq(), recency),
         }
     }
 
@@ -513,6 +516,7 @@ impl Core {
             });
         }
         let device_pools: Vec<usize> = (0..levels).collect();
+        let level0 = [pool0];
         loop {
             let free = budget.saturating_sub(self.tier_bytes[0]);
             let free_slots = u64::from(self.pools[pool0].free_count());
@@ -520,7 +524,7 @@ impl Core {
                 return Ok(());
             }
             // Short of level-0 slots only: evict from that pool.
-            let pools: &[usize] = if need <= free { std::slice::from_ref(&pool0) } else { &device_pools };
+            let pools: &[usize] = if need <= free { &level0 } else { &device_pools };
             match self.lowest_evictable(pools) {
                 Some((_, b)) => self.evict_now(b),
                 None => {

@@ -9,6 +9,7 @@
 pub mod config;
 pub mod core;
 pub mod error;
+mod evict;
 pub mod pool;
 pub mod prefix;
 pub mod scheduler;

@@ -7,6 +7,7 @@
 //! stable across processes, machines and runs (unlike Python's `hash`).
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Seed of the hash chain for a namespace (model, codec, tenant...).
@@ -35,11 +36,32 @@ pub fn prefix_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
         .collect()
 }
 
+/// The index's keys are already uniformly distributed 64-bit hashes (or trace ids): one
+/// multiply spreads them over the table; SipHash would only add cost.
+#[derive(Default, Clone, Copy)]
+pub struct PrehashedHasher(u64);
+
+impl Hasher for PrehashedHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (x ^ (x >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    }
+}
+
+pub(crate) type FastMap<V> = HashMap<u64, V, BuildHasherDefault<PrehashedHasher>>;
+
 /// Hash → the block that holds that prefix. One block per hash: inserting a hash that is
 /// already present shares the existing block instead of storing it twice.
 #[derive(Debug, Default, Clone)]
 pub struct PrefixIndex {
-    map: HashMap<u64, u32>,
+    map: FastMap<u32>,
 }
 
 impl PrefixIndex {

@@ -372,8 +372,12 @@ impl Core {
             })
             .map(|w| (self.key(w.block as usize), w.block))
             .collect();
+        if !demotable && next.is_none() && pass.projected[t] <= budget {
+            return 0; // nothing can move here, and only eviction above the budget applies
+        }
         live.sort_unstable_by(|a, b| b.cmp(a)); // pop() takes the lowest
         let all_pools: Vec<usize> = (t * levels..(t + 1) * levels).collect();
+        let mut pools: Vec<usize> = Vec::with_capacity(levels);
         let mut hard = false;
         loop {
             let threshold = if hard { budget } else { soft };
@@ -385,14 +389,11 @@ impl Core {
                 self.fits(pass, np, self.level_bytes(last_kept))
             });
             // Cached blocks are candidates where some action applies to their pool.
-            let pools: Vec<usize> = all_pools
-                .iter()
-                .copied()
-                .filter(|p| {
-                    let level = (p % levels) as u8;
-                    hard || next_room || (demotable && level < last_kept)
-                })
-                .collect();
+            pools.clear();
+            pools.extend(all_pools.iter().copied().filter(|p| {
+                let level = (p % levels) as u8;
+                hard || next_room || (demotable && level < last_kept)
+            }));
             let cached = self.lowest_evictable(&pools);
             let from_live = live.last().copied();
             let (b, is_live) = match (cached, from_live) {

@@ -1,0 +1,60 @@
+//! The eviction index of one pool: its evictable blocks ordered by the policy's key, lowest
+//! first, with lazy deletion (an entry is valid while its block's version still matches).
+//!
+//! Blocks mostly become evictable in increasing key order (a request's blocks are freed after
+//! they were read, and keys grow with the access clock), so entries that arrive in order go to a
+//! FIFO run at O(1); only out-of-order ones pay for the heap. The minimum is the smaller of the
+//! two heads, so the order is exact whatever the arrival order.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use crate::core::Key;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Entry {
+    pub key: Key,
+    pub block: u32,
+    pub version: u32,
+}
+
+#[derive(Debug, Clone, Default)]
+pub(crate) struct EvictionQueue {
+    run: VecDeque<Entry>,
+    spill: BinaryHeap<Reverse<Entry>>,
+}
+
+impl EvictionQueue {
+    pub fn push(&mut self, e: Entry) {
+        if self.run.back().is_none_or(|last| *last <= e) {
+            self.run.push_back(e);
+        } else {
+            self.spill.push(Reverse(e));
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.run.len() + self.spill.len()
+    }
+
+    /// The lowest valid entry, dropping stale ones on the way; it stays in the queue.
+    pub fn peek_valid(&mut self, valid: impl Fn(&Entry) -> bool) -> Option<Entry> {
+        while self.run.front().is_some_and(|e| !valid(e)) {
+            self.run.pop_front();
+        }
+        while self.spill.peek().is_some_and(|Reverse(e)| !valid(e)) {
+            self.spill.pop();
+        }
+        match (self.run.front(), self.spill.peek()) {
+            (Some(a), Some(Reverse(b))) => Some(*a.min(b)),
+            (Some(a), None) => Some(*a),
+            (None, Some(Reverse(b))) => Some(*b),
+            (None, None) => None,
+        }
+    }
+
+    pub fn retain(&mut self, valid: impl Fn(&Entry) -> bool) {
+        self.run.retain(&valid);
+        self.spill.retain(|Reverse(e)| valid(e));
+    }
+}
