@@ -1,0 +1,228 @@
+//! The scheduling rules of ARCHITECTURE.md, one test each, on small hand-checkable states.
+
+use kvtier::{chain_hash, prefix_hashes, Config, Core, Error, MoveKind, Tier, TierConfig};
+
+fn core(cfg: Config) -> Core {
+    Core::new(cfg).unwrap()
+}
+
+fn cfg() -> Config {
+    Config { block_size: 4, level_bytes: vec![64, 32, 16], recent_window: 8, sink_blocks: 1, ..Config::default() }
+}
+
+/// A sequence of `n` full blocks with distinct hashes starting at `base`.
+fn seq_with(core: &mut Core, base: u64, n: u64) -> (u32, Vec<u32>) {
+    let s = core.add_sequence();
+    let hashes: Vec<u64> = (base..base + n).collect();
+    let blocks = core.append_blocks(s, &hashes).unwrap().blocks;
+    (s, blocks)
+}
+
+fn commit(core: &mut Core) -> kvtier::Plan {
+    let plan = core.plan().unwrap().clone();
+    core.commit(plan.id).unwrap();
+    plan
+}
+
+#[test]
+fn sink_and_recent_window_stay_at_level_0_and_the_rest_split_by_ratio() {
+    let mut c = core(cfg());
+    let (_, blocks) = seq_with(&mut c, 100, 10); // 40 tokens; window 8 tokens = last 2 blocks
+    // Magnitudes rank the middle blocks 1..=7: block i has magnitude i.
+    let mid: Vec<u32> = blocks[1..8].to_vec();
+    c.set_magnitude(&mid, &(1..=7).map(|x| x as f32).collect::<Vec<_>>()).unwrap();
+    commit(&mut c);
+    let level = |c: &Core, b: u32| c.block_loc(b).unwrap().level;
+    assert_eq!(level(&c, blocks[0]), 0, "sink");
+    assert_eq!(level(&c, blocks[8]), 0, "recent");
+    assert_eq!(level(&c, blocks[9]), 0, "recent");
+    // 7 ranked blocks, ratio 0.5 → round(3.5) = 4 most important at level 1, 3 at level 2.
+    let levels: Vec<u8> = mid.iter().map(|&b| level(&c, b)).collect();
+    assert_eq!(levels, vec![2, 2, 2, 1, 1, 1, 1]);
+}
+
+#[test]
+fn a_device_budget_demotes_lowest_first_then_offloads() {
+    let mut cfg = cfg();
+    cfg.enable_compression = true;
+    cfg.pressure_only = true;
+    cfg.headroom = 0.0;
+    cfg.policy = kvtier::PolicyKind::Lru;
+    cfg.tiers = vec![
+        TierConfig { tier: Tier::Device, budget_bytes: Some(6 * 64) },
+        TierConfig { tier: Tier::Host, budget_bytes: None },
+    ];
+    let mut c = core(cfg);
+    let (s, blocks) = seq_with(&mut c, 1, 6);
+    c.free_sequence(s).unwrap(); // all six cached at level 0, device exactly full
+    c.set_budget(Tier::Device, Some(3 * 64)).unwrap();
+    let plan = commit(&mut c);
+    assert!(c.tier_bytes()[0] <= 3 * 64);
+    // The oldest blocks move first; each block moves at most once per plan.
+    assert_eq!(plan.moves[0].block, blocks[0]);
+    assert_eq!(plan.moves[0].kind, MoveKind::Demote);
+    // Keep squeezing: blocks at the last level go to the host instead of being dropped.
+    c.set_budget(Tier::Device, Some(64)).unwrap();
+    for _ in 0..4 {
+        commit(&mut c);
+    }
+    assert!(c.tier_bytes()[0] <= 64);
+    assert!(c.counters().offloads > 0);
+    assert_eq!(c.counters().evictions, 0, "the host had room: nothing should be evicted");
+    assert_eq!(c.lookup(&(1..7).collect::<Vec<_>>()).len(), 6, "every block still cached");
+}
+
+#[test]
+fn promotion_restores_from_a_write_through_copy_and_is_a_noop_without_one() {
+    for write_through in [true, false] {
+        let mut cfg = cfg();
+        cfg.write_through = write_through;
+        cfg.tiers = vec![
+            TierConfig { tier: Tier::Device, budget_bytes: None },
+            TierConfig { tier: Tier::Host, budget_bytes: None },
+        ];
+        let mut c = core(cfg);
+        let (s, blocks) = seq_with(&mut c, 1, 6);
+        commit(&mut c); // middle blocks demoted
+        let b = blocks[2];
+        assert!(c.block_loc(b).unwrap().level > 0);
+        assert_eq!(c.block_copy(b).unwrap().is_some(), write_through);
+        // A new request whose prefix ends at block 2 puts it in that request's recent window.
+        c.free_sequence(s).unwrap();
+        let child = c.add_sequence();
+        c.append_blocks(child, &[1, 2, 3]).unwrap(); // block 2 is now in the recent window
+        let plan = commit(&mut c);
+        let loc = c.block_loc(b).unwrap();
+        if write_through {
+            assert_eq!(loc.level, 0, "restored to full precision from the host copy");
+            assert!(plan.moves.iter().any(|m| m.block == b && m.kind == MoveKind::Promote));
+        } else {
+            assert!(loc.level > 0, "a lossy level cannot give back precision");
+            assert!(plan.noop_promotions > 0, "the wanted promotion is counted as a no-op");
+        }
+    }
+}
+
+#[test]
+fn pinned_blocks_never_move_and_shared_blocks_move_once() {
+    let mut c = core(cfg());
+    let (s, blocks) = seq_with(&mut c, 1, 10);
+    let child = c.fork(s).unwrap().child; // every block shared by two sequences
+    c.pin(&blocks[3..5]).unwrap();
+    let plan = commit(&mut c);
+    for m in &plan.moves {
+        assert!(!blocks[3..5].contains(&m.block));
+    }
+    let mut moved: Vec<u32> = plan.moves.iter().map(|m| m.block).collect();
+    let n = moved.len();
+    moved.sort_unstable();
+    moved.dedup();
+    assert_eq!(moved.len(), n, "a shared block appears once");
+    assert_eq!(c.block_loc(blocks[3]).unwrap().level, 0);
+    assert_eq!(c.block_refcount(blocks[3]).unwrap(), 2);
+    c.free_sequence(child).unwrap();
+}
+
+#[test]
+fn sources_are_freed_only_at_commit_and_abort_changes_nothing() {
+    let mut c = core(cfg());
+    let (_, blocks) = seq_with(&mut c, 1, 6);
+    let before = c.usage();
+    let plan = c.plan().unwrap().clone();
+    assert!(!plan.moves.is_empty());
+    // While pending: the source slots are still held, so a new block cannot take them.
+    for m in &plan.moves {
+        assert_eq!(c.block_loc(m.block).unwrap(), m.src);
+    }
+    assert!(matches!(c.plan(), Err(Error::PlanPending { .. })));
+    c.abort(plan.id).unwrap();
+    assert_eq!(c.usage(), before);
+    assert!(matches!(c.commit(plan.id), Err(Error::UnknownPlan { .. })));
+    let plan = commit(&mut c);
+    for m in &plan.moves {
+        assert_eq!(c.block_loc(m.block).unwrap(), m.dst.unwrap());
+    }
+    assert!(plan.moves.iter().all(|m| blocks.contains(&m.block)));
+}
+
+#[test]
+fn a_full_device_refuses_or_evicts_cached_blocks() {
+    let mut cfg = cfg();
+    cfg.tiers = vec![TierConfig { tier: Tier::Device, budget_bytes: Some(3 * 64) }];
+    let mut c = core(cfg.clone());
+    let (s, _) = seq_with(&mut c, 1, 3);
+    let s2 = c.add_sequence();
+    let err = c.append_blocks(s2, &[9]).unwrap_err();
+    assert!(matches!(err, Error::OutOfCapacity { budget: 192, .. }), "{err}");
+    assert!(err.to_string().contains("budget"));
+    c.free_sequence(s).unwrap(); // cached, but eviction is off
+    assert!(c.append_blocks(s2, &[9]).is_err());
+    cfg.evict_on_full = true;
+    let mut c = core(cfg);
+    let (s, _) = seq_with(&mut c, 1, 3);
+    c.free_sequence(s).unwrap();
+    let s2 = c.add_sequence();
+    c.append_blocks(s2, &[9]).unwrap();
+    assert_eq!(c.counters().evictions, 1);
+    assert_eq!(c.lookup(&[1, 2, 3]).len(), 0, "block 1 (least recent) was evicted");
+    assert_eq!(c.lookup(&[2, 3]).len(), 2);
+}
+
+#[test]
+fn prefix_hashes_are_chained_stable_and_shared() {
+    let tokens: Vec<u32> = (0..10).collect();
+    let h = prefix_hashes(&tokens, 4, 7);
+    assert_eq!(h.len(), 2, "the partial third block has no hash");
+    assert_eq!(h[0], chain_hash(7, &[0, 1, 2, 3]));
+    assert_eq!(h[1], chain_hash(h[0], &[4, 5, 6, 7]));
+    // Pinned value: xxh3 is specified bit for bit, so this never changes across runs/machines.
+    // Pinned value, equal to the reference xxh3 (python-xxhash `xxh3_64(pack("<4I",1,2,3,4))`):
+    // the hash is specified bit for bit, so it never changes across runs, machines or builds.
+    assert_eq!(chain_hash(0, &[1, 2, 3, 4]), 8_052_976_908_588_476_977);
+    let mut c = core(cfg());
+    let a = c.add_sequence();
+    let b = c.add_sequence();
+    let ra = c.append_tokens(a, &tokens).unwrap();
+    let rb = c.append_tokens(b, &tokens).unwrap();
+    assert_eq!(ra.shared, vec![false, false, false]);
+    assert_eq!(rb.shared, vec![true, true, false], "full blocks shared, partial block private");
+    assert_eq!(rb.blocks[..2], ra.blocks[..2]);
+    assert_eq!(c.block_refcount(ra.blocks[0]).unwrap(), 2);
+    assert_eq!(c.lookup_tokens(&tokens).len(), 2);
+    // Growing the partial block to full indexes it under the chained hash.
+    c.append_tokens(a, &[10, 11]).unwrap();
+    assert_eq!(c.lookup_tokens(&(0..12).collect::<Vec<_>>()).len(), 3);
+}
+
+#[test]
+fn fork_shares_full_blocks_and_copies_the_partial_one() {
+    let mut c = core(cfg());
+    let s = c.add_sequence();
+    c.append_tokens(s, &(0..10).collect::<Vec<_>>()).unwrap();
+    let f = c.fork(s).unwrap();
+    let parent = c.sequence_blocks(s).unwrap().to_vec();
+    let child = c.sequence_blocks(f.child).unwrap().to_vec();
+    assert_eq!(parent[..2], child[..2]);
+    assert_ne!(parent[2], child[2]);
+    assert_eq!(f.copy, Some((parent[2], child[2])));
+    c.free_sequence(s).unwrap();
+    assert_eq!(c.block_refcount(child[0]).unwrap(), 1);
+    assert!(c.block_loc(parent[2]).is_err(), "the parent's private partial block is freed");
+}
+
+#[test]
+fn bad_input_changes_nothing() {
+    let mut c = core(cfg());
+    let (_, blocks) = seq_with(&mut c, 1, 3);
+    let before = (c.usage(), c.counters().clone());
+    assert!(matches!(c.record_reads(&[blocks[0], 999]), Err(Error::UnknownBlock { block: 999 })));
+    assert!(matches!(c.record_attention(&blocks, &[1.0]), Err(Error::LengthMismatch { .. })));
+    assert!(matches!(c.set_magnitude(&blocks[..1], &[f32::NAN]), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(c.free_sequence(77), Err(Error::UnknownSequence { seq: 77 })));
+    assert!(matches!(c.unpin(&blocks[..1]), Err(Error::InvalidArgument { .. })));
+    assert_eq!((c.usage(), c.counters().clone()), before);
+    assert_eq!(c.block_score(blocks[0]).unwrap().primary(), 0.0, "no read was recorded");
+    let bad = Config { compression_ratio: 1.5, ..cfg() };
+    assert!(matches!(Core::new(bad), Err(Error::InvalidConfig { field: "compression_ratio", .. })));
+    assert!(matches!(kvtier::PolicyKind::parse("fifo"), Err(Error::UnknownPolicy { .. })));
+}
