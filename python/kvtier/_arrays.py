@@ -21,9 +21,13 @@ def as_array(obj: Any, name: str, dtype: str) -> np.ndarray:
     try:
         arr = np.asarray(obj)
     except (TypeError, ValueError) as e:
-        raise InvalidArgumentError(f"{name}: expected a 1-D array of {dtype}, got {type(obj).__name__}") from e
+        raise InvalidArgumentError(
+            f"{name}: expected a 1-D array of {dtype}, got {type(obj).__name__}"
+        ) from e
     if arr.ndim != 1:
-        raise InvalidArgumentError(f"{name}: expected a 1-D array of {dtype}, got shape {arr.shape}")
+        raise InvalidArgumentError(
+            f"{name}: expected a 1-D array of {dtype}, got shape {arr.shape}"
+        )
     target = np.dtype(dtype)
     if arr.size == 0:
         return np.zeros(0, dtype=target)

@@ -52,7 +52,9 @@ class SimulationConfig:
 
     def device_budget(self) -> int:
         if (self.device_bytes is None) == (self.device_blocks is None):
-            raise ConfigError("give the device budget either in bytes or in blocks, not both or neither")
+            raise ConfigError(
+                "give the device budget either in bytes or in blocks, not both or neither"
+            )
         if self.device_blocks is not None:
             return self.device_blocks * self.shape().block_bytes(self.dtype, self.block_tokens)
         assert self.device_bytes is not None
@@ -60,13 +62,19 @@ class SimulationConfig:
 
     def tiers(self) -> list[tuple[str, int | None]]:
         tiers: list[tuple[str, int | None]] = [("device", self.device_budget())]
-        for name, budget in (("host", self.host_bytes), ("disk", self.disk_bytes), ("remote", self.remote_bytes)):
+        for name, budget in (
+            ("host", self.host_bytes),
+            ("disk", self.disk_bytes),
+            ("remote", self.remote_bytes),
+        ):
             if budget is not None:
                 tiers.append((name, budget))
         return tiers
 
     def gbps(self, tier: str) -> float | None:
-        return {"host": self.host_gbps, "disk": self.disk_gbps, "remote": self.remote_gbps}.get(tier)
+        return {"host": self.host_gbps, "disk": self.disk_gbps, "remote": self.remote_gbps}.get(
+            tier
+        )
 
 
 def parse_policy_spec(spec: str, default_ladder: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
@@ -79,7 +87,9 @@ def build_core(config: SimulationConfig, policy: str, ladder: tuple[str, ...]) -
     """A core configured like the simulated deployment (sized in bytes from the KV shape)."""
     base = config.base
     if ladder[0] != config.dtype:
-        raise ConfigError(f"ladder {'+'.join(ladder)} must start with the model dtype {config.dtype}")
+        raise ConfigError(
+            f"ladder {'+'.join(ladder)} must start with the model dtype {config.dtype}"
+        )
     return Core(
         config.shape().ladder_bytes(ladder, config.block_tokens),
         tiers=config.tiers(),
@@ -154,8 +164,12 @@ def _replay(
     seconds_per_token = config.cost.seconds_per_token(shape)
     hits_by_place = []
     saved_s = 0.0
-    for (tier, level), (blocks, tokens) in sorted(st["hits_by_place"].items(), key=lambda kv: (TIERS.index(kv[0][0]), kv[0][1])):
-        hits_by_place.append({"tier": tier, "level": ladder[level], "blocks": blocks, "tokens": tokens})
+    for (tier, level), (blocks, tokens) in sorted(
+        st["hits_by_place"].items(), key=lambda kv: (TIERS.index(kv[0][0]), kv[0][1])
+    ):
+        hits_by_place.append(
+            {"tier": tier, "level": ladder[level], "blocks": blocks, "tokens": tokens}
+        )
         recompute = tokens * seconds_per_token
         gbps = config.gbps(tier)
         load = 0.0 if gbps is None else blocks * level_bytes[level] / (gbps * 1e9)
@@ -234,8 +248,13 @@ def run(
             "kv_heads": shape.kv_heads,
             "head_dim": shape.head_dim,
             "dtype": config.dtype,
-            "bytes_per_token": {name: shape.block_bytes(name, config.block_tokens) / config.block_tokens for name in all_levels},
+            "bytes_per_token": {
+                name: shape.block_bytes(name, config.block_tokens) / config.block_tokens
+                for name in all_levels
+            },
         },
-        "tiers": [{"tier": t, "budget_bytes": b, "gbps": config.gbps(t)} for t, b in config.tiers()],
+        "tiers": [
+            {"tier": t, "budget_bytes": b, "gbps": config.gbps(t)} for t, b in config.tiers()
+        ],
         "results": results,
     }
