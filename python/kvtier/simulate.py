@@ -154,7 +154,7 @@ def _replay(
         by_level = [0] * len(ladder)
         for _tier, level, _used, _cap, nbytes in sim.usage():
             by_level[level] += nbytes
-        for name, nbytes in zip(ladder, by_level):
+        for name, nbytes in zip(ladder, by_level, strict=True):
             timeline["bytes_by_level"][name].append(nbytes)
         if progress is not None:
             progress(done_before + done, total_all)
@@ -194,7 +194,7 @@ def _replay(
         "rejected_requests": st["rejected"],
         "hits_by_place": hits_by_place,
         "bytes_by_place": bytes_by_place,
-        "peak_bytes_by_tier": dict(zip(tier_names, st["peak_tier_bytes"])),
+        "peak_bytes_by_tier": dict(zip(tier_names, st["peak_tier_bytes"], strict=True)),
         "moves": {
             "promotions": counters["promotions"],
             "demotions": counters["demotions"],

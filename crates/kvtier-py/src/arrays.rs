@@ -17,6 +17,9 @@ pub fn array<'py, T: Element>(
         }
     }
     let py = obj.py();
-    let converted = py.import("kvtier._arrays")?.getattr("as_array")?.call1((obj, name, dtype))?;
+    let converted = py
+        .import("kvtier._arrays")?
+        .getattr("as_array")?
+        .call1((obj, name, dtype))?;
     Ok(converted.extract::<PyReadonlyArray1<'py, T>>()?)
 }

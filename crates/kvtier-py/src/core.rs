@@ -25,14 +25,23 @@ impl PyCore {
     }
 
     pub fn config(&self) -> Config {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).config().clone()
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .config()
+            .clone()
     }
 }
 
 fn parse_tiers(tiers: Vec<(String, Option<u64>)>) -> PyResult<Vec<TierConfig>> {
     tiers
         .into_iter()
-        .map(|(name, budget_bytes)| Ok(TierConfig { tier: Tier::parse(&name).py_err()?, budget_bytes }))
+        .map(|(name, budget_bytes)| {
+            Ok(TierConfig {
+                tier: Tier::parse(&name).py_err()?,
+                budget_bytes,
+            })
+        })
         .collect()
 }
 
@@ -96,7 +105,9 @@ impl PyCore {
             namespace: kvtier::namespace_seed(namespace),
             pool_slots,
         };
-        Ok(PyCore { inner: Mutex::new(Core::new(cfg).py_err()?) })
+        Ok(PyCore {
+            inner: Mutex::new(Core::new(cfg).py_err()?),
+        })
     }
 
     #[getter]
@@ -116,7 +127,11 @@ impl PyCore {
 
     #[getter]
     fn tiers(&self) -> Vec<(&'static str, Option<u64>)> {
-        self.config().tiers.iter().map(|t| (t.tier.name(), t.budget_bytes)).collect()
+        self.config()
+            .tiers
+            .iter()
+            .map(|t| (t.tier.name(), t.budget_bytes))
+            .collect()
     }
 
     /// The scheduler's step clock (number of plans made).
@@ -139,7 +154,10 @@ impl PyCore {
         let tokens = array::<u32>(tokens, "tokens", "uint32")?;
         let t = tokens.as_slice()?;
         let out = self.with(py, |c| c.append_tokens(seq, t)).py_err()?;
-        Ok((PyArray1::from_vec(py, out.blocks), PyArray1::from_vec(py, out.shared)))
+        Ok((
+            PyArray1::from_vec(py, out.blocks),
+            PyArray1::from_vec(py, out.shared),
+        ))
     }
 
     /// Appends whole blocks by their chained hashes; returns `(block_ids, shared)`.
@@ -152,7 +170,10 @@ impl PyCore {
         let hashes = array::<u64>(hashes, "hashes", "uint64")?;
         let h = hashes.as_slice()?;
         let out = self.with(py, |c| c.append_blocks(seq, h)).py_err()?;
-        Ok((PyArray1::from_vec(py, out.blocks), PyArray1::from_vec(py, out.shared)))
+        Ok((
+            PyArray1::from_vec(py, out.blocks),
+            PyArray1::from_vec(py, out.shared),
+        ))
     }
 
     /// Forks a sequence; returns `(child, copy)` where `copy` is `(src_block, dst_block)` of
@@ -166,8 +187,14 @@ impl PyCore {
         self.with(py, |c| c.free_sequence(seq)).py_err()
     }
 
-    fn sequence_blocks<'py>(&self, py: Python<'py>, seq: u32) -> PyResult<Bound<'py, PyArray1<u32>>> {
-        let v = self.with(py, |c| c.sequence_blocks(seq).map(<[u32]>::to_vec)).py_err()?;
+    fn sequence_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        seq: u32,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let v = self
+            .with(py, |c| c.sequence_blocks(seq).map(<[u32]>::to_vec))
+            .py_err()?;
         Ok(PyArray1::from_vec(py, v))
     }
 
@@ -180,17 +207,28 @@ impl PyCore {
     }
 
     /// Blocks of the longest cached prefix of these chained hashes.
-    fn lookup<'py>(&self, py: Python<'py>, hashes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    fn lookup<'py>(
+        &self,
+        py: Python<'py>,
+        hashes: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
         let hashes = array::<u64>(hashes, "hashes", "uint64")?;
         let h = hashes.as_slice()?;
         Ok(PyArray1::from_vec(py, self.with(py, |c| c.lookup(h))))
     }
 
     /// Blocks of the longest cached prefix of these token ids.
-    fn lookup_tokens<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u32>>> {
+    fn lookup_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
         let tokens = array::<u32>(tokens, "tokens", "uint32")?;
         let t = tokens.as_slice()?;
-        Ok(PyArray1::from_vec(py, self.with(py, |c| c.lookup_tokens(t))))
+        Ok(PyArray1::from_vec(
+            py,
+            self.with(py, |c| c.lookup_tokens(t)),
+        ))
     }
 
     fn record_reads(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -199,21 +237,36 @@ impl PyCore {
         self.with(py, |c| c.record_reads(b)).py_err()
     }
 
-    fn record_attention(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>, mass: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn record_attention(
+        &self,
+        py: Python<'_>,
+        blocks: &Bound<'_, PyAny>,
+        mass: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let blocks = array::<u32>(blocks, "blocks", "uint32")?;
         let mass = array::<f32>(mass, "mass", "float32")?;
         let (b, m) = (blocks.as_slice()?, mass.as_slice()?);
         self.with(py, |c| c.record_attention(b, m)).py_err()
     }
 
-    fn set_magnitude(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn set_magnitude(
+        &self,
+        py: Python<'_>,
+        blocks: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let blocks = array::<u32>(blocks, "blocks", "uint32")?;
         let values = array::<f32>(values, "values", "float32")?;
         let (b, v) = (blocks.as_slice()?, values.as_slice()?);
         self.with(py, |c| c.set_magnitude(b, v)).py_err()
     }
 
-    fn set_learned(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn set_learned(
+        &self,
+        py: Python<'_>,
+        blocks: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let blocks = array::<u32>(blocks, "blocks", "uint32")?;
         let values = array::<f32>(values, "values", "float32")?;
         let (b, v) = (blocks.as_slice()?, values.as_slice()?);
@@ -248,7 +301,11 @@ impl PyCore {
 
     /// Columns describing blocks: tier, level, slot, refcount, pinned, position, hash (0 for
     /// a partial block), has_copy, score (the policy's primary ranking value).
-    fn block_info<'py>(&self, py: Python<'py>, blocks: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    fn block_info<'py>(
+        &self,
+        py: Python<'py>,
+        blocks: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
         let blocks = array::<u32>(blocks, "blocks", "uint32")?;
         let ids = blocks.as_slice()?;
         let cols = self
@@ -286,7 +343,15 @@ impl PyCore {
     fn usage(&self, py: Python<'_>) -> Vec<(&'static str, u8, u32, u32, u64)> {
         self.with(py, |c| c.usage())
             .into_iter()
-            .map(|u| (u.tier.name(), u.level, u.used_slots, u.capacity_slots, u.bytes))
+            .map(|u| {
+                (
+                    u.tier.name(),
+                    u.level,
+                    u.used_slots,
+                    u.capacity_slots,
+                    u.bytes,
+                )
+            })
             .collect()
     }
 
@@ -304,13 +369,20 @@ impl PyCore {
 
     /// Event counters since creation.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (k, live, cached) = self.with(py, |c| (c.counters().clone(), c.live_blocks(), c.cached_blocks()));
+        let (k, live, cached) = self.with(py, |c| {
+            (c.counters().clone(), c.live_blocks(), c.cached_blocks())
+        });
         counters_dict(py, &k, live as u64, cached)
     }
 
     fn __repr__(&self) -> String {
         let c = self.config();
-        format!("Core(policy={:?}, levels={:?}, block_size={})", c.policy.name(), c.level_bytes, c.block_size)
+        format!(
+            "Core(policy={:?}, levels={:?}, block_size={})",
+            c.policy.name(),
+            c.level_bytes,
+            c.block_size
+        )
     }
 }
 
@@ -327,7 +399,12 @@ struct BlockColumns {
     score: Vec<f64>,
 }
 
-pub fn counters_dict<'py>(py: Python<'py>, k: &kvtier::Counters, live: u64, cached: u64) -> PyResult<Bound<'py, PyDict>> {
+pub fn counters_dict<'py>(
+    py: Python<'py>,
+    k: &kvtier::Counters,
+    live: u64,
+    cached: u64,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     for (name, v) in [
         ("allocated", k.allocated),

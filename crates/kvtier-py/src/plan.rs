@@ -40,9 +40,15 @@ impl From<&Plan> for PyPlan {
             src_tier: m.iter().map(|m| m.src.tier as u8).collect(),
             src_level: m.iter().map(|m| m.src.level).collect(),
             src_slot: m.iter().map(|m| m.src.slot).collect(),
-            dst_tier: m.iter().map(|m| m.dst.map_or(NO_TIER, |d| d.tier as u8)).collect(),
+            dst_tier: m
+                .iter()
+                .map(|m| m.dst.map_or(NO_TIER, |d| d.tier as u8))
+                .collect(),
             dst_level: m.iter().map(|m| m.dst.map_or(0, |d| d.level)).collect(),
-            dst_slot: m.iter().map(|m| m.dst.map_or(NO_SLOT, |d| d.slot)).collect(),
+            dst_slot: m
+                .iter()
+                .map(|m| m.dst.map_or(NO_SLOT, |d| d.slot))
+                .collect(),
         }
     }
 }
@@ -51,7 +57,9 @@ impl From<&Plan> for PyPlan {
 impl PyPlan {
     /// Move kinds by code: 0 demote, 1 promote, 2 offload, 3 fetch, 4 evict, 5 drop, 6 backup.
     #[classattr]
-    const KINDS: [&'static str; 7] = ["demote", "promote", "offload", "fetch", "evict", "drop", "backup"];
+    const KINDS: [&'static str; 7] = [
+        "demote", "promote", "offload", "fetch", "evict", "drop", "backup",
+    ];
     /// Tiers by code (`dst_tier == 255` for an eviction).
     #[classattr]
     const TIERS: [&'static str; 4] = ["device", "host", "disk", "remote"];
@@ -107,6 +115,11 @@ impl PyPlan {
     }
 
     fn __repr__(&self) -> String {
-        format!("Plan(id={}, moves={}, {:?})", self.id, self.block.len(), self.summary())
+        format!(
+            "Plan(id={}, moves={}, {:?})",
+            self.id,
+            self.block.len(),
+            self.summary()
+        )
     }
 }

@@ -34,12 +34,20 @@ impl PySimulator {
         input_tokens: &Bound<'_, PyAny>,
         step_every: u64,
     ) -> PyResult<Self> {
-        let offsets = array::<u64>(offsets, "offsets", "uint64")?.as_array().to_vec();
-        let hashes = array::<u64>(hashes, "hashes", "uint64")?.as_array().to_vec();
-        let input_tokens = array::<u64>(input_tokens, "input_tokens", "uint64")?.as_array().to_vec();
+        let offsets = array::<u64>(offsets, "offsets", "uint64")?
+            .as_array()
+            .to_vec();
+        let hashes = array::<u64>(hashes, "hashes", "uint64")?
+            .as_array()
+            .to_vec();
+        let input_tokens = array::<u64>(input_tokens, "input_tokens", "uint64")?
+            .as_array()
+            .to_vec();
         let trace = Trace::new(offsets, hashes, input_tokens).py_err()?;
         let sim = Simulator::new(core.config(), trace, step_every).py_err()?;
-        Ok(PySimulator { inner: Mutex::new(sim) })
+        Ok(PySimulator {
+            inner: Mutex::new(sim),
+        })
     }
 
     /// Replays up to `n` more requests (GIL released); returns how many it replayed.
@@ -69,7 +77,11 @@ impl PySimulator {
         d.set_item("rejected", st.rejected)?;
         let places = PyDict::new(py);
         for (t, tier) in kvtier::Tier::ALL.iter().enumerate() {
-            for (l, (&blocks, &tokens)) in st.hit_blocks_at[t].iter().zip(&st.hit_tokens_at[t]).enumerate() {
+            for (l, (&blocks, &tokens)) in st.hit_blocks_at[t]
+                .iter()
+                .zip(&st.hit_tokens_at[t])
+                .enumerate()
+            {
                 if blocks > 0 {
                     places.set_item((tier.name(), l), (blocks, tokens))?;
                 }
@@ -84,14 +96,27 @@ impl PySimulator {
     fn usage(&self, py: Python<'_>) -> Vec<(&'static str, u8, u32, u32, u64)> {
         self.with(py, |s| s.core.usage())
             .into_iter()
-            .map(|u| (u.tier.name(), u.level, u.used_slots, u.capacity_slots, u.bytes))
+            .map(|u| {
+                (
+                    u.tier.name(),
+                    u.level,
+                    u.used_slots,
+                    u.capacity_slots,
+                    u.bytes,
+                )
+            })
             .collect()
     }
 
     /// Event counters of the simulated core, as `Core.counters()`.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (k, live, cached) =
-            self.with(py, |s| (s.core.counters().clone(), s.core.live_blocks(), s.core.cached_blocks()));
+        let (k, live, cached) = self.with(py, |s| {
+            (
+                s.core.counters().clone(),
+                s.core.live_blocks(),
+                s.core.cached_blocks(),
+            )
+        });
         counters_dict(py, &k, live as u64, cached)
     }
 }

@@ -6,7 +6,9 @@ use kvtier::{Config, PolicyKind, Tier, TierConfig};
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let path = args.next().expect("usage: replay TRACE.jsonl [CAPACITY_BLOCKS] [POLICY]");
+    let path = args
+        .next()
+        .expect("usage: replay TRACE.jsonl [CAPACITY_BLOCKS] [POLICY]");
     let capacity: u64 = args.next().map_or(10_000, |s| s.parse().expect("capacity"));
     let policy = PolicyKind::parse(&args.next().unwrap_or_else(|| "lru".into())).expect("policy");
     let text = std::fs::read_to_string(path).expect("read trace");
@@ -15,7 +17,11 @@ fn main() {
         // Minimal field extraction: this is a timing harness, not a parser.
         let ids = &line[line.find("\"hash_ids\": [").expect("hash_ids") + 13..];
         let ids = &ids[..ids.find(']').expect("]")];
-        hashes.extend(ids.split(", ").filter(|s| !s.is_empty()).map(|s| s.parse::<u64>().expect("id")));
+        hashes.extend(
+            ids.split(", ")
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse::<u64>().expect("id")),
+        );
         offsets.push(hashes.len() as u64);
         let inp = &line[line.find("\"input_length\": ").expect("input_length") + 16..];
         inputs.push(inp[..inp.find(',').expect(",")].parse().expect("input"));
@@ -23,7 +29,10 @@ fn main() {
     let cfg = Config {
         block_size: 512,
         level_bytes: vec![1],
-        tiers: vec![TierConfig { tier: Tier::Device, budget_bytes: Some(capacity) }],
+        tiers: vec![TierConfig {
+            tier: Tier::Device,
+            budget_bytes: Some(capacity),
+        }],
         policy,
         evict_on_full: true,
         pressure_only: true,
@@ -36,7 +45,10 @@ fn main() {
         let t = std::time::Instant::now();
         sim.run(usize::MAX).expect("run");
         best = best.min(t.elapsed().as_secs_f64());
-        eprintln!("hits {} of {} blocks", sim.stats.hit_blocks, sim.stats.ref_blocks);
+        eprintln!(
+            "hits {} of {} blocks",
+            sim.stats.hit_blocks, sim.stats.ref_blocks
+        );
     }
     println!("best of 5: {:.1} ms", best * 1e3);
 }

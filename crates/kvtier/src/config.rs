@@ -28,10 +28,13 @@ impl Tier {
     }
 
     pub fn parse(name: &str) -> Result<Tier> {
-        Tier::ALL.into_iter().find(|t| t.name() == name).ok_or_else(|| Error::InvalidArgument {
-            what: "tier",
-            reason: format!("{name:?}; expected one of device, host, disk, remote"),
-        })
+        Tier::ALL
+            .into_iter()
+            .find(|t| t.name() == name)
+            .ok_or_else(|| Error::InvalidArgument {
+                what: "tier",
+                reason: format!("{name:?}; expected one of device, host, disk, remote"),
+            })
     }
 }
 
@@ -65,7 +68,9 @@ impl PolicyKind {
             "lfu" => Ok(PolicyKind::Lfu),
             "h2o" => Ok(PolicyKind::H2o),
             "scissorhands" => Ok(PolicyKind::Scissorhands),
-            _ => Err(Error::UnknownPolicy { name: name.to_string() }),
+            _ => Err(Error::UnknownPolicy {
+                name: name.to_string(),
+            }),
         }
     }
 
@@ -138,7 +143,10 @@ impl Default for Config {
         Config {
             block_size: 16,
             level_bytes: vec![4096, 2048, 1024],
-            tiers: vec![TierConfig { tier: Tier::Device, budget_bytes: None }],
+            tiers: vec![TierConfig {
+                tier: Tier::Device,
+                budget_bytes: None,
+            }],
             policy: PolicyKind::Importance,
             enable_compression: true,
             pressure_only: false,
@@ -161,13 +169,19 @@ impl Default for Config {
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> Error {
-    Error::InvalidConfig { field, reason: reason.into() }
+    Error::InvalidConfig {
+        field,
+        reason: reason.into(),
+    }
 }
 
 impl Config {
     pub fn validate(&self) -> Result<()> {
         if self.block_size == 0 {
-            return Err(invalid("block_size", "expected a positive number of tokens"));
+            return Err(invalid(
+                "block_size",
+                "expected a positive number of tokens",
+            ));
         }
         if self.level_bytes.is_empty() || self.level_bytes.len() > 8 {
             return Err(invalid("level_bytes", "expected 1 to 8 levels"));
@@ -176,39 +190,65 @@ impl Config {
             return Err(invalid("level_bytes", "level 0 cannot be drop (0 bytes)"));
         }
         if self.level_bytes.windows(2).any(|w| w[1] > w[0]) {
-            return Err(invalid("level_bytes", "expected non-increasing bytes per level"));
+            return Err(invalid(
+                "level_bytes",
+                "expected non-increasing bytes per level",
+            ));
         }
         if self.tiers.is_empty() || self.tiers[0].tier != Tier::Device {
             return Err(invalid("tiers", "expected the device tier first"));
         }
         if self.tiers.windows(2).any(|w| w[1].tier <= w[0].tier) {
-            return Err(invalid("tiers", "expected each tier at most once, in offload order"));
+            return Err(invalid(
+                "tiers",
+                "expected each tier at most once, in offload order",
+            ));
         }
         let unit = |x: f32| (0.0..=1.0).contains(&x);
         if !unit(self.compression_ratio) {
-            return Err(invalid("compression_ratio", format!("{} is not in [0, 1]", self.compression_ratio)));
+            return Err(invalid(
+                "compression_ratio",
+                format!("{} is not in [0, 1]", self.compression_ratio),
+            ));
         }
         if !unit(self.headroom) || self.headroom >= 1.0 {
-            return Err(invalid("headroom", format!("{} is not in [0, 1)", self.headroom)));
+            return Err(invalid(
+                "headroom",
+                format!("{} is not in [0, 1)", self.headroom),
+            ));
         }
         if !unit(self.hysteresis) {
-            return Err(invalid("hysteresis", format!("{} is not in [0, 1]", self.hysteresis)));
+            return Err(invalid(
+                "hysteresis",
+                format!("{} is not in [0, 1]", self.hysteresis),
+            ));
         }
         if !unit(self.decay) || self.decay == 0.0 {
             return Err(invalid("decay", format!("{} is not in (0, 1]", self.decay)));
         }
         if !unit(self.attention_ema) || self.attention_ema == 0.0 {
-            return Err(invalid("attention_ema", format!("{} is not in (0, 1]", self.attention_ema)));
+            return Err(invalid(
+                "attention_ema",
+                format!("{} is not in (0, 1]", self.attention_ema),
+            ));
         }
-        if self.weights.iter().any(|w| !w.is_finite() || *w < 0.0) || self.weights.iter().sum::<f32>() <= 0.0 {
-            return Err(invalid("weights", "expected non-negative weights with a positive sum"));
+        if self.weights.iter().any(|w| !w.is_finite() || *w < 0.0)
+            || self.weights.iter().sum::<f32>() <= 0.0
+        {
+            return Err(invalid(
+                "weights",
+                "expected non-negative weights with a positive sum",
+            ));
         }
         if self.scissorhands_window == 0 || self.scissorhands_window > 32 {
             return Err(invalid("scissorhands_window", "expected 1 to 32 reports"));
         }
         for &(tier, level, _) in &self.pool_slots {
             if usize::from(level) >= self.level_bytes.len() || self.tier_index(tier).is_none() {
-                return Err(invalid("pool_slots", format!("no pool {tier}/level {level} in this config")));
+                return Err(invalid(
+                    "pool_slots",
+                    format!("no pool {tier}/level {level} in this config"),
+                ));
             }
         }
         Ok(())
@@ -230,6 +270,9 @@ impl Config {
 
     /// The first drop level, if the ladder has one.
     pub fn drop_level(&self) -> Option<u8> {
-        self.level_bytes.iter().position(|&b| b == 0).map(|l| l as u8)
+        self.level_bytes
+            .iter()
+            .position(|&b| b == 0)
+            .map(|l| l as u8)
     }
 }

@@ -53,7 +53,11 @@ impl Key {
 
     /// The primary component (the policy's score) as a float.
     pub fn primary(self) -> f64 {
-        let bits = if self.0 >> 63 == 1 { self.0 & !(1 << 63) } else { !self.0 };
+        let bits = if self.0 >> 63 == 1 {
+            self.0 & !(1 << 63)
+        } else {
+            !self.0
+        };
         f64::from_bits(bits)
     }
 }
@@ -152,6 +156,8 @@ pub struct Core {
     pub(crate) pending: Option<crate::Plan>,
     pub(crate) next_plan: u64,
     pub(crate) counters: Counters,
+    /// Per-block scratch for the scheduler (all `u32::MAX` between plans).
+    pub(crate) scratch: Vec<u32>,
 }
 
 impl Core {
@@ -162,7 +168,10 @@ impl Core {
         for t in &cfg.tiers {
             for (level, &bytes) in cfg.level_bytes.iter().enumerate() {
                 let level = level as u8;
-                let explicit = cfg.pool_slots.iter().find(|p| p.0 == t.tier && p.1 == level);
+                let explicit = cfg
+                    .pool_slots
+                    .iter()
+                    .find(|p| p.0 == t.tier && p.1 == level);
                 let capacity = match (explicit, t.budget_bytes) {
                     (Some(&(_, _, slots)), _) => slots,
                     (None, _) if bytes == 0 => 0,
@@ -191,6 +200,7 @@ impl Core {
             pending: None,
             next_plan: 1,
             counters: Counters::default(),
+            scratch: Vec::new(),
             cfg,
         })
     }
@@ -210,7 +220,9 @@ impl Core {
     // ---- pools and bytes -------------------------------------------------------------------
 
     pub(crate) fn tier_pos(&self, tier: Tier) -> usize {
-        self.cfg.tier_index(tier).expect("tier validated against the config")
+        self.cfg
+            .tier_index(tier)
+            .expect("tier validated against the config")
     }
 
     pub(crate) fn pool_index(&self, tier: Tier, level: u8) -> usize {
@@ -268,10 +280,13 @@ impl Core {
     }
 
     pub fn set_budget(&mut self, tier: Tier, budget: Option<u64>) -> Result<()> {
-        let t = self.cfg.tier_index(tier).ok_or_else(|| Error::InvalidArgument {
-            what: "tier",
-            reason: format!("{tier} is not configured"),
-        })?;
+        let t = self
+            .cfg
+            .tier_index(tier)
+            .ok_or_else(|| Error::InvalidArgument {
+                what: "tier",
+                reason: format!("{tier} is not configured"),
+            })?;
         self.cfg.tiers[t].budget_bytes = budget;
         Ok(())
     }
@@ -336,7 +351,9 @@ impl Core {
     /// Frees a block whose last reference is gone: its slots, its index entry, its id.
     pub(crate) fn release_block(&mut self, b: u32) {
         let i = b as usize;
-        debug_assert!(self.blocks.live[i] && self.blocks.refcount[i] == 0 && !self.blocks.moving[i]);
+        debug_assert!(
+            self.blocks.live[i] && self.blocks.refcount[i] == 0 && !self.blocks.moving[i]
+        );
         self.blocks.live[i] = false;
         self.refresh_evictable(b);
         let loc = self.blocks.loc[i];
@@ -366,7 +383,11 @@ impl Core {
 
     fn is_evictable(&self, b: usize) -> bool {
         let bl = &self.blocks;
-        bl.live[b] && bl.refcount[b] == 0 && bl.pins[b] == 0 && !bl.moving[b] && bl.loc[b].slot != NO_SLOT
+        bl.live[b]
+            && bl.refcount[b] == 0
+            && bl.pins[b] == 0
+            && !bl.moving[b]
+            && bl.loc[b].slot != NO_SLOT
     }
 
     /// Re-derives whether `b` is evictable (and where) after any change to its refcount, pins,
@@ -388,11 +409,22 @@ impl Core {
             self.evictable_count[now] += 1;
             self.evictable_bytes[now] += self.cfg.level_bytes[now % self.cfg.num_levels()];
             self.blocks.version[i] = self.blocks.version[i].wrapping_add(1);
-            let entry = Entry { key: self.key(i), block: b, version: self.blocks.version[i] };
+            let entry = Entry {
+                key: self.key(i),
+                block: b,
+                version: self.blocks.version[i],
+            };
             self.heaps[now].push(entry);
             self.compact_heap(now);
         }
         self.blocks.evictable_in[i] = now;
+    }
+
+    /// `refresh_evictable` for a change that can only make a block non-evictable.
+    pub(crate) fn refresh_evictable_if_indexed(&mut self, b: u32) {
+        if self.blocks.evictable_in[b as usize] != usize::MAX {
+            self.refresh_evictable(b);
+        }
     }
 
     fn entry_valid(&self, pool: usize, e: &Entry) -> bool {
@@ -470,7 +502,13 @@ impl Core {
     pub fn add_sequence(&mut self) -> u32 {
         let id = self.next_seq;
         self.next_seq = self.next_seq.wrapping_add(1);
-        self.seqs.insert(id, Sequence { chain: self.cfg.namespace, ..Sequence::default() });
+        self.seqs.insert(
+            id,
+            Sequence {
+                chain: self.cfg.namespace,
+                ..Sequence::default()
+            },
+        );
         id
     }
 
@@ -504,8 +542,8 @@ impl Core {
         }
         let levels = self.cfg.num_levels();
         let reclaimable: u64 = self.evictable_bytes[..levels].iter().sum();
-        let slots_ok = n <= free_slots + self.evictable_count[pool0]
-            || self.cfg.pool_slots.is_empty();
+        let slots_ok =
+            n <= free_slots + self.evictable_count[pool0] || self.cfg.pool_slots.is_empty();
         if !self.cfg.evict_on_full || need > free + reclaimable || !slots_ok {
             return Err(Error::OutOfCapacity {
                 tier: Tier::Device,
@@ -540,7 +578,9 @@ impl Core {
     }
 
     fn new_device_block(&mut self, position: u32) -> u32 {
-        let loc = self.take_slot(Tier::Device, 0).expect("room ensured before allocating");
+        let loc = self
+            .take_slot(Tier::Device, 0)
+            .expect("room ensured before allocating");
         let b = self.new_block_id(loc);
         self.blocks.position[b as usize] = position;
         self.last_touch(b as usize);
@@ -622,7 +662,11 @@ impl Core {
         let s = self.seq(seq)?;
         let fill = (s.tokens % bs as u64) as usize;
         // Plan the blocks first (pure), then reference, make room, and write.
-        let head = if fill > 0 { (bs - fill).min(tokens.len()) } else { 0 };
+        let head = if fill > 0 {
+            (bs - fill).min(tokens.len())
+        } else {
+            0
+        };
         let rest = &tokens[head..];
         let mut chain = s.chain;
         if fill > 0 && fill + head == bs {
@@ -701,12 +745,20 @@ impl Core {
     pub fn fork(&mut self, parent: u32) -> Result<Forked> {
         let s = self.seq(parent)?;
         let bs = u64::from(self.cfg.block_size);
-        let partial = if s.tokens % bs != 0 { s.blocks.last().copied() } else { None };
+        let partial = if s.tokens % bs != 0 {
+            s.blocks.last().copied()
+        } else {
+            None
+        };
         if partial.is_some() {
             self.ensure_device_room(1)?;
         }
         let s = self.seqs.get(&parent).expect("checked above").clone();
-        let full = if partial.is_some() { &s.blocks[..s.blocks.len() - 1] } else { &s.blocks[..] };
+        let full = if partial.is_some() {
+            &s.blocks[..s.blocks.len() - 1]
+        } else {
+            &s.blocks[..]
+        };
         for &b in full {
             self.blocks.refcount[b as usize] += 1;
             self.refresh_evictable(b);
@@ -727,7 +779,10 @@ impl Core {
     /// Drops the sequence's references. Indexed blocks stay cached for later prefix hits;
     /// the rest are freed.
     pub fn free_sequence(&mut self, seq: u32) -> Result<()> {
-        let s = self.seqs.remove(&seq).ok_or(Error::UnknownSequence { seq })?;
+        let s = self
+            .seqs
+            .remove(&seq)
+            .ok_or(Error::UnknownSequence { seq })?;
         for &b in &s.blocks {
             self.blocks.refcount[b as usize] -= 1;
             self.refresh_evictable(b);
@@ -817,7 +872,11 @@ impl Core {
 
     fn check_values(&self, what: &'static str, ids: &[u32], values: &[f32]) -> Result<()> {
         if ids.len() != values.len() {
-            return Err(Error::LengthMismatch { what, expected: ids.len(), got: values.len() });
+            return Err(Error::LengthMismatch {
+                what,
+                expected: ids.len(),
+                got: values.len(),
+            });
         }
         if let Some(v) = values.iter().find(|v| !v.is_finite() || **v < 0.0) {
             return Err(Error::InvalidArgument {
@@ -846,8 +905,14 @@ impl Core {
         for &b in ids {
             *count.entry(b).or_default() += 1;
         }
-        if let Some((&b, _)) = count.iter().find(|(b, n)| self.blocks.pins[**b as usize] < **n) {
-            return Err(Error::InvalidArgument { what: "unpin", reason: format!("block {b} is not pinned") });
+        if let Some((&b, _)) = count
+            .iter()
+            .find(|(b, n)| self.blocks.pins[**b as usize] < **n)
+        {
+            return Err(Error::InvalidArgument {
+                what: "unpin",
+                reason: format!("block {b} is not pinned"),
+            });
         }
         for &b in ids {
             self.blocks.pins[b as usize] -= 1;

@@ -10,9 +10,20 @@ pub enum Error {
         "out of capacity in {tier}/level {level}: requested {requested} bytes, {free} free of a \
          {budget}-byte budget"
     )]
-    OutOfCapacity { tier: Tier, level: u8, requested: u64, free: u64, budget: u64 },
+    OutOfCapacity {
+        tier: Tier,
+        level: u8,
+        requested: u64,
+        free: u64,
+        budget: u64,
+    },
     #[error("out of slots in {tier}/level {level}: requested {requested}, free {free}")]
-    OutOfSlots { tier: Tier, level: u8, requested: u64, free: u64 },
+    OutOfSlots {
+        tier: Tier,
+        level: u8,
+        requested: u64,
+        free: u64,
+    },
     #[error("unknown block {block}: not allocated (freed, evicted, or never handed out)")]
     UnknownBlock { block: u32 },
     #[error("unknown sequence {seq}: not created or already freed")]
@@ -24,7 +35,11 @@ pub enum Error {
     #[error("unknown policy {name:?}: expected one of importance, lru, lfu, h2o, scissorhands")]
     UnknownPolicy { name: String },
     #[error("{what}: expected {expected} values, got {got}")]
-    LengthMismatch { what: &'static str, expected: usize, got: usize },
+    LengthMismatch {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
     #[error("invalid {what}: {reason}")]
     InvalidArgument { what: &'static str, reason: String },
     #[error("plan {pending} is still pending: commit or abort it before planning again")]

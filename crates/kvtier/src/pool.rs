@@ -21,7 +21,15 @@ pub struct SlotPool {
 
 impl SlotPool {
     pub fn new(tier: Tier, level: u8, capacity: u32) -> Self {
-        SlotPool { tier, level, capacity, fresh: 0, free: Vec::new(), in_use: Vec::new(), used: 0 }
+        SlotPool {
+            tier,
+            level,
+            capacity,
+            fresh: 0,
+            free: Vec::new(),
+            in_use: Vec::new(),
+            used: 0,
+        }
     }
 
     pub fn capacity(&self) -> u32 {
@@ -67,7 +75,9 @@ impl SlotPool {
                 free: u64::from(self.free_count()),
             });
         }
-        Ok((0..n).map(|_| self.alloc_one().expect("checked free count")).collect())
+        Ok((0..n)
+            .map(|_| self.alloc_one().expect("checked free count"))
+            .collect())
     }
 
     /// Takes slots back, all or none: a slot that is not in use (or listed twice) is an error.

@@ -143,8 +143,9 @@ impl Core {
         let bs = u64::from(self.cfg.block_size);
         let window = u64::from(self.cfg.recent_window);
         let sinks = self.cfg.sink_blocks as usize;
-        let compress =
-            self.cfg.enable_compression && !self.cfg.pressure_only && self.cfg.last_kept_level() > 0;
+        let compress = self.cfg.enable_compression
+            && !self.cfg.pressure_only
+            && self.cfg.last_kept_level() > 0;
         let low = self.cfg.last_kept_level().min(2);
         let ratio = f64::from(self.cfg.compression_ratio);
         let hyst = f64::from(self.cfg.hysteresis);
@@ -162,42 +163,86 @@ impl Core {
             for (i, &b) in blocks.iter().enumerate() {
                 let dropped = self.blocks.loc[b as usize].slot == NO_SLOT;
                 if i < sinks || i >= recent_from {
-                    wishes.push(Wish { block: b, level: 0, protected: true });
+                    wishes.push(Wish {
+                        block: b,
+                        level: 0,
+                        protected: true,
+                    });
                 } else if !dropped {
                     ranked.push((self.key(b as usize), b));
                 }
             }
             if !compress {
-                wishes.extend(ranked.iter().map(|&(_, b)| Wish { block: b, level: 0, protected: false }));
+                wishes.extend(ranked.iter().map(|&(_, b)| Wish {
+                    block: b,
+                    level: 0,
+                    protected: false,
+                }));
                 continue;
             }
-            ranked.sort_unstable_by(|a, b| b.cmp(a));
+            // Rank boundaries by selection (O(m)), not a sort: `top` most important go to
+            // level 1, with the hysteresis band either side of that boundary.
             let m = ranked.len() as f64;
             let top = (ratio * m).round();
-            for (rank, &(_, b)) in ranked.iter().enumerate() {
-                let rank = rank as f64;
+            let above = |rank: f64, ranked: &mut Vec<(Key, u32)>| -> Option<Key> {
+                let r = rank.ceil();
+                if r < 1.0 {
+                    return None; // nobody ranks above position 0
+                }
+                let i = (r as usize).min(ranked.len()) - 1;
+                ranked.select_nth_unstable_by(i, |a, b| b.cmp(a));
+                Some(ranked[i].0)
+            };
+            // A block "ranks < r" iff its key is >= the key at position r-1 (keys are unique:
+            // the access clock breaks ties).
+            let keep = above(top + hyst * m, &mut ranked);
+            let regain = above(top - hyst * m, &mut ranked);
+            let split = above(top, &mut ranked);
+            for &(key, b) in &ranked {
                 let cur = self.blocks.loc[b as usize].level;
-                // Hysteresis: a block keeps level 1 a little past the boundary and regains it
-                // only well inside.
+                let within = |bound: Option<Key>| bound.is_some_and(|k| key >= k);
                 let wish = match cur {
-                    1 if rank < top + hyst * m => 1,
-                    _ if cur >= low && rank < top - hyst * m => 1,
-                    _ if cur < low && cur != 1 && rank < top => 1,
+                    1 if within(keep) => 1,
+                    _ if cur >= low && within(regain) => 1,
+                    _ if cur < low && cur != 1 && within(split) => 1,
                     _ => low,
                 };
-                wishes.push(Wish { block: b, level: wish.min(low), protected: false });
+                wishes.push(Wish {
+                    block: b,
+                    level: wish.min(low),
+                    protected: false,
+                });
             }
         }
-        wishes.sort_unstable_by_key(|w| w.block);
-        wishes.dedup_by(|later, first| {
-            let same = later.block == first.block;
-            if same {
-                first.level = first.level.min(later.level);
-                first.protected |= later.protected;
+        self.merge_shared(wishes)
+    }
+
+    /// One wish per block: a block shared by several sequences takes the most precise level
+    /// any of them wants, and is protected if any of them protects it. O(n) with a scratch
+    /// column indexed by block id (left clean afterwards).
+    fn merge_shared(&mut self, wishes: Vec<Wish>) -> Vec<Wish> {
+        let mut first = std::mem::take(&mut self.scratch);
+        first.resize(self.num_block_ids(), u32::MAX);
+        let mut merged: Vec<Wish> = Vec::with_capacity(wishes.len());
+        for w in wishes {
+            let i = w.block as usize;
+            match first[i] {
+                u32::MAX => {
+                    first[i] = merged.len() as u32;
+                    merged.push(w);
+                }
+                at => {
+                    let m = &mut merged[at as usize];
+                    m.level = m.level.min(w.level);
+                    m.protected |= w.protected;
+                }
             }
-            same
-        });
-        wishes
+        }
+        for w in &merged {
+            first[w.block as usize] = u32::MAX;
+        }
+        self.scratch = first;
+        merged
     }
 
     /// Min-max normalises each importance signal over the blocks of one sequence and combines
@@ -225,7 +270,11 @@ impl Core {
             for (k, (values, bit)) in signals.iter().enumerate() {
                 if s.known[b as usize] & bit != 0 {
                     let (lo, hi) = range[k];
-                    let x = if hi > lo { (values[b as usize] - lo) / (hi - lo) } else { 0.5 };
+                    let x = if hi > lo {
+                        (values[b as usize] - lo) / (hi - lo)
+                    } else {
+                        0.5
+                    };
                     sum += self.cfg.weights[k] * x;
                     weight += self.cfg.weights[k];
                 }
@@ -243,7 +292,14 @@ impl Core {
     }
 
     /// Reserves `dst` and records the move, or returns false when the pool or cap says no.
-    fn push_move(&mut self, pass: &mut Pass, block: u32, kind: MoveKind, src: Loc, dst: Option<(Tier, u8)>) -> bool {
+    fn push_move(
+        &mut self,
+        pass: &mut Pass,
+        block: u32,
+        kind: MoveKind,
+        src: Loc,
+        dst: Option<(Tier, u8)>,
+    ) -> bool {
         let copies = !matches!(kind, MoveKind::Evict | MoveKind::Drop);
         let src_bytes = self.level_bytes(src.level);
         if copies && pass.moved_bytes + src_bytes > pass.cap {
@@ -252,7 +308,11 @@ impl Core {
         }
         let dst = match (kind, dst) {
             (MoveKind::Evict, _) => None,
-            (MoveKind::Drop, Some((tier, level))) => Some(Loc { tier, level, slot: NO_SLOT }),
+            (MoveKind::Drop, Some((tier, level))) => Some(Loc {
+                tier,
+                level,
+                slot: NO_SLOT,
+            }),
             (_, Some((tier, level))) => match self.take_slot(tier, level) {
                 Some(loc) => Some(loc),
                 None => {
@@ -279,14 +339,20 @@ impl Core {
         }
         if kind != MoveKind::Backup {
             self.blocks.moving[block as usize] = true;
-            self.refresh_evictable(block);
+            self.refresh_evictable_if_indexed(block);
         }
-        pass.moves.push(Move { block, kind, src, dst });
+        pass.moves.push(Move {
+            block,
+            kind,
+            src,
+            dst,
+        });
         true
     }
 
     fn fits(&self, pass: &Pass, tier_pos: usize, bytes: u64) -> bool {
-        self.budget(tier_pos).is_none_or(|b| pass.projected[tier_pos] + bytes <= b)
+        self.budget(tier_pos)
+            .is_none_or(|b| pass.projected[tier_pos] + bytes <= b)
     }
 
     /// Pass 2: demotions toward the wished level, then promotions and fetches.
@@ -316,7 +382,8 @@ impl Core {
         for (_, b, wished) in up {
             let i = b as usize;
             let loc = self.blocks.loc[i];
-            let restore = self.blocks.copy[i].filter(|c| c.level < loc.level || loc.slot == NO_SLOT);
+            let restore =
+                self.blocks.copy[i].filter(|c| c.level < loc.level || loc.slot == NO_SLOT);
             if loc.level > wished && restore.is_none() {
                 pass.noop_promotions += 1;
             }
@@ -340,7 +407,9 @@ impl Core {
         let i = b as usize;
         let loc = self.blocks.loc[i];
         if self.cfg.write_through && self.cfg.tiers.len() > 1 && self.blocks.copy[i].is_none() {
-            let next = self.cfg.tiers[self.tier_pos(loc.tier) + 1..].first().map(|t| t.tier);
+            let next = self.cfg.tiers[self.tier_pos(loc.tier) + 1..]
+                .first()
+                .map(|t| t.tier);
             if let Some(next) = next {
                 let t = self.tier_pos(next);
                 if self.fits(pass, t, self.level_bytes(loc.level)) {
@@ -353,7 +422,9 @@ impl Core {
 
     /// Pass 3 for one tier. Returns the bytes it could not bring under the budget.
     fn relieve_pressure(&mut self, pass: &mut Pass, t: usize, wishes: &[Wish]) -> u64 {
-        let Some(budget) = self.budget(t) else { return 0 };
+        let Some(budget) = self.budget(t) else {
+            return 0;
+        };
         let soft = (budget as f64 * (1.0 - f64::from(self.cfg.headroom))) as u64;
         if pass.projected[t] <= soft {
             return 0;

@@ -30,15 +30,26 @@ impl Trace {
     pub fn new(offsets: Vec<u64>, hashes: Vec<u64>, input_tokens: Vec<u64>) -> Result<Trace> {
         let n = input_tokens.len();
         if offsets.len() != n + 1 {
-            return Err(Error::LengthMismatch { what: "trace offsets", expected: n + 1, got: offsets.len() });
+            return Err(Error::LengthMismatch {
+                what: "trace offsets",
+                expected: n + 1,
+                got: offsets.len(),
+            });
         }
-        if offsets[0] != 0 || offsets.windows(2).any(|w| w[1] < w[0]) || offsets[n] != hashes.len() as u64 {
+        if offsets[0] != 0
+            || offsets.windows(2).any(|w| w[1] < w[0])
+            || offsets[n] != hashes.len() as u64
+        {
             return Err(Error::InvalidArgument {
                 what: "trace offsets",
                 reason: "expected non-decreasing offsets from 0 to the number of hashes".into(),
             });
         }
-        Ok(Trace { offsets, hashes, input_tokens })
+        Ok(Trace {
+            offsets,
+            hashes,
+            input_tokens,
+        })
     }
 
     pub fn len(&self) -> usize {
@@ -81,7 +92,10 @@ pub struct Simulator {
 impl Simulator {
     pub fn new(cfg: Config, trace: Trace, step_every: u64) -> Result<Simulator> {
         if step_every == 0 {
-            return Err(Error::InvalidArgument { what: "step_every", reason: "expected at least 1".into() });
+            return Err(Error::InvalidArgument {
+                what: "step_every",
+                reason: "expected at least 1".into(),
+            });
         }
         let levels = cfg.num_levels();
         let tiers = cfg.tiers.len();
@@ -125,7 +139,11 @@ impl Simulator {
         let input = self.trace.input_tokens[i];
         let tokens_of = |k: usize| -> u64 {
             // Every block is full but the request's last, which holds what is left.
-            if k + 1 < hashes.len() { bs } else { input.saturating_sub(bs * k as u64).min(bs) }
+            if k + 1 < hashes.len() {
+                bs
+            } else {
+                input.saturating_sub(bs * k as u64).min(bs)
+            }
         };
         let st = &mut self.stats;
         st.requests += 1;
@@ -151,7 +169,12 @@ impl Simulator {
             self.core.commit(id)?;
         }
         self.core.free_sequence(seq)?;
-        for (peak, &now) in self.stats.peak_tier_bytes.iter_mut().zip(self.core.tier_bytes()) {
+        for (peak, &now) in self
+            .stats
+            .peak_tier_bytes
+            .iter_mut()
+            .zip(self.core.tier_bytes())
+        {
             *peak = (*peak).max(now);
         }
         Ok(())

@@ -40,9 +40,15 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn config(policy: PolicyKind, evict_on_full: bool, host: bool, write_through: bool) -> Config {
-    let mut tiers = vec![TierConfig { tier: Tier::Device, budget_bytes: Some(40 * 64) }];
+    let mut tiers = vec![TierConfig {
+        tier: Tier::Device,
+        budget_bytes: Some(40 * 64),
+    }];
     if host {
-        tiers.push(TierConfig { tier: Tier::Host, budget_bytes: Some(40 * 32) });
+        tiers.push(TierConfig {
+            tier: Tier::Host,
+            budget_bytes: Some(40 * 32),
+        });
     }
     Config {
         block_size: 4,
@@ -62,8 +68,16 @@ fn check_state(core: &Core) {
     let usage = core.usage();
     let cfg = core.config();
     for (t, tc) in cfg.tiers.iter().enumerate() {
-        let bytes: u64 = usage.iter().filter(|u| u.tier == tc.tier).map(|u| u.bytes).sum();
-        assert_eq!(bytes, core.tier_bytes()[t], "tier bytes out of step with pools");
+        let bytes: u64 = usage
+            .iter()
+            .filter(|u| u.tier == tc.tier)
+            .map(|u| u.bytes)
+            .sum();
+        assert_eq!(
+            bytes,
+            core.tier_bytes()[t],
+            "tier bytes out of step with pools"
+        );
     }
     for u in &usage {
         assert!(u.used_slots <= u.capacity_slots);
@@ -73,28 +87,51 @@ fn check_state(core: &Core) {
     let mut slots_held = 0u64;
     for b in 0..core.num_block_ids() as u32 {
         let Ok(loc) = core.block_loc(b) else { continue };
-        for l in [Some(loc), core.block_copy(b).unwrap()].into_iter().flatten() {
+        for l in [Some(loc), core.block_copy(b).unwrap()]
+            .into_iter()
+            .flatten()
+        {
             if l.slot != kvtier::NO_SLOT {
-                assert!(held.insert((l.tier, l.level, l.slot)), "slot {l:?} held twice");
+                assert!(
+                    held.insert((l.tier, l.level, l.slot)),
+                    "slot {l:?} held twice"
+                );
                 slots_held += 1;
             }
         }
     }
     let plan_slots: u64 = core
         .pending_plan()
-        .map(|p| p.moves.iter().filter(|m| m.dst.is_some_and(|d| d.slot != kvtier::NO_SLOT)).count() as u64)
+        .map(|p| {
+            p.moves
+                .iter()
+                .filter(|m| m.dst.is_some_and(|d| d.slot != kvtier::NO_SLOT))
+                .count() as u64
+        })
         .unwrap_or(0);
     let used: u64 = usage.iter().map(|u| u64::from(u.used_slots)).sum();
-    assert_eq!(used, slots_held + plan_slots, "pool slots in use != slots held by blocks and plans");
+    assert_eq!(
+        used,
+        slots_held + plan_slots,
+        "pool slots in use != slots held by blocks and plans"
+    );
 }
 
 fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
     let mut core = Core::new(cfg.clone()).unwrap();
     let mut seqs: Vec<u32> = Vec::new();
     let mut pinned: Vec<u32> = Vec::new();
-    let pick = |v: &Vec<u32>, i: usize| if v.is_empty() { None } else { Some(v[i % v.len()]) };
+    let pick = |v: &Vec<u32>, i: usize| {
+        if v.is_empty() {
+            None
+        } else {
+            Some(v[i % v.len()])
+        }
+    };
     for op in ops {
-        let live_blocks: Vec<u32> = (0..core.num_block_ids() as u32).filter(|&b| core.block_loc(b).is_ok()).collect();
+        let live_blocks: Vec<u32> = (0..core.num_block_ids() as u32)
+            .filter(|&b| core.block_loc(b).is_ok())
+            .collect();
         match op {
             Op::Add => seqs.push(core.add_sequence()),
             Op::AppendBlocks(s, hashes) => {
@@ -132,8 +169,10 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
                 core.record_reads(&ids).unwrap();
             }
             Op::Attention(pairs) => {
-                let (ids, mass): (Vec<u32>, Vec<f32>) =
-                    pairs.iter().filter_map(|&(i, m)| pick(&live_blocks, i).map(|b| (b, f32::from(m)))).unzip();
+                let (ids, mass): (Vec<u32>, Vec<f32>) = pairs
+                    .iter()
+                    .filter_map(|&(i, m)| pick(&live_blocks, i).map(|b| (b, f32::from(m))))
+                    .unzip();
                 core.record_attention(&ids, &mass).unwrap();
             }
             Op::Pin(i) => {
@@ -157,7 +196,11 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
                 for m in &plan.moves {
                     prop_assert!(!pinned.contains(&m.block), "pinned block {} moved", m.block);
                     if m.kind != MoveKind::Backup {
-                        prop_assert!(seen.insert(m.block), "block {} moved twice in one plan", m.block);
+                        prop_assert!(
+                            seen.insert(m.block),
+                            "block {} moved twice in one plan",
+                            m.block
+                        );
                     }
                 }
                 if matches!(op, Op::PlanCommit) {
@@ -165,13 +208,20 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
                     for (t, tc) in cfg.tiers.iter().enumerate() {
                         if let Some(budget) = tc.budget_bytes {
                             if before[t] <= budget {
-                                prop_assert!(core.tier_bytes()[t] <= budget, "tier {t} over budget after commit");
+                                prop_assert!(
+                                    core.tier_bytes()[t] <= budget,
+                                    "tier {t} over budget after commit"
+                                );
                             }
                         }
                     }
                 } else {
                     core.abort(plan.id).unwrap();
-                    prop_assert_eq!(core.tier_bytes(), &before[..], "abort changed the bytes held");
+                    prop_assert_eq!(
+                        core.tier_bytes(),
+                        &before[..],
+                        "abort changed the bytes held"
+                    );
                 }
             }
         }
@@ -197,7 +247,11 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
         let id = core.plan().unwrap().id;
         core.commit(id).unwrap();
     }
-    prop_assert_eq!(core.live_blocks(), 0, "blocks left after freeing and evicting everything");
+    prop_assert_eq!(
+        core.live_blocks(),
+        0,
+        "blocks left after freeing and evicting everything"
+    );
     prop_assert!(core.usage().iter().all(|u| u.used_slots == 0));
     Ok(())
 }

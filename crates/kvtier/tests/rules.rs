@@ -7,7 +7,13 @@ fn core(cfg: Config) -> Core {
 }
 
 fn cfg() -> Config {
-    Config { block_size: 4, level_bytes: vec![64, 32, 16], recent_window: 8, sink_blocks: 1, ..Config::default() }
+    Config {
+        block_size: 4,
+        level_bytes: vec![64, 32, 16],
+        recent_window: 8,
+        sink_blocks: 1,
+        ..Config::default()
+    }
 }
 
 /// A sequence of `n` full blocks with distinct hashes starting at `base`.
@@ -28,9 +34,10 @@ fn commit(core: &mut Core) -> kvtier::Plan {
 fn sink_and_recent_window_stay_at_level_0_and_the_rest_split_by_ratio() {
     let mut c = core(cfg());
     let (_, blocks) = seq_with(&mut c, 100, 10); // 40 tokens; window 8 tokens = last 2 blocks
-    // Magnitudes rank the middle blocks 1..=7: block i has magnitude i.
+                                                 // Magnitudes rank the middle blocks 1..=7: block i has magnitude i.
     let mid: Vec<u32> = blocks[1..8].to_vec();
-    c.set_magnitude(&mid, &(1..=7).map(|x| x as f32).collect::<Vec<_>>()).unwrap();
+    c.set_magnitude(&mid, &(1..=7).map(|x| x as f32).collect::<Vec<_>>())
+        .unwrap();
     commit(&mut c);
     let level = |c: &Core, b: u32| c.block_loc(b).unwrap().level;
     assert_eq!(level(&c, blocks[0]), 0, "sink");
@@ -49,8 +56,14 @@ fn a_device_budget_demotes_lowest_first_then_offloads() {
     cfg.headroom = 0.0;
     cfg.policy = kvtier::PolicyKind::Lru;
     cfg.tiers = vec![
-        TierConfig { tier: Tier::Device, budget_bytes: Some(6 * 64) },
-        TierConfig { tier: Tier::Host, budget_bytes: None },
+        TierConfig {
+            tier: Tier::Device,
+            budget_bytes: Some(6 * 64),
+        },
+        TierConfig {
+            tier: Tier::Host,
+            budget_bytes: None,
+        },
     ];
     let mut c = core(cfg);
     let (s, blocks) = seq_with(&mut c, 1, 6);
@@ -68,8 +81,16 @@ fn a_device_budget_demotes_lowest_first_then_offloads() {
     }
     assert!(c.tier_bytes()[0] <= 64);
     assert!(c.counters().offloads > 0);
-    assert_eq!(c.counters().evictions, 0, "the host had room: nothing should be evicted");
-    assert_eq!(c.lookup(&(1..7).collect::<Vec<_>>()).len(), 6, "every block still cached");
+    assert_eq!(
+        c.counters().evictions,
+        0,
+        "the host had room: nothing should be evicted"
+    );
+    assert_eq!(
+        c.lookup(&(1..7).collect::<Vec<_>>()).len(),
+        6,
+        "every block still cached"
+    );
 }
 
 #[test]
@@ -78,8 +99,14 @@ fn promotion_restores_from_a_write_through_copy_and_is_a_noop_without_one() {
         let mut cfg = cfg();
         cfg.write_through = write_through;
         cfg.tiers = vec![
-            TierConfig { tier: Tier::Device, budget_bytes: None },
-            TierConfig { tier: Tier::Host, budget_bytes: None },
+            TierConfig {
+                tier: Tier::Device,
+                budget_bytes: None,
+            },
+            TierConfig {
+                tier: Tier::Host,
+                budget_bytes: None,
+            },
         ];
         let mut c = core(cfg);
         let (s, blocks) = seq_with(&mut c, 1, 6);
@@ -94,11 +121,20 @@ fn promotion_restores_from_a_write_through_copy_and_is_a_noop_without_one() {
         let plan = commit(&mut c);
         let loc = c.block_loc(b).unwrap();
         if write_through {
-            assert_eq!(loc.level, 0, "restored to full precision from the host copy");
-            assert!(plan.moves.iter().any(|m| m.block == b && m.kind == MoveKind::Promote));
+            assert_eq!(
+                loc.level, 0,
+                "restored to full precision from the host copy"
+            );
+            assert!(plan
+                .moves
+                .iter()
+                .any(|m| m.block == b && m.kind == MoveKind::Promote));
         } else {
             assert!(loc.level > 0, "a lossy level cannot give back precision");
-            assert!(plan.noop_promotions > 0, "the wanted promotion is counted as a no-op");
+            assert!(
+                plan.noop_promotions > 0,
+                "the wanted promotion is counted as a no-op"
+            );
         }
     }
 }
@@ -148,12 +184,18 @@ fn sources_are_freed_only_at_commit_and_abort_changes_nothing() {
 #[test]
 fn a_full_device_refuses_or_evicts_cached_blocks() {
     let mut cfg = cfg();
-    cfg.tiers = vec![TierConfig { tier: Tier::Device, budget_bytes: Some(3 * 64) }];
+    cfg.tiers = vec![TierConfig {
+        tier: Tier::Device,
+        budget_bytes: Some(3 * 64),
+    }];
     let mut c = core(cfg.clone());
     let (s, _) = seq_with(&mut c, 1, 3);
     let s2 = c.add_sequence();
     let err = c.append_blocks(s2, &[9]).unwrap_err();
-    assert!(matches!(err, Error::OutOfCapacity { budget: 192, .. }), "{err}");
+    assert!(
+        matches!(err, Error::OutOfCapacity { budget: 192, .. }),
+        "{err}"
+    );
     assert!(err.to_string().contains("budget"));
     c.free_sequence(s).unwrap(); // cached, but eviction is off
     assert!(c.append_blocks(s2, &[9]).is_err());
@@ -164,7 +206,11 @@ fn a_full_device_refuses_or_evicts_cached_blocks() {
     let s2 = c.add_sequence();
     c.append_blocks(s2, &[9]).unwrap();
     assert_eq!(c.counters().evictions, 1);
-    assert_eq!(c.lookup(&[1, 2, 3]).len(), 0, "block 1 (least recent) was evicted");
+    assert_eq!(
+        c.lookup(&[1, 2, 3]).len(),
+        0,
+        "block 1 (least recent) was evicted"
+    );
     assert_eq!(c.lookup(&[2, 3]).len(), 2);
 }
 
@@ -185,7 +231,11 @@ fn prefix_hashes_are_chained_stable_and_shared() {
     let ra = c.append_tokens(a, &tokens).unwrap();
     let rb = c.append_tokens(b, &tokens).unwrap();
     assert_eq!(ra.shared, vec![false, false, false]);
-    assert_eq!(rb.shared, vec![true, true, false], "full blocks shared, partial block private");
+    assert_eq!(
+        rb.shared,
+        vec![true, true, false],
+        "full blocks shared, partial block private"
+    );
     assert_eq!(rb.blocks[..2], ra.blocks[..2]);
     assert_eq!(c.block_refcount(ra.blocks[0]).unwrap(), 2);
     assert_eq!(c.lookup_tokens(&tokens).len(), 2);
@@ -207,7 +257,10 @@ fn fork_shares_full_blocks_and_copies_the_partial_one() {
     assert_eq!(f.copy, Some((parent[2], child[2])));
     c.free_sequence(s).unwrap();
     assert_eq!(c.block_refcount(child[0]).unwrap(), 1);
-    assert!(c.block_loc(parent[2]).is_err(), "the parent's private partial block is freed");
+    assert!(
+        c.block_loc(parent[2]).is_err(),
+        "the parent's private partial block is freed"
+    );
 }
 
 #[test]
@@ -215,14 +268,45 @@ fn bad_input_changes_nothing() {
     let mut c = core(cfg());
     let (_, blocks) = seq_with(&mut c, 1, 3);
     let before = (c.usage(), c.counters().clone());
-    assert!(matches!(c.record_reads(&[blocks[0], 999]), Err(Error::UnknownBlock { block: 999 })));
-    assert!(matches!(c.record_attention(&blocks, &[1.0]), Err(Error::LengthMismatch { .. })));
-    assert!(matches!(c.set_magnitude(&blocks[..1], &[f32::NAN]), Err(Error::InvalidArgument { .. })));
-    assert!(matches!(c.free_sequence(77), Err(Error::UnknownSequence { seq: 77 })));
-    assert!(matches!(c.unpin(&blocks[..1]), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        c.record_reads(&[blocks[0], 999]),
+        Err(Error::UnknownBlock { block: 999 })
+    ));
+    assert!(matches!(
+        c.record_attention(&blocks, &[1.0]),
+        Err(Error::LengthMismatch { .. })
+    ));
+    assert!(matches!(
+        c.set_magnitude(&blocks[..1], &[f32::NAN]),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        c.free_sequence(77),
+        Err(Error::UnknownSequence { seq: 77 })
+    ));
+    assert!(matches!(
+        c.unpin(&blocks[..1]),
+        Err(Error::InvalidArgument { .. })
+    ));
     assert_eq!((c.usage(), c.counters().clone()), before);
-    assert_eq!(c.block_score(blocks[0]).unwrap().primary(), 0.0, "no read was recorded");
-    let bad = Config { compression_ratio: 1.5, ..cfg() };
-    assert!(matches!(Core::new(bad), Err(Error::InvalidConfig { field: "compression_ratio", .. })));
-    assert!(matches!(kvtier::PolicyKind::parse("fifo"), Err(Error::UnknownPolicy { .. })));
+    assert_eq!(
+        c.block_score(blocks[0]).unwrap().primary(),
+        0.0,
+        "no read was recorded"
+    );
+    let bad = Config {
+        compression_ratio: 1.5,
+        ..cfg()
+    };
+    assert!(matches!(
+        Core::new(bad),
+        Err(Error::InvalidConfig {
+            field: "compression_ratio",
+            ..
+        })
+    ));
+    assert!(matches!(
+        kvtier::PolicyKind::parse("fifo"),
+        Err(Error::UnknownPolicy { .. })
+    ));
 }

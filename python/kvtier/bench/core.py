@@ -1,0 +1,219 @@
+"""``kvtier bench core``: the Rust core against plain Python doing the same work, in one run.
+
+- statistics: batch read updates per second (10M updates over 1M blocks), beside the same decayed
+  counter update written in plain Python;
+- plan: ``plan()`` over 1M blocks in 1,000 sequences, beside the plain-Python model of the rules;
+- simulate: a full-precision LRU replay of the Mooncake conversation trace, beside the
+  plain-Python LRU replay and LMCache's own simulator (fast and full modes) at the same capacity
+  (hit rates must agree); and the full tier model (int8/int4 ladder, host tier) with the
+  importance policy.
+
+Prints a table on stderr and JSON on stdout (``--json``: JSON only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import pymodel
+from .._core import Core
+from ..config import KvtierConfig
+from ..simulate import SimulationConfig, run
+from ..traces import Trace, bundled_trace_path, load_trace
+
+MOONCAKE = "traces/mooncake_conversation.jsonl"
+
+
+def _best_of(repeats: int, fn: Callable[[], Any]) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _populated_core(n_blocks: int, n_seqs: int, seed: int = 0) -> Core:
+    """A core holding ``n_blocks`` blocks in ``n_seqs`` sequences, each with a magnitude."""
+    core = Core([4096, 2080, 1160], block_size=16, recent_window=64)
+    rng = np.random.default_rng(seed)
+    per_seq = n_blocks // n_seqs
+    for s in range(n_seqs):
+        seq = core.add_sequence()
+        blocks, _ = core.append_blocks(
+            seq, np.arange(s * per_seq, (s + 1) * per_seq, dtype=np.uint64) + 1
+        )
+        core.set_magnitude(blocks, rng.random(len(blocks), dtype=np.float32))
+    return core
+
+
+def bench_stats(n_blocks: int, n_updates: int, py_updates: int) -> dict[str, Any]:
+    core = _populated_core(n_blocks, max(1, n_blocks // 1000))
+    ids = np.random.default_rng(1).integers(0, n_blocks, n_updates, dtype=np.uint32)
+    rust_s = _best_of(3, lambda: core.record_reads(ids))
+    model = pymodel.ReadCounters(n_blocks, decay=KvtierConfig().decay)
+    py_ids = ids[:py_updates].tolist()
+    py_s = _best_of(1, lambda: model.record_reads(py_ids))
+    rust_rate = n_updates / rust_s
+    py_rate = py_updates / py_s
+    return {
+        "blocks": n_blocks,
+        "updates": n_updates,
+        "rust_updates_per_s": rust_rate,
+        "python_updates_per_s": py_rate,
+        "python_updates_timed": py_updates,
+        "speedup": rust_rate / py_rate,
+        "target_updates_per_s": 20e6,
+    }
+
+
+def bench_plan(n_blocks: int, n_seqs: int, python: bool) -> dict[str, Any]:
+    core = _populated_core(n_blocks, n_seqs)
+    first = core.plan()
+    t0 = time.perf_counter()
+    core.abort(first.id)
+    abort_s = time.perf_counter() - t0
+
+    def plan_and_abort() -> None:
+        plan = core.plan()
+        core.abort(plan.id)
+
+    rust_s = _best_of(3, plan_and_abort) - abort_s
+    out: dict[str, Any] = {
+        "blocks": n_blocks,
+        "sequences": n_seqs,
+        "moves": len(first),
+        "rust_plan_ms": rust_s * 1e3,
+        "target_ms": 50.0,
+    }
+    if python:
+        model = pymodel.plan_model_from_core(core)
+        py_s = _best_of(1, model.plan)
+        out["python_plan_ms"] = py_s * 1e3
+        out["speedup"] = py_s / rust_s
+    return out
+
+
+def _trace_path() -> Path:
+    """The full Mooncake trace from the shared data folder (``KVTIER_SHARED_DATA``, else
+    ``../shared/data`` beside the checkout), else the bundled slice."""
+    data = Path(os.environ.get("KVTIER_SHARED_DATA", Path.cwd().parent / "shared" / "data"))
+    full = data / MOONCAKE
+    return full if full.is_file() else Path(bundled_trace_path())
+
+
+def bench_simulate(trace: Trace, capacity: int, lmcache: bool) -> dict[str, Any]:
+    lru_cfg = SimulationConfig(device_blocks=capacity, ladder=("fp16",))
+    rust = {"wall_s": float("inf")}
+    for _ in range(3):
+        r = run(trace, lru_cfg, policies=["lru"])["results"][0]
+        if r["wall_s"] < rust["wall_s"]:
+            rust = r
+    t0 = time.perf_counter()
+    py = pymodel.lru_replay(trace, capacity)
+    py_s = time.perf_counter() - t0
+    out: dict[str, Any] = {
+        "requests": len(trace),
+        "capacity_blocks": capacity,
+        "kvtier_lru": {"block_hit_rate": rust["block_hit_rate"], "wall_s": rust["wall_s"]},
+        "python_lru": {"block_hit_rate": py["block_hit_rate"], "wall_s": py_s},
+        "speedup_vs_python": py_s / rust["wall_s"],
+    }
+    if lmcache:
+        try:
+            from .lmcache_peer import run_lmcache
+        except ImportError as e:
+            out["lmcache"] = f"skipped: {e}"
+        else:
+            for fast in (True, False):
+                peer = run_lmcache(trace, capacity, fast=fast)
+                mode = "fast" if fast else "full"
+                out[f"lmcache_{mode}"] = {
+                    "block_hit_rate": peer["block_hit_rate"],
+                    "wall_s": peer["wall_s"],
+                }
+                out[f"speedup_vs_lmcache_{mode}"] = peer["wall_s"] / rust["wall_s"]
+    full_cfg = SimulationConfig(
+        device_blocks=capacity,
+        host_bytes=4 * capacity * lru_cfg.shape().block_bytes("fp16", 512),
+        ladder=("fp16", "int8", "int4"),
+    )
+    full = run(trace, full_cfg, policies=["importance"])["results"][0]
+    out["kvtier_importance_tiers"] = {
+        "ladder": full["ladder"],
+        "tiers": "device + host (4x device)",
+        "block_hit_rate": full["block_hit_rate"],
+        "wall_s": full["wall_s"],
+        "target_s": 1.0,
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench core", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    ap.add_argument("--json", action="store_true", help="print only the JSON")
+    ap.add_argument(
+        "--quick", action="store_true", help="100k blocks and the bundled trace (a smoke run)"
+    )
+    ap.add_argument(
+        "--trace", type=Path, default=None, help="Mooncake trace (default: ../shared, else bundled)"
+    )
+    ap.add_argument(
+        "--capacity", type=int, default=10_000, help="cache blocks for the replay comparison"
+    )
+    ap.add_argument("--no-lmcache", action="store_true", help="skip the LMCache peer")
+    ap.add_argument("--no-python-plan", action="store_true", help="skip the slow plain-Python plan")
+    args = ap.parse_args(argv)
+
+    n_blocks = 100_000 if args.quick else 1_000_000
+    trace_path = args.trace or (Path(bundled_trace_path()) if args.quick else _trace_path())
+    trace = load_trace(trace_path)
+    log = (lambda *_: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
+    log(f"kvtier bench core: {n_blocks:,} blocks; trace {trace_path} ({len(trace):,} requests)")
+    result = {
+        "stats": bench_stats(n_blocks, 10 * n_blocks, min(1_000_000, n_blocks)),
+        "plan": bench_plan(n_blocks, max(1, n_blocks // 1000), python=not args.no_python_plan),
+        "simulate": bench_simulate(trace, args.capacity, lmcache=not args.no_lmcache),
+    }
+    s, p, m = result["stats"], result["plan"], result["simulate"]
+    log(
+        f"stats     {s['rust_updates_per_s'] / 1e6:8.1f} M updates/s  (plain Python {s['python_updates_per_s'] / 1e6:.2f} M/s, x{s['speedup']:.0f}; target >= 20 M/s)"
+    )
+    log(
+        f"plan      {p['rust_plan_ms']:8.1f} ms over {p['blocks']:,} blocks ({p['moves']:,} moves)"
+        + (
+            f"  (plain Python {p['python_plan_ms']:.0f} ms, x{p['speedup']:.0f}; target <= 50 ms)"
+            if "speedup" in p
+            else ""
+        )
+    )
+    log(
+        f"simulate  kvtier LRU {m['kvtier_lru']['wall_s'] * 1e3:.1f} ms, plain Python {m['python_lru']['wall_s'] * 1e3:.1f} ms (x{m['speedup_vs_python']:.1f})"
+    )
+    for mode in ("fast", "full"):
+        if f"lmcache_{mode}" in m:
+            log(
+                f"          LMCache {mode}: {m[f'lmcache_{mode}']['wall_s'] * 1e3:.1f} ms (kvtier x{m[f'speedup_vs_lmcache_{mode}']:.1f}), hit rate {m[f'lmcache_{mode}']['block_hit_rate']:.4%} vs kvtier {m['kvtier_lru']['block_hit_rate']:.4%}"
+            )
+    imp = m["kvtier_importance_tiers"]
+    log(
+        f"          importance + int8/int4 + host tier: {imp['wall_s'] * 1e3:.1f} ms, hit rate {imp['block_hit_rate']:.2%} (target < 1 s)"
+    )
+    json.dump(result, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
