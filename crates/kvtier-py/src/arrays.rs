@@ -21,5 +21,5 @@ pub fn array<'py, T: Element>(
         .import("kvtier._arrays")?
         .getattr("as_array")?
         .call1((obj, name, dtype))?;
-    Ok(converted.extract::<PyReadonlyArray1<'py, T>>()?)
+    converted.extract::<PyReadonlyArray1<'py, T>>()
 }

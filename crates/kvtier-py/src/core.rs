@@ -13,6 +13,9 @@ use crate::arrays::array;
 use crate::errors::IntoPy;
 use crate::plan::PyPlan;
 
+/// Blocks added by an append, and which of them were shared from the cache.
+type AppendedArrays<'py> = (Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<bool>>);
+
 #[pyclass(name = "Core", module = "kvtier._core", frozen)]
 pub struct PyCore {
     inner: Mutex<Core>,
@@ -150,7 +153,7 @@ impl PyCore {
         py: Python<'py>,
         seq: u32,
         tokens: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<bool>>)> {
+    ) -> PyResult<AppendedArrays<'py>> {
         let tokens = array::<u32>(tokens, "tokens", "uint32")?;
         let t = tokens.as_slice()?;
         let out = self.with(py, |c| c.append_tokens(seq, t)).py_err()?;
@@ -166,7 +169,7 @@ impl PyCore {
         py: Python<'py>,
         seq: u32,
         hashes: &Bound<'py, PyAny>,
-    ) -> PyResult<(Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<bool>>)> {
+    ) -> PyResult<AppendedArrays<'py>> {
         let hashes = array::<u64>(hashes, "hashes", "uint64")?;
         let h = hashes.as_slice()?;
         let out = self.with(py, |c| c.append_blocks(seq, h)).py_err()?;

@@ -164,7 +164,7 @@ impl Simulator {
             Err(Error::OutOfCapacity { .. } | Error::OutOfSlots { .. }) => self.stats.rejected += 1,
             Err(e) => return Err(e),
         }
-        if (i as u64 + 1) % self.step_every == 0 {
+        if (i as u64 + 1).is_multiple_of(self.step_every) {
             let id = self.core.plan()?.id;
             self.core.commit(id)?;
         }
