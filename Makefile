@@ -59,6 +59,7 @@ simulate: develop ## replay the bundled Mooncake trace through the real schedule
 	$(BIN)/kvtier simulate $(SIMULATE_ARGS)
 
 bench: develop ## run the core benchmark (prints JSON figures, never pass/fail)
+	$(BIN)/python -m pip install --quiet --no-deps lmcache sortedcontainers  # the peer simulator
 	$(BIN)/python benchmarks/bench_core.py
 
 wheel: venv ## build a release wheel into dist/

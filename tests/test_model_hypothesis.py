@@ -417,6 +417,16 @@ class CoreVsModel(RuleBasedStateMachine):
     def set_budget(self, budget: int | None) -> None:
         self.both("set_budget", "device", budget)
 
+    @precondition(lambda self: self.ready and self.pending is None and self.model.tier_bytes > 0)
+    @rule(percent=st.integers(0, 90), plans=st.integers(1, 4))
+    def squeeze(self, percent: int, plans: int) -> None:
+        """Memory pressure: the budget drops below what is in use, then a few steps run
+        (demotions of live and cached blocks, evictions, drops)."""
+        self.both("set_budget", "device", self.model.tier_bytes * percent // 100)
+        for _ in range(plans):
+            got, _ = self.both("plan")
+            self.both("commit", got.id)
+
     # ---- invariants ----------------------------------------------------------------------
 
     @invariant()

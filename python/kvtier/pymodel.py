@@ -861,7 +861,7 @@ class ModelCore:
                 s.partial = []
                 self.hash[last] = h
                 # An identical block may already be indexed; this one then stays private.
-                self.indexed[last] = self._index_insert(h, last)
+                self.indexed[last] = False
         blocks, shared = [], []
         offset = 0
         for bh, p, n in planned:

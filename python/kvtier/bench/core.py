@@ -26,7 +26,6 @@ import numpy as np
 
 from .. import pymodel
 from .._core import Core
-from ..config import KvtierConfig
 from ..simulate import SimulationConfig, run
 from ..traces import Trace, bundled_trace_path, load_trace
 
@@ -42,25 +41,43 @@ def _best_of(repeats: int, fn: Callable[[], Any]) -> float:
     return best
 
 
-def _populated_core(n_blocks: int, n_seqs: int, seed: int = 0) -> Core:
-    """A core holding ``n_blocks`` blocks in ``n_seqs`` sequences, each with a magnitude."""
-    core = Core([4096, 2080, 1160], block_size=16, recent_window=64)
+CORE_ARGS: dict[str, Any] = {"block_size": 16, "recent_window": 64}
+LEVEL_BYTES = [4096, 2080, 1160]
+
+
+def _populate(
+    core: Any, n_blocks: int, n_seqs: int, *, as_lists: bool = False, seed: int = 0
+) -> Any:
+    """Fills a core (or the plain-Python model) with ``n_blocks`` blocks in ``n_seqs`` sequences,
+    each with a magnitude, identically for both."""
     rng = np.random.default_rng(seed)
     per_seq = n_blocks // n_seqs
     for s in range(n_seqs):
         seq = core.add_sequence()
-        blocks, _ = core.append_blocks(
-            seq, np.arange(s * per_seq, (s + 1) * per_seq, dtype=np.uint64) + 1
-        )
-        core.set_magnitude(blocks, rng.random(len(blocks), dtype=np.float32))
+        hashes = np.arange(s * per_seq, (s + 1) * per_seq, dtype=np.uint64) + 1
+        magnitude = rng.random(per_seq, dtype=np.float32)
+        if as_lists:
+            blocks, _ = core.append_blocks(seq, hashes.tolist())
+            core.set_magnitude(blocks, magnitude.tolist())
+        else:
+            blocks, _ = core.append_blocks(seq, hashes)
+            core.set_magnitude(blocks, magnitude)
     return core
+
+
+def _populated_core(n_blocks: int, n_seqs: int) -> Core:
+    return _populate(Core(LEVEL_BYTES, **CORE_ARGS), n_blocks, n_seqs)
+
+
+def _populated_model(n_blocks: int, n_seqs: int) -> pymodel.ModelCore:
+    return _populate(pymodel.ModelCore(LEVEL_BYTES, **CORE_ARGS), n_blocks, n_seqs, as_lists=True)
 
 
 def bench_stats(n_blocks: int, n_updates: int, py_updates: int) -> dict[str, Any]:
     core = _populated_core(n_blocks, max(1, n_blocks // 1000))
     ids = np.random.default_rng(1).integers(0, n_blocks, n_updates, dtype=np.uint32)
     rust_s = _best_of(3, lambda: core.record_reads(ids))
-    model = pymodel.ReadCounters(n_blocks, decay=KvtierConfig().decay)
+    model = _populated_model(n_blocks, max(1, n_blocks // 1000))
     py_ids = ids[:py_updates].tolist()
     py_s = _best_of(1, lambda: model.record_reads(py_ids))
     rust_rate = n_updates / rust_s
@@ -88,16 +105,23 @@ def bench_plan(n_blocks: int, n_seqs: int, python: bool) -> dict[str, Any]:
         core.abort(plan.id)
 
     rust_s = _best_of(3, plan_and_abort) - abort_s
+    plan = core.plan()
+    core.commit(plan.id)
+    steady_s = _best_of(3, plan_and_abort)
     out: dict[str, Any] = {
         "blocks": n_blocks,
         "sequences": n_seqs,
         "moves": len(first),
         "rust_plan_ms": rust_s * 1e3,
+        "rust_steady_plan_ms": steady_s * 1e3,
         "target_ms": 50.0,
     }
     if python:
-        model = pymodel.plan_model_from_core(core)
-        py_s = _best_of(1, model.plan)
+        model = _populated_model(n_blocks, n_seqs)
+        t0 = time.perf_counter()
+        py_plan = model.plan()
+        py_s = time.perf_counter() - t0
+        out["python_moves"] = len(py_plan.moves)  # same work: must equal "moves"
         out["python_plan_ms"] = py_s * 1e3
         out["speedup"] = py_s / rust_s
     return out
@@ -129,8 +153,10 @@ def bench_simulate(trace: Trace, capacity: int, lmcache: bool) -> dict[str, Any]
         "speedup_vs_python": py_s / rust["wall_s"],
     }
     if lmcache:
+        from .lmcache_peer import load_simulator, run_lmcache
+
         try:
-            from .lmcache_peer import run_lmcache
+            load_simulator()
         except ImportError as e:
             out["lmcache"] = f"skipped: {e}"
         else:
