@@ -221,8 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a benchmark; figures are printed, never judged pass/fail.",
     )
     bench.add_argument("suite", choices=("core",), help="which benchmark")
-    bench.add_argument("--json", action="store_true", help="print JSON only")
-    bench.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    bench.add_argument(
+        "options",
+        nargs=argparse.REMAINDER,
+        help="passed to the benchmark (e.g. --json, --quick; `kvtier bench core --help`)",
+    )
 
     sub.add_parser("version", help="print the version")
     return parser
@@ -241,8 +244,7 @@ def _cmd_version() -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(f"kvtier.bench.{args.suite}")
-    argv = [flag for flag, on in (("--json", args.json), ("--quick", args.quick)) if on]
-    return int(module.main(argv) or 0)
+    return int(module.main(list(args.options)) or 0)
 
 
 def _resolve_dtype(args: argparse.Namespace, base: KvtierConfig) -> str:

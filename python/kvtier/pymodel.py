@@ -861,7 +861,7 @@ class ModelCore:
                 s.partial = []
                 self.hash[last] = h
                 # An identical block may already be indexed; this one then stays private.
-                self.indexed[last] = False
+                self.indexed[last] = self._index_insert(h, last)
         blocks, shared = [], []
         offset = 0
         for bh, p, n in planned:
@@ -1154,7 +1154,7 @@ class ModelCore:
         copies = kind not in (EVICT, DROP)
         src = self.level[b]
         src_bytes = self.level_bytes[src]
-        if copies and p.moved + src_bytes > p.cap:
+        if copies and p.moved + src_bytes >= p.cap:
             p.deferred += 1
             return False
         if copies:
