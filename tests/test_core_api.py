@@ -1,0 +1,446 @@
+"""The Python API of ``kvtier._core`` as a user meets it: bad arguments raise clear kvtier errors
+and change nothing; prefix hashes are stable and are the ones the core indexes; batch calls
+release the GIL; the simulator's LRU replay agrees with the plain-Python one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvtier
+from kvtier import _core, pymodel
+from kvtier.simulate import SimulationConfig, run
+from kvtier.traces import bundled_trace_path, load_trace
+
+U32, U64 = np.uint32, np.uint64
+
+
+def state(core: kvtier.Core) -> dict[str, Any]:
+    """Everything observable about a core, for "an error changes nothing" checks."""
+    seqs = {
+        s: (core.sequence_blocks(s).tolist(), core.sequence_tokens(s)) for s in core.sequences()
+    }
+    blocks = sorted({b for bs, _ in seqs.values() for b in bs})
+    info = core.block_info(np.array(blocks, dtype=U32))
+    return {
+        "seqs": seqs,
+        "blocks": {k: v.tolist() for k, v in info.items()},
+        "usage": core.usage(),
+        "counters": dict(core.counters()),
+        "step": core.step,
+    }
+
+
+@pytest.fixture
+def core() -> kvtier.Core:
+    """A small core with two sequences, one cached prefix and a few statistics."""
+    c = kvtier.Core([64, 32, 16], tiers=[("device", 64 * 12)], block_size=4, recent_window=4)
+    s = c.add_sequence()
+    c.append_blocks(s, np.arange(1, 6, dtype=U64))
+    done = c.add_sequence()
+    c.append_tokens(done, np.arange(10, dtype=U32))
+    c.free_sequence(done)  # its two full blocks stay cached, the partial one is freed
+    c.record_reads(np.array([0, 1, 1], dtype=U32))
+    return c
+
+
+def unchanged(core: kvtier.Core, error: type[BaseException], call: Any, *args: Any) -> str:
+    before = state(core)
+    with pytest.raises(error) as info:
+        call(*args)
+    assert state(core) == before, f"{call.__name__} raised and changed the state"
+    return str(info.value)
+
+
+# ---- bad arguments --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ids", [np.array([0.0, 1.0]), [0.5], np.array([1, 2], dtype=np.float32)])
+def test_float_ids_are_refused_naming_the_dtype(core: kvtier.Core, ids: Any) -> None:
+    msg = unchanged(core, kvtier.InvalidArgumentError, core.record_reads, ids)
+    assert "uint32" in msg and "blocks" in msg
+
+
+@pytest.mark.parametrize("ids", [np.array([0, -1], dtype=np.int64), [-3], [2**32]])
+def test_ids_out_of_the_u32_range_are_refused(core: kvtier.Core, ids: Any) -> None:
+    for call in (core.record_reads, core.pin, core.block_info):
+        msg = unchanged(core, kvtier.InvalidArgumentError, call, ids)
+        assert "uint32" in msg
+
+
+def test_hashes_must_be_unsigned_64_bit(core: kvtier.Core) -> None:
+    seq = core.sequences()[0]
+    msg = unchanged(core, kvtier.InvalidArgumentError, core.append_blocks, seq, [-1])
+    assert "uint64" in msg
+    unchanged(core, kvtier.InvalidArgumentError, core.lookup, np.array([1.5]))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [np.zeros((2, 2), dtype=U32), np.zeros((1, 3), dtype=U32), np.uint32(3), "0,1", [[0, 1]]],
+)
+def test_arrays_must_be_one_dimensional(core: kvtier.Core, bad: Any) -> None:
+    msg = unchanged(core, kvtier.InvalidArgumentError, core.record_reads, bad)
+    assert "1-D" in msg or "integers" in msg
+
+
+def test_lists_and_strided_views_are_converted(core: kvtier.Core) -> None:
+    strided = np.array([0, 99, 1, 99], dtype=U32)[::2]
+    assert not strided.flags.c_contiguous
+    core.record_reads(strided)
+    core.record_reads([0, 1])
+    core.record_reads(np.array([], dtype=np.int64))
+    core.record_reads([])
+    assert core.lookup([1, 2]).tolist() == core.lookup(np.array([1, 2], dtype=U64)).tolist()
+
+
+def test_mismatched_lengths_are_refused(core: kvtier.Core) -> None:
+    ids = np.array([0, 1, 2], dtype=U32)
+    msg = unchanged(
+        core, kvtier.InvalidArgumentError, core.record_attention, ids, np.ones(2, dtype=np.float32)
+    )
+    assert "expected 3 values, got 2" in msg
+    for call in (core.set_magnitude, core.set_learned):
+        unchanged(core, kvtier.InvalidArgumentError, call, ids, np.ones(4, dtype=np.float32))
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_signal_values_must_be_finite_and_non_negative(core: kvtier.Core, value: float) -> None:
+    ids = np.array([0, 1], dtype=U32)
+    values = np.array([0.5, value], dtype=np.float32)
+    for call in (core.record_attention, core.set_magnitude, core.set_learned):
+        msg = unchanged(core, kvtier.InvalidArgumentError, call, ids, values)
+        assert "finite non-negative" in msg
+
+
+def test_unknown_blocks_raise_invalid_block_error(core: kvtier.Core) -> None:
+    ids = np.array([0, 1, 99], dtype=U32)
+    for call in (core.record_reads, core.pin, core.unpin, core.block_info):
+        msg = unchanged(core, kvtier.InvalidBlockError, call, ids)
+        assert "unknown block 99" in msg
+    unchanged(
+        core, kvtier.InvalidBlockError, core.record_attention, ids, np.ones(3, dtype=np.float32)
+    )
+    assert issubclass(kvtier.InvalidBlockError, KeyError)  # plain Python code can catch it
+
+
+def test_unpinning_more_than_was_pinned_is_refused(core: kvtier.Core) -> None:
+    core.pin(np.array([0], dtype=U32))
+    msg = unchanged(core, kvtier.InvalidArgumentError, core.unpin, np.array([0, 0], dtype=U32))
+    assert "not pinned" in msg
+    core.unpin(np.array([0], dtype=U32))
+
+
+def test_unknown_sequences_raise_invalid_sequence_error(core: kvtier.Core) -> None:
+    calls: list[tuple[Any, ...]] = [
+        (core.append_blocks, 77, np.array([1], dtype=U64)),
+        (core.append_tokens, 77, np.array([1, 2], dtype=U32)),
+        (core.fork, 77),
+        (core.free_sequence, 77),
+        (core.sequence_blocks, 77),
+        (core.sequence_tokens, 77),
+    ]
+    for call, *args in calls:
+        msg = unchanged(core, kvtier.InvalidSequenceError, call, *args)
+        assert "unknown sequence 77" in msg
+    seq = core.sequences()[0]
+    core.free_sequence(seq)
+    unchanged(core, kvtier.InvalidSequenceError, core.free_sequence, seq)  # freed twice
+
+
+def test_append_blocks_after_a_partial_block_is_refused(core: kvtier.Core) -> None:
+    seq = core.add_sequence()
+    core.append_tokens(seq, np.arange(6, dtype=U32))
+    msg = unchanged(
+        core, kvtier.InvalidArgumentError, core.append_blocks, seq, np.array([5], dtype=U64)
+    )
+    assert "partial block" in msg
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"policy": "fifo"}, "unknown policy"),
+        ({"compression_ratio": 1.5}, "compression_ratio"),
+        ({"compression_ratio": -0.1}, "compression_ratio"),
+        ({"compression_ratio": float("nan")}, "compression_ratio"),
+        ({"headroom": 1.0}, "headroom"),
+        ({"hysteresis": 2.0}, "hysteresis"),
+        ({"decay": 0.0}, "decay"),
+        ({"attention_ema": 0.0}, "attention_ema"),
+        ({"weights": (0.0, 0.0, 0.0)}, "weights"),
+        ({"weights": (-1.0, 1.0, 1.0)}, "weights"),
+        ({"scissorhands_window": 33}, "scissorhands_window"),
+        ({"block_size": 0}, "block_size"),
+        ({"tiers": [("host", None)]}, "tiers"),
+        ({"tiers": [("device", None), ("device", None)]}, "tiers"),
+        ({"pool_slots": [("host", 0, 4)]}, "pool_slots"),
+        ({"pool_slots": [("device", 5, 4)]}, "pool_slots"),
+    ],
+)
+def test_invalid_configs_raise_config_error(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(kvtier.ConfigError, match=field):
+        kvtier.Core([64, 32, 16], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("ladder", "field"),
+    [([], "1 to 8 levels"), ([0], "drop"), ([16, 32], "non-increasing"), ([1] * 9, "1 to 8")],
+)
+def test_invalid_ladders_raise_config_error(ladder: list[int], field: str) -> None:
+    with pytest.raises(kvtier.ConfigError, match=field):
+        kvtier.Core(ladder)
+
+
+def test_the_unknown_policy_error_lists_the_policies() -> None:
+    with pytest.raises(kvtier.ConfigError) as info:
+        kvtier.Core([64], policy="fifo")
+    for name in ("importance", "lru", "lfu", "h2o", "scissorhands"):
+        assert name in str(info.value)
+
+
+def test_an_unknown_tier_name_is_refused() -> None:
+    with pytest.raises(kvtier.KvtierError, match="expected one of device, host, disk, remote"):
+        kvtier.Core([64], tiers=[("gpu", None)])
+    core = kvtier.Core([64])
+    with pytest.raises(kvtier.KvtierError, match="gpu"):
+        core.set_budget("gpu", 10)
+    with pytest.raises(kvtier.InvalidArgumentError, match="host is not configured"):
+        core.set_budget("host", 10)
+
+
+def test_negative_budgets_and_sizes_are_refused_and_change_nothing(core: kvtier.Core) -> None:
+    # PyO3 converts to u64 itself: a negative int is an OverflowError, a float a TypeError
+    # (not kvtier errors, and the message does not name the argument).
+    for bad, error in ((-1, OverflowError), (1.5, TypeError), ("10", TypeError)):
+        unchanged(core, error, core.set_budget, "device", bad)
+    with pytest.raises((kvtier.ConfigError, OverflowError)):
+        kvtier.Core([64], tiers=[("device", -5)])
+    with pytest.raises((kvtier.ConfigError, OverflowError)):
+        kvtier.Core([64], max_move_bytes=-1)
+    with pytest.raises((kvtier.ConfigError, OverflowError)):
+        kvtier.Core([-64])
+
+
+# ---- plans ----------------------------------------------------------------------------------
+
+
+def test_one_plan_at_a_time_and_only_the_pending_one_commits(core: kvtier.Core) -> None:
+    plan = core.plan()
+    msg = unchanged(core, kvtier.PlanError, core.plan)
+    assert f"plan {plan.id} is still pending" in msg
+    for call in (core.commit, core.abort):
+        msg = unchanged(core, kvtier.PlanError, call, plan.id + 1)
+        assert f"no pending plan with id {plan.id + 1}" in msg
+    core.commit(plan.id)
+    for call in (core.commit, core.abort):  # neither twice nor after the fact
+        unchanged(core, kvtier.PlanError, call, plan.id)
+    again = core.plan()
+    assert again.id == plan.id + 1
+    core.abort(again.id)
+    assert core.counters()["aborts"] == 1 and core.counters()["plans"] == 2
+
+
+def test_plan_columns_and_kinds(core: kvtier.Core) -> None:
+    plan = core.plan()
+    n = len(plan)
+    cols = ("block", "kind", "src_tier", "src_level", "src_slot", "dst_tier", "dst_level")
+    for name in (*cols, "dst_slot"):
+        assert getattr(plan, name).shape == (n,)
+    assert plan.block.dtype == U32 and plan.kind.dtype == np.uint8
+    assert set(plan.summary()) <= set(kvtier.Plan.KINDS)
+    assert sum(plan.summary().values()) == n
+    assert "Plan(id=" in repr(plan)
+    core.abort(plan.id)
+
+
+# ---- capacity --------------------------------------------------------------------------------
+
+
+def test_a_full_device_refuses_new_blocks_naming_the_budget() -> None:
+    core = kvtier.Core([64], tiers=[("device", 64 * 4)], evict_on_full=False)
+    seq = core.add_sequence()
+    core.append_blocks(seq, np.arange(1, 4, dtype=U64))
+    msg = unchanged(
+        core, kvtier.OutOfCapacityError, core.append_blocks, seq, np.array([7, 8], dtype=U64)
+    )
+    assert "256-byte budget" in msg and "requested 128 bytes" in msg and "64 free" in msg
+    # A prefix already cached needs no room: shared, not refused.
+    other = core.add_sequence()
+    blocks, shared = core.append_blocks(other, np.array([1, 2], dtype=U64))
+    assert shared.tolist() == [True, True]
+    assert core.block_info(blocks)["refcount"].tolist() == [2, 2]
+
+
+def test_a_full_device_evicts_cached_blocks_when_allowed() -> None:
+    core = kvtier.Core([64], tiers=[("device", 64 * 4)], evict_on_full=True, policy="lru")
+    done = core.add_sequence()
+    core.append_blocks(done, np.arange(1, 5, dtype=U64))
+    core.free_sequence(done)
+    core.record_reads(np.array([0, 2], dtype=U32))  # blocks 1 and 3 are least recently read
+    seq = core.add_sequence()
+    core.append_blocks(seq, np.array([7, 8], dtype=U64))
+    assert core.lookup(np.array([1], dtype=U64)).tolist() == [0]
+    assert core.lookup(np.array([2], dtype=U64)).tolist() == []
+    assert core.counters()["evictions"] == 2
+    # Live blocks are never evicted: with nothing cached left, the device is full.
+    core.append_blocks(seq, np.array([9, 10], dtype=U64))
+    with pytest.raises(kvtier.OutOfCapacityError):
+        core.append_blocks(seq, np.array([11], dtype=U64))
+
+
+# ---- prefix hashes ----------------------------------------------------------------------------
+
+#: ``prefix_hashes(range(32), 16)`` in the default namespace, computed once: the chain is part
+#: of the on-disk / on-Redis key format, so it must never change between runs or releases.
+FIXED = [0x60613E95F4B42118, 0xF1325E8B0BB9ABE5]
+DEFAULT_SEED = 0x6C5B964D9473AC1A
+
+
+def test_prefix_hashes_are_fixed_values() -> None:
+    assert kvtier.prefix_hashes(np.arange(32, dtype=U32), 16).tolist() == FIXED
+    assert kvtier.prefix_hashes(list(range(32)), 16, namespace="default").tolist() == FIXED
+    assert _core.namespace_seed("default") == DEFAULT_SEED
+    # A trailing partial block has no hash; the chain makes the second hash depend on the first.
+    assert kvtier.prefix_hashes(np.arange(40, dtype=U32), 16).tolist() == FIXED
+    assert kvtier.prefix_hashes(np.arange(15, dtype=U32), 16).tolist() == []
+    assert kvtier.prefix_hashes(np.arange(16, 32, dtype=U32), 16).tolist() != FIXED[1:]
+
+
+def test_prefix_hashes_are_the_same_in_another_process() -> None:
+    code = (
+        "import numpy as np, kvtier;"
+        "print(kvtier.prefix_hashes(np.arange(32, dtype=np.uint32), 16).tolist())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": ""},
+    ).stdout
+    assert out.strip() == str(FIXED)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16, 33, 60, 64, 512])
+def test_prefix_hashes_are_published_xxh3(block_size: int) -> None:
+    """The chain is XXH3-64 (checked against a plain-Python transcription of the spec, every
+    input length class: 4..16, 17..128, 129..240 and > 240 bytes)."""
+    tokens = np.random.default_rng(block_size).integers(0, 2**32, 3 * block_size, dtype=U32)
+    expected = pymodel.prefix_hashes(tokens.tolist(), block_size)
+    assert kvtier.prefix_hashes(tokens, block_size).tolist() == expected
+    assert pymodel.xxh3_64(b"default") == DEFAULT_SEED
+    assert pymodel.namespace_seed("tenant-a") == _core.namespace_seed("tenant-a")
+
+
+def test_namespaces_never_share_hashes() -> None:
+    tokens = np.arange(64, dtype=U32)
+    spaces = ["default", "llama-3-8b", "llama-3-8b/int8", "tenant-a", ""]
+    chains = [kvtier.prefix_hashes(tokens, 16, namespace=ns).tolist() for ns in spaces]
+    flat = [h for chain in chains for h in chain]
+    assert len(set(flat)) == len(flat)
+
+
+def test_prefix_hashes_refuse_a_zero_block_size() -> None:
+    with pytest.raises(kvtier.InvalidArgumentError, match="block_size"):
+        kvtier.prefix_hashes(np.arange(4, dtype=U32), 0)
+
+
+@pytest.mark.parametrize("namespace", ["default", "tenant-b"])
+def test_append_tokens_indexes_the_prefix_hashes(namespace: str) -> None:
+    core = kvtier.Core([64], block_size=16, namespace=namespace)
+    tokens = np.arange(1000, 1056, dtype=U32)  # 3 full blocks and a partial one
+    seq = core.add_sequence()
+    core.append_tokens(seq, tokens[:20])  # a block boundary falls inside a call
+    core.append_tokens(seq, tokens[20:])
+    blocks = core.sequence_blocks(seq).tolist()
+    hashes = kvtier.prefix_hashes(tokens, 16, namespace=namespace)
+    assert core.block_info(np.array(blocks, dtype=U32))["hash"].tolist() == [*hashes.tolist(), 0]
+    assert core.lookup(hashes).tolist() == blocks[:3]
+    assert core.lookup_tokens(tokens).tolist() == blocks[:3]
+    assert core.lookup_tokens(tokens[:40]).tolist() == blocks[:2]
+    # Another request with the same first 32 tokens shares those two blocks.
+    other = core.add_sequence()
+    got, shared = core.append_tokens(other, np.concatenate([tokens[:32], [7] * 16]).astype(U32))
+    assert got.tolist()[:2] == blocks[:2] and shared.tolist() == [True, True, False]
+    # And a core in another namespace finds nothing.
+    stranger = kvtier.Core([64], block_size=16, namespace=namespace + "-x")
+    stranger.append_tokens(stranger.add_sequence(), tokens)
+    assert stranger.lookup(hashes).tolist() == []
+
+
+# ---- the GIL ----------------------------------------------------------------------------------
+
+
+def test_two_batch_calls_on_two_cores_run_while_python_runs() -> None:
+    """Two threads each run a long ``record_reads`` on their own core while the main thread
+    counts in pure Python, noting the time every 256 iterations. A call that held the GIL
+    would freeze the counter for its whole duration: the 10 ms slices inside the calls would
+    see no iteration. (Counting iterations alone proves nothing: every GIL hand-off between the
+    threads gives the counter a 5 ms slice, tens of thousands of iterations, even when each call
+    holds the GIL throughout.) Robust to a loaded 2-core machine: released, nearly every slice
+    sees iterations; held, almost none does."""
+    cores, ids = [], []
+    for _ in range(2):
+        core = kvtier.Core([64])
+        blocks, _ = core.append_blocks(core.add_sequence(), np.arange(1, 50_001, dtype=U64))
+        cores.append(core)
+        ids.append(np.resize(blocks, 20_000_000))
+    started = threading.Barrier(3)
+    finished = [threading.Event(), threading.Event()]
+    windows: list[tuple[float, float]] = [(0.0, 0.0), (0.0, 0.0)]
+
+    def work(i: int) -> None:
+        started.wait()
+        t0 = time.perf_counter()
+        cores[i].record_reads(ids[i])
+        windows[i] = (t0, time.perf_counter())
+        finished[i].set()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    started.wait()
+    ticks, samples, clock = 0, [], time.perf_counter
+    while not (finished[0].is_set() and finished[1].is_set()):
+        ticks += 1
+        if ticks % 256 == 0:
+            samples.append(clock())
+    for t in threads:
+        t.join()
+    slice_s = 0.01
+    inside = set()  # whole 10 ms slices during which a batch call was running
+    for t0, t1 in windows:
+        inside |= set(range(int(t0 / slice_s) + 1, int(t1 / slice_s)))
+    seen = {int(t / slice_s) for t in samples}
+    assert len(inside) >= 3, f"the calls were too short to tell: {windows}"
+    share = len(inside & seen) / len(inside)
+    assert share > 0.5, f"Python ran in only {share:.0%} of the slices during the batch calls"
+    for core in cores:
+        assert core.counters()["live_blocks"] == 50_000
+
+
+# ---- the simulator ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity", [300, 3000])
+def test_simulated_lru_equals_the_plain_python_lru(capacity: int) -> None:
+    trace = load_trace(bundled_trace_path())
+    cfg = SimulationConfig(device_blocks=capacity, ladder=("fp16",))
+    result = run(trace, cfg, policies=["lru"])["results"][0]
+    expected = pymodel.lru_replay(trace, capacity)
+    assert result["rejected_requests"] == 0  # every request fits at these capacities
+    assert (result["hit_blocks"], result["ref_blocks"]) == (
+        expected["hit_blocks"],
+        expected["ref_blocks"],
+    )
+    assert result["hit_tokens"] == expected["hit_tokens"]
+    # Evictions may differ slightly: the core references a request's cached blocks before it
+    # makes room for its new ones, so it never evicts a block the request is about to use (a
+    # cached child whose parent was evicted); the plain LRU can, and then re-inserts it.
