@@ -14,9 +14,9 @@ while another holds it); a committed plan leaves the tier within its budget; pin
 appear in a plan and no block appears twice; a failing call raises a kvtier exception and changes
 nothing; freeing every sequence and evicting empties the core.
 
-Two paths of the core are known bugs (``kvtier.pymodel.KNOWN_BUGS``, with strict-xfail
-reproducers at the end of this file); the machine steers around the first and tolerates the
-second until they are fixed.
+The deterministic tests at the end pin down three core bugs this machine and its model found
+(eviction of a block shared or pinned while the plan was pending; an append that evicted and
+then failed; drop levels never reached), fixed since.
 """
 
 from __future__ import annotations
@@ -31,12 +31,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvtier
-from kvtier.pymodel import EVICT, POLICIES, ModelCore, ModelPlan, chain_hash
+from kvtier.pymodel import POLICIES, ModelCore, ModelPlan
 
 NO_SLOT = kvtier.Plan.NO_SLOT
 NO_TIER = kvtier.Plan.NO_TIER
-#: Steer around the core's known bugs (flip to False to see them found).
-AVOID_KNOWN_BUGS = True
 
 
 #: f32-exact statistic values (the core stores f32).
@@ -176,7 +174,6 @@ class CoreVsModel(RuleBasedStateMachine):
             result = getattr(self.core, name)(*args)
         except kvtier.KvtierError as e:  # anything else fails the test: not a kvtier error
             core_err = e
-        self.model.known_bug = None
         try:
             expected = getattr(self.model, name)(
                 *[a.tolist() if hasattr(a, "tolist") else a for a in args]
@@ -185,7 +182,7 @@ class CoreVsModel(RuleBasedStateMachine):
             model_err = e
         assert type(core_err) is type(model_err), (name, args, core_err, model_err)
         self.last_err = core_err
-        if core_err is not None and self.model.known_bug is None:
+        if core_err is not None:
             assert self.core_state(with_slots=True) == before, (
                 f"{name} raised {core_err!r} and changed state"
             )
@@ -202,32 +199,6 @@ class CoreVsModel(RuleBasedStateMachine):
 
     def has_blocks(self) -> bool:
         return self.ready and bool(self.model.live_blocks())
-
-    def pending_evicts(self) -> set[int]:
-        if self.pending is None:
-            return set()
-        return {b for b, kind, _, _ in self.pending[1].moves if kind == EVICT}
-
-    def would_share(self, seq: int, tokens: list[int] | None, hashes: list[int] | None) -> set[int]:
-        """Blocks an append would take from the prefix index (the model's view)."""
-        m = self.model
-        if seq not in m.seqs:
-            return set()
-        if hashes is not None:
-            return {m.index[h] for h in hashes if h in m.index}
-        assert tokens is not None
-        s, bs = m.seqs[seq], m.block_size
-        fill = s.tokens % bs
-        head = min(bs - fill, len(tokens)) if fill else 0
-        chain = s.chain
-        if fill and fill + head == bs:
-            chain = chain_hash(chain, s.partial + tokens[:head])
-        out = set()
-        for i in range(head, len(tokens) - bs + 1, bs):
-            chain = chain_hash(chain, tokens[i : i + bs])
-            if chain in m.index:
-                out.add(m.index[chain])
-        return out
 
     # ---- rules ---------------------------------------------------------------------------
 
@@ -257,8 +228,6 @@ class CoreVsModel(RuleBasedStateMachine):
             assert self.model.tier_bytes <= budget, "an append went over the device budget"
 
     def _append_blocks(self, seq: int, hashes: list[int]) -> None:
-        if AVOID_KNOWN_BUGS and self.would_share(seq, None, hashes) & self.pending_evicts():
-            return
         before = self.model.tier_bytes
         got, want = self.both("append_blocks", seq, np.array(hashes, dtype=np.uint64))
         if got is not None:
@@ -266,8 +235,6 @@ class CoreVsModel(RuleBasedStateMachine):
         self._room_check(before, got is None)
 
     def _append_tokens(self, seq: int, tokens: list[int]) -> None:
-        if AVOID_KNOWN_BUGS and self.would_share(seq, tokens, None) & self.pending_evicts():
-            return
         before = self.model.tier_bytes
         got, want = self.both("append_tokens", seq, np.array(tokens, dtype=np.uint32))
         if got is not None:
@@ -369,8 +336,6 @@ class CoreVsModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def pin(self, data: st.DataObject) -> None:
         ids = self.some_blocks(data, 3)
-        if AVOID_KNOWN_BUGS:
-            ids = [b for b in ids if b not in self.pending_evicts()]
         self.both("pin", np.array(ids, dtype=np.uint32))
 
     @precondition(lambda self: self.ready and any(self.model.pins))
@@ -460,10 +425,18 @@ class CoreVsModel(RuleBasedStateMachine):
     def finish(self, how: str) -> None:
         assert self.pending is not None
         plan, _ = self.pending
+        cancelled = self.model.counters["cancelled_moves"]
         self.both(how, plan.id)
         self.pending = None
         budget = self.budget()
-        kept = how == "commit" and plan.unmet_bytes == 0 and budget == self.budget_at_plan
+        # A move cancelled at commit (its block pinned, or shared again, meanwhile) leaves the
+        # block where it was: the budget then holds only from the next plan on.
+        kept = (
+            how == "commit"
+            and plan.unmet_bytes == 0
+            and budget == self.budget_at_plan
+            and self.model.counters["cancelled_moves"] == cancelled
+        )
         if kept and budget is not None:
             assert self.model.tier_bytes <= budget, "a committed plan broke the budget"
 
@@ -660,7 +633,7 @@ def test_pool_slots_short_of_level_0_evict_level_0_first(how: str) -> None:
         pair.agree()
 
 
-# ---- the known bugs, as minimal reproducers ------------------------------------------------
+# ---- regressions: three core bugs this machine found, as minimal cases ----------------------
 
 
 def _blocks(core: kvtier.Core, *hashes: int) -> tuple[int, list[int]]:
@@ -669,7 +642,6 @@ def _blocks(core: kvtier.Core, *hashes: int) -> tuple[int, list[int]]:
     return seq, blocks.tolist()
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN_BUGS['evict-reshared']: core bug, reported")
 def test_a_block_shared_while_its_eviction_is_pending_is_not_freed_under_the_sequence() -> None:
     core = kvtier.Core([100], tiers=[("device", 400)], policy="lru", headroom=0.0)
     seq, _ = _blocks(core, 1, 2, 3, 4)
@@ -679,11 +651,13 @@ def test_a_block_shared_while_its_eviction_is_pending_is_not_freed_under_the_seq
     assert plan.summary() == {"evict": 2}
     seq2, _ = _blocks(core, 1)  # hash 1 is still indexed: block 0 is shared again
     core.commit(plan.id)
-    # Expected: block 0 still belongs to seq2 (or the append did not share it).
-    core.block_info(core.sequence_blocks(seq2))
+    # The eviction of the block shared again is cancelled; the other one goes.
+    info = core.block_info(core.sequence_blocks(seq2))
+    assert info["refcount"].tolist() == [1]
+    assert core.counters()["cancelled_moves"] == 1 and core.counters()["evictions"] == 1
+    assert len(core.lookup(np.array([1], dtype=np.uint64))) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN_BUGS['evict-reshared']: core bug, reported")
 def test_a_block_pinned_while_its_eviction_is_pending_stays() -> None:
     core = kvtier.Core([100], tiers=[("device", 200)], policy="lru", headroom=0.0)
     seq, blocks = _blocks(core, 1, 2)
@@ -692,11 +666,12 @@ def test_a_block_pinned_while_its_eviction_is_pending_stays() -> None:
     plan = core.plan()
     assert plan.block.tolist() == [blocks[0]]
     core.pin(np.array([blocks[0]], dtype=np.uint32))
-    core.commit(plan.id)
-    core.unpin(np.array([blocks[0]], dtype=np.uint32))  # InvalidBlockError: it was evicted
+    core.commit(plan.id)  # the engine reads the block: its eviction is cancelled
+    assert core.counters()["cancelled_moves"] == 1 and core.counters()["evictions"] == 0
+    core.unpin(np.array([blocks[0]], dtype=np.uint32))
+    assert len(core.lookup(np.array([1], dtype=np.uint64))) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN_BUGS['evict-then-fail']: core bug, reported")
 def test_a_failed_append_over_a_lowered_budget_evicts_nothing() -> None:
     core = kvtier.Core([100], tiers=[("device", 1000)], evict_on_full=True, policy="lru")
     seq, _ = _blocks(core, 1, 2, 3)
@@ -705,10 +680,9 @@ def test_a_failed_append_over_a_lowered_budget_evicts_nothing() -> None:
     core.set_budget("device", 500)
     with pytest.raises(kvtier.OutOfCapacityError):
         _blocks(core, 99)
-    assert core.counters()["cached_blocks"] == 3  # actual: 0, all three evicted for nothing
+    assert core.counters()["cached_blocks"] == 3  # evicting them would not have made room
 
 
-@pytest.mark.xfail(strict=True, reason="KNOWN_BUGS['drop-unreachable']: core bug, reported")
 def test_live_blocks_are_dropped_above_the_budget_when_the_ladder_has_a_drop_level() -> None:
     core = kvtier.Core(
         [8, 4, 0],
@@ -725,6 +699,5 @@ def test_live_blocks_are_dropped_above_the_budget_when_the_ladder_has_a_drop_lev
     assert first.summary() == {"demote": 6} and first.unmet_bytes == 14
     core.commit(first.id)
     second = core.plan()
-    # Expected: the lowest-ranked live blocks are dropped until the tier fits (4 drops: 8 bytes).
-    # Actual: nothing moves, unmet_bytes stays 14 on every later plan.
+    # The lowest-ranked live blocks are dropped until the tier fits (4 drops: 8 bytes left).
     assert second.summary().get("drop", 0) == 4 and second.unmet_bytes == 0

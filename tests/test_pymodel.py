@@ -54,7 +54,7 @@ def test_tiny_trace_by_hand_unlimited_and_zero() -> None:
     # Capacity 0 caches nothing: every inserted block is evicted at once.
     r = lru_replay(_tiny(), 0)
     assert (r["hit_blocks"], r["hit_tokens"], r["evictions"]) == (0, 0, 11)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="capacity_blocks"):
         lru_replay(_tiny(), -1)
 
 

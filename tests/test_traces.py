@@ -95,7 +95,7 @@ def test_trace_accessors() -> None:
     assert trace.duration_s == (trace.timestamps_ms[-1] - trace.timestamps_ms[0]) / 1000
     with pytest.raises(IndexError):
         trace.request_hashes(trace.num_requests)
-    with pytest.raises(ValueError):  # arrays are read-only
+    with pytest.raises(ValueError, match="read-only"):
         trace.hash_ids[0] = 1
     assert trace.head(10**9).num_requests == trace.num_requests
     assert trace.head(0).block_refs == 0

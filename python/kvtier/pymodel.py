@@ -34,7 +34,6 @@ from kvtier.traces import Trace
 
 __all__ = [
     "KINDS",
-    "KNOWN_BUGS",
     "LruResult",
     "ModelCore",
     "ModelPlan",
@@ -47,25 +46,6 @@ __all__ = [
     "prefix_hashes",
     "xxh3_64",
 ]
-
-#: Places where the Rust core looks wrong and :class:`ModelCore` copies it (so the two can be
-#: compared exactly); each is marked ``BUG (reported)`` in the code below.
-KNOWN_BUGS = {
-    "evict-then-fail": (
-        "an append/fork that needs room while the device is over its budget (lowered budget, or "
-        "slots reserved by a pending plan), or short of level-0 slots (a raised budget does not "
-        "grow the pools), can evict cached blocks and then fail anyway"
-    ),
-    "drop-unreachable": (
-        "above the budget, live blocks at the last kept level are never dropped even when the "
-        "ladder has a drop level: the soft pass pops every live candidate without acting, so "
-        "none is left when the hard pass starts"
-    ),
-    "evict-reshared": (
-        "commit evicts a block that was shared again (append of its hash) or pinned while the "
-        "plan was pending; the sequence keeps a freed block id"
-    ),
-}
 
 
 class LruResult(TypedDict):
@@ -341,7 +321,7 @@ Key = tuple[float, float, int]
 COUNTERS = (
     "allocated", "released", "shared_hits", "evictions", "demotions", "promotions", "offloads",
     "fetches", "drops", "backups", "noop_promotions", "deferred_moves", "bytes_moved", "plans",
-    "aborts",
+    "aborts", "cancelled_moves",
 )  # fmt: skip
 
 
@@ -403,9 +383,6 @@ class ModelCore:
     slot numbers (pools are counted, not indexed) and block ids/sequence ids past 2**32.
     Arguments are plain Python ints/floats/lists; numpy arrays are accepted and turned into
     lists first (the conversion is part of the call, so time the model with lists).
-
-    Where the core looks wrong the model copies it, so that the two stay comparable; those
-    places are listed in :data:`KNOWN_BUGS` and marked ``BUG (reported)``.
 
     The f32 rounding costs the model nothing measurable (plain Python floats instead: within
     the noise of the benchmark), so its timings are those of a plain-Python implementation.
@@ -495,7 +472,7 @@ class ModelCore:
         self.evict_on_full = evict_on_full
         self.namespace = namespace
         self.seed = namespace_seed(namespace)
-        self.has_pool_slots = bool(pool_slots)
+        self.explicit_levels = {level for _, level, _ in pool_slots}
         self.last_kept = sum(1 for _ in itertools.takewhile(lambda b: b > 0, lb)) - 1
         self.drop_level = lb.index(0) if 0 in lb else None
 
@@ -556,9 +533,6 @@ class ModelCore:
         self.pending: ModelPlan | None = None
         self.next_plan = 1
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        #: Set when the last call went down a path of the core that is a known bug (see
-        #: ``KNOWN_BUGS``); the Hypothesis test then skips the "an error changes nothing" check.
-        self.known_bug: str | None = None
         self._key = self._key_function()
 
     # ---- ranking keys --------------------------------------------------------------------------
@@ -731,20 +705,32 @@ class ModelCore:
         return self._seq(seq).tokens
 
     def _ensure_device_room(self, n: int) -> None:
+        if n == 0:
+            return
         b0 = self.level_bytes[0]
         need = n * b0
         budget = _U64_MAX if self.budget is None else self.budget
-        free = max(0, budget - self.tier_bytes)
-        free_slots = self.capacity[0] - self.used[0]
-        if need <= free and n <= free_slots:
+
+        def fits() -> bool:
+            return self.tier_bytes + need <= budget and n <= self.capacity[0] - self.used[0]
+
+        if fits():
             return
+        # Decided before evicting anything: a failed append evicts nothing.
         reclaimable = sum(self.level_bytes[self.level[b]] for b in self.cached)
         cached0 = sum(1 for b in self.cached if self.level[b] == 0)
-        slots_ok = n <= free_slots + cached0 or not self.has_pool_slots
-        if not self.evict_on_full or need > free + reclaimable or not slots_ok:
+        free_slots = self.capacity[0] - self.used[0]
+        bytes_ok = self.tier_bytes + need <= budget + reclaimable
+        slots_ok = n <= free_slots + cached0
+        if not self.evict_on_full or not bytes_ok or not slots_ok:
+            free = max(0, budget - self.tier_bytes)
+            if slots_ok or free < need:
+                raise OutOfCapacityError(
+                    f"out of capacity in device/level 0: requested {need} bytes, {free} free of a "
+                    f"{budget}-byte budget"
+                )
             raise OutOfCapacityError(
-                f"out of capacity in device/level 0: requested {need} bytes, {free} free of a "
-                f"{budget}-byte budget"
+                f"out of slots in device/level 0: requested {n}, free {free_slots}"
             )
         # Candidates, lowest key first per level; evicting only ever removes from them.
         per_level: dict[int, list[tuple[Key, int]]] = {}
@@ -752,30 +738,13 @@ class ModelCore:
             per_level.setdefault(self.level[b], []).append((self._key(b), b))
         for cands in per_level.values():
             cands.sort(reverse=True)  # pop() takes the lowest
-        evicted = 0
-        while True:
-            free = max(0, budget - self.tier_bytes)
-            free_slots = self.capacity[0] - self.used[0]
-            if need <= free and n <= free_slots:
-                return
-            levels = [0] if need <= free else list(per_level)
+        while not fits():
+            levels = [0] if self.tier_bytes + need <= budget else list(per_level)
             heads = [per_level[lv][-1] for lv in levels if per_level.get(lv)]
-            if not heads:
-                # BUG (reported): the check above saturates `free` at 0 when the tier is over
-                # its budget (a lowered budget, or slots reserved by a pending plan) and assumes
-                # level-0 slots follow bytes (not so after a raised budget: pools keep their
-                # size), so the core can get here after evicting cached blocks for nothing.
-                # The model does the same.
-                if evicted:
-                    self.known_bug = "evict-then-fail"
-                raise OutOfCapacityError(
-                    f"out of slots in device/level 0: requested {n}, free {free_slots}"
-                )
             _, b = min(heads)
             per_level[self.level[b]].pop()
             self.counters["evictions"] += 1
             self._release(b)
-            evicted += 1
 
     def _share(self, b: int) -> None:
         self.refcount[b] += 1
@@ -1061,6 +1030,11 @@ class ModelCore:
         if tier != "device":
             raise InvalidArgumentError(f"invalid tier: {tier} is not configured")
         self.budget = budget
+        # Pools sized from the budget grow with it; they never shrink.
+        for level, b in enumerate(self.level_bytes):
+            if level not in self.explicit_levels and b > 0:
+                slots = _U32_MAX - 1 if budget is None else min(budget // b, _U32_MAX - 1)
+                self.capacity[level] = max(self.capacity[level], slots)
 
     # ---- the scheduler -------------------------------------------------------------------------
 
@@ -1116,18 +1090,19 @@ class ModelCore:
                 for _, b in ranked:
                     want(b, 0)
                 continue
-            ranked.sort(reverse=True)
+            # The level-1 quota is filled from the blocks still at level 0 or 1 (a lossy
+            # level cannot give precision back); level 1 is kept within the hysteresis band.
             m = float(len(ranked))
-            top = _round_half_away(ratio * m)
-            for rank, (_, b) in enumerate(ranked):
-                cur = level[b]
-                # Hysteresis: a block keeps level 1 a little past the boundary and regains it
-                # only well inside (the arms of the core's `match`, in order).
-                keeps_1 = cur == 1 and rank < top + hyst * m
-                regains_1 = cur >= low and rank < top - hyst * m
-                reaches_1 = cur < low and cur != 1 and rank < top
-                w = 1 if keeps_1 or regains_1 or reaches_1 else low
-                want(b, min(w, low))
+            quota = _round_half_away(ratio * m)
+            eligible = sorted((kb for kb in ranked if level[kb[1]] <= 1), reverse=True)
+            reach = min(math.ceil(quota), len(eligible))
+            keep = min(math.ceil(quota + hyst * m), len(eligible))
+            for rank, (_, b) in enumerate(eligible):
+                level_1 = rank < (keep if level[b] == 1 else reach)
+                want(b, 1 if level_1 or low == 1 else low)
+            for _, b in ranked:
+                if level[b] > 1:
+                    want(b, max(level[b], low))
         return [(b, wish[b], b in protected) for b in sorted(wish)]
 
     def _normalise_importance(self, blocks: list[int]) -> None:
@@ -1222,7 +1197,16 @@ class ModelCore:
             per_level[level[b]].append((key(b), b))
         for cands in per_level:
             cands.sort(reverse=True)
+        skipped: list[tuple[Key, int]] = []  # live blocks no soft action fits, for the hard pass
         hard = False
+
+        def go_hard() -> None:
+            nonlocal hard
+            hard = True
+            live.extend(skipped)
+            skipped.clear()
+            live.sort(reverse=True)
+
         while True:
             if p.projected <= (budget if hard else soft):
                 return 0
@@ -1239,7 +1223,7 @@ class ModelCore:
             elif live:
                 b, is_live = live.pop()[1], True
             elif not hard:
-                hard = True
+                go_hard()
                 continue
             else:
                 return p.projected - budget
@@ -1249,16 +1233,16 @@ class ModelCore:
             elif hard and not is_live:
                 acted = self._push_move(p, b, EVICT, None)
             elif hard and is_live and self.drop_level is not None:
-                # BUG (reported): unreachable in practice, as in the core — live candidates are
-                # all popped (without action) before `hard` is set. The model does the same.
                 acted = self._push_move(p, b, DROP, self.drop_level)
             else:
                 acted = False
-            if not acted and not is_live:
+            if not acted and is_live and not hard:
+                skipped.append((key(b), b))
+            elif not acted and not is_live:
                 # The move cap or a full pool stopped a copy: give up the headroom; above the
                 # budget itself the block is evicted (that copies nothing).
                 if not hard:
-                    hard = True
+                    go_hard()
                 else:
                     self._push_move(p, b, EVICT, None)
 
@@ -1273,11 +1257,16 @@ class ModelCore:
         plan = self._take_pending(plan_id)
         c = self.counters
         for b, kind, src, dst in plan.moves:
-            if kind == EVICT:
-                # BUG (reported): the core evicts even if the block was shared again (or pinned)
-                # while the plan was pending; the Hypothesis test avoids that situation.
+            # Pinned meanwhile, or an eviction of a block shared again meanwhile: cancelled.
+            if self.pins[b] > 0 or (kind == EVICT and self.refcount[b] > 0):
+                if kind in (DEMOTE,):
+                    assert dst is not None
+                    self._give_slot(dst)
                 self.moving[b] = False
-                self.refcount[b] = 0
+                c["cancelled_moves"] += 1
+                continue
+            if kind == EVICT:
+                self.moving[b] = False
                 c["evictions"] += 1
                 self._release(b)
                 continue

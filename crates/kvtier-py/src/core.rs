@@ -425,6 +425,7 @@ pub fn counters_dict<'py>(
         ("bytes_moved", k.bytes_moved),
         ("plans", k.plans),
         ("aborts", k.aborts),
+        ("cancelled_moves", k.cancelled_moves),
         ("live_blocks", live),
         ("cached_blocks", cached),
     ] {

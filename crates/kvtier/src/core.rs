@@ -90,6 +90,8 @@ pub struct Counters {
     pub bytes_moved: u64,
     pub plans: u64,
     pub aborts: u64,
+    /// Moves dropped at commit because their block was pinned or shared again meanwhile.
+    pub cancelled_moves: u64,
 }
 
 /// What an append did: the blocks added to the sequence, and which of them were already
@@ -288,6 +290,22 @@ impl Core {
                 reason: format!("{tier} is not configured"),
             })?;
         self.cfg.tiers[t].budget_bytes = budget;
+        // Pools sized from the budget grow with it (they never shrink below slots handed out).
+        let levels = self.cfg.num_levels();
+        for level in 0..levels {
+            let explicit = self
+                .cfg
+                .pool_slots
+                .iter()
+                .any(|p| p.0 == tier && usize::from(p.1) == level);
+            let bytes = self.cfg.level_bytes[level];
+            if !explicit && bytes > 0 {
+                let slots = budget.map_or(NO_SLOT - 1, |b| {
+                    (b / bytes).min(u64::from(NO_SLOT - 1)) as u32
+                });
+                self.pools[t * levels + level].grow_to(slots);
+            }
+        }
         Ok(())
     }
 
@@ -531,50 +549,60 @@ impl Core {
     /// Makes room on the device for `n` new level-0 blocks, evicting cached blocks when the
     /// config allows; checks first, so on failure nothing was evicted.
     fn ensure_device_room(&mut self, n: u64) -> Result<()> {
+        if n == 0 {
+            return Ok(()); // nothing new (a request wholly shared): fits even over a budget
+        }
         let bytes = self.cfg.level_bytes[0];
         let need = n * bytes;
         let budget = self.budget(0).unwrap_or(u64::MAX);
-        let free = budget.saturating_sub(self.tier_bytes[0]);
         let pool0 = self.pool_index(Tier::Device, 0);
-        let free_slots = u64::from(self.pools[pool0].free_count());
-        if need <= free && n <= free_slots {
+        let fits = |c: &Core| {
+            u128::from(c.tier_bytes[0]) + u128::from(need) <= u128::from(budget)
+                && n <= u64::from(c.pools[pool0].free_count())
+        };
+        if fits(self) {
             return Ok(());
         }
+        // Whether evicting every cached device block would make room, decided before evicting
+        // anything: a failed append evicts nothing. Evicting level-0 blocks frees level-0
+        // slots; evicting any block frees bytes.
         let levels = self.cfg.num_levels();
         let reclaimable: u64 = self.evictable_bytes[..levels].iter().sum();
-        let slots_ok =
-            n <= free_slots + self.evictable_count[pool0] || self.cfg.pool_slots.is_empty();
-        if !self.cfg.evict_on_full || need > free + reclaimable || !slots_ok {
-            return Err(Error::OutOfCapacity {
-                tier: Tier::Device,
-                level: 0,
-                requested: need,
-                free,
-                budget,
+        let bytes_ok = u128::from(self.tier_bytes[0]) + u128::from(need)
+            <= u128::from(budget) + u128::from(reclaimable);
+        let free_slots = u64::from(self.pools[pool0].free_count());
+        let slots_ok = n <= free_slots + self.evictable_count[pool0];
+        if !self.cfg.evict_on_full || !bytes_ok || !slots_ok {
+            let free = budget.saturating_sub(self.tier_bytes[0]);
+            return Err(if slots_ok || free < need {
+                Error::OutOfCapacity {
+                    tier: Tier::Device,
+                    level: 0,
+                    requested: need,
+                    free,
+                    budget,
+                }
+            } else {
+                Error::OutOfSlots {
+                    tier: Tier::Device,
+                    level: 0,
+                    requested: n,
+                    free: free_slots,
+                }
             });
         }
         let device_pools: Vec<usize> = (0..levels).collect();
         let level0 = [pool0];
-        loop {
-            let free = budget.saturating_sub(self.tier_bytes[0]);
-            let free_slots = u64::from(self.pools[pool0].free_count());
-            if need <= free && n <= free_slots {
-                return Ok(());
-            }
+        while !fits(self) {
+            let bytes_fit = u128::from(self.tier_bytes[0]) + u128::from(need) <= u128::from(budget);
             // Short of level-0 slots only: evict from that pool.
-            let pools: &[usize] = if need <= free { &level0 } else { &device_pools };
-            match self.lowest_evictable(pools) {
-                Some((_, b)) => self.evict_now(b),
-                None => {
-                    return Err(Error::OutOfSlots {
-                        tier: Tier::Device,
-                        level: 0,
-                        requested: n,
-                        free: free_slots,
-                    })
-                }
-            }
+            let pools: &[usize] = if bytes_fit { &level0 } else { &device_pools };
+            let (_, b) = self
+                .lowest_evictable(pools)
+                .expect("room was checked before evicting");
+            self.evict_now(b);
         }
+        Ok(())
     }
 
     fn new_device_block(&mut self, position: u32) -> u32 {

@@ -48,6 +48,11 @@ impl SlotPool {
         self.in_use.get(slot as usize).copied().unwrap_or(false)
     }
 
+    /// Raises the capacity to `slots` (a pool never shrinks: slots may be handed out).
+    pub fn grow_to(&mut self, slots: u32) {
+        self.capacity = self.capacity.max(slots);
+    }
+
     /// Hands out one slot, or `None` when the pool is full.
     pub fn alloc_one(&mut self) -> Option<u32> {
         let slot = match self.free.pop() {

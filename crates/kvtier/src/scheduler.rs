@@ -79,6 +79,9 @@ pub struct Plan {
     pub unmet_bytes: u64,
 }
 
+/// Blocks with their ranking keys.
+type Ranked = Vec<(Key, u32)>;
+
 /// What pass 1 wants for one referenced block.
 #[derive(Debug, Clone, Copy)]
 struct Wish {
@@ -180,36 +183,47 @@ impl Core {
                 }));
                 continue;
             }
-            // Rank boundaries by selection (O(m)), not a sort: `top` most important go to
-            // level 1, with the hysteresis band either side of that boundary.
+            // The level-1 quota is `ratio` of the ranked blocks. A lossy level cannot give
+            // precision back, so the quota is filled from the blocks still eligible (at level
+            // 0 or 1), most important first; a block already at level 1 keeps it within the
+            // hysteresis band. Boundaries by selection (O(m)), not a sort.
             let m = ranked.len() as f64;
-            let top = (ratio * m).round();
-            let above = |rank: f64, ranked: &mut Vec<(Key, u32)>| -> Option<Key> {
-                let r = rank.ceil();
-                if r < 1.0 {
-                    return None; // nobody ranks above position 0
+            let quota = (ratio * m).round();
+            let (mut eligible, rest): (Ranked, Ranked) = ranked
+                .iter()
+                .partition(|&&(_, b)| self.blocks.loc[b as usize].level <= 1);
+            // Key of the block at rank `n - 1` (the n-th most important), if n >= 1.
+            let nth = |n: f64, v: &mut Vec<(Key, u32)>| -> Option<Key> {
+                let n = (n.ceil() as usize).min(v.len());
+                if n == 0 {
+                    return None;
                 }
-                let i = (r as usize).min(ranked.len()) - 1;
-                ranked.select_nth_unstable_by(i, |a, b| b.cmp(a));
-                Some(ranked[i].0)
+                v.select_nth_unstable_by(n - 1, |a, b| b.cmp(a));
+                Some(v[n - 1].0)
             };
-            // A block "ranks < r" iff its key is >= the key at position r-1 (keys are unique:
-            // the access clock breaks ties).
-            let keep = above(top + hyst * m, &mut ranked);
-            let regain = above(top - hyst * m, &mut ranked);
-            let split = above(top, &mut ranked);
-            for &(key, b) in &ranked {
-                let cur = self.blocks.loc[b as usize].level;
+            let reach = nth(quota, &mut eligible);
+            let keep = nth(quota + hyst * m, &mut eligible);
+            for &(key, b) in &eligible {
                 let within = |bound: Option<Key>| bound.is_some_and(|k| key >= k);
-                let wish = match cur {
-                    1 if within(keep) => 1,
-                    _ if cur >= low && within(regain) => 1,
-                    _ if cur < low && cur != 1 && within(split) => 1,
-                    _ => low,
+                let cur = self.blocks.loc[b as usize].level;
+                let level_1 = if cur == 1 {
+                    within(keep)
+                } else {
+                    within(reach)
                 };
+                let wish = if level_1 || low == 1 { 1 } else { low };
                 wishes.push(Wish {
                     block: b,
-                    level: wish.min(low),
+                    level: wish,
+                    protected: false,
+                });
+            }
+            for &(_, b) in &rest {
+                // Already at or below the lowest split level: no precision to ask for.
+                let cur = self.blocks.loc[b as usize].level;
+                wishes.push(Wish {
+                    block: b,
+                    level: cur.max(low),
                     protected: false,
                 });
             }
@@ -449,6 +463,8 @@ impl Core {
         live.sort_unstable_by(|a, b| b.cmp(a)); // pop() takes the lowest
         let all_pools: Vec<usize> = (t * levels..(t + 1) * levels).collect();
         let mut pools: Vec<usize> = Vec::with_capacity(levels);
+        // Live blocks no soft action fits wait for the hard pass (which may drop them).
+        let mut skipped: Vec<(Key, u32)> = Vec::new();
         let mut hard = false;
         loop {
             let threshold = if hard { budget } else { soft };
@@ -473,6 +489,8 @@ impl Core {
                 (None, Some(l)) => (l.1, true),
                 (None, None) if !hard => {
                     hard = true;
+                    live.append(&mut skipped);
+                    live.sort_unstable_by(|a, b| b.cmp(a));
                     continue;
                 }
                 (None, None) => return pass.projected[t] - budget,
@@ -492,11 +510,15 @@ impl Core {
             } else {
                 false
             };
-            if !acted && !is_live {
+            if !acted && is_live && !hard {
+                skipped.push((self.key(b as usize), b));
+            } else if !acted && !is_live {
                 // The move cap or a full pool stopped a copy: keeping the headroom is off for
                 // this plan; above the budget itself, the block is evicted (that copies nothing).
                 if !hard {
                     hard = true;
+                    live.append(&mut skipped);
+                    live.sort_unstable_by(|a, b| b.cmp(a));
                 } else {
                     self.push_move(pass, b, MoveKind::Evict, loc, None);
                 }
@@ -504,12 +526,26 @@ impl Core {
         }
     }
 
-    /// Applies a pending plan after the engine copied its bytes: sources are freed now.
+    /// Applies a pending plan after the engine copied its bytes: sources are freed now. A move
+    /// whose block was pinned meanwhile, or an eviction of a block shared again meanwhile, is
+    /// cancelled (its destination freed, the block left where it was) and counted.
     pub fn commit(&mut self, plan_id: u64) -> Result<()> {
         let plan = self.take_pending(plan_id)?;
         for m in &plan.moves {
             let b = m.block;
             let i = b as usize;
+            // The engine pinned the block (it reads it), or a new request shares a block planned
+            // for eviction, while the plan was pending: that move no longer applies.
+            let pinned = self.blocks.pins[i] > 0 && m.kind != MoveKind::Backup;
+            let reshared = m.kind == MoveKind::Evict && self.blocks.refcount[i] > 0;
+            if pinned || reshared {
+                if let Some(dst) = m.dst {
+                    self.give_slot(dst);
+                }
+                self.blocks.moving[i] = false;
+                self.counters.cancelled_moves += 1;
+                continue;
+            }
             match m.kind {
                 MoveKind::Backup => {
                     let dst = m.dst.expect("a backup has a destination");
@@ -520,7 +556,6 @@ impl Core {
                 }
                 MoveKind::Evict => {
                     self.blocks.moving[i] = false;
-                    self.blocks.refcount[i] = 0;
                     self.counters.evictions += 1;
                     self.release_block(b);
                     continue;
