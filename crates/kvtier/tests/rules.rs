@@ -310,3 +310,74 @@ fn bad_input_changes_nothing() {
         Err(Error::UnknownPolicy { .. })
     ));
 }
+
+fn budgeted(budget: u64, evict_on_full: bool) -> Config {
+    Config {
+        level_bytes: vec![100],
+        tiers: vec![TierConfig { tier: Tier::Device, budget_bytes: Some(budget) }],
+        policy: kvtier::PolicyKind::Lru,
+        headroom: 0.0,
+        evict_on_full,
+        ..cfg()
+    }
+}
+
+#[test]
+fn commit_cancels_evicting_a_block_shared_or_pinned_meanwhile() {
+    let mut c = core(budgeted(400, false));
+    let (s, blocks) = seq_with(&mut c, 1, 4);
+    c.free_sequence(s).unwrap();
+    c.set_budget(Tier::Device, Some(200)).unwrap();
+    let plan = c.plan().unwrap().clone();
+    assert_eq!(plan.moves.iter().map(|m| m.block).collect::<Vec<_>>(), blocks[..2]);
+    let s2 = c.add_sequence();
+    assert_eq!(c.append_blocks(s2, &[1]).unwrap().blocks, vec![blocks[0]], "shared again");
+    c.pin(&blocks[1..2]).unwrap(); // and the engine reads the other one
+    c.commit(plan.id).unwrap();
+    assert_eq!(c.counters().cancelled_moves, 2);
+    assert_eq!(c.counters().evictions, 0);
+    assert_eq!(c.block_refcount(blocks[0]).unwrap(), 1);
+    c.unpin(&blocks[1..2]).unwrap();
+    assert_eq!(c.lookup(&[1, 2]).len(), 2);
+}
+
+#[test]
+fn an_append_that_cannot_fit_evicts_nothing() {
+    let mut c = core(budgeted(1000, true));
+    let (s, _) = seq_with(&mut c, 1, 3);
+    c.free_sequence(s).unwrap(); // 3 cached
+    seq_with(&mut c, 10, 7); // 7 live: 1000 bytes in use
+    c.set_budget(Tier::Device, Some(500)).unwrap();
+    let s2 = c.add_sequence();
+    assert!(matches!(c.append_blocks(s2, &[99]), Err(Error::OutOfCapacity { .. })));
+    assert_eq!(c.cached_blocks(), 3, "evicting them would not have made room");
+    assert!(c.append_blocks(s2, &[1, 2]).is_ok(), "a wholly shared request always fits");
+}
+
+#[test]
+fn raising_a_budget_grows_its_pools() {
+    let mut c = core(budgeted(200, false));
+    seq_with(&mut c, 1, 2);
+    c.set_budget(Tier::Device, Some(500)).unwrap();
+    seq_with(&mut c, 10, 3);
+    assert_eq!(c.tier_bytes()[0], 500);
+}
+
+#[test]
+fn above_the_budget_live_blocks_are_dropped_when_the_ladder_has_a_drop_level() {
+    let mut cfg = budgeted(48, false);
+    cfg.level_bytes = vec![8, 4, 0];
+    cfg.block_size = 1;
+    cfg.recent_window = 0;
+    cfg.sink_blocks = 0;
+    cfg.pressure_only = true;
+    let mut c = core(cfg);
+    seq_with(&mut c, 1, 6);
+    c.set_budget(Tier::Device, Some(10)).unwrap();
+    let first = commit(&mut c);
+    assert_eq!(first.unmet_bytes, 14, "six demotions leave 24 bytes");
+    let second = commit(&mut c);
+    assert_eq!(second.moves.iter().filter(|m| m.kind == MoveKind::Drop).count(), 4);
+    assert_eq!(second.unmet_bytes, 0);
+    assert!(c.tier_bytes()[0] <= 10);
+}
