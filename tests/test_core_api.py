@@ -4,6 +4,7 @@ release the GIL; the simulator's LRU replay agrees with the plain-Python one."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -206,7 +207,7 @@ def test_the_unknown_policy_error_lists_the_policies() -> None:
 
 
 def test_an_unknown_tier_name_is_refused() -> None:
-    with pytest.raises(kvtier.KvtierError, match="expected one of device, host, disk, remote"):
+    with pytest.raises(kvtier.ConfigError, match='tiers: unknown tier "gpu"'):
         kvtier.Core([64], tiers=[("gpu", None)])
     core = kvtier.Core([64])
     with pytest.raises(kvtier.KvtierError, match="gpu"):
@@ -216,15 +217,20 @@ def test_an_unknown_tier_name_is_refused() -> None:
 
 
 def test_negative_budgets_and_sizes_are_refused_and_change_nothing(core: kvtier.Core) -> None:
-    # PyO3 converts to u64 itself: a negative int is an OverflowError, a float a TypeError
-    # (not kvtier errors, and the message does not name the argument).
-    for bad, error in ((-1, OverflowError), (1.5, TypeError), ("10", TypeError)):
-        unchanged(core, error, core.set_budget, "device", bad)
-    with pytest.raises((kvtier.ConfigError, OverflowError)):
-        kvtier.Core([64], tiers=[("device", -5)])
-    with pytest.raises((kvtier.ConfigError, OverflowError)):
-        kvtier.Core([64], max_move_bytes=-1)
-    with pytest.raises((kvtier.ConfigError, OverflowError)):
+    # A negative size is a ConfigError naming the field; a non-integer a TypeError (PyO3's).
+    msg = unchanged(core, kvtier.ConfigError, core.set_budget, "device", -1)
+    assert "budget: -1 is out of range" in msg
+    for bad in (1.5, "10"):
+        unchanged(core, TypeError, core.set_budget, "device", bad)
+    for kwargs, field in (
+        ({"tiers": [("device", -5)]}, "tiers (budget bytes)"),
+        ({"max_move_bytes": -1}, "max_move_bytes"),
+        ({"block_size": -16}, "block_size"),
+        ({"recent_window": -1}, "recent_window"),
+    ):
+        with pytest.raises(kvtier.ConfigError, match=re.escape(field)):
+            kvtier.Core([64], **kwargs)
+    with pytest.raises(kvtier.ConfigError, match="level_bytes"):
         kvtier.Core([-64])
 
 

@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::arrays::array;
-use crate::errors::IntoPy;
+use crate::errors::{to_py, IntoPy};
 use crate::plan::PyPlan;
 
 /// Blocks added by an append, and which of them were shared from the cache.
@@ -36,12 +36,35 @@ impl PyCore {
     }
 }
 
-fn parse_tiers(tiers: Vec<(String, Option<u64>)>) -> PyResult<Vec<TierConfig>> {
+/// A non-negative integer config value, or a `ConfigError` naming the field (PyO3's own
+/// conversion error would not say which argument was wrong).
+fn config_int<T: TryFrom<i64>>(field: &'static str, v: i64) -> PyResult<T> {
+    T::try_from(v).map_err(|_| {
+        to_py(Error::InvalidConfig {
+            field,
+            reason: format!("{v} is out of range: expected a non-negative integer"),
+        })
+    })
+}
+
+fn config_tier(name: &str) -> PyResult<Tier> {
+    Tier::parse(name).map_err(|_| {
+        to_py(Error::InvalidConfig {
+            field: "tiers",
+            reason: format!("unknown tier {name:?}: expected device, host, disk or remote"),
+        })
+    })
+}
+
+fn parse_tiers(tiers: Vec<(String, Option<i64>)>) -> PyResult<Vec<TierConfig>> {
     tiers
         .into_iter()
-        .map(|(name, budget_bytes)| {
+        .map(|(name, budget)| {
+            let budget_bytes = budget
+                .map(|b| config_int("tiers (budget bytes)", b))
+                .transpose()?;
             Ok(TierConfig {
-                tier: Tier::parse(&name).py_err()?,
+                tier: config_tier(&name)?,
                 budget_bytes,
             })
         })
@@ -61,48 +84,60 @@ impl PyCore {
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        level_bytes: Vec<u64>,
-        tiers: Vec<(String, Option<u64>)>,
-        block_size: u32,
+        level_bytes: Vec<i64>,
+        tiers: Vec<(String, Option<i64>)>,
+        block_size: i64,
         policy: &str,
         enable_compression: bool,
         pressure_only: bool,
         compression_ratio: f32,
-        recent_window: u32,
-        sink_blocks: u32,
+        recent_window: i64,
+        sink_blocks: i64,
         weights: (f32, f32, f32),
         headroom: f32,
         hysteresis: f32,
-        max_move_bytes: Option<u64>,
+        max_move_bytes: Option<i64>,
         decay: f32,
         attention_ema: f32,
-        scissorhands_window: u32,
+        scissorhands_window: i64,
         write_through: bool,
         evict_on_full: bool,
         namespace: &str,
-        pool_slots: Vec<(String, u8, u32)>,
+        pool_slots: Vec<(String, i64, i64)>,
     ) -> PyResult<Self> {
         let pool_slots = pool_slots
             .into_iter()
-            .map(|(t, l, n)| Ok((Tier::parse(&t).py_err()?, l, n)))
+            .map(|(t, l, n)| {
+                Ok((
+                    config_tier(&t)?,
+                    config_int("pool_slots", l)?,
+                    config_int("pool_slots", n)?,
+                ))
+            })
             .collect::<PyResult<Vec<_>>>()?;
+        let level_bytes = level_bytes
+            .into_iter()
+            .map(|b| config_int("level_bytes", b))
+            .collect::<PyResult<Vec<u64>>>()?;
         let cfg = Config {
-            block_size,
+            block_size: config_int("block_size", block_size)?,
             level_bytes,
             tiers: parse_tiers(tiers)?,
             policy: PolicyKind::parse(policy).py_err()?,
             enable_compression,
             pressure_only,
             compression_ratio,
-            recent_window,
-            sink_blocks,
+            recent_window: config_int("recent_window", recent_window)?,
+            sink_blocks: config_int("sink_blocks", sink_blocks)?,
             weights: [weights.0, weights.1, weights.2],
             headroom,
             hysteresis,
-            max_move_bytes,
+            max_move_bytes: max_move_bytes
+                .map(|b| config_int("max_move_bytes", b))
+                .transpose()?,
             decay,
             attention_ema,
-            scissorhands_window,
+            scissorhands_window: config_int("scissorhands_window", scissorhands_window)?,
             write_through,
             evict_on_full,
             namespace: kvtier::namespace_seed(namespace),
@@ -365,8 +400,9 @@ impl PyCore {
         cfg.tiers.iter().map(|t| t.tier.name()).zip(bytes).collect()
     }
 
-    fn set_budget(&self, py: Python<'_>, tier: &str, budget: Option<u64>) -> PyResult<()> {
+    fn set_budget(&self, py: Python<'_>, tier: &str, budget: Option<i64>) -> PyResult<()> {
         let tier = Tier::parse(tier).py_err()?;
+        let budget = budget.map(|b| config_int("budget", b)).transpose()?;
         self.with(py, |c| c.set_budget(tier, budget)).py_err()
     }
 

@@ -314,7 +314,10 @@ fn bad_input_changes_nothing() {
 fn budgeted(budget: u64, evict_on_full: bool) -> Config {
     Config {
         level_bytes: vec![100],
-        tiers: vec![TierConfig { tier: Tier::Device, budget_bytes: Some(budget) }],
+        tiers: vec![TierConfig {
+            tier: Tier::Device,
+            budget_bytes: Some(budget),
+        }],
         policy: kvtier::PolicyKind::Lru,
         headroom: 0.0,
         evict_on_full,
@@ -329,9 +332,16 @@ fn commit_cancels_evicting_a_block_shared_or_pinned_meanwhile() {
     c.free_sequence(s).unwrap();
     c.set_budget(Tier::Device, Some(200)).unwrap();
     let plan = c.plan().unwrap().clone();
-    assert_eq!(plan.moves.iter().map(|m| m.block).collect::<Vec<_>>(), blocks[..2]);
+    assert_eq!(
+        plan.moves.iter().map(|m| m.block).collect::<Vec<_>>(),
+        blocks[..2]
+    );
     let s2 = c.add_sequence();
-    assert_eq!(c.append_blocks(s2, &[1]).unwrap().blocks, vec![blocks[0]], "shared again");
+    assert_eq!(
+        c.append_blocks(s2, &[1]).unwrap().blocks,
+        vec![blocks[0]],
+        "shared again"
+    );
     c.pin(&blocks[1..2]).unwrap(); // and the engine reads the other one
     c.commit(plan.id).unwrap();
     assert_eq!(c.counters().cancelled_moves, 2);
@@ -349,9 +359,19 @@ fn an_append_that_cannot_fit_evicts_nothing() {
     seq_with(&mut c, 10, 7); // 7 live: 1000 bytes in use
     c.set_budget(Tier::Device, Some(500)).unwrap();
     let s2 = c.add_sequence();
-    assert!(matches!(c.append_blocks(s2, &[99]), Err(Error::OutOfCapacity { .. })));
-    assert_eq!(c.cached_blocks(), 3, "evicting them would not have made room");
-    assert!(c.append_blocks(s2, &[1, 2]).is_ok(), "a wholly shared request always fits");
+    assert!(matches!(
+        c.append_blocks(s2, &[99]),
+        Err(Error::OutOfCapacity { .. })
+    ));
+    assert_eq!(
+        c.cached_blocks(),
+        3,
+        "evicting them would not have made room"
+    );
+    assert!(
+        c.append_blocks(s2, &[1, 2]).is_ok(),
+        "a wholly shared request always fits"
+    );
 }
 
 #[test]
@@ -377,7 +397,14 @@ fn above_the_budget_live_blocks_are_dropped_when_the_ladder_has_a_drop_level() {
     let first = commit(&mut c);
     assert_eq!(first.unmet_bytes, 14, "six demotions leave 24 bytes");
     let second = commit(&mut c);
-    assert_eq!(second.moves.iter().filter(|m| m.kind == MoveKind::Drop).count(), 4);
+    assert_eq!(
+        second
+            .moves
+            .iter()
+            .filter(|m| m.kind == MoveKind::Drop)
+            .count(),
+        4
+    );
     assert_eq!(second.unmet_bytes, 0);
     assert!(c.tier_bytes()[0] <= 10);
 }
