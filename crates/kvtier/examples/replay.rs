@@ -8,7 +8,7 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let path = args
         .next()
-        .expect("usage: replay TRACE.jsonl [CAPACITY_BLOCKS] [POLICY]");
+        .expect("usage: replay TRACE.jsonl [CAPACITY_BLOCKS] [POLICY] [STEP_EVERY]");
     let capacity: u64 = args.next().map_or(10_000, |s| s.parse().expect("capacity"));
     let policy = PolicyKind::parse(&args.next().unwrap_or_else(|| "lru".into())).expect("policy");
     let text = std::fs::read_to_string(path).expect("read trace");
@@ -38,10 +38,11 @@ fn main() {
         pressure_only: true,
         ..Config::default()
     };
+    let step_every: u64 = args.next().map_or(1, |s| s.parse().expect("step_every"));
     let trace = Trace::new(offsets, hashes, inputs).expect("trace");
     let mut best = f64::MAX;
     for _ in 0..5 {
-        let mut sim = Simulator::new(cfg.clone(), trace.clone(), 1).expect("sim");
+        let mut sim = Simulator::new(cfg.clone(), trace.clone(), step_every).expect("sim");
         let t = std::time::Instant::now();
         sim.run(usize::MAX).expect("run");
         best = best.min(t.elapsed().as_secs_f64());

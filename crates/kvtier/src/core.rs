@@ -119,24 +119,62 @@ pub struct PoolUsage {
     pub bytes: u64,
 }
 
-/// Per-block columns, indexed by block id.
+/// The hot state of one block: everything the per-request paths touch, in one cache line.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BlockRow {
+    pub(crate) loc: Loc,
+    pub(crate) refcount: u32,
+    pub(crate) pins: u32,
+    /// Eviction-index entry version; older entries are stale.
+    pub(crate) version: u32,
+    /// Pool whose eviction index counts this block, or `NOT_EVICTABLE`.
+    pub(crate) evictable_in: u32,
+    pub(crate) position: u32,
+    pub(crate) fill: u32,
+    pub(crate) hash: u64,
+    /// Decayed read count as of `reads_step`.
+    pub(crate) reads: f32,
+    pub(crate) reads_step: u32,
+    /// Access clock of the last read (recency).
+    pub(crate) last_access: u64,
+    pub(crate) live: bool,
+    pub(crate) moving: bool,
+    pub(crate) indexed: bool,
+}
+
+pub(crate) const NOT_EVICTABLE: u32 = u32::MAX;
+
+impl Default for BlockRow {
+    fn default() -> Self {
+        BlockRow {
+            loc: Loc {
+                tier: Tier::Device,
+                level: 0,
+                slot: NO_SLOT,
+            },
+            refcount: 0,
+            pins: 0,
+            version: 0,
+            evictable_in: NOT_EVICTABLE,
+            position: 0,
+            fill: 0,
+            hash: 0,
+            reads: 0.0,
+            reads_step: 0,
+            last_access: 0,
+            live: false,
+            moving: false,
+            indexed: false,
+        }
+    }
+}
+
+/// All blocks, indexed by block id.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Blocks {
-    pub(crate) live: Vec<bool>,
-    pub(crate) refcount: Vec<u32>,
-    pub(crate) pins: Vec<u32>,
-    pub(crate) moving: Vec<bool>,
-    pub(crate) loc: Vec<Loc>,
+    pub(crate) rows: Vec<BlockRow>,
     /// A higher-precision copy kept in a lower tier (write-through), if any.
     pub(crate) copy: Vec<Option<Loc>>,
-    pub(crate) hash: Vec<u64>,
-    pub(crate) indexed: Vec<bool>,
-    pub(crate) position: Vec<u32>,
-    pub(crate) fill: Vec<u32>,
-    /// Heap entry version; older entries are stale.
-    version: Vec<u32>,
-    /// Pool whose eviction index counts this block, or `usize::MAX`.
-    evictable_in: Vec<usize>,
     free_ids: Vec<u32>,
 }
 
@@ -312,16 +350,16 @@ impl Core {
     // ---- block ids -------------------------------------------------------------------------
 
     pub fn num_block_ids(&self) -> usize {
-        self.blocks.live.len()
+        self.blocks.rows.len()
     }
 
     pub fn live_blocks(&self) -> usize {
-        self.blocks.live.len() - self.blocks.free_ids.len()
+        self.blocks.rows.len() - self.blocks.free_ids.len()
     }
 
     pub(crate) fn check_blocks(&self, ids: &[u32]) -> Result<()> {
         for &b in ids {
-            if !self.blocks.live.get(b as usize).copied().unwrap_or(false) {
+            if !self.blocks.rows.get(b as usize).is_some_and(|r| r.live) {
                 return Err(Error::UnknownBlock { block: b });
             }
         }
@@ -332,36 +370,26 @@ impl Core {
         let b = match self.blocks.free_ids.pop() {
             Some(b) => b,
             None => {
-                let b = self.blocks.live.len() as u32;
-                let bl = &mut self.blocks;
-                bl.live.push(false);
-                bl.refcount.push(0);
-                bl.pins.push(0);
-                bl.moving.push(false);
-                bl.loc.push(loc);
-                bl.copy.push(None);
-                bl.hash.push(0);
-                bl.indexed.push(false);
-                bl.position.push(0);
-                bl.fill.push(0);
-                bl.version.push(0);
-                bl.evictable_in.push(usize::MAX);
+                let b = self.blocks.rows.len() as u32;
+                self.blocks.rows.push(BlockRow::default());
+                self.blocks.copy.push(None);
                 self.stats.grow(b as usize + 1);
                 b
             }
         };
         let i = b as usize;
-        let bl = &mut self.blocks;
-        bl.live[i] = true;
-        bl.refcount[i] = 1;
-        bl.pins[i] = 0;
-        bl.moving[i] = false;
-        bl.loc[i] = loc;
-        bl.copy[i] = None;
-        bl.hash[i] = 0;
-        bl.indexed[i] = false;
-        bl.fill[i] = 0;
-        self.stats.reset(i, self.step);
+        // The version survives reuse so that stale eviction-index entries stay stale.
+        let version = self.blocks.rows[i].version;
+        self.blocks.rows[i] = BlockRow {
+            live: true,
+            refcount: 1,
+            loc,
+            version,
+            reads_step: self.step,
+            ..BlockRow::default()
+        };
+        self.blocks.copy[i] = None;
+        self.stats.reset(i);
         self.counters.allocated += 1;
         b
     }
@@ -370,18 +398,20 @@ impl Core {
     pub(crate) fn release_block(&mut self, b: u32) {
         let i = b as usize;
         debug_assert!(
-            self.blocks.live[i] && self.blocks.refcount[i] == 0 && !self.blocks.moving[i]
+            self.blocks.rows[i].live
+                && self.blocks.rows[i].refcount == 0
+                && !self.blocks.rows[i].moving
         );
-        self.blocks.live[i] = false;
+        self.blocks.rows[i].live = false;
         self.refresh_evictable(b);
-        let loc = self.blocks.loc[i];
+        let loc = self.blocks.rows[i].loc;
         self.give_slot(loc);
         if let Some(copy) = self.blocks.copy[i].take() {
             self.give_slot(copy);
         }
-        if self.blocks.indexed[i] {
-            self.index.remove(self.blocks.hash[i], b);
-            self.blocks.indexed[i] = false;
+        if self.blocks.rows[i].indexed {
+            self.index.remove(self.blocks.rows[i].hash, b);
+            self.blocks.rows[i].indexed = false;
         }
         self.blocks.free_ids.push(b);
         self.counters.released += 1;
@@ -392,7 +422,12 @@ impl Core {
     pub(crate) fn release_if_orphan(&mut self, b: u32) {
         let i = b as usize;
         let bl = &self.blocks;
-        if bl.live[i] && bl.refcount[i] == 0 && bl.pins[i] == 0 && !bl.moving[i] && !bl.indexed[i] {
+        if bl.rows[i].live
+            && bl.rows[i].refcount == 0
+            && bl.rows[i].pins == 0
+            && !bl.rows[i].moving
+            && !bl.rows[i].indexed
+        {
             self.release_block(b);
         }
     }
@@ -401,11 +436,11 @@ impl Core {
 
     fn is_evictable(&self, b: usize) -> bool {
         let bl = &self.blocks;
-        bl.live[b]
-            && bl.refcount[b] == 0
-            && bl.pins[b] == 0
-            && !bl.moving[b]
-            && bl.loc[b].slot != NO_SLOT
+        bl.rows[b].live
+            && bl.rows[b].refcount == 0
+            && bl.rows[b].pins == 0
+            && !bl.rows[b].moving
+            && bl.rows[b].loc.slot != NO_SLOT
     }
 
     /// Re-derives whether `b` is evictable (and where) after any change to its refcount, pins,
@@ -413,12 +448,17 @@ impl Core {
     pub(crate) fn refresh_evictable(&mut self, b: u32) {
         let i = b as usize;
         let now = if self.is_evictable(i) {
-            let loc = self.blocks.loc[i];
+            let loc = self.blocks.rows[i].loc;
             self.pool_index(loc.tier, loc.level)
         } else {
             usize::MAX
         };
-        let before = self.blocks.evictable_in[i];
+        let before = self.blocks.rows[i].evictable_in;
+        let before = if before == NOT_EVICTABLE {
+            usize::MAX
+        } else {
+            before as usize
+        };
         if before != usize::MAX {
             self.evictable_count[before] -= 1;
             self.evictable_bytes[before] -= self.cfg.level_bytes[before % self.cfg.num_levels()];
@@ -426,28 +466,33 @@ impl Core {
         if now != usize::MAX {
             self.evictable_count[now] += 1;
             self.evictable_bytes[now] += self.cfg.level_bytes[now % self.cfg.num_levels()];
-            self.blocks.version[i] = self.blocks.version[i].wrapping_add(1);
+            self.blocks.rows[i].version = self.blocks.rows[i].version.wrapping_add(1);
             let entry = Entry {
                 key: self.key(i),
                 block: b,
-                version: self.blocks.version[i],
+                version: self.blocks.rows[i].version,
             };
             self.heaps[now].push(entry);
             self.compact_heap(now);
         }
-        self.blocks.evictable_in[i] = now;
+        self.blocks.rows[i].evictable_in = if now == usize::MAX {
+            NOT_EVICTABLE
+        } else {
+            now as u32
+        };
     }
 
     /// `refresh_evictable` for a change that can only make a block non-evictable.
     pub(crate) fn refresh_evictable_if_indexed(&mut self, b: u32) {
-        if self.blocks.evictable_in[b as usize] != usize::MAX {
+        if self.blocks.rows[b as usize].evictable_in != NOT_EVICTABLE {
             self.refresh_evictable(b);
         }
     }
 
     fn entry_valid(&self, pool: usize, e: &Entry) -> bool {
         let i = e.block as usize;
-        self.blocks.evictable_in[i] == pool && self.blocks.version[i] == e.version
+        let row = &self.blocks.rows[i];
+        row.evictable_in as usize == pool && row.version == e.version
     }
 
     /// Stale entries pile up as keys change; drop them once they outnumber live ones.
@@ -492,12 +537,13 @@ impl Core {
     /// The policy's ranking key of a block. Lower is demoted, offloaded, evicted first.
     pub(crate) fn key(&self, b: usize) -> Key {
         let s = &self.stats;
-        let recency = s.last_access[b];
+        let row = &self.blocks.rows[b];
+        let recency = row.last_access;
         // log of the decayed read count, shifted to a step-invariant scale so keys computed at
         // different steps compare correctly: ln(c * d^(now-t)) + now*ln(1/d) = ln c + t*ln(1/d).
         let freq = || {
-            if s.reads[b] > 0.0 {
-                f64::from(s.reads[b]).ln() + f64::from(s.reads_step[b]) * self.decay.log_inv()
+            if row.reads > 0.0 {
+                f64::from(row.reads).ln() + f64::from(row.reads_step) * self.decay.log_inv()
             } else {
                 f64::NEG_INFINITY
             }
@@ -610,19 +656,19 @@ impl Core {
             .take_slot(Tier::Device, 0)
             .expect("room ensured before allocating");
         let b = self.new_block_id(loc);
-        self.blocks.position[b as usize] = position;
+        self.blocks.rows[b as usize].position = position;
         self.last_touch(b as usize);
         b
     }
 
     fn last_touch(&mut self, b: usize) {
         self.clock += 1;
-        self.stats.last_access[b] = self.clock;
+        self.blocks.rows[b].last_access = self.clock;
     }
 
     fn share(&mut self, b: u32) {
         let i = b as usize;
-        self.blocks.refcount[i] += 1;
+        self.blocks.rows[i].refcount += 1;
         self.counters.shared_hits += 1;
         self.refresh_evictable(b);
     }
@@ -658,9 +704,9 @@ impl Core {
                 None => {
                     let b = self.new_device_block(start);
                     let i = b as usize;
-                    self.blocks.hash[i] = h;
-                    self.blocks.fill[i] = self.cfg.block_size;
-                    self.blocks.indexed[i] = self.index.insert(h, b);
+                    self.blocks.rows[i].hash = h;
+                    self.blocks.rows[i].fill = self.cfg.block_size;
+                    self.blocks.rows[i].indexed = self.index.insert(h, b);
                     b
                 }
             };
@@ -678,7 +724,7 @@ impl Core {
     }
 
     fn unshare(&mut self, b: u32) {
-        self.blocks.refcount[b as usize] -= 1;
+        self.blocks.rows[b as usize].refcount -= 1;
         self.counters.shared_hits -= 1;
         self.refresh_evictable(b);
     }
@@ -726,14 +772,14 @@ impl Core {
         if head > 0 {
             let last = *s.blocks.last().expect("a partial block exists");
             s.partial.extend_from_slice(&tokens[..head]);
-            self.blocks.fill[last as usize] += head as u32;
+            self.blocks.rows[last as usize].fill += head as u32;
             if s.partial.len() == bs {
                 let h = chain_hash(s.chain, &s.partial);
                 s.chain = h;
                 s.partial.clear();
-                self.blocks.hash[last as usize] = h;
+                self.blocks.rows[last as usize].hash = h;
                 // An identical block may already be indexed; this one then stays private.
-                self.blocks.indexed[last as usize] = self.index.insert(h, last);
+                self.blocks.rows[last as usize].indexed = self.index.insert(h, last);
             }
         }
         let mut out = Appended::default();
@@ -745,10 +791,10 @@ impl Core {
                 None => {
                     let b = self.new_device_block(position);
                     let i = b as usize;
-                    self.blocks.fill[i] = len as u32;
+                    self.blocks.rows[i].fill = len as u32;
                     if let Some(h) = hash {
-                        self.blocks.hash[i] = h;
-                        self.blocks.indexed[i] = self.index.insert(h, b);
+                        self.blocks.rows[i].hash = h;
+                        self.blocks.rows[i].indexed = self.index.insert(h, b);
                     }
                     b
                 }
@@ -788,13 +834,13 @@ impl Core {
             &s.blocks[..]
         };
         for &b in full {
-            self.blocks.refcount[b as usize] += 1;
+            self.blocks.rows[b as usize].refcount += 1;
             self.refresh_evictable(b);
         }
         let mut child = s.clone();
         let copy = partial.map(|src| {
-            let dst = self.new_device_block(self.blocks.position[src as usize]);
-            self.blocks.fill[dst as usize] = self.blocks.fill[src as usize];
+            let dst = self.new_device_block(self.blocks.rows[src as usize].position);
+            self.blocks.rows[dst as usize].fill = self.blocks.rows[src as usize].fill;
             *child.blocks.last_mut().expect("partial block") = dst;
             (src, dst)
         });
@@ -812,7 +858,7 @@ impl Core {
             .remove(&seq)
             .ok_or(Error::UnknownSequence { seq })?;
         for &b in &s.blocks {
-            self.blocks.refcount[b as usize] -= 1;
+            self.blocks.rows[b as usize].refcount -= 1;
             self.refresh_evictable(b);
             self.release_if_orphan(b);
         }
@@ -841,13 +887,12 @@ impl Core {
         let step = self.step;
         for &b in ids {
             let i = b as usize;
-            let s = &mut self.stats;
-            let age = step - s.reads_step[i];
-            s.reads[i] = s.reads[i] * self.decay.pow(age) + 1.0;
-            s.reads_step[i] = step;
             self.clock += 1;
-            s.last_access[i] = self.clock;
-            if self.blocks.evictable_in[i] != usize::MAX {
+            let row = &mut self.blocks.rows[i];
+            row.reads = row.reads * self.decay.pow(step - row.reads_step) + 1.0;
+            row.reads_step = step;
+            row.last_access = self.clock;
+            if row.evictable_in != NOT_EVICTABLE {
                 self.refresh_evictable(b);
             }
         }
@@ -871,7 +916,7 @@ impl Core {
             s.attn_sum[i] += m;
             s.attn_history[i] = (s.attn_history[i] << 1) | u32::from(f64::from(m) >= mean);
             s.known[i] |= KNOWN_ATTENTION;
-            if self.blocks.evictable_in[i] != usize::MAX {
+            if self.blocks.rows[i].evictable_in != NOT_EVICTABLE {
                 self.refresh_evictable(b);
             }
         }
@@ -921,7 +966,7 @@ impl Core {
     pub fn pin(&mut self, ids: &[u32]) -> Result<()> {
         self.check_blocks(ids)?;
         for &b in ids {
-            self.blocks.pins[b as usize] += 1;
+            self.blocks.rows[b as usize].pins += 1;
             self.refresh_evictable(b);
         }
         Ok(())
@@ -935,7 +980,7 @@ impl Core {
         }
         if let Some((&b, _)) = count
             .iter()
-            .find(|(b, n)| self.blocks.pins[**b as usize] < **n)
+            .find(|(b, n)| self.blocks.rows[**b as usize].pins < **n)
         {
             return Err(Error::InvalidArgument {
                 what: "unpin",
@@ -943,7 +988,7 @@ impl Core {
             });
         }
         for &b in ids {
-            self.blocks.pins[b as usize] -= 1;
+            self.blocks.rows[b as usize].pins -= 1;
             self.refresh_evictable(b);
             self.release_if_orphan(b);
         }
@@ -954,7 +999,7 @@ impl Core {
 
     pub fn block_loc(&self, b: u32) -> Result<Loc> {
         self.check_blocks(&[b])?;
-        Ok(self.blocks.loc[b as usize])
+        Ok(self.blocks.rows[b as usize].loc)
     }
 
     pub fn block_copy(&self, b: u32) -> Result<Option<Loc>> {
@@ -964,23 +1009,23 @@ impl Core {
 
     pub fn block_refcount(&self, b: u32) -> Result<u32> {
         self.check_blocks(&[b])?;
-        Ok(self.blocks.refcount[b as usize])
+        Ok(self.blocks.rows[b as usize].refcount)
     }
 
     pub fn block_pinned(&self, b: u32) -> Result<bool> {
         self.check_blocks(&[b])?;
-        Ok(self.blocks.pins[b as usize] > 0)
+        Ok(self.blocks.rows[b as usize].pins > 0)
     }
 
     pub fn block_hash(&self, b: u32) -> Result<Option<u64>> {
         self.check_blocks(&[b])?;
         let i = b as usize;
-        Ok((self.blocks.fill[i] == self.cfg.block_size).then_some(self.blocks.hash[i]))
+        Ok((self.blocks.rows[i].fill == self.cfg.block_size).then_some(self.blocks.rows[i].hash))
     }
 
     pub fn block_position(&self, b: u32) -> Result<u32> {
         self.check_blocks(&[b])?;
-        Ok(self.blocks.position[b as usize])
+        Ok(self.blocks.rows[b as usize].position)
     }
 
     pub fn block_score(&self, b: u32) -> Result<Key> {

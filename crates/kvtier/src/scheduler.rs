@@ -164,7 +164,7 @@ impl Core {
             }
             ranked.clear();
             for (i, &b) in blocks.iter().enumerate() {
-                let dropped = self.blocks.loc[b as usize].slot == NO_SLOT;
+                let dropped = self.blocks.rows[b as usize].loc.slot == NO_SLOT;
                 if i < sinks || i >= recent_from {
                     wishes.push(Wish {
                         block: b,
@@ -191,7 +191,7 @@ impl Core {
             let quota = (ratio * m).round();
             let (mut eligible, rest): (Ranked, Ranked) = ranked
                 .iter()
-                .partition(|&&(_, b)| self.blocks.loc[b as usize].level <= 1);
+                .partition(|&&(_, b)| self.blocks.rows[b as usize].loc.level <= 1);
             // Key of the block at rank `n - 1` (the n-th most important), if n >= 1.
             let nth = |n: f64, v: &mut Vec<(Key, u32)>| -> Option<Key> {
                 let n = (n.ceil() as usize).min(v.len());
@@ -205,7 +205,7 @@ impl Core {
             let keep = nth(quota + hyst * m, &mut eligible);
             for &(key, b) in &eligible {
                 let within = |bound: Option<Key>| bound.is_some_and(|k| key >= k);
-                let cur = self.blocks.loc[b as usize].level;
+                let cur = self.blocks.rows[b as usize].loc.level;
                 let level_1 = if cur == 1 {
                     within(keep)
                 } else {
@@ -220,7 +220,7 @@ impl Core {
             }
             for &(_, b) in &rest {
                 // Already at or below the lowest split level: no precision to ask for.
-                let cur = self.blocks.loc[b as usize].level;
+                let cur = self.blocks.rows[b as usize].loc.level;
                 wishes.push(Wish {
                     block: b,
                     level: cur.max(low),
@@ -302,7 +302,7 @@ impl Core {
 
     fn movable(&self, b: u32) -> bool {
         let i = b as usize;
-        self.blocks.pins[i] == 0 && !self.blocks.moving[i]
+        self.blocks.rows[i].pins == 0 && !self.blocks.rows[i].moving
     }
 
     /// Reserves `dst` and records the move, or returns false when the pool or cap says no.
@@ -339,7 +339,7 @@ impl Core {
         if copies {
             pass.moved_bytes += src_bytes;
         }
-        let cur = self.blocks.loc[block as usize];
+        let cur = self.blocks.rows[block as usize].loc;
         let t_cur = self.tier_pos(cur.tier);
         if kind != MoveKind::Backup {
             pass.projected[t_cur] -= self.level_bytes(cur.level);
@@ -352,7 +352,7 @@ impl Core {
             pass.projected[self.tier_pos(d.tier)] += self.level_bytes(d.level);
         }
         if kind != MoveKind::Backup {
-            self.blocks.moving[block as usize] = true;
+            self.blocks.rows[block as usize].moving = true;
             self.refresh_evictable_if_indexed(block);
         }
         pass.moves.push(Move {
@@ -378,7 +378,7 @@ impl Core {
             if !self.movable(b) {
                 continue;
             }
-            let loc = self.blocks.loc[i];
+            let loc = self.blocks.rows[i].loc;
             if loc.slot == NO_SLOT && self.blocks.copy[i].is_none() {
                 continue;
             }
@@ -395,7 +395,7 @@ impl Core {
         up.sort_unstable_by(|a, b| b.cmp(a));
         for (_, b, wished) in up {
             let i = b as usize;
-            let loc = self.blocks.loc[i];
+            let loc = self.blocks.rows[i].loc;
             let restore =
                 self.blocks.copy[i].filter(|c| c.level < loc.level || loc.slot == NO_SLOT);
             if loc.level > wished && restore.is_none() {
@@ -419,7 +419,7 @@ impl Core {
     /// write-through is on and no higher-precision copy exists.
     fn demote_to(&mut self, pass: &mut Pass, b: u32, level: u8) -> bool {
         let i = b as usize;
-        let loc = self.blocks.loc[i];
+        let loc = self.blocks.rows[i].loc;
         if self.cfg.write_through && self.cfg.tiers.len() > 1 && self.blocks.copy[i].is_none() {
             let next = self.cfg.tiers[self.tier_pos(loc.tier) + 1..]
                 .first()
@@ -448,18 +448,18 @@ impl Core {
         let levels = self.cfg.num_levels();
         let last_kept = self.cfg.last_kept_level();
         let demotable = self.cfg.enable_compression && last_kept > 0;
+        if !demotable && next.is_none() && pass.projected[t] <= budget {
+            return 0; // nothing can move here, and only eviction above the budget applies
+        }
         // Live blocks of this tier that may be moved, least important first.
         let mut live: Vec<(Key, u32)> = wishes
             .iter()
             .filter(|w| {
-                let loc = self.blocks.loc[w.block as usize];
+                let loc = self.blocks.rows[w.block as usize].loc;
                 !w.protected && self.movable(w.block) && loc.tier == tier && loc.slot != NO_SLOT
             })
             .map(|w| (self.key(w.block as usize), w.block))
             .collect();
-        if !demotable && next.is_none() && pass.projected[t] <= budget {
-            return 0; // nothing can move here, and only eviction above the budget applies
-        }
         live.sort_unstable_by(|a, b| b.cmp(a)); // pop() takes the lowest
         let all_pools: Vec<usize> = (t * levels..(t + 1) * levels).collect();
         let mut pools: Vec<usize> = Vec::with_capacity(levels);
@@ -498,7 +498,7 @@ impl Core {
             if is_live {
                 live.pop();
             }
-            let loc = self.blocks.loc[b as usize];
+            let loc = self.blocks.rows[b as usize].loc;
             let acted = if demotable && loc.level < last_kept {
                 self.demote_to(pass, b, loc.level + 1)
             } else if let (true, Some(n)) = (next_room, next) {
@@ -536,13 +536,13 @@ impl Core {
             let i = b as usize;
             // The engine pinned the block (it reads it), or a new request shares a block planned
             // for eviction, while the plan was pending: that move no longer applies.
-            let pinned = self.blocks.pins[i] > 0 && m.kind != MoveKind::Backup;
-            let reshared = m.kind == MoveKind::Evict && self.blocks.refcount[i] > 0;
+            let pinned = self.blocks.rows[i].pins > 0 && m.kind != MoveKind::Backup;
+            let reshared = m.kind == MoveKind::Evict && self.blocks.rows[i].refcount > 0;
             if pinned || reshared {
                 if let Some(dst) = m.dst {
                     self.give_slot(dst);
                 }
-                self.blocks.moving[i] = false;
+                self.blocks.rows[i].moving = false;
                 self.counters.cancelled_moves += 1;
                 continue;
             }
@@ -555,31 +555,31 @@ impl Core {
                     self.counters.backups += 1;
                 }
                 MoveKind::Evict => {
-                    self.blocks.moving[i] = false;
+                    self.blocks.rows[i].moving = false;
                     self.counters.evictions += 1;
                     self.release_block(b);
                     continue;
                 }
                 MoveKind::Promote => {
-                    let cur = self.blocks.loc[i];
+                    let cur = self.blocks.rows[i].loc;
                     self.give_slot(cur);
                     self.give_slot(m.src);
                     self.blocks.copy[i] = None;
-                    self.blocks.loc[i] = m.dst.expect("a promotion has a destination");
+                    self.blocks.rows[i].loc = m.dst.expect("a promotion has a destination");
                     self.counters.promotions += 1;
                 }
                 MoveKind::Drop => {
                     self.give_slot(m.src);
-                    self.blocks.loc[i] = m.dst.expect("a drop has a destination level");
-                    if self.blocks.indexed[i] {
-                        self.index.remove(self.blocks.hash[i], b);
-                        self.blocks.indexed[i] = false;
+                    self.blocks.rows[i].loc = m.dst.expect("a drop has a destination level");
+                    if self.blocks.rows[i].indexed {
+                        self.index.remove(self.blocks.rows[i].hash, b);
+                        self.blocks.rows[i].indexed = false;
                     }
                     self.counters.drops += 1;
                 }
                 MoveKind::Demote | MoveKind::Offload | MoveKind::Fetch => {
                     self.give_slot(m.src);
-                    self.blocks.loc[i] = m.dst.expect("a copy has a destination");
+                    self.blocks.rows[i].loc = m.dst.expect("a copy has a destination");
                     match m.kind {
                         MoveKind::Demote => self.counters.demotions += 1,
                         MoveKind::Offload => self.counters.offloads += 1,
@@ -590,7 +590,7 @@ impl Core {
             if !matches!(m.kind, MoveKind::Evict | MoveKind::Drop) {
                 self.counters.bytes_moved += self.level_bytes(m.src.level);
             }
-            self.blocks.moving[i] = false;
+            self.blocks.rows[i].moving = false;
         }
         self.settle(&plan);
         Ok(())
@@ -603,7 +603,7 @@ impl Core {
             if let Some(dst) = m.dst {
                 self.give_slot(dst);
             }
-            self.blocks.moving[m.block as usize] = false;
+            self.blocks.rows[m.block as usize].moving = false;
         }
         self.counters.aborts += 1;
         self.settle(&plan);
@@ -621,7 +621,7 @@ impl Core {
     fn settle(&mut self, plan: &Plan) {
         for m in &plan.moves {
             let i = m.block as usize;
-            if self.blocks.live[i] {
+            if self.blocks.rows[i].live {
                 self.refresh_evictable(m.block);
                 self.release_if_orphan(m.block);
             }

@@ -1,16 +1,14 @@
-//! Per-block statistics, updated in batches: reads (a decayed counter on the step clock and a
-//! monotonic access clock for recency), attention mass (moving average, running sum and a
+//! Per-block statistics, updated in batches: attention mass (moving average, running sum and a
 //! persistence history for Scissorhands), key/value magnitude and a learned score.
 //!
 //! Decay is lazy: a counter stores its value as of the step it was last touched, so a batch
 //! update costs O(batch) and `step()` costs nothing per block.
 
-/// Structure-of-arrays, indexed by block id. Rows are reset when a block id is reused.
+/// Structure-of-arrays, indexed by block id. The read counters (a decayed count on the step
+/// clock and the access clock of the last read) live in the block's hot row instead
+/// (`core::BlockRow`): every request touches them. Rows are reset when a block id is reused.
 #[derive(Debug, Default, Clone)]
 pub struct Stats {
-    pub reads: Vec<f32>,
-    pub reads_step: Vec<u32>,
-    pub last_access: Vec<u64>,
     pub attn_ema: Vec<f32>,
     pub attn_sum: Vec<f32>,
     /// Bit i set: the block was above its report's mean attention i reports ago.
@@ -29,9 +27,6 @@ pub const KNOWN_ATTENTION: u8 = 4;
 
 impl Stats {
     pub fn grow(&mut self, len: usize) {
-        self.reads.resize(len, 0.0);
-        self.reads_step.resize(len, 0);
-        self.last_access.resize(len, 0);
         self.attn_ema.resize(len, 0.0);
         self.attn_sum.resize(len, 0.0);
         self.attn_history.resize(len, 0);
@@ -41,10 +36,7 @@ impl Stats {
         self.importance.resize(len, 0.0);
     }
 
-    pub fn reset(&mut self, b: usize, step: u32) {
-        self.reads[b] = 0.0;
-        self.reads_step[b] = step;
-        self.last_access[b] = 0;
+    pub fn reset(&mut self, b: usize) {
         self.attn_ema[b] = 0.0;
         self.attn_sum[b] = 0.0;
         self.attn_history[b] = 0;
