@@ -13,6 +13,27 @@ use crate::arrays::array;
 use crate::errors::{to_py, IntoPy};
 use crate::plan::PyPlan;
 
+/// A core method taking one f32 value per block (`record_attention`, `set_magnitude`, ...).
+type PerBlockCall = fn(&mut Core, &[u32], &[f32]) -> Result<(), Error>;
+
+/// One pool's occupancy as Python sees it: `(tier, level, used_slots, capacity_slots, bytes)`.
+pub type UsageRow = (&'static str, u8, u32, u32, u64);
+
+pub fn usage_rows(usage: Vec<kvtier::PoolUsage>) -> Vec<UsageRow> {
+    usage
+        .into_iter()
+        .map(|u| {
+            (
+                u.tier.name(),
+                u.level,
+                u.used_slots,
+                u.capacity_slots,
+                u.bytes,
+            )
+        })
+        .collect()
+}
+
 /// Blocks added by an append, and which of them were shared from the cache.
 type AppendedArrays<'py> = (Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<bool>>);
 
@@ -25,6 +46,20 @@ impl PyCore {
     /// Runs `f` on the core with the GIL released.
     pub fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Core) -> R + Send) -> R {
         py.detach(|| f(&mut self.inner.lock().unwrap_or_else(|e| e.into_inner())))
+    }
+
+    /// A batch call taking one f32 value per block, with both arrays validated first.
+    fn per_block(
+        &self,
+        py: Python<'_>,
+        blocks: &Bound<'_, PyAny>,
+        (values, name): (&Bound<'_, PyAny>, &str),
+        call: PerBlockCall,
+    ) -> PyResult<()> {
+        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
+        let values = array::<f32>(values, name, "float32")?;
+        let (b, v) = (blocks.as_slice()?, values.as_slice()?);
+        self.with(py, |c| call(c, b, v)).py_err()
     }
 
     pub fn config(&self) -> Config {
@@ -281,10 +316,7 @@ impl PyCore {
         blocks: &Bound<'_, PyAny>,
         mass: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
-        let mass = array::<f32>(mass, "mass", "float32")?;
-        let (b, m) = (blocks.as_slice()?, mass.as_slice()?);
-        self.with(py, |c| c.record_attention(b, m)).py_err()
+        self.per_block(py, blocks, (mass, "mass"), Core::record_attention)
     }
 
     fn set_magnitude(
@@ -293,10 +325,7 @@ impl PyCore {
         blocks: &Bound<'_, PyAny>,
         values: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
-        let values = array::<f32>(values, "values", "float32")?;
-        let (b, v) = (blocks.as_slice()?, values.as_slice()?);
-        self.with(py, |c| c.set_magnitude(b, v)).py_err()
+        self.per_block(py, blocks, (values, "values"), Core::set_magnitude)
     }
 
     fn set_learned(
@@ -305,10 +334,7 @@ impl PyCore {
         blocks: &Bound<'_, PyAny>,
         values: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
-        let values = array::<f32>(values, "values", "float32")?;
-        let (b, v) = (blocks.as_slice()?, values.as_slice()?);
-        self.with(py, |c| c.set_learned(b, v)).py_err()
+        self.per_block(py, blocks, (values, "values"), Core::set_learned)
     }
 
     fn pin(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -378,19 +404,8 @@ impl PyCore {
     }
 
     /// Occupancy per pool: `[(tier, level, used_slots, capacity_slots, bytes), ...]`.
-    fn usage(&self, py: Python<'_>) -> Vec<(&'static str, u8, u32, u32, u64)> {
-        self.with(py, |c| c.usage())
-            .into_iter()
-            .map(|u| {
-                (
-                    u.tier.name(),
-                    u.level,
-                    u.used_slots,
-                    u.capacity_slots,
-                    u.bytes,
-                )
-            })
-            .collect()
+    fn usage(&self, py: Python<'_>) -> Vec<UsageRow> {
+        usage_rows(self.with(py, |c| c.usage()))
     }
 
     /// Bytes in use per configured tier.

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::arrays::array;
-use crate::core::{counters_dict, PyCore};
+use crate::core::{counters_dict, usage_rows, PyCore, UsageRow};
 use crate::errors::IntoPy;
 
 #[pyclass(name = "Simulator", module = "kvtier._core", frozen)]
@@ -93,19 +93,8 @@ impl PySimulator {
     }
 
     /// Occupancy per pool of the simulated core, as `Core.usage()`.
-    fn usage(&self, py: Python<'_>) -> Vec<(&'static str, u8, u32, u32, u64)> {
-        self.with(py, |s| s.core.usage())
-            .into_iter()
-            .map(|u| {
-                (
-                    u.tier.name(),
-                    u.level,
-                    u.used_slots,
-                    u.capacity_slots,
-                    u.bytes,
-                )
-            })
-            .collect()
+    fn usage(&self, py: Python<'_>) -> Vec<UsageRow> {
+        usage_rows(self.with(py, |s| s.core.usage()))
     }
 
     /// Event counters of the simulated core, as `Core.counters()`.
