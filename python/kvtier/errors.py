@@ -25,6 +25,7 @@ __all__ = [
     "KvtierError",
     "MissingDependencyError",
     "OutOfCapacityError",
+    "PayloadError",
     "PlanError",
     "require",
 ]
@@ -73,6 +74,11 @@ class PlanError(KvtierError, RuntimeError):
 
 class BlockBusyError(KvtierError):
     """A block can't be changed now: it is pinned, or part of a plan that is not yet committed."""
+
+
+class PayloadError(KvtierError, ValueError):
+    """Packed bytes do not match the codec, block shape or format version reading them, or
+    are truncated or corrupt. Nothing is decoded from them."""
 
 
 class MissingDependencyError(KvtierError, ImportError):

@@ -1,19 +1,15 @@
 """KV-cache shapes of common models, and the bytes a block takes at each level of a ladder.
 
-The byte counts follow the storage formats in ARCHITECTURE.md "Codecs" (one scale, or scale and
-zero point, in fp16 per quantization group); they size pools and budgets in the simulator. The
-codecs themselves (python/kvtier/codecs) report the same numbers for the bytes they really write.
+The byte counts are the codecs' own (python/kvtier/codecs: the bytes they really write), so the
+simulator sizes pools exactly as a BlockManager would. Computing them needs no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .codecs import BlockShape, get_codec
 from .errors import ConfigError
-
-_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-#: Values per scale/zero-point group along the head dimension (int4 values, per token).
-INT4_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -28,22 +24,14 @@ class KVShape:
     params: float
 
     def block_bytes(self, codec: str, block_tokens: int) -> int:
-        """Bytes of one block of ``block_tokens`` tokens stored with ``codec``."""
-        t, d = block_tokens, self.head_dim
-        per_head = {  # bytes of K and V of one layer and KV head
-            "drop": 0,
-            # symmetric per token and head: one fp16 scale per (token, head)
-            "int8": 2 * t * (d + 2),
-            # KIVI: keys per channel (scale+zero per channel over the block's tokens),
-            # values per token in groups of INT4_GROUP (scale+zero per group)
-            "int4": (t * d // 2 + 4 * d) + (t * d // 2 + 4 * t * (d // INT4_GROUP)),
-        }
-        if codec in _DTYPE_BYTES:
-            return 2 * self.layers * self.kv_heads * t * d * _DTYPE_BYTES[codec]
-        if codec not in per_head:
-            known = ", ".join([*_DTYPE_BYTES, *per_head])
-            raise ConfigError(f"unknown codec {codec!r} in the ladder: expected one of {known}")
-        return self.layers * self.kv_heads * per_head[codec]
+        """Bytes of one block of ``block_tokens`` tokens stored with ``codec`` (``drop``: 0)."""
+        if codec == "drop":
+            return 0
+        shape = BlockShape(self.layers, self.kv_heads, block_tokens, self.head_dim)
+        try:
+            return get_codec(codec).bytes_per_block(shape)
+        except ConfigError as exc:
+            raise ConfigError(f"unknown codec {codec!r} in the ladder: {exc}") from None
 
     def ladder_bytes(self, ladder: tuple[str, ...], block_tokens: int) -> list[int]:
         return [self.block_bytes(codec, block_tokens) for codec in ladder]

@@ -38,6 +38,16 @@ fn namespace_seed(namespace: &str) -> u64 {
     kvtier::namespace_seed(namespace)
 }
 
+/// The CUDA sources of kvtier's kernels (kernels/*.cu), by file name. Compiled into the
+/// extension so that every installed copy of kvtier carries the kernels it was built with.
+#[pyfunction]
+fn kernel_sources() -> std::collections::HashMap<&'static str, &'static str> {
+    std::collections::HashMap::from([(
+        "kvtier_codecs.cu",
+        include_str!("../../../kernels/kvtier_codecs.cu"),
+    )])
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<core::PyCore>()?;
@@ -45,5 +55,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sim::PySimulator>()?;
     m.add_function(wrap_pyfunction!(prefix_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(namespace_seed, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     Ok(())
 }

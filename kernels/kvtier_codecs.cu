@@ -1,0 +1,304 @@
+// kvtier's codec kernels: quantize, dequantize and transcode batches of KV blocks that live in
+// pool tensors, addressed by slot indices (gather from source slots, write destination slots).
+// One launch handles a whole batch, never one block.
+//
+// Compiled at run time by NVRTC through CuPy (python/kvtier/codecs/cuda.py); the source ships
+// inside the extension module (crates/kvtier-py embeds it with include_str!). It includes no
+// header, so NVRTC needs no CUDA include path: fp16 and bf16 are converted by hand below.
+//
+// A float pool is [slots, L, 2, H, B, D] in the model dtype (K then V, per layer). A packed
+// pool is [slots, row_bytes] uint8; every quantized codec writes the same sections, at byte
+// offsets the host computes from python/kvtier/codecs/quant.py (one source of truth):
+//   codes    [L, 2, H, B, D * bits / 8]  int8 two's complement (symmetric) or unsigned codes
+//                                       (asymmetric); 4-bit codes two a byte, even d in the
+//                                       low nibble
+//   k_scale  [L, H, Gk] fp16, k_zero (asymmetric only), v_scale [L, H, Gv], v_zero
+// Keys are grouped per channel along the block's tokens (Gk = D) or per token like values
+// (groups of `group` values along D: Gv = B * D / group).
+//
+// Rounding rule, the same in the torch reference (python/kvtier/codecs/quant.py) so that codes
+// are bit-exact and scales equal after fp16 rounding. Every step is one IEEE fp32 operation
+// (the __f*_rn intrinsics are never contracted into FMAs):
+//   symmetric:  s = fp16(amax * (1/qmax));            q = rint(x / s'),       clamp [-qmax, qmax]
+//   asymmetric: s = fp16((max - min) * (1/levels));  z = fp16(min);
+//                                                     q = rint((x - z) / s'), clamp [0, levels]
+//   s' = s where s > 0, else 1; fp16() rounds to nearest even after clamping to +-65504.
+//   decode: x = q * s (+ z), then rounded to the output dtype (nearest even).
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef long long i64;
+
+// ---- element conversions -----------------------------------------------------------------
+
+__device__ __forceinline__ float half_to_float(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 float_to_half(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ u16 float_to_bf16(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as torch writes it
+    u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
+    return (u16)(u >> 16);
+}
+
+struct F16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(T v) { return half_to_float(v); }
+    static __device__ __forceinline__ T store(float f) { return float_to_half(f); }
+};
+struct BF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(T v) { return __uint_as_float(((unsigned)v) << 16); }
+    static __device__ __forceinline__ T store(float f) { return float_to_bf16(f); }
+};
+struct F32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(T v) { return v; }
+    static __device__ __forceinline__ T store(float f) { return f; }
+};
+
+__device__ __forceinline__ float fp16_round(float x) {
+    return half_to_float(float_to_half(fminf(fmaxf(x, -65504.0f), 65504.0f)));
+}
+
+// ---- a packed format ---------------------------------------------------------------------
+
+// The host passes a format as 10 int64s (python/kvtier/codecs/cuda.py, `_layout`).
+struct Layout {
+    int bits, asym, key_per_channel, group;
+    i64 codes, k_scale, k_zero, v_scale, v_zero, row_bytes;
+};
+
+__device__ __forceinline__ Layout read_layout(const i64* p) {
+    Layout f;
+    f.bits = (int)p[0];
+    f.asym = (int)p[1];
+    f.key_per_channel = (int)p[2];
+    f.group = (int)p[3];
+    f.codes = p[4];
+    f.k_scale = p[5];
+    f.k_zero = p[6];
+    f.v_scale = p[7];
+    f.v_zero = p[8];
+    f.row_bytes = p[9];
+    return f;
+}
+
+// Groups in one (layer, kv, head) tile of B tokens x D channels.
+__device__ __forceinline__ int tile_groups(const Layout& f, int kv, int B, int D) {
+    return (kv == 0 && f.key_per_channel) ? D : B * (D / f.group);
+}
+
+__device__ __forceinline__ int group_of(const Layout& f, int kv, int b, int d, int D) {
+    return (kv == 0 && f.key_per_channel) ? d : b * (D / f.group) + d / f.group;
+}
+
+// Where a tile's scales and zero points start, in fp16 elements from the row start.
+__device__ __forceinline__ i64 scale_index(const Layout& f, int kv, int l, int h, int H, int groups) {
+    return ((kv == 0 ? f.k_scale : f.v_scale) >> 1) + ((i64)l * H + h) * groups;
+}
+__device__ __forceinline__ i64 zero_index(const Layout& f, int kv, int l, int h, int H, int groups) {
+    return ((kv == 0 ? f.k_zero : f.v_zero) >> 1) + ((i64)l * H + h) * groups;
+}
+
+__device__ __forceinline__ float qmax_sym(int bits) { return bits == 8 ? 127.0f : 7.0f; }
+__device__ __forceinline__ float levels_asym(int bits) { return bits == 8 ? 255.0f : 15.0f; }
+__device__ __forceinline__ float inv_qmax_sym(int bits) { return bits == 8 ? 1.0f / 127.0f : 1.0f / 7.0f; }
+__device__ __forceinline__ float inv_levels_asym(int bits) { return bits == 8 ? 1.0f / 255.0f : 1.0f / 15.0f; }
+
+// The integer code of element d (of a tile row) read from a packed row, as a float.
+__device__ __forceinline__ float read_code(const u8* codes, const Layout& f, int b, int d, int D) {
+    if (f.bits == 8) {
+        u8 c = codes[(i64)b * D + d];
+        return f.asym ? (float)c : (float)(signed char)c;
+    }
+    u8 c = codes[((i64)b * D + d) >> 1];
+    int nib = (d & 1) ? (c >> 4) : (c & 15);
+    return f.asym ? (float)nib : (float)((nib ^ 8) - 8);
+}
+
+__device__ __forceinline__ float dequantize(float q, float s, float z, int asym) {
+    float x = __fmul_rn(q, s);
+    return asym ? __fadd_rn(x, z) : x;
+}
+
+// ---- the quantizing tile: a CUDA block quantizes one (slot, layer, kv, head) tile ---------
+
+// Shared memory: the tile as fp32 with rows padded to D + 1 (no bank conflicts whether a
+// group runs along a row or down a column), then the scale and zero point of each group.
+__device__ void quantize_tile(float* tile, const Layout& f, u8* row, int l, int kv, int h,
+                              int H, int B, int D) {
+    const int stride = D + 1;
+    const int groups = tile_groups(f, kv, B, D);
+    float* scales = tile + B * stride;
+    float* zeros = scales + groups;
+    const bool per_channel = kv == 0 && f.key_per_channel;
+    const int size = per_channel ? B : f.group;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    u16* row16 = (u16*)row;
+    const i64 si = scale_index(f, kv, l, h, H, groups), zi = zero_index(f, kv, l, h, H, groups);
+
+    // One warp per group: min and max (exact, so the reduction order does not matter).
+    for (int g = warp; g < groups; g += warps) {
+        const int base = per_channel ? g : (g / (D / f.group)) * stride + (g % (D / f.group)) * f.group;
+        const int step = per_channel ? stride : 1;
+        float mn = __int_as_float(0x7f800000), mx = -mn;  // +inf, -inf
+        for (int j = lane; j < size; j += 32) {
+            float x = tile[base + j * step];
+            mn = fminf(mn, x);
+            mx = fmaxf(mx, x);
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        }
+        if (lane == 0) {
+            float s, z = 0.0f;
+            if (f.asym) {
+                s = fp16_round(__fmul_rn(__fsub_rn(mx, mn), inv_levels_asym(f.bits)));
+                z = fp16_round(mn);
+                row16[zi + g] = float_to_half(z);
+            } else {
+                s = fp16_round(__fmul_rn(fmaxf(fabsf(mn), fabsf(mx)), inv_qmax_sym(f.bits)));
+            }
+            row16[si + g] = float_to_half(s);
+            scales[g] = s;
+            zeros[g] = z;
+        }
+    }
+    __syncthreads();
+
+    // Codes, one output byte per thread step: coalesced writes.
+    const int per_byte = 8 / f.bits;
+    const int n_bytes = B * D / per_byte;
+    const float lo = f.asym ? 0.0f : -qmax_sym(f.bits);
+    const float hi = f.asym ? levels_asym(f.bits) : qmax_sym(f.bits);
+    u8* codes = row + f.codes + (i64)((l * 2 + kv) * H + h) * n_bytes;
+    for (int e = threadIdx.x; e < n_bytes; e += blockDim.x) {
+        unsigned byte = 0;
+        for (int k = 0; k < per_byte; ++k) {
+            const int flat = e * per_byte + k, b = flat / D, d = flat % D;
+            const int g = group_of(f, kv, b, d, D);
+            const float s = scales[g] > 0.0f ? scales[g] : 1.0f;
+            const float x = f.asym ? __fsub_rn(tile[b * stride + d], zeros[g]) : tile[b * stride + d];
+            const int q = (int)fminf(fmaxf(rintf(__fdiv_rn(x, s)), lo), hi);
+            byte |= ((unsigned)q & (f.bits == 8 ? 0xffu : 0xfu)) << (4 * k);
+        }
+        codes[e] = (u8)byte;
+    }
+}
+
+__device__ __forceinline__ void tile_coords(i64 tile, int L, int H, i64* i, int* l, int* kv, int* h) {
+    const int per_block = L * 2 * H;
+    *i = tile / per_block;
+    int t = (int)(tile % per_block);
+    *h = t % H;
+    t /= H;
+    *kv = t % 2;
+    *l = t / 2;
+}
+
+// Float pool -> packed pool. Grid: n * L * 2 * H blocks; dynamic shared memory from the host.
+template <class In>
+__device__ void quantize_blocks(const typename In::T* src, const i64* src_slots, u8* dst,
+                                const i64* dst_slots, const i64* layout, int L, int H, int B,
+                                int D) {
+    extern __shared__ float smem[];
+    const Layout f = read_layout(layout);
+    i64 i;
+    int l, kv, h;
+    tile_coords(blockIdx.x, L, H, &i, &l, &kv, &h);
+    const i64 block_elems = (i64)L * 2 * H * B * D;
+    const typename In::T* in = src + src_slots[i] * block_elems + (i64)((l * 2 + kv) * H + h) * B * D;
+    for (int e = threadIdx.x; e < B * D; e += blockDim.x) smem[(e / D) * (D + 1) + e % D] = In::load(in[e]);
+    __syncthreads();
+    quantize_tile(smem, f, dst + dst_slots[i] * f.row_bytes, l, kv, h, H, B, D);
+}
+
+// Packed pool -> float pool, one thread per code byte.
+template <class Out>
+__device__ void dequantize_blocks(const u8* src, const i64* src_slots, typename Out::T* dst,
+                                  const i64* dst_slots, const i64* layout, i64 n, int L, int H,
+                                  int B, int D) {
+    const Layout f = read_layout(layout);
+    const int per_byte = 8 / f.bits;
+    const i64 tile_bytes = (i64)B * D / per_byte, block_bytes = (i64)L * 2 * H * tile_bytes;
+    const i64 block_elems = (i64)L * 2 * H * B * D;
+    for (i64 e = (i64)blockIdx.x * blockDim.x + threadIdx.x; e < n * block_bytes;
+         e += (i64)gridDim.x * blockDim.x) {
+        const i64 i = e / block_bytes, within = e % block_bytes;
+        const int tile = (int)(within / tile_bytes), byte = (int)(within % tile_bytes);
+        const int h = tile % H, kv = (tile / H) % 2, l = tile / (2 * H);
+        const u8* row = src + src_slots[i] * f.row_bytes;
+        const u16* row16 = (const u16*)row;
+        const u8* codes = row + f.codes + (i64)tile * tile_bytes;
+        const int groups = tile_groups(f, kv, B, D);
+        const i64 si = scale_index(f, kv, l, h, H, groups), zi = zero_index(f, kv, l, h, H, groups);
+        typename Out::T* out = dst + dst_slots[i] * block_elems + (i64)tile * B * D;
+        for (int k = 0; k < per_byte; ++k) {
+            const int flat = byte * per_byte + k, b = flat / D, d = flat % D;
+            const int g = group_of(f, kv, b, d, D);
+            const float s = half_to_float(row16[si + g]);
+            const float z = f.asym ? half_to_float(row16[zi + g]) : 0.0f;
+            out[flat] = Out::store(dequantize(read_code(codes, f, b, d, D), s, z, f.asym));
+        }
+    }
+}
+
+// Packed pool (one format) -> packed pool (another), dequantized in shared memory only.
+__device__ void transcode_blocks(const u8* src, const i64* src_slots, const i64* src_layout,
+                                 u8* dst, const i64* dst_slots, const i64* dst_layout, int L,
+                                 int H, int B, int D) {
+    extern __shared__ float smem[];
+    const Layout from = read_layout(src_layout), to = read_layout(dst_layout);
+    i64 i;
+    int l, kv, h;
+    tile_coords(blockIdx.x, L, H, &i, &l, &kv, &h);
+    const u8* row = src + src_slots[i] * from.row_bytes;
+    const u16* row16 = (const u16*)row;
+    const int tile = (l * 2 + kv) * H + h;
+    const u8* codes = row + from.codes + (i64)tile * B * D / (8 / from.bits);
+    const int groups = tile_groups(from, kv, B, D);
+    const i64 si = scale_index(from, kv, l, h, H, groups), zi = zero_index(from, kv, l, h, H, groups);
+    for (int e = threadIdx.x; e < B * D; e += blockDim.x) {
+        const int b = e / D, d = e % D, g = group_of(from, kv, b, d, D);
+        const float s = half_to_float(row16[si + g]);
+        const float z = from.asym ? half_to_float(row16[zi + g]) : 0.0f;
+        smem[b * (D + 1) + d] = dequantize(read_code(codes, from, b, d, D), s, z, from.asym);
+    }
+    __syncthreads();
+    quantize_tile(smem, to, dst + dst_slots[i] * to.row_bytes, l, kv, h, H, B, D);
+}
+
+// ---- entry points (extern "C": plain names for CuPy) --------------------------------------
+
+#define KVTIER_FLOAT_KERNELS(SUFFIX, TYPE)                                                      \
+    extern "C" __global__ void kvtier_quantize_##SUFFIX(                                        \
+        const TYPE::T* src, const i64* src_slots, u8* dst, const i64* dst_slots,                \
+        const i64* layout, int L, int H, int B, int D) {                                        \
+        quantize_blocks<TYPE>(src, src_slots, dst, dst_slots, layout, L, H, B, D);              \
+    }                                                                                           \
+    extern "C" __global__ void kvtier_dequantize_##SUFFIX(                                      \
+        const u8* src, const i64* src_slots, TYPE::T* dst, const i64* dst_slots,                \
+        const i64* layout, i64 n, int L, int H, int B, int D) {                                 \
+        dequantize_blocks<TYPE>(src, src_slots, dst, dst_slots, layout, n, L, H, B, D);         \
+    }
+
+KVTIER_FLOAT_KERNELS(f16, F16)
+KVTIER_FLOAT_KERNELS(bf16, BF16)
+KVTIER_FLOAT_KERNELS(f32, F32)
+
+extern "C" __global__ void kvtier_transcode(const u8* src, const i64* src_slots,
+                                            const i64* src_layout, u8* dst, const i64* dst_slots,
+                                            const i64* dst_layout, int L, int H, int B, int D) {
+    transcode_blocks(src, src_slots, src_layout, dst, dst_slots, dst_layout, L, H, B, D);
+}

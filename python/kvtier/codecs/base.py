@@ -1,0 +1,436 @@
+"""The codec interface: blocks of K/V in, packed bytes out, and back.
+
+A batch of blocks is a tensor ``[n, layers, 2, kv_heads, block_size, head_dim]`` (K then V) in
+fp16, bf16 or fp32, on the CPU or a CUDA device. A codec packs each block into one row of
+:meth:`Codec.bytes_per_block` bytes, made of named :class:`Section` s (codes, scales, ...), so
+a pool of one (tier, level) is simply a ``uint8`` tensor ``[slots, bytes_per_block]``.
+
+Two ways in:
+
+- :meth:`Codec.encode` / :meth:`Codec.decode` / :meth:`Codec.transcode` work on whole batches
+  and carry the format along in an :class:`Encoded`, so a payload is never read by the wrong
+  codec;
+- :meth:`Codec.encode_into` / :meth:`Codec.decode_into` / :meth:`Codec.transcode_into` gather
+  from slots of one pool and write slots of another — what ``BlockManager`` uses to execute a
+  plan. Every argument is checked before anything is written, so a failed call leaves the pools
+  as they were.
+
+Subclasses implement the math as a torch reference (``_encode``/``_decode``) that runs on any
+device; codecs with CUDA kernels (``has_kernels``) use them for CUDA tensors when CuPy is
+installed. The byte layout needs no torch: ``bytes_per_block`` works with numpy alone, which is
+how the simulator sizes pools.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..errors import InvalidArgumentError, PayloadError, require
+
+if TYPE_CHECKING:
+    import torch
+
+#: How a call picks its implementation: CUDA kernels where possible, or the torch reference.
+Backend = Literal["auto", "torch", "cuda"]
+
+#: Storage dtypes by kvtier name: (torch dtype attribute, bytes).
+DTYPES: dict[str, tuple[str, int]] = {
+    "fp16": ("float16", 2),
+    "bf16": ("bfloat16", 2),
+    "fp32": ("float32", 4),
+    "u8": ("uint8", 1),
+}
+FLOAT_DTYPES = ("fp16", "bf16", "fp32")
+
+
+def torch_module() -> Any:
+    """torch, or a MissingDependencyError naming the extra that installs it."""
+    return require("torch", "torch", purpose="kvtier's codecs need torch")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch_module(), DTYPES[name][0])
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, (attr, _) in DTYPES.items():
+        if getattr(torch_module(), attr) == dtype:
+            return name
+    raise InvalidArgumentError(f"unsupported dtype {dtype}")
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """The shape of one block: K and V of ``block_size`` tokens for every layer and KV head."""
+
+    layers: int
+    kv_heads: int
+    block_size: int
+    head_dim: int
+    #: the model's dtype, what ``decode`` returns by default
+    dtype: str = "fp16"
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "kv_heads", "block_size", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidArgumentError(f"{field}: expected a positive integer, got {value!r}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise InvalidArgumentError(
+                f"dtype: expected one of {', '.join(FLOAT_DTYPES)}, got {self.dtype!r}"
+            )
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int]:
+        """``(layers, 2, kv_heads, block_size, head_dim)``: a block's tensor shape."""
+        return (self.layers, 2, self.kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def fp16_bytes(self) -> int:
+        """Bytes of the block in fp16: the baseline compression ratios are quoted against."""
+        return 2 * self.elements
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> BlockShape:
+        """The block shape of a batch or pool tensor ``[n, layers, 2, kv_heads, block, dim]``."""
+        dims = tuple(tensor.shape)
+        if len(dims) != 6 or dims[2] != 2:
+            raise InvalidArgumentError(
+                "expected blocks shaped [n, layers, 2, kv_heads, block_size, head_dim] "
+                f"(K and V on axis 2), got {list(dims)}"
+            )
+        if any(d == 0 for d in dims[1:]):
+            raise InvalidArgumentError(f"expected non-empty block dimensions, got {list(dims)}")
+        if not tensor.dtype.is_floating_point or tensor.dtype.itemsize == 8:
+            raise InvalidArgumentError(
+                f"expected K/V in float16, bfloat16 or float32, got {tensor.dtype}"
+            )
+        _, layers, _, heads, block, dim = dims
+        return cls(layers, heads, block, dim, dtype_name(tensor.dtype))
+
+
+@dataclass(frozen=True)
+class Section:
+    """One named, typed array inside a packed block."""
+
+    name: str
+    dtype: str  # a key of DTYPES
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A batch of packed blocks with what it takes to read them back."""
+
+    #: the byte format (a codec's :attr:`Codec.format`) and its version
+    format: str
+    version: int
+    shape: BlockShape
+    #: ``uint8 [n, bytes_per_block]``
+    data: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+
+class Codec(ABC):
+    """Packs blocks of K/V into bytes and back. Subclass it (and register it) to add one."""
+
+    #: registry name, e.g. ``int4`` or ``learned:mine``
+    name: str = ""
+    #: version of the byte format; bump it when the layout changes
+    version: int = 1
+    #: decode(encode(x)) == x exactly (for inputs already in the storage dtype)
+    lossless: bool = False
+    #: CUDA kernels exist for this codec (see codecs/cuda.py)
+    has_kernels: bool = False
+
+    @property
+    @abstractmethod
+    def format(self) -> str:
+        """Identifies the byte format: payloads move only between codecs of equal format."""
+
+    @abstractmethod
+    def sections(self, shape: BlockShape) -> tuple[Section, ...]:
+        """The arrays of one packed block, in their order in the row."""
+
+    @abstractmethod
+    def _encode(self, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Reference encoder: ``[n, *shape.dims]`` float -> one tensor per section."""
+
+    @abstractmethod
+    def _decode(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
+        """Reference decoder: sections -> ``[n, *shape.dims]``, fp32 or the storage dtype."""
+
+    def check_shape(self, shape: BlockShape) -> None:
+        """Raise :class:`InvalidArgumentError` if this codec cannot pack blocks of ``shape``."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name or '?'} format={self.format}>"
+
+    # -- layout ---------------------------------------------------------------------------------
+
+    def bytes_per_block(self, shape: BlockShape) -> int:
+        self.check_shape(shape)
+        return sum(s.nbytes for s in self.sections(shape))
+
+    def offsets(self, shape: BlockShape) -> dict[str, int]:
+        """Byte offset of each section within a packed row."""
+        out, at = {}, 0
+        for s in self.sections(shape):
+            out[s.name] = at
+            at += s.nbytes
+        return out
+
+    def pack(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
+        torch = torch_module()
+        n = next(iter(parts.values())).shape[0]
+        rows = []
+        for s in self.sections(shape):
+            part = parts[s.name].to(torch_dtype(s.dtype)).reshape(n, -1)
+            rows.append(part.contiguous().view(torch.uint8))
+        return torch.cat(rows, dim=1)
+
+    def unpack(self, rows: torch.Tensor, shape: BlockShape) -> dict[str, torch.Tensor]:
+        n, parts, at = rows.shape[0], {}, 0
+        for s in self.sections(shape):
+            chunk = rows[:, at : at + s.nbytes].contiguous()
+            parts[s.name] = chunk.view(torch_dtype(s.dtype)).reshape(n, *s.shape)
+            at += s.nbytes
+        return parts
+
+    # -- whole batches --------------------------------------------------------------------------
+
+    def encode(self, blocks: Any, *, backend: Backend = "auto") -> Encoded:
+        """Pack a batch ``[n, layers, 2, kv_heads, block_size, head_dim]`` (any DLPack tensor)."""
+        torch = torch_module()
+        blocks = as_tensor(blocks, "blocks")
+        shape = BlockShape.of(blocks)
+        n = blocks.shape[0]
+        out = torch.empty((n, self.bytes_per_block(shape)), dtype=torch.uint8, device=blocks.device)
+        every = torch.arange(n, dtype=torch.int64)
+        self.encode_into(blocks, every, out, every, backend=backend)
+        return Encoded(self.format, self.version, shape, out)
+
+    def decode(
+        self, encoded: Encoded, *, dtype: Any = None, backend: Backend = "auto"
+    ) -> torch.Tensor:
+        """Unpack to ``[n, *shape.dims]`` in ``dtype`` (default: the model dtype it was encoded
+        from). Raises :class:`PayloadError` for another format, version or a truncated batch."""
+        torch = torch_module()
+        self.check_payload(encoded)
+        shape = encoded.shape
+        out_dtype = torch_dtype(shape.dtype) if dtype is None else dtype
+        n = len(encoded)
+        out = torch.empty((n, *shape.dims), dtype=out_dtype, device=encoded.data.device)
+        every = torch.arange(n, dtype=torch.int64)
+        self.decode_into(encoded.data, every, out, every, backend=backend)
+        return out
+
+    def transcode(self, encoded: Encoded, to: Codec, *, backend: Backend = "auto") -> Encoded:
+        """Repack a batch in another codec's format (a level move): dequantized values stay
+        fp32 in between, never rounded to the model dtype; on CUDA, quantized-to-quantized
+        moves never hold the dequantized values in global memory."""
+        torch = torch_module()
+        self.check_payload(encoded)
+        shape = encoded.shape
+        n = len(encoded)
+        out = torch.empty(
+            (n, to.bytes_per_block(shape)), dtype=torch.uint8, device=encoded.data.device
+        )
+        every = torch.arange(n, dtype=torch.int64)
+        self.transcode_into(encoded.data, every, to, out, every, shape, backend=backend)
+        return Encoded(to.format, to.version, shape, out)
+
+    def check_payload(self, encoded: Encoded) -> None:
+        if not isinstance(encoded, Encoded):
+            raise InvalidArgumentError(
+                f"expected an Encoded batch (from Codec.encode), got {type(encoded).__name__}"
+            )
+        if encoded.format != self.format or encoded.version != self.version:
+            raise PayloadError(
+                f"payload is format {encoded.format!r} v{encoded.version}; codec {self.name!r} "
+                f"reads {self.format!r} v{self.version}"
+            )
+        want = self.bytes_per_block(encoded.shape)
+        data = encoded.data
+        if data.dtype != torch_module().uint8 or data.dim() != 2 or data.shape[1] != want:
+            raise PayloadError(
+                f"payload truncated or malformed: expected uint8 [n, {want}] for {encoded.shape}, "
+                f"got {data.dtype} {list(data.shape)}"
+            )
+
+    # -- pools ----------------------------------------------------------------------------------
+
+    def encode_into(
+        self, src: Any, src_slots: Any, dst: Any, dst_slots: Any, *, backend: Backend = "auto"
+    ) -> None:
+        """Pack blocks ``src[src_slots]`` of a float pool into rows ``dst[dst_slots]`` of a
+        packed pool ``uint8 [slots, bytes_per_block]``."""
+        src, dst = as_tensor(src, "src"), as_tensor(dst, "dst")
+        shape = BlockShape.of(src)
+        check_pool(src, "src", None)
+        check_pool(dst, "dst", self.bytes_per_block(shape))
+        s, d = slot_pair(src_slots, src, dst_slots, dst)
+        if self._use_cuda(backend, src, dst):
+            self._cuda().quantize_into(self, src, s, dst, d, shape)
+        else:
+            dst[d] = self.pack(self._encode(src[s]), shape)
+
+    def decode_into(
+        self, src: Any, src_slots: Any, dst: Any, dst_slots: Any, *, backend: Backend = "auto"
+    ) -> None:
+        """Unpack rows ``src[src_slots]`` of a packed pool into blocks ``dst[dst_slots]`` of a
+        float pool (its dtype is the output dtype)."""
+        src, dst = as_tensor(src, "src"), as_tensor(dst, "dst")
+        shape = BlockShape.of(dst)
+        check_pool(src, "src", self.bytes_per_block(shape))
+        check_pool(dst, "dst", None)
+        s, d = slot_pair(src_slots, src, dst_slots, dst)
+        if self._use_cuda(backend, src, dst):
+            self._cuda().dequantize_into(self, src, s, dst, d, shape)
+        else:
+            dst[d] = self._decode(self.unpack(src[s], shape), shape).to(dst.dtype)
+
+    def transcode_into(
+        self,
+        src: Any,
+        src_slots: Any,
+        to: Codec,
+        dst: Any,
+        dst_slots: Any,
+        shape: BlockShape,
+        *,
+        backend: Backend = "auto",
+    ) -> None:
+        """Repack rows ``src[src_slots]`` (this format) as rows ``dst[dst_slots]`` of ``to``."""
+        src, dst = as_tensor(src, "src"), as_tensor(dst, "dst")
+        check_pool(src, "src", self.bytes_per_block(shape))
+        check_pool(dst, "dst", to.bytes_per_block(shape))
+        s, d = slot_pair(src_slots, src, dst_slots, dst)
+        if self._use_cuda(backend, src, dst) and to.has_kernels:
+            self._cuda().transcode_into(self, src, s, to, dst, d, shape)
+        else:
+            dst[d] = to.pack(to._encode(self._decode(self.unpack(src[s], shape), shape)), shape)
+
+    # -- backend choice -------------------------------------------------------------------------
+
+    def _use_cuda(self, backend: Backend, src: torch.Tensor, dst: torch.Tensor) -> bool:
+        if backend == "torch":
+            return False
+        on_cuda = src.is_cuda and dst.is_cuda
+        if backend == "cuda":
+            if not (on_cuda and self.has_kernels):
+                raise InvalidArgumentError(
+                    f"backend='cuda' needs CUDA tensors and a codec with kernels; codec "
+                    f"{self.name!r} has_kernels={self.has_kernels}, tensors on "
+                    f"{src.device} and {dst.device}"
+                )
+            self._cuda()  # raises MissingDependencyError without CuPy
+            return True
+        if backend != "auto":
+            raise InvalidArgumentError(
+                f"backend: expected 'auto', 'torch' or 'cuda', got {backend!r}"
+            )
+        return on_cuda and self.has_kernels and _cupy_available()
+
+    @staticmethod
+    def _cuda() -> Any:
+        from . import cuda
+
+        return cuda
+
+
+def _cupy_available() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- argument checks (all of them run before anything is written) --------------------------------
+
+
+def as_tensor(value: Any, what: str) -> torch.Tensor:
+    """A torch view of any DLPack producer (torch, CuPy, numpy ...), without a copy."""
+    torch = torch_module()
+    if isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "__dlpack__"):
+        return torch.from_dlpack(value)
+    raise InvalidArgumentError(
+        f"{what}: expected a torch tensor or a DLPack array (CuPy, numpy ...), "
+        f"got {type(value).__name__}"
+    )
+
+
+def check_pool(pool: torch.Tensor, what: str, row_bytes: int | None) -> None:
+    """A float pool (``row_bytes`` None; shape checked by BlockShape.of) or a packed pool."""
+    torch = torch_module()
+    if row_bytes is not None:
+        if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != row_bytes:
+            raise InvalidArgumentError(
+                f"{what}: expected a packed pool uint8 [slots, {row_bytes}], "
+                f"got {pool.dtype} {list(pool.shape)}"
+            )
+    if not pool.is_contiguous():
+        raise InvalidArgumentError(
+            f"{what}: expected a contiguous tensor (strides {pool.stride()}); call .contiguous()"
+        )
+
+
+def slot_pair(
+    src_slots: Any, src: torch.Tensor, dst_slots: Any, dst: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked int64 slot indices on the pools' device: equal lengths, in range, distinct
+    destinations (two writes to one slot would race on a GPU)."""
+    if src.device != dst.device:
+        raise InvalidArgumentError(
+            f"expected src and dst pools on one device, got {src.device} and {dst.device}"
+        )
+    s = _slots(src_slots, "src_slots", src.shape[0])
+    d = _slots(dst_slots, "dst_slots", dst.shape[0])
+    if s.shape != d.shape:
+        raise InvalidArgumentError(
+            f"expected as many src_slots as dst_slots, got {s.numel()} and {d.numel()}"
+        )
+    if d.numel() and d.unique().numel() != d.numel():
+        raise InvalidArgumentError("dst_slots: expected distinct slots, got a repeated slot")
+    return s.to(src.device), d.to(dst.device)
+
+
+def _slots(slots: Any, what: str, rows: int) -> torch.Tensor:
+    torch = torch_module()
+    if isinstance(slots, torch.Tensor):
+        t = slots.detach().cpu()
+    else:
+        try:
+            t = torch.as_tensor(slots)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InvalidArgumentError(f"{what}: expected a 1-D array of slot indices") from exc
+    if t.dim() != 1 or (t.numel() and (t.dtype.is_floating_point or t.dtype == torch.bool)):
+        raise InvalidArgumentError(
+            f"{what}: expected a 1-D integer array of slot indices, got {t.dtype} {list(t.shape)}"
+        )
+    t = t.to(torch.int64)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= rows):
+        raise InvalidArgumentError(
+            f"{what}: expected slots in [0, {rows}), got min {int(t.min())} max {int(t.max())}"
+        )
+    return t

@@ -1,0 +1,216 @@
+"""Group-wise integer quantization: the ``int8`` and ``int4`` codecs and their torch reference.
+
+A block is split into groups; each group stores integer codes and an fp16 scale (and an fp16
+zero point when asymmetric). Values are grouped per token, ``group_size`` values along the head
+dimension (the whole head by default); keys may instead be grouped **per channel**, along the
+block's tokens, as KIVI does (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit
+Quantization for KV Cache"): key outliers sit in fixed channels, so a per-channel group keeps
+them from blowing up every token's scale.
+
+The rounding rule (the CUDA kernels in kernels/kvtier_codecs.cu follow it operation by
+operation, so codes are bit-exact and scales equal):
+
+- symmetric: ``s = fp16(amax * fp32(1/qmax))``, ``q = round(x / s')`` clamped to
+  ``[-qmax, qmax]`` (``qmax`` 127 or 7);
+- asymmetric: ``s = fp16((max - min) * fp32(1/levels))``, ``z = fp16(min)``,
+  ``q = round((x - z) / s')`` clamped to ``[0, levels]`` (``levels`` 255 or 15);
+
+where ``s' = s`` if ``s > 0`` else 1, ``fp16()`` rounds to nearest even after clamping to
+±65504, ``round`` is half-to-even, and every step is a single fp32 operation. Decoding is
+``q * s (+ z)`` in fp32. Inputs beyond the fp16 range saturate.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+from .base import BlockShape, Codec, Section, torch_module
+
+if TYPE_CHECKING:
+    import torch
+
+_FP16_MAX = 65504.0
+
+
+def _fp16_round(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-_FP16_MAX, _FP16_MAX).half().float()
+
+
+class QuantCodec(Codec):
+    """Integer codes with fp16 scales per group; the shared machinery of ``int8`` and ``int4``."""
+
+    has_kernels = True
+
+    def __init__(
+        self,
+        name: str,
+        bits: int,
+        *,
+        asymmetric: bool,
+        key_per_channel: bool,
+        group_size: int | None = None,
+    ) -> None:
+        if bits not in (4, 8):
+            raise InvalidArgumentError(f"bits: expected 4 or 8, got {bits!r}")
+        if group_size is not None and (
+            not isinstance(group_size, int) or group_size < 2 or group_size % 2
+        ):
+            raise InvalidArgumentError(
+                f"group_size: expected an even number of values >= 2 (or None for the whole "
+                f"head), got {group_size!r}"
+            )
+        self.name = name
+        self.bits = bits
+        self.asymmetric = bool(asymmetric)
+        self.key_per_channel = bool(key_per_channel)
+        self.group_size = group_size
+
+    @property
+    def format(self) -> str:
+        group = "head" if self.group_size is None else str(self.group_size)
+        keys = "chan" if self.key_per_channel else "tok"
+        return f"int{self.bits}-{'asym' if self.asymmetric else 'sym'}-k{keys}-g{group}"
+
+    def group(self, shape: BlockShape) -> int:
+        """Values per group along the head dimension."""
+        return shape.head_dim if self.group_size is None else self.group_size
+
+    def check_shape(self, shape: BlockShape) -> None:
+        g = self.group(shape)
+        if shape.head_dim % g:
+            raise InvalidArgumentError(
+                f"head_dim {shape.head_dim} is not divisible by group_size {g} of codec "
+                f"{self.name!r}: pick a group_size that divides it"
+            )
+        if self.bits == 4 and shape.head_dim % 2:
+            raise InvalidArgumentError(
+                f"head_dim {shape.head_dim} is odd: int4 packs two values a byte along it"
+            )
+
+    def key_groups(self, shape: BlockShape) -> int:
+        """Groups of one (layer, head) of keys in a block."""
+        if self.key_per_channel:
+            return shape.head_dim
+        return self.value_groups(shape)
+
+    def value_groups(self, shape: BlockShape) -> int:
+        return shape.block_size * (shape.head_dim // self.group(shape))
+
+    def sections(self, shape: BlockShape) -> tuple[Section, ...]:
+        L, H = shape.layers, shape.kv_heads
+        code_bytes = shape.head_dim * self.bits // 8
+        out = [Section("codes", "u8", (L, 2, H, shape.block_size, code_bytes))]
+        for kv, groups in (("k", self.key_groups(shape)), ("v", self.value_groups(shape))):
+            out.append(Section(f"{kv}_scale", "fp16", (L, H, groups)))
+            if self.asymmetric:
+                out.append(Section(f"{kv}_zero", "fp16", (L, H, groups)))
+        return tuple(out)
+
+    # -- the reference ------------------------------------------------------------------------
+
+    def _grouped(self, x: torch.Tensor, kv: int) -> torch.Tensor:
+        """``[n, L, H, B, D]`` -> groups along the last axis."""
+        n, L, H, B, D = x.shape
+        if kv == 0 and self.key_per_channel:
+            return x.transpose(-1, -2)  # [n, L, H, D, B]
+        g = self.group_size or D
+        return x.reshape(n, L, H, B, D // g, g)
+
+    def _ungrouped(self, q: torch.Tensor, kv: int, dims: tuple[int, ...]) -> torch.Tensor:
+        if kv == 0 and self.key_per_channel:
+            return q.transpose(-1, -2)
+        return q.reshape(dims)
+
+    def _encode(self, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+        torch = torch_module()
+        x = blocks.float()
+        n, L, _, H, B, D = x.shape
+        parts: dict[str, torch.Tensor] = {}
+        codes = []
+        for kv, name in ((0, "k"), (1, "v")):
+            groups = self._grouped(x[:, :, kv], kv)
+            if self.asymmetric:
+                levels = float(2**self.bits - 1)
+                mn = groups.amin(-1, keepdim=True)
+                mx = groups.amax(-1, keepdim=True)
+                s = _fp16_round((mx - mn) * float(np.float32(1.0 / levels)))
+                z = _fp16_round(mn)
+                q = torch.round((groups - z) / torch.where(s > 0, s, 1.0)).clamp(0, levels)
+                parts[f"{name}_zero"] = z.reshape(n, L, H, -1)
+            else:
+                qmax = float(2 ** (self.bits - 1) - 1)
+                amax = groups.abs().amax(-1, keepdim=True)
+                s = _fp16_round(amax * float(np.float32(1.0 / qmax)))
+                q = torch.round(groups / torch.where(s > 0, s, 1.0)).clamp(-qmax, qmax)
+            parts[f"{name}_scale"] = s.reshape(n, L, H, -1)
+            codes.append(self._ungrouped(q, kv, (n, L, H, B, D)))
+        parts["codes"] = self._pack_codes(torch.stack(codes, dim=2))
+        return parts
+
+    def _decode(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
+        torch = torch_module()
+        q = self._unpack_codes(parts["codes"])  # [n, L, 2, H, B, D] fp32
+        n = q.shape[0]
+        L, _, H, B, D = shape.dims
+        out = []
+        for kv, name in ((0, "k"), (1, "v")):
+            groups = self._grouped(q[:, :, kv], kv)
+            s = parts[f"{name}_scale"].float().reshape(*groups.shape[:-1], 1)
+            x = groups * s
+            if self.asymmetric:
+                x = x + parts[f"{name}_zero"].float().reshape(*groups.shape[:-1], 1)
+            out.append(self._ungrouped(x, kv, (n, L, H, B, D)))
+        return torch.stack(out, dim=2)
+
+    def _pack_codes(self, q: torch.Tensor) -> torch.Tensor:
+        torch = torch_module()
+        if self.bits == 8:
+            return q.to(torch.uint8) if self.asymmetric else q.to(torch.int8).view(torch.uint8)
+        nib = q.to(torch.int16) & 15  # two's complement nibble when symmetric
+        return (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
+
+    def _unpack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        torch = torch_module()
+        if self.bits == 8:
+            return (codes if self.asymmetric else codes.view(torch.int8)).float()
+        c = codes.to(torch.int16)
+        nib = torch.stack((c & 15, c >> 4), dim=-1).flatten(-2)
+        if not self.asymmetric:
+            nib = (nib ^ 8) - 8
+        return nib.float()
+
+
+class Int8Codec(QuantCodec):
+    """``int8``: one fp16 scale per token and head (symmetric by default; the asymmetric form
+    adds an fp16 zero point and measured no better on real K/V, see docs/codecs.md)."""
+
+    def __init__(
+        self, *, asymmetric: bool = False, group_size: int | None = None, name: str = "int8"
+    ) -> None:
+        super().__init__(
+            name, 8, asymmetric=asymmetric, key_per_channel=False, group_size=group_size
+        )
+
+
+#: Values per group of the ``int4`` codec's values (measured on SmolLM2, docs/codecs.md).
+INT4_GROUP_SIZE = 32
+
+
+class Int4Codec(QuantCodec):
+    """``int4``, KIVI-style: keys per channel along the block's tokens, values per token in
+    groups of ``group_size``; asymmetric, fp16 scale and zero point per group."""
+
+    def __init__(
+        self,
+        *,
+        group_size: int | None = INT4_GROUP_SIZE,
+        key_per_channel: bool = True,
+        asymmetric: bool = True,
+        name: str = "int4",
+    ) -> None:
+        super().__init__(
+            name, 4, asymmetric=asymmetric, key_per_channel=key_per_channel, group_size=group_size
+        )
