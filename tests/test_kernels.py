@@ -1,0 +1,348 @@
+"""The CUDA codec kernels (kernels/kvtier_codecs.cu): the source the extension ships is the file
+in the repository and compiles with NVRTC (no GPU needed), and on a GPU every kernel writes the
+same bytes and values as the torch reference on the CPU: codes and scales bit-exact, decodes
+equal, transcodes byte-equal, pool calls touching only their slots."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier import _core
+from kvtier.codecs import BlockShape, Int4Codec, Int8Codec, QuantCodec, get_codec
+
+KERNEL_PATH = Path(__file__).resolve().parent.parent / "kernels" / "kvtier_codecs.cu"
+ENTRY_POINTS = [
+    "kvtier_quantize_f16",
+    "kvtier_quantize_bf16",
+    "kvtier_quantize_f32",
+    "kvtier_dequantize_f16",
+    "kvtier_dequantize_bf16",
+    "kvtier_dequantize_f32",
+    "kvtier_transcode",
+]
+
+
+# ---- the shipped source (no GPU) ----------------------------------------------------------------
+
+
+def test_the_extension_ships_the_kernel_file_of_the_repository() -> None:
+    sources = _core.kernel_sources()
+    assert "kvtier_codecs.cu" in sources
+    assert sources["kvtier_codecs.cu"].encode() == KERNEL_PATH.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def ptx() -> str:
+    """The shipped source compiled by NVRTC for sm_90, as cuda.py compiles it (no include path)."""
+    pytest.importorskip("cupy")
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as exc:  # libnvrtc missing or unloadable
+        pytest.skip(f"NVRTC is not loadable: {exc}")
+    source = _core.kernel_sources()["kvtier_codecs.cu"]
+    prog = nvrtc.createProgram(source, "kvtier_codecs.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, ["--gpu-architecture=compute_90", "--std=c++17"])
+        except nvrtc.NVRTCError as exc:
+            pytest.fail(f"NVRTC rejected kvtier_codecs.cu: {exc}\n{nvrtc.getProgramLog(prog)}")
+        out = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return out.decode() if isinstance(out, bytes) else out
+
+
+def test_the_kernels_compile_with_nvrtc_and_export_every_entry_point(ptx: str) -> None:
+    entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
+    assert entries == set(ENTRY_POINTS)  # plain extern "C" names, none missing, no extras
+
+
+def test_the_compiled_kernels_never_fuse_the_rounding_steps(ptx: str) -> None:
+    # bit-exact codes need every step of the rounding rule as its own IEEE fp32 operation
+    assert not re.search(r"\bfma\.\w+\.f32\b", ptx)
+    assert "div.rn.f32" in ptx and "cvt.rni.f32.f32" in ptx and "cvt.rn.f16.f32" in ptx
+    assert not re.search(r"\bdiv\.(approx|full)\.f32\b", ptx)
+
+
+# ---- on a GPU: the kernels against the torch reference -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_cuda() -> Any:
+    torch = pytest.importorskip("torch")
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        pytest.skip("CuPy is not installed: the CUDA kernels run through it")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    return torch
+
+
+DTYPES = ["fp16", "bf16", "fp32"]
+CODECS: dict[str, Callable[[], QuantCodec]] = {
+    "int8": lambda: Int8Codec(),
+    "int8-asym": lambda: Int8Codec(asymmetric=True),
+    "int8-chan-asym": lambda: QuantCodec("int8-chan", 8, asymmetric=True, key_per_channel=True),
+    "int4": lambda: Int4Codec(),
+    "int4-g64": lambda: Int4Codec(group_size=64),
+    "int4-sym": lambda: Int4Codec(asymmetric=False),
+    "int4-ktok": lambda: Int4Codec(key_per_channel=False),
+}
+SHAPE = BlockShape(2, 4, 16, 64)
+STEP = 2.0**-24  # the smallest fp16 subnormal
+
+
+def tdtype(torch: Any, name: str) -> Any:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def random_blocks(torch: Any, n: int, shape: BlockShape, dtype: str, seed: int) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *shape.dims), generator=g).to(tdtype(torch, dtype))
+
+
+def edge_blocks(torch: Any, n: int, shape: BlockShape, dtype: str, seed: int) -> Any:
+    """Random blocks whose (slot, layer, kv, head) tiles cycle through the cases the rounding
+    rule has to get right: zero and constant groups, underflowing and subnormal scales (which
+    make the clamp decide), outliers, values beyond fp16, rounding ties."""
+    g = torch.Generator().manual_seed(seed)
+    B, D = shape.block_size, shape.head_dim
+    x = torch.randn((n, *shape.dims), generator=g)
+    tiles = x.view(-1, B, D)
+    b, d = torch.meshgrid(torch.arange(B), torch.arange(D), indexing="ij")
+    high, low = (b + d) % 7 == 0, (b + d) % 7 == 3  # every group holds both
+
+    def spread(top: float, bottom: float, fill: Any) -> Any:
+        t = fill.clone()
+        t[high], t[low] = top, bottom
+        return t
+
+    def uniform(a: float) -> Any:
+        return (torch.rand((B, D), generator=g) * 2 - 1) * a
+
+    halves = torch.randint(0, 15, (B, D), generator=g) + 0.5
+    halves127 = torch.randint(0, 127, (B, D), generator=g) + 0.5
+    huge = torch.randn((B, D), generator=g) * 1e6
+    if dtype == "fp16":
+        huge = (huge / 30).clamp(-65504, 65504)
+    mixed = torch.randn((B, D), generator=g)
+    mixed[3] = 0  # one token's groups all zero
+    mixed[:, 7] = 2.5  # one constant channel
+    outlier = torch.randn((B, D), generator=g)
+    outlier[:, 5] *= 100
+    outlier[2] *= 50
+    cases = [
+        torch.zeros(B, D),
+        torch.full((B, D), 1.5),
+        torch.full((B, D), -0.3),
+        uniform(1e-7),
+        outlier,
+        spread(1.4 * 127 * STEP, -1.4 * 127 * STEP, uniform(1.4 * 127 * STEP)),
+        spread(1.4 * 7 * STEP, -1.4 * 7 * STEP, uniform(1.4 * 7 * STEP)),
+        spread(0.7 * 255 * STEP, -0.7 * 255 * STEP, uniform(0.7 * 255 * STEP)),
+        spread(0.7 * 15 * STEP, -0.7 * 15 * STEP, uniform(0.7 * 15 * STEP)),
+        huge,
+        spread(15.0, 0.0, halves),
+        spread(127.0, 0.0, halves127),
+        -torch.randn((B, D), generator=g).abs() - 2,
+        mixed,
+    ]
+    for i in range(tiles.shape[0]):
+        k = i % (len(cases) + 2)  # leave some tiles plain random
+        if k < len(cases):
+            tiles[i] = cases[k]
+    return x.to(tdtype(torch, dtype))
+
+
+DATA = {"random": random_blocks, "edge": edge_blocks}
+
+
+def on_gpu(enc: Any) -> Any:
+    return dataclasses.replace(enc, data=enc.data.cuda())
+
+
+def assert_same(got: Any, want: Any, what: str) -> None:
+    """Equal tensors bit for bit (so -0.0 is not 0.0), naming the first difference."""
+    import torch
+
+    got, want = got.cpu().contiguous(), want.contiguous()
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    as_int = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    bits_got = got.view(as_int.get(got.dtype, got.dtype)).reshape(-1)
+    bits_want = want.view(as_int.get(want.dtype, want.dtype)).reshape(-1)
+    if not torch.equal(bits_got, bits_want):
+        diff = (bits_got != bits_want).nonzero()
+        first = int(diff[0])
+        raise AssertionError(
+            f"{what}: {diff.numel()} of {got.numel()} elements differ; first at flat index "
+            f"{first}: gpu {got.reshape(-1)[first].item()} cpu {want.reshape(-1)[first].item()}"
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data", list(DATA))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("which", list(CODECS))
+def test_gpu_encode_and_decode_equal_the_cpu_reference(
+    torch_cuda: Any, which: str, dtype: str, data: str
+) -> None:
+    torch, codec = torch_cuda, CODECS[which]()
+    x = DATA[data](torch, 3, SHAPE, dtype, seed=1)
+    cpu = codec.encode(x, backend="torch")
+    gpu = codec.encode(x.cuda(), backend="cuda")
+    assert gpu.data.is_cuda and gpu.format == cpu.format and gpu.shape == cpu.shape
+    # codes and scales: the rows byte for byte
+    assert_same(gpu.data, cpu.data, "encoded rows")
+    assert_same(codec.encode(x.cuda()).data, cpu.data, "encoded rows, backend auto")
+
+    out = codec.decode(gpu, backend="cuda")
+    assert out.is_cuda and out.dtype == x.dtype
+    assert_same(out, codec.decode(cpu, backend="torch"), "decoded in the model dtype")
+    for other in DTYPES:
+        want = codec.decode(cpu, dtype=tdtype(torch, other), backend="torch")
+        assert_same(
+            codec.decode(gpu, dtype=tdtype(torch, other), backend="cuda"), want, f"decoded {other}"
+        )
+
+
+TRANSCODES = [
+    ("int8", "int4"),
+    ("int4", "int8"),
+    ("int8-asym", "int4-g64"),
+    ("int4", "int4-sym"),
+    ("int4-ktok", "int4"),
+    ("int8", "int8-chan-asym"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data", list(DATA))
+@pytest.mark.parametrize(("src", "dst"), TRANSCODES, ids=[f"{a}-to-{b}" for a, b in TRANSCODES])
+def test_gpu_transcode_equals_the_cpu_reference(
+    torch_cuda: Any, src: str, dst: str, data: str
+) -> None:
+    torch = torch_cuda
+    a, b = CODECS[src](), CODECS[dst]()
+    x = DATA[data](torch, 3, SHAPE, "fp16", seed=2)
+    cpu = a.encode(x, backend="torch")
+    want = a.transcode(cpu, b, backend="torch")
+    got = a.transcode(on_gpu(cpu), b, backend="cuda")
+    assert got.format == b.format
+    assert_same(got.data, want.data, f"{src} -> {dst} rows")
+    # and the CPU transcode is encoding the fp32 decode, so the GPU one is too
+    direct = b.encode(a.decode(cpu, dtype=torch.float32, backend="torch"), backend="torch")
+    assert_same(got.data, direct.data, "transcode vs encode(decode)")
+
+
+@pytest.mark.gpu
+def test_gpu_transcode_to_a_codec_without_kernels_falls_back(torch_cuda: Any) -> None:
+    torch, int8, fp16 = torch_cuda, Int8Codec(), get_codec("fp16")
+    x = edge_blocks(torch, 2, SHAPE, "fp16", seed=3)
+    cpu = int8.encode(x, backend="torch")
+    got = int8.transcode(on_gpu(cpu), fp16)
+    assert got.data.is_cuda
+    assert_same(got.data, int8.transcode(cpu, fp16).data, "int8 -> fp16 rows")
+    assert_same(fp16.decode(got), int8.decode(cpu), "int8 -> fp16 values")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("which", ["int8", "int4", "int4-sym"])
+def test_gpu_pool_calls_match_the_cpu_path_slot_for_slot(
+    torch_cuda: Any, which: str, dtype: str
+) -> None:
+    torch, codec = torch_cuda, CODECS[which]()
+    to = Int4Codec(group_size=64) if which == "int8" else Int8Codec(asymmetric=True)
+    row, to_row = codec.bytes_per_block(SHAPE), to.bytes_per_block(SHAPE)
+    g = torch.Generator().manual_seed(4)
+    src = edge_blocks(torch, 7, SHAPE, dtype, seed=5)
+    packed = torch.randint(0, 256, (9, row), dtype=torch.uint8, generator=g)
+    floats = random_blocks(torch, 6, SHAPE, dtype, seed=6)
+    other = torch.randint(0, 256, (5, to_row), dtype=torch.uint8, generator=g)
+    src_slots, dst_slots = [6, 0, 3, 5], [8, 2, 1, 4]
+
+    pools = {"packed": packed, "floats": floats, "other": other}
+    results = {}
+    for device in ("cpu", "cuda"):
+        p = {k: v.clone().to(device) for k, v in pools.items()}
+        s = src.to(device)
+        backend = "cuda" if device == "cuda" else "torch"
+        codec.encode_into(s, src_slots, p["packed"], dst_slots, backend=backend)
+        codec.decode_into(p["packed"], [8, 1, 4], p["floats"], [5, 0, 2], backend=backend)
+        codec.transcode_into(p["packed"], [2, 8], to, p["other"], [3, 0], SHAPE, backend=backend)
+        results[device] = {k: v.cpu() for k, v in p.items()}
+    for name in pools:
+        assert_same(results["cuda"][name], results["cpu"][name], f"{name} pool")
+    # only the named slots changed
+    assert torch.equal(results["cuda"]["packed"][[0, 3, 5, 6, 7]], packed[[0, 3, 5, 6, 7]])
+    assert torch.equal(results["cuda"]["floats"][[1, 3, 4]], floats[[1, 3, 4]])
+    assert torch.equal(results["cuda"]["other"][[1, 2, 4]], other[[1, 2, 4]])
+
+
+@pytest.mark.gpu
+def test_gpu_pool_slots_may_be_cuda_tensors(torch_cuda: Any) -> None:
+    torch, codec = torch_cuda, Int4Codec()
+    src = random_blocks(torch, 4, SHAPE, "fp16", seed=7)
+    packed = torch.zeros((4, codec.bytes_per_block(SHAPE)), dtype=torch.uint8, device="cuda")
+    slots = torch.tensor([3, 1], device="cuda")
+    codec.encode_into(src.cuda(), slots, packed, slots.flip(0), backend="cuda")
+    want = codec.encode(src[[3, 1]], backend="torch").data
+    assert_same(packed[[1, 3]], want, "rows")
+    assert not packed[[0, 2]].any()
+
+
+SHAPES = [
+    ("b32-d128", BlockShape(2, 2, 32, 128), ["int8", "int8-asym", "int4", "int4-g64", "int4-ktok"]),
+    ("d80-int8", BlockShape(2, 2, 16, 80), ["int8", "int8-asym", "int8-chan-asym"]),
+    # 64 x 257 fp32 of shared memory: more than the 48 KiB a launch gets by default
+    ("b64-d256", BlockShape(1, 2, 64, 256), ["int8", "int4", "int4-g64"]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("shape", "names"), [s[1:] for s in SHAPES], ids=[s[0] for s in SHAPES]
+)
+def test_gpu_other_shapes_equal_the_cpu_reference(
+    torch_cuda: Any, shape: BlockShape, names: list[str], dtype: str
+) -> None:
+    torch = torch_cuda
+    x = edge_blocks(torch, 2, shape, dtype, seed=8)
+    for name in names:
+        codec = CODECS[name]()
+        cpu = codec.encode(x, backend="torch")
+        gpu = codec.encode(x.cuda(), backend="cuda")
+        assert_same(gpu.data, cpu.data, f"{name} rows")
+        assert_same(codec.decode(gpu, backend="cuda"), codec.decode(cpu), f"{name} values")
+    a, b = CODECS[names[0]](), CODECS[names[-1]]()
+    cpu = a.encode(x, backend="torch")
+    assert_same(
+        a.transcode(on_gpu(cpu), b, backend="cuda").data,
+        a.transcode(cpu, b, backend="torch").data,
+        f"{names[0]} -> {names[-1]} rows",
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_run_on_the_callers_stream(torch_cuda: Any) -> None:
+    torch, codec = torch_cuda, Int8Codec()
+    x = random_blocks(torch, 64, SHAPE, "fp16", seed=9)
+    want = codec.encode(x, backend="torch").data
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        src = x.to("cuda", non_blocking=True)
+        enc = codec.encode(src, backend="cuda")
+        out = codec.decode(enc, backend="cuda")
+    stream.synchronize()
+    assert_same(enc.data, want, "rows on a side stream")
+    assert_same(out, codec.decode(codec.encode(x, backend="torch")), "values on a side stream")
