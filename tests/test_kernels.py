@@ -310,9 +310,7 @@ SHAPES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("shape", "names"), [s[1:] for s in SHAPES], ids=[s[0] for s in SHAPES]
-)
+@pytest.mark.parametrize(("shape", "names"), [s[1:] for s in SHAPES], ids=[s[0] for s in SHAPES])
 def test_gpu_other_shapes_equal_the_cpu_reference(
     torch_cuda: Any, shape: BlockShape, names: list[str], dtype: str
 ) -> None:

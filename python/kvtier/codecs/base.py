@@ -198,13 +198,13 @@ class Codec(ABC):
         return out
 
     def pack(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
+        """Sections -> ``uint8 [n, bytes_per_block]`` rows."""
         torch = torch_module()
         n = next(iter(parts.values())).shape[0]
-        rows = []
-        for s in self.sections(shape):
-            part = parts[s.name].to(torch_dtype(s.dtype)).reshape(n, -1)
-            rows.append(part.contiguous().view(torch.uint8))
-        return torch.cat(rows, dim=1)
+        device = next(iter(parts.values())).device
+        rows = torch.empty((n, self.bytes_per_block(shape)), dtype=torch.uint8, device=device)
+        self._write_parts(rows, Slots(torch.arange(n), slice(0, n)), parts, shape)
+        return rows
 
     def unpack(self, rows: torch.Tensor, shape: BlockShape) -> dict[str, torch.Tensor]:
         n, parts, at = rows.shape[0], {}, 0
@@ -213,6 +213,21 @@ class Codec(ABC):
             parts[s.name] = chunk.view(torch_dtype(s.dtype)).reshape(n, *s.shape)
             at += s.nbytes
         return parts
+
+    def _write_parts(
+        self, pool: torch.Tensor, slots: Slots, parts: dict[str, torch.Tensor], shape: BlockShape
+    ) -> None:
+        """Write each section straight into its columns of the destination rows (no concat)."""
+        torch = torch_module()
+        at = 0
+        for s in self.sections(shape):
+            part = parts[s.name].to(torch_dtype(s.dtype)).contiguous()
+            flat = part.view(torch.uint8).reshape(len(slots), s.nbytes)
+            if slots.span is not None:
+                pool[slots.span, at : at + s.nbytes] = flat
+            else:
+                pool[slots.index, at : at + s.nbytes] = flat
+            at += s.nbytes
 
     # -- whole batches --------------------------------------------------------------------------
 
@@ -287,10 +302,12 @@ class Codec(ABC):
         check_pool(src, "src", None)
         check_pool(dst, "dst", self.bytes_per_block(shape))
         s, d = slot_pair(src_slots, src, dst_slots, dst)
+        if not len(s):
+            return
         if self._use_cuda(backend, src, dst):
-            self._cuda().quantize_into(self, src, s, dst, d, shape)
+            self._cuda().quantize_into(self, src, s.index, dst, d.index, shape)
         else:
-            dst[d] = self.pack(self._encode(src[s]), shape)
+            self._write_parts(dst, d, self._encode(s.read(src)), shape)
 
     def decode_into(
         self, src: Any, src_slots: Any, dst: Any, dst_slots: Any, *, backend: Backend = "auto"
@@ -302,10 +319,12 @@ class Codec(ABC):
         check_pool(src, "src", self.bytes_per_block(shape))
         check_pool(dst, "dst", None)
         s, d = slot_pair(src_slots, src, dst_slots, dst)
+        if not len(s):
+            return
         if self._use_cuda(backend, src, dst):
-            self._cuda().dequantize_into(self, src, s, dst, d, shape)
+            self._cuda().dequantize_into(self, src, s.index, dst, d.index, shape)
         else:
-            dst[d] = self._decode(self.unpack(src[s], shape), shape).to(dst.dtype)
+            d.write(dst, self._decode(self.unpack(s.read(src), shape), shape))
 
     def transcode_into(
         self,
@@ -323,10 +342,13 @@ class Codec(ABC):
         check_pool(src, "src", self.bytes_per_block(shape))
         check_pool(dst, "dst", to.bytes_per_block(shape))
         s, d = slot_pair(src_slots, src, dst_slots, dst)
+        if not len(s):
+            return
         if self._use_cuda(backend, src, dst) and to.has_kernels:
-            self._cuda().transcode_into(self, src, s, to, dst, d, shape)
+            self._cuda().transcode_into(self, src, s.index, to, dst, d.index, shape)
         else:
-            dst[d] = to.pack(to._encode(self._decode(self.unpack(src[s], shape), shape)), shape)
+            values = self._decode(self.unpack(s.read(src), shape), shape)
+            to._write_parts(dst, d, to._encode(values), shape)
 
     # -- backend choice -------------------------------------------------------------------------
 
@@ -395,11 +417,32 @@ def check_pool(pool: torch.Tensor, what: str, row_bytes: int | None) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Slots:
+    """Checked slot indices on a pool's device; ``span`` is set when they are one ascending
+    run, so the torch path can use a view instead of a gather or a scatter."""
+
+    index: torch.Tensor
+    span: slice | None
+
+    def __len__(self) -> int:
+        return int(self.index.numel())
+
+    def read(self, pool: torch.Tensor) -> torch.Tensor:
+        return pool[self.span] if self.span is not None else pool[self.index]
+
+    def write(self, pool: torch.Tensor, rows: torch.Tensor) -> None:
+        if self.span is not None:
+            pool[self.span] = rows
+        else:
+            pool[self.index] = rows.to(pool.dtype)
+
+
 def slot_pair(
     src_slots: Any, src: torch.Tensor, dst_slots: Any, dst: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked int64 slot indices on the pools' device: equal lengths, in range, distinct
-    destinations (two writes to one slot would race on a GPU)."""
+) -> tuple[Slots, Slots]:
+    """Checked slot indices: equal lengths, in range, distinct destinations (two writes to one
+    slot would race on a GPU)."""
     if src.device != dst.device:
         raise InvalidArgumentError(
             f"expected src and dst pools on one device, got {src.device} and {dst.device}"
@@ -412,7 +455,16 @@ def slot_pair(
         )
     if d.numel() and d.unique().numel() != d.numel():
         raise InvalidArgumentError("dst_slots: expected distinct slots, got a repeated slot")
-    return s.to(src.device), d.to(dst.device)
+    return _on(s, src.device), _on(d, dst.device)
+
+
+def _on(slots: torch.Tensor, device: torch.device) -> Slots:
+    torch = torch_module()
+    n = slots.numel()
+    span = None
+    if n and bool((slots == torch.arange(int(slots[0]), int(slots[0]) + n)).all()):
+        span = slice(int(slots[0]), int(slots[0]) + n)
+    return Slots(slots.to(device), span)
 
 
 def _slots(slots: Any, what: str, rows: int) -> torch.Tensor:

@@ -34,7 +34,11 @@ def kernel_source() -> str:
 
 
 def _cupy() -> Any:
-    return require("cupy", "cuda13", purpose="kvtier's CUDA kernels need CuPy (cupy-cuda13x; cuda12 for CUDA 12 builds of torch)")
+    return require(
+        "cupy",
+        "cuda13",
+        purpose="kvtier's CUDA kernels need CuPy (cupy-cuda13x; cuda12 for CUDA 12 builds of torch)",
+    )
 
 
 @functools.cache
@@ -131,7 +135,9 @@ def quantize_into(
         *_dims(shape),
     )
     grid = n * shape.layers * 2 * shape.kv_heads
-    _launch(f"kvtier_quantize_{_SUFFIX[shape.dtype]}", src.device, grid, args, shared_bytes(q, shape))
+    _launch(
+        f"kvtier_quantize_{_SUFFIX[shape.dtype]}", src.device, grid, args, shared_bytes(q, shape)
+    )
 
 
 def dequantize_into(

@@ -169,7 +169,10 @@ class LearnedCodec(Codec):
         """Write both modules' weights and this codec's settings to a safetensors file."""
         st = require("safetensors.torch", "torch", purpose="saving a learned codec")
         tensors = {}
-        for prefix, module in (("compressor", self.compressor), ("decompressor", self.decompressor)):
+        for prefix, module in (
+            ("compressor", self.compressor),
+            ("decompressor", self.decompressor),
+        ):
             for key, value in module.state_dict().items():
                 tensors[f"{prefix}.{key}"] = value.detach().cpu().contiguous()
         config = getattr(self.compressor, "config", None)
@@ -211,11 +214,15 @@ class LearnedCodec(Codec):
             config = json.loads(meta["kvtier.config"])
             compressor, decompressor = linear_pair(**config)
         for prefix, module in (("compressor", compressor), ("decompressor", decompressor)):
-            state = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+            state = {
+                k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".")
+            }
             try:
                 module.load_state_dict(state)
             except RuntimeError as exc:
-                raise InvalidArgumentError(f"{path}: weights do not fit the {prefix}: {exc}") from exc
+                raise InvalidArgumentError(
+                    f"{path}: weights do not fit the {prefix}: {exc}"
+                ) from exc
         return cls(
             name or meta["kvtier.name"],
             compressor,

@@ -124,30 +124,49 @@ class QuantCodec(Codec):
             return q.transpose(-1, -2)
         return q.reshape(dims)
 
+    def _quantize(self, groups: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Codes (as floats), scales and zero points of groups along the last axis."""
+        torch = torch_module()
+        if self.asymmetric:
+            levels = float(2**self.bits - 1)
+            mn = groups.amin(-1, keepdim=True)
+            mx = groups.amax(-1, keepdim=True)
+            s = _fp16_round((mx - mn) * float(np.float32(1.0 / levels)))
+            z = _fp16_round(mn)
+            q = (groups - z).div_(torch.where(s > 0, s, 1.0))
+            return q.round_().clamp_(0, levels), s, z
+        qmax = float(2 ** (self.bits - 1) - 1)
+        # max|x| from the two extremes (no |x| temporary); abs() keeps a zero group's scale +0
+        amax = torch.maximum(
+            groups.amax(-1, keepdim=True).abs(), groups.amin(-1, keepdim=True).abs()
+        )
+        s = _fp16_round(amax * float(np.float32(1.0 / qmax)))
+        q = groups / torch.where(s > 0, s, 1.0)
+        return q.round_().clamp_(-qmax, qmax), s, None
+
     def _encode(self, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
         torch = torch_module()
         x = blocks.float()
         n, L, _, H, B, D = x.shape
         parts: dict[str, torch.Tensor] = {}
-        codes = []
+        if not self.key_per_channel:
+            # K and V grouped alike: quantize both in one pass.
+            g = self.group(BlockShape(L, H, B, D))
+            q, s, z = self._quantize(x.reshape(n, L, 2, H, B, D // g, g))
+            for kv, name in ((0, "k"), (1, "v")):
+                parts[f"{name}_scale"] = s[:, :, kv].reshape(n, L, H, -1)
+                if z is not None:
+                    parts[f"{name}_zero"] = z[:, :, kv].reshape(n, L, H, -1)
+            parts["codes"] = self._pack_codes(q.reshape(n, L, 2, H, B, D))
+            return parts
+        codes = torch.empty((n, L, 2, H, B, D * self.bits // 8), dtype=torch.uint8, device=x.device)
         for kv, name in ((0, "k"), (1, "v")):
-            groups = self._grouped(x[:, :, kv], kv)
-            if self.asymmetric:
-                levels = float(2**self.bits - 1)
-                mn = groups.amin(-1, keepdim=True)
-                mx = groups.amax(-1, keepdim=True)
-                s = _fp16_round((mx - mn) * float(np.float32(1.0 / levels)))
-                z = _fp16_round(mn)
-                q = torch.round((groups - z) / torch.where(s > 0, s, 1.0)).clamp(0, levels)
-                parts[f"{name}_zero"] = z.reshape(n, L, H, -1)
-            else:
-                qmax = float(2 ** (self.bits - 1) - 1)
-                amax = groups.abs().amax(-1, keepdim=True)
-                s = _fp16_round(amax * float(np.float32(1.0 / qmax)))
-                q = torch.round(groups / torch.where(s > 0, s, 1.0)).clamp(-qmax, qmax)
+            q, s, z = self._quantize(self._grouped(x[:, :, kv], kv))
             parts[f"{name}_scale"] = s.reshape(n, L, H, -1)
-            codes.append(self._ungrouped(q, kv, (n, L, H, B, D)))
-        parts["codes"] = self._pack_codes(torch.stack(codes, dim=2))
+            if z is not None:
+                parts[f"{name}_zero"] = z.reshape(n, L, H, -1)
+            codes[:, :, kv] = self._pack_codes(self._ungrouped(q, kv, (n, L, H, B, D)))
+        parts["codes"] = codes
         return parts
 
     def _decode(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
@@ -155,15 +174,29 @@ class QuantCodec(Codec):
         q = self._unpack_codes(parts["codes"])  # [n, L, 2, H, B, D] fp32
         n = q.shape[0]
         L, _, H, B, D = shape.dims
-        out = []
+        if not self.key_per_channel:  # K and V grouped alike: one pass, in place
+            g = self.group(shape)
+            groups = q.view(n, L, 2, H, B, D // g, g)
+            groups.mul_(
+                torch.stack((parts["k_scale"], parts["v_scale"]), 2)
+                .float()
+                .view(n, L, 2, H, B, D // g, 1)
+            )
+            if self.asymmetric:
+                groups.add_(
+                    torch.stack((parts["k_zero"], parts["v_zero"]), 2)
+                    .float()
+                    .view(n, L, 2, H, B, D // g, 1)
+                )
+            return q
+        out = torch.empty_like(q)
         for kv, name in ((0, "k"), (1, "v")):
             groups = self._grouped(q[:, :, kv], kv)
-            s = parts[f"{name}_scale"].float().reshape(*groups.shape[:-1], 1)
-            x = groups * s
+            x = groups * parts[f"{name}_scale"].float().reshape(*groups.shape[:-1], 1)
             if self.asymmetric:
-                x = x + parts[f"{name}_zero"].float().reshape(*groups.shape[:-1], 1)
-            out.append(self._ungrouped(x, kv, (n, L, H, B, D)))
-        return torch.stack(out, dim=2)
+                x += parts[f"{name}_zero"].float().reshape(*groups.shape[:-1], 1)
+            out[:, :, kv] = self._ungrouped(x, kv, (n, L, H, B, D))
+        return out
 
     def _pack_codes(self, q: torch.Tensor) -> torch.Tensor:
         torch = torch_module()
@@ -176,10 +209,9 @@ class QuantCodec(Codec):
         torch = torch_module()
         if self.bits == 8:
             return (codes if self.asymmetric else codes.view(torch.int8)).float()
-        c = codes.to(torch.int16)
-        nib = torch.stack((c & 15, c >> 4), dim=-1).flatten(-2)
-        if not self.asymmetric:
-            nib = (nib ^ 8) - 8
+        nib = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+        if not self.asymmetric:  # sign-extend the two's complement nibble
+            return nib.view(torch.int8).bitwise_xor_(8).float().sub_(8)
         return nib.float()
 
 

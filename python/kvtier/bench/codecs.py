@@ -1,0 +1,218 @@
+"""``kvtier bench codecs``: encode/decode speed of the codecs on a Llama-3-8B-shaped KV.
+
+The work: 1,024 tokens of Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, fp16 — 128 MiB)
+in 64 blocks of 16 tokens, encoded into a packed pool and decoded back. Effective bandwidth
+counts the bytes a pass must move: fp16 blocks read plus packed bytes written (encode), or the
+reverse (decode).
+
+- CPU: kvtier's torch reference, beside a plain per-token torch quantizer (the few lines people
+  write) and transformers' quantized-cache backend, optimum-quanto (if installed), quantizing
+  the same K/V as ``QuantizedCache`` does (int4, group 64, MaxOptimizer).
+- GPU (when CUDA is available): kvtier's CUDA kernels beside the same torch reference on the
+  GPU, as a ratio; and the int8 -> int4 transcode. Times are the median of CUDA-event-timed
+  runs after warm-up.
+
+Prints a table on stderr and JSON on stdout (``--json``: JSON only). Figures, never pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..codecs import BlockShape, Codec, get_codec
+
+SHAPE = BlockShape(layers=32, kv_heads=8, block_size=16, head_dim=128, dtype="fp16")
+TOKENS = 1024
+CODECS = ("int8", "int4")
+#: HBM bandwidth by device name fragment, GB/s (vendor data sheets), for "% of peak".
+PEAK_GBPS = {"H100 SXM": 3350.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0}
+
+
+def _cpu_time(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _gpu_time(fn: Callable[[], Any], repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _row(name: str, seconds: float, moved: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "us": seconds * 1e6,
+        "gb_per_s": moved / seconds / 1e9,
+        "bytes_moved": moved,
+        **extra,
+    }
+
+
+def _blocks(device: str) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n = TOKENS // SHAPE.block_size
+    return torch.randn((n, *SHAPE.dims), generator=gen).to(torch.float16).to(device)
+
+
+def bench_codec(codec: Codec, blocks: torch.Tensor, backend: str, timer: Callable, repeats: int):
+    n = blocks.shape[0]
+    packed_bytes = n * codec.bytes_per_block(SHAPE)
+    fp16_bytes = blocks.numel() * 2
+    packed = torch.empty((n, codec.bytes_per_block(SHAPE)), dtype=torch.uint8, device=blocks.device)
+    out = torch.empty_like(blocks)
+    slots = torch.arange(n)
+    enc = timer(lambda: codec.encode_into(blocks, slots, packed, slots, backend=backend), repeats)
+    dec = timer(lambda: codec.decode_into(packed, slots, out, slots, backend=backend), repeats)
+    moved = fp16_bytes + packed_bytes
+    return [
+        _row(f"{codec.name} encode", enc, moved, codec=codec.name, op="encode", backend=backend),
+        _row(f"{codec.name} decode", dec, moved, codec=codec.name, op="decode", backend=backend),
+    ]
+
+
+def plain_torch_int8(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token symmetric int8 quantizer people write inline: the CPU baseline."""
+    scale = blocks.abs().amax(-1, keepdim=True).float() / 127
+    q = (blocks.float() / scale.clamp_min(1e-8)).round().to(torch.int8)
+    return q, scale.half()
+
+
+def bench_quanto(blocks: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
+    """optimum-quanto doing QuantizedCache's work on the same K/V: int4, axis 0, group 64."""
+    try:
+        from optimum.quanto import MaxOptimizer, qint4, quantize_weight
+    except ImportError:
+        return []
+    # quanto JIT-builds its C++ unpacker with ninja: find the one pip put beside this Python.
+    os.environ["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), os.environ["PATH"]))
+    optimizer = MaxOptimizer()
+    # QuantizedCache hands quanto [batch, heads, tokens, head_dim] per layer: one tensor each
+    # for K and V of every layer.
+    kv = blocks.permute(1, 2, 3, 0, 4, 5).reshape(SHAPE.layers, 2, 1, SHAPE.kv_heads, TOKENS, -1)
+    tensors = [kv[layer, i].contiguous() for layer in range(SHAPE.layers) for i in range(2)]
+
+    def quantize() -> list[Any]:
+        out = []
+        for t in tensors:
+            scale, zero = optimizer(t, qint4, 0, 64)
+            out.append(quantize_weight(t, qint4, 0, scale, zero, 64))
+        return out
+
+    quantized = quantize()
+    enc = _cpu_time(quantize, repeats)
+    dec = _cpu_time(lambda: [q.dequantize() for q in quantized], repeats)
+    packed = sum(
+        q._data._data.numel() + 2 * (q._scale.numel() + q._shift.numel()) for q in quantized
+    )
+    moved = blocks.numel() * 2 + packed
+    return [
+        _row("quanto int4 encode", enc, moved, codec="quanto-int4-g64", op="encode", backend="quanto"),
+        _row("quanto int4 decode", dec, moved, codec="quanto-int4-g64", op="decode", backend="quanto"),
+    ]
+
+
+def run_cpu(repeats: int) -> list[dict[str, Any]]:
+    blocks = _blocks("cpu")
+    rows = []
+    for name in CODECS:
+        rows += bench_codec(get_codec(name), blocks, "torch", _cpu_time, repeats)
+    seconds = _cpu_time(lambda: plain_torch_int8(blocks), repeats)
+    moved = blocks.numel() * 3 + blocks.numel() // SHAPE.head_dim * 2
+    rows.append(_row("plain torch int8 encode", seconds, moved, codec="plain-int8", op="encode",
+                     backend="torch"))
+    try:
+        rows += bench_quanto(blocks, repeats)
+    except Exception as exc:  # a peer that fails to build is reported, not fatal
+        print(f"quanto peer skipped: {exc}", file=sys.stderr)
+    return rows
+
+
+def run_gpu(repeats: int) -> dict[str, Any]:
+    blocks = _blocks("cuda")
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_GBPS.items() if k in name), None)
+    rows = []
+    for codec_name in CODECS:
+        codec = get_codec(codec_name)
+        kernel = bench_codec(codec, blocks, "cuda", _gpu_time, repeats)
+        reference = bench_codec(codec, blocks, "torch", _gpu_time, repeats)
+        for k, r in zip(kernel, reference):
+            k["torch_gpu_us"] = r["us"]
+            k["speedup_vs_torch_gpu"] = r["us"] / k["us"]
+            if peak:
+                k["pct_of_peak"] = 100 * k["gb_per_s"] / peak
+            rows.append(k)
+    int8, int4 = get_codec("int8"), get_codec("int4")
+    n = blocks.shape[0]
+    src = int8.encode(blocks).data
+    dst = torch.empty((n, int4.bytes_per_block(SHAPE)), dtype=torch.uint8, device="cuda")
+    slots = torch.arange(n)
+    moved = src.numel() + dst.numel()
+    for backend in ("cuda", "torch"):
+        seconds = _gpu_time(
+            lambda: int8.transcode_into(src, slots, int4, dst, slots, SHAPE, backend=backend),
+            repeats,
+        )
+        rows.append(_row(f"int8->int4 transcode ({backend})", seconds, moved, codec="int8->int4",
+                         op="transcode", backend=backend))
+    return {"device": name, "peak_gb_per_s": peak, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvtier bench codecs", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print only the JSON")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per figure (CPU: best)")
+    ap.add_argument("--no-cpu", action="store_true", help="skip the CPU figures")
+    args = ap.parse_args(argv)
+    log = (lambda *_: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
+    log(f"kvtier bench codecs: {TOKENS} tokens of Llama-3-8B KV ({SHAPE}), torch {torch.__version__}")
+    result: dict[str, Any] = {
+        "shape": SHAPE.__dict__,
+        "tokens": TOKENS,
+        "fp16_bytes": TOKENS // SHAPE.block_size * SHAPE.fp16_bytes,
+        "cpu_threads": torch.get_num_threads(),
+    }
+    if not args.no_cpu:
+        result["cpu"] = run_cpu(args.repeats)
+        for r in result["cpu"]:
+            log(f"cpu  {r['name']:28s} {r['us'] / 1e3:9.2f} ms  {r['gb_per_s']:7.2f} GB/s")
+    if torch.cuda.is_available():
+        result["gpu"] = run_gpu(max(args.repeats, 20))
+        log(f"gpu: {result['gpu']['device']}")
+        for r in result["gpu"]["rows"]:
+            extra = ""
+            if "speedup_vs_torch_gpu" in r:
+                extra = f"  x{r['speedup_vs_torch_gpu']:.1f} vs torch on GPU"
+            if "pct_of_peak" in r:
+                extra += f"  {r['pct_of_peak']:.0f}% of HBM peak"
+            log(f"gpu  {r['name']:28s} {r['us']:9.1f} us  {r['gb_per_s']:8.1f} GB/s{extra}")
+    else:
+        result["gpu"] = None
+        log("gpu: none (torch.cuda.is_available() is False): GPU figures not measured")
+    print(json.dumps(result, indent=2))
+    return 0
