@@ -111,26 +111,22 @@ class QuantCodec(Codec):
 
     # -- the reference ------------------------------------------------------------------------
 
-    def _grouped(self, x: torch.Tensor, kv: int) -> torch.Tensor:
-        """``[n, L, H, B, D]`` -> groups along the last axis."""
+    def _grouped(self, x: torch.Tensor, kv: int) -> tuple[torch.Tensor, int]:
+        """``[n, L, H, B, D]`` -> a view whose axis ``dim`` runs along each group: the tokens
+        (axis -2, no transpose) for per-channel keys, else groups of the head dimension."""
         n, L, H, B, D = x.shape
         if kv == 0 and self.key_per_channel:
-            return x.transpose(-1, -2)  # [n, L, H, D, B]
+            return x, -2
         g = self.group_size or D
-        return x.reshape(n, L, H, B, D // g, g)
+        return x.reshape(n, L, H, B, D // g, g), -1
 
-    def _ungrouped(self, q: torch.Tensor, kv: int, dims: tuple[int, ...]) -> torch.Tensor:
-        if kv == 0 and self.key_per_channel:
-            return q.transpose(-1, -2)
-        return q.reshape(dims)
-
-    def _quantize(self, groups: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Codes (as floats), scales and zero points of groups along the last axis."""
+    def _quantize(self, groups: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, ...]:
+        """Codes (as floats), scales and zero points of groups along axis ``dim``."""
         torch = torch_module()
         if self.asymmetric:
             levels = float(2**self.bits - 1)
-            mn = groups.amin(-1, keepdim=True)
-            mx = groups.amax(-1, keepdim=True)
+            mn = groups.amin(dim, keepdim=True)
+            mx = groups.amax(dim, keepdim=True)
             s = _fp16_round((mx - mn) * float(np.float32(1.0 / levels)))
             z = _fp16_round(mn)
             q = (groups - z).div_(torch.where(s > 0, s, 1.0))
@@ -138,7 +134,7 @@ class QuantCodec(Codec):
         qmax = float(2 ** (self.bits - 1) - 1)
         # max|x| from the two extremes (no |x| temporary); abs() keeps a zero group's scale +0
         amax = torch.maximum(
-            groups.amax(-1, keepdim=True).abs(), groups.amin(-1, keepdim=True).abs()
+            groups.amax(dim, keepdim=True).abs(), groups.amin(dim, keepdim=True).abs()
         )
         s = _fp16_round(amax * float(np.float32(1.0 / qmax)))
         q = groups / torch.where(s > 0, s, 1.0)
@@ -161,11 +157,11 @@ class QuantCodec(Codec):
             return parts
         codes = torch.empty((n, L, 2, H, B, D * self.bits // 8), dtype=torch.uint8, device=x.device)
         for kv, name in ((0, "k"), (1, "v")):
-            q, s, z = self._quantize(self._grouped(x[:, :, kv], kv))
+            q, s, z = self._quantize(*self._grouped(x[:, :, kv], kv))
             parts[f"{name}_scale"] = s.reshape(n, L, H, -1)
             if z is not None:
                 parts[f"{name}_zero"] = z.reshape(n, L, H, -1)
-            codes[:, :, kv] = self._pack_codes(self._ungrouped(q, kv, (n, L, H, B, D)))
+            codes[:, :, kv] = self._pack_codes(q.reshape(n, L, H, B, D))
         parts["codes"] = codes
         return parts
 
@@ -189,14 +185,14 @@ class QuantCodec(Codec):
                     .view(n, L, 2, H, B, D // g, 1)
                 )
             return q
-        out = torch.empty_like(q)
         for kv, name in ((0, "k"), (1, "v")):
-            groups = self._grouped(q[:, :, kv], kv)
-            x = groups * parts[f"{name}_scale"].float().reshape(*groups.shape[:-1], 1)
+            groups, dim = self._grouped(q[:, :, kv], kv)  # views into q: decode in place
+            at = [*groups.shape]
+            at[dim] = 1
+            groups.mul_(parts[f"{name}_scale"].float().reshape(at))
             if self.asymmetric:
-                x += parts[f"{name}_zero"].float().reshape(*groups.shape[:-1], 1)
-            out[:, :, kv] = self._ungrouped(x, kv, (n, L, H, B, D))
-        return out
+                groups.add_(parts[f"{name}_zero"].float().reshape(at))
+        return q
 
     def _pack_codes(self, q: torch.Tensor) -> torch.Tensor:
         torch = torch_module()
