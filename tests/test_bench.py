@@ -20,3 +20,22 @@ def test_bench_core_quick_prints_figures_beside_baselines() -> None:
     assert result["plan"]["moves"] == result["plan"]["python_moves"], "same work on both sides"
     sim = result["simulate"]
     assert sim["kvtier_lru"]["block_hit_rate"] == sim["python_lru"]["block_hit_rate"]
+
+
+def test_bench_codecs_quick_prints_figures_beside_baselines() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier", "bench", "codecs", "--quick", "--json", "--no-quanto"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    result = json.loads(out)
+    rows = {r["name"]: r for r in result["cpu"]}
+    for name in ("int8 encode", "int8 decode", "int4 encode", "int4 decode"):
+        assert rows[name]["gb_per_s"] > 0
+        assert rows[name]["backend"] == "torch"
+    assert rows["plain torch int8 encode"]["us"] > 0, "the named baseline is measured in the run"
+    # bytes moved: the fp16 input plus exactly the packed rows the codec writes
+    fp16 = result["fp16_bytes"]
+    assert rows["int4 encode"]["bytes_moved"] == fp16 + fp16 * 11 // 32

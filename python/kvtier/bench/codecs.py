@@ -33,6 +33,7 @@ from ..codecs import BlockShape, Codec, get_codec
 
 SHAPE = BlockShape(layers=32, kv_heads=8, block_size=16, head_dim=128, dtype="fp16")
 TOKENS = 1024
+QUICK_TOKENS = 64
 CODECS = ("int8", "int4")
 #: HBM bandwidth by device name fragment, GB/s (vendor data sheets), for "% of peak".
 PEAK_GBPS = {"H100 SXM": 3350.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0}
@@ -73,9 +74,9 @@ def _row(name: str, seconds: float, moved: int, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _blocks(device: str) -> torch.Tensor:
+def _blocks(device: str, tokens: int) -> torch.Tensor:
     gen = torch.Generator(device="cpu").manual_seed(0)
-    n = TOKENS // SHAPE.block_size
+    n = tokens // SHAPE.block_size
     return torch.randn((n, *SHAPE.dims), generator=gen).to(torch.float16).to(device)
 
 
@@ -113,7 +114,8 @@ def bench_quanto(blocks: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
     optimizer = MaxOptimizer()
     # QuantizedCache hands quanto [batch, heads, tokens, head_dim] per layer: one tensor each
     # for K and V of every layer.
-    kv = blocks.permute(1, 2, 3, 0, 4, 5).reshape(SHAPE.layers, 2, 1, SHAPE.kv_heads, TOKENS, -1)
+    tokens = blocks.shape[0] * SHAPE.block_size
+    kv = blocks.permute(1, 2, 3, 0, 4, 5).reshape(SHAPE.layers, 2, 1, SHAPE.kv_heads, tokens, -1)
     tensors = [kv[layer, i].contiguous() for layer in range(SHAPE.layers) for i in range(2)]
 
     def quantize() -> list[Any]:
@@ -136,8 +138,8 @@ def bench_quanto(blocks: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
     ]
 
 
-def run_cpu(repeats: int) -> list[dict[str, Any]]:
-    blocks = _blocks("cpu")
+def run_cpu(repeats: int, tokens: int, *, quanto: bool = True) -> list[dict[str, Any]]:
+    blocks = _blocks("cpu", tokens)
     rows = []
     for name in CODECS:
         rows += bench_codec(get_codec(name), blocks, "torch", _cpu_time, repeats)
@@ -146,14 +148,14 @@ def run_cpu(repeats: int) -> list[dict[str, Any]]:
     rows.append(_row("plain torch int8 encode", seconds, moved, codec="plain-int8", op="encode",
                      backend="torch"))
     try:
-        rows += bench_quanto(blocks, repeats)
+        rows += bench_quanto(blocks, repeats) if quanto else []
     except Exception as exc:  # a peer that fails to build is reported, not fatal
         print(f"quanto peer skipped: {exc}", file=sys.stderr)
     return rows
 
 
-def run_gpu(repeats: int) -> dict[str, Any]:
-    blocks = _blocks("cuda")
+def run_gpu(repeats: int, tokens: int) -> dict[str, Any]:
+    blocks = _blocks("cuda", tokens)
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_GBPS.items() if k in name), None)
     rows = []
@@ -188,21 +190,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print only the JSON")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per figure (CPU: best)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU figures")
+    ap.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_TOKENS} tokens, one run (a smoke run)"
+    )
+    ap.add_argument("--no-quanto", action="store_true", help="skip the optimum-quanto peer")
     args = ap.parse_args(argv)
+    tokens = QUICK_TOKENS if args.quick else TOKENS
+    repeats = 1 if args.quick else args.repeats
     log = (lambda *_: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
-    log(f"kvtier bench codecs: {TOKENS} tokens of Llama-3-8B KV ({SHAPE}), torch {torch.__version__}")
+    log(f"kvtier bench codecs: {tokens} tokens of Llama-3-8B KV ({SHAPE}), torch {torch.__version__}")
     result: dict[str, Any] = {
         "shape": SHAPE.__dict__,
-        "tokens": TOKENS,
-        "fp16_bytes": TOKENS // SHAPE.block_size * SHAPE.fp16_bytes,
+        "tokens": tokens,
+        "fp16_bytes": tokens // SHAPE.block_size * SHAPE.fp16_bytes,
         "cpu_threads": torch.get_num_threads(),
     }
     if not args.no_cpu:
-        result["cpu"] = run_cpu(args.repeats)
+        result["cpu"] = run_cpu(repeats, tokens, quanto=not args.no_quanto)
         for r in result["cpu"]:
             log(f"cpu  {r['name']:28s} {r['us'] / 1e3:9.2f} ms  {r['gb_per_s']:7.2f} GB/s")
     if torch.cuda.is_available():
-        result["gpu"] = run_gpu(max(args.repeats, 20))
+        result["gpu"] = run_gpu(repeats if args.quick else max(repeats, 20), tokens)
         log(f"gpu: {result['gpu']['device']}")
         for r in result["gpu"]["rows"]:
             extra = ""

@@ -56,7 +56,8 @@ class RealKV:
         w, layers, heads, tokens, dim = self.keys.shape
         kv = torch.stack((self.keys, self.values), dim=2)  # [w, L, 2, H, T, D]
         kv = kv.reshape(w, layers, 2, heads, tokens // self.block_size, self.block_size, dim)
-        return kv.permute(0, 4, 1, 2, 3, 5, 6).reshape(-1, layers, 2, heads, self.block_size, dim)
+        blocks = kv.permute(0, 4, 1, 2, 3, 5, 6)
+        return blocks.reshape(-1, layers, 2, heads, self.block_size, dim).contiguous()
 
     def unblock(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The inverse of :meth:`blocks`: ``(keys, values)`` like :attr:`keys`."""
