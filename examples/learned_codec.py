@@ -35,7 +35,9 @@ def split(kv: quality.RealKV, train: int) -> tuple[quality.RealKV, quality.RealK
     return part(slice(0, train)), part(slice(train, None))
 
 
-def attention_loss(codec: LearnedCodec, kv: quality.RealKV, reference: torch.Tensor) -> torch.Tensor:
+def attention_loss(
+    codec: LearnedCodec, kv: quality.RealKV, reference: torch.Tensor
+) -> torch.Tensor:
     """Relative attention-output error with gradients through the (fp32) projection."""
     latent = codec.compressor(kv.blocks())
     keys, values = kv.unblock(codec.decompressor(latent))

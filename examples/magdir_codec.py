@@ -84,5 +84,7 @@ if __name__ == "__main__":
         codec = MagDirCodec(bits)
         back = codec.decode(codec.encode(blocks))
         cos = torch.nn.functional.cosine_similarity(back.float(), blocks.float(), dim=-1)
-        print(f"{codec.name}: {codec.bytes_per_block(BlockShape.of(blocks))} bytes/block, "
-              f"mean cosine {float(cos.mean()):.5f}")
+        print(
+            f"{codec.name}: {codec.bytes_per_block(BlockShape.of(blocks))} bytes/block, "
+            f"mean cosine {float(cos.mean()):.5f}"
+        )

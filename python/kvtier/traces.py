@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO, Any, Literal
 
 import numpy as np
 
@@ -464,7 +464,7 @@ def synthesize_hashes(
     prompts: list[list[int]] = [[] for _ in range(max(num_system_prompts, 0))]
     next_id = 0
     # Each session is [ids of its last request, that request's input length].
-    sessions: deque[list] = deque()
+    sessions: deque[list[Any]] = deque()
     offsets = np.zeros(n + 1, dtype=np.int64)
     out: list[int] = []
 
@@ -472,7 +472,7 @@ def synthesize_hashes(
         n_blocks = -(-L // B)
         full = L // B
         shared: list[int] = []
-        session: list | None = None
+        session: list[Any] | None = None
         j = int(pick[i] * len(sessions))
         if offer_followup[i] and sessions and sessions[j][1] < L:
             session = sessions[j]

@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 
-from ..codecs import BlockShape, Codec, get_codec
+from ..codecs import Backend, BlockShape, Codec, get_codec
 
 SHAPE = BlockShape(layers=32, kv_heads=8, block_size=16, head_dim=128, dtype="fp16")
 TOKENS = 1024
 QUICK_TOKENS = 64
+Timer = Callable[[Callable[[], Any], int], float]
 CODECS = ("int8", "int4")
 #: HBM bandwidth by device name fragment, GB/s (vendor data sheets), for "% of peak".
 PEAK_GBPS = {"H100 SXM": 3350.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0}
@@ -80,7 +81,9 @@ def _blocks(device: str, tokens: int) -> torch.Tensor:
     return torch.randn((n, *SHAPE.dims), generator=gen).to(torch.float16).to(device)
 
 
-def bench_codec(codec: Codec, blocks: torch.Tensor, backend: str, timer: Callable, repeats: int):
+def bench_codec(
+    codec: Codec, blocks: torch.Tensor, backend: Backend, timer: Timer, repeats: int
+) -> list[dict[str, Any]]:
     n = blocks.shape[0]
     packed_bytes = n * codec.bytes_per_block(SHAPE)
     fp16_bytes = blocks.numel() * 2
@@ -133,8 +136,12 @@ def bench_quanto(blocks: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
     )
     moved = blocks.numel() * 2 + packed
     return [
-        _row("quanto int4 encode", enc, moved, codec="quanto-int4-g64", op="encode", backend="quanto"),
-        _row("quanto int4 decode", dec, moved, codec="quanto-int4-g64", op="decode", backend="quanto"),
+        _row(
+            "quanto int4 encode", enc, moved, codec="quanto-int4-g64", op="encode", backend="quanto"
+        ),
+        _row(
+            "quanto int4 decode", dec, moved, codec="quanto-int4-g64", op="decode", backend="quanto"
+        ),
     ]
 
 
@@ -145,8 +152,16 @@ def run_cpu(repeats: int, tokens: int, *, quanto: bool = True) -> list[dict[str,
         rows += bench_codec(get_codec(name), blocks, "torch", _cpu_time, repeats)
     seconds = _cpu_time(lambda: plain_torch_int8(blocks), repeats)
     moved = blocks.numel() * 3 + blocks.numel() // SHAPE.head_dim * 2
-    rows.append(_row("plain torch int8 encode", seconds, moved, codec="plain-int8", op="encode",
-                     backend="torch"))
+    rows.append(
+        _row(
+            "plain torch int8 encode",
+            seconds,
+            moved,
+            codec="plain-int8",
+            op="encode",
+            backend="torch",
+        )
+    )
     try:
         rows += bench_quanto(blocks, repeats) if quanto else []
     except Exception as exc:  # a peer that fails to build is reported, not fatal
@@ -163,7 +178,7 @@ def run_gpu(repeats: int, tokens: int) -> dict[str, Any]:
         codec = get_codec(codec_name)
         kernel = bench_codec(codec, blocks, "cuda", _gpu_time, repeats)
         reference = bench_codec(codec, blocks, "torch", _gpu_time, repeats)
-        for k, r in zip(kernel, reference):
+        for k, r in zip(kernel, reference, strict=False):
             k["torch_gpu_us"] = r["us"]
             k["speedup_vs_torch_gpu"] = r["us"] / k["us"]
             if peak:
@@ -175,13 +190,23 @@ def run_gpu(repeats: int, tokens: int) -> dict[str, Any]:
     dst = torch.empty((n, int4.bytes_per_block(SHAPE)), dtype=torch.uint8, device="cuda")
     slots = torch.arange(n)
     moved = src.numel() + dst.numel()
-    for backend in ("cuda", "torch"):
-        seconds = _gpu_time(
-            lambda: int8.transcode_into(src, slots, int4, dst, slots, SHAPE, backend=backend),
-            repeats,
+    backends: tuple[Backend, ...] = ("cuda", "torch")
+    for backend in backends:
+
+        def move(b: Backend = backend) -> None:
+            int8.transcode_into(src, slots, int4, dst, slots, SHAPE, backend=b)
+
+        seconds = _gpu_time(move, repeats)
+        rows.append(
+            _row(
+                f"int8->int4 transcode ({backend})",
+                seconds,
+                moved,
+                codec="int8->int4",
+                op="transcode",
+                backend=backend,
+            )
         )
-        rows.append(_row(f"int8->int4 transcode ({backend})", seconds, moved, codec="int8->int4",
-                         op="transcode", backend=backend))
     return {"device": name, "peak_gb_per_s": peak, "rows": rows}
 
 
@@ -198,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens = QUICK_TOKENS if args.quick else TOKENS
     repeats = 1 if args.quick else args.repeats
     log = (lambda *_: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
-    log(f"kvtier bench codecs: {tokens} tokens of Llama-3-8B KV ({SHAPE}), torch {torch.__version__}")
+    log(
+        f"kvtier bench codecs: {tokens} tokens of Llama-3-8B KV ({SHAPE}), torch {torch.__version__}"
+    )
     result: dict[str, Any] = {
         "shape": SHAPE.__dict__,
         "tokens": tokens,

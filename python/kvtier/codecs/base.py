@@ -177,7 +177,7 @@ class Codec(ABC):
     def _decode(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
         """Reference decoder: sections -> ``[n, *shape.dims]``, fp32 or the storage dtype."""
 
-    def check_shape(self, shape: BlockShape) -> None:
+    def check_shape(self, shape: BlockShape) -> None:  # noqa: B027 - optional hook
         """Raise :class:`InvalidArgumentError` if this codec cannot pack blocks of ``shape``."""
 
     def __repr__(self) -> str:
@@ -405,12 +405,13 @@ def as_tensor(value: Any, what: str) -> torch.Tensor:
 def check_pool(pool: torch.Tensor, what: str, row_bytes: int | None) -> None:
     """A float pool (``row_bytes`` None; shape checked by BlockShape.of) or a packed pool."""
     torch = torch_module()
-    if row_bytes is not None:
-        if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != row_bytes:
-            raise InvalidArgumentError(
-                f"{what}: expected a packed pool uint8 [slots, {row_bytes}], "
-                f"got {pool.dtype} {list(pool.shape)}"
-            )
+    if row_bytes is not None and (
+        pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != row_bytes
+    ):
+        raise InvalidArgumentError(
+            f"{what}: expected a packed pool uint8 [slots, {row_bytes}], "
+            f"got {pool.dtype} {list(pool.shape)}"
+        )
     if not pool.is_contiguous():
         raise InvalidArgumentError(
             f"{what}: expected a contiguous tensor (strides {pool.stride()}); call .contiguous()"

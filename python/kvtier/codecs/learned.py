@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -70,7 +69,8 @@ def fit_pca(blocks: torch.Tensor, rank: int) -> tuple[nn.Module, nn.Module]:
         raise InvalidArgumentError(f"rank: expected 1..{blocks.shape[-1]}, got {rank}")
     x = blocks.float()
     layers, head_dim = x.shape[1], x.shape[-1]
-    comp, decomp = linear_pair(layers, head_dim, rank)
+    comp = LinearCompressor(layers, head_dim, rank)
+    decomp = LinearDecompressor(layers, head_dim, rank)
     with torch.no_grad():
         for layer in range(layers):
             for kv in range(2):
@@ -202,7 +202,7 @@ class LearnedCodec(Codec):
         st = require("safetensors", "torch", purpose="loading a learned codec")
         with st.safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in f}
         if meta.get("kvtier.codec") != "learned":
             raise InvalidArgumentError(f"{path}: not a kvtier learned codec file")
         if compressor is None or decompressor is None:

