@@ -1,21 +1,26 @@
-"""The core benchmark runs end to end and compares like with like."""
+"""The benchmarks run end to end and compare like with like."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from typing import Any
 
 
-def test_bench_core_quick_prints_figures_beside_baselines() -> None:
+def _bench(*args: str) -> Any:
     out = subprocess.run(
-        [sys.executable, "-m", "kvtier", "bench", "core", "--quick", "--json", "--no-lmcache"],
+        [sys.executable, "-m", "kvtier", "bench", *args, "--json"],
         capture_output=True,
         text=True,
         check=True,
         timeout=300,
     ).stdout
-    result = json.loads(out)
+    return json.loads(out)
+
+
+def test_bench_core_quick_prints_figures_beside_baselines() -> None:
+    result = _bench("core", "--quick", "--no-lmcache")
     assert result["stats"]["rust_updates_per_s"] > 0 and result["stats"]["python_updates_per_s"] > 0
     assert result["plan"]["moves"] == result["plan"]["python_moves"], "same work on both sides"
     sim = result["simulate"]
@@ -23,14 +28,7 @@ def test_bench_core_quick_prints_figures_beside_baselines() -> None:
 
 
 def test_bench_codecs_quick_prints_figures_beside_baselines() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "kvtier", "bench", "codecs", "--quick", "--json", "--no-quanto"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    ).stdout
-    result = json.loads(out)
+    result = _bench("codecs", "--quick", "--no-quanto")
     rows = {r["name"]: r for r in result["cpu"]}
     for name in ("int8 encode", "int8 decode", "int4 encode", "int4 decode"):
         assert rows[name]["gb_per_s"] > 0

@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from ..codecs import Backend, BlockShape, Codec, get_codec
+from .core import best_of
 
 SHAPE = BlockShape(layers=32, kv_heads=8, block_size=16, head_dim=128, dtype="fp16")
 TOKENS = 1024
@@ -42,12 +42,7 @@ PEAK_GBPS = {"H100 SXM": 3350.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, 
 
 def _cpu_time(fn: Callable[[], Any], repeats: int) -> float:
     fn()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_of(repeats, fn)
 
 
 def _gpu_time(fn: Callable[[], Any], repeats: int) -> float:

@@ -32,7 +32,7 @@ from ..traces import Trace, bundled_trace_path, load_trace
 MOONCAKE = "traces/mooncake_conversation.jsonl"
 
 
-def _best_of(repeats: int, fn: Callable[[], Any]) -> float:
+def best_of(repeats: int, fn: Callable[[], Any]) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -76,10 +76,10 @@ def _populated_model(n_blocks: int, n_seqs: int) -> pymodel.ModelCore:
 def bench_stats(n_blocks: int, n_updates: int, py_updates: int) -> dict[str, Any]:
     core = _populated_core(n_blocks, max(1, n_blocks // 1000))
     ids = np.random.default_rng(1).integers(0, n_blocks, n_updates, dtype=np.uint32)
-    rust_s = _best_of(3, lambda: core.record_reads(ids))
+    rust_s = best_of(3, lambda: core.record_reads(ids))
     model = _populated_model(n_blocks, max(1, n_blocks // 1000))
     py_ids = ids[:py_updates].tolist()
-    py_s = _best_of(1, lambda: model.record_reads(py_ids))
+    py_s = best_of(1, lambda: model.record_reads(py_ids))
     rust_rate = n_updates / rust_s
     py_rate = py_updates / py_s
     return {
@@ -104,10 +104,10 @@ def bench_plan(n_blocks: int, n_seqs: int, python: bool) -> dict[str, Any]:
         plan = core.plan()
         core.abort(plan.id)
 
-    rust_s = _best_of(3, plan_and_abort) - abort_s
+    rust_s = best_of(3, plan_and_abort) - abort_s
     plan = core.plan()
     core.commit(plan.id)
-    steady_s = _best_of(3, plan_and_abort)
+    steady_s = best_of(3, plan_and_abort)
     out: dict[str, Any] = {
         "blocks": n_blocks,
         "sequences": n_seqs,

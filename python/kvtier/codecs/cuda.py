@@ -115,6 +115,12 @@ def _device_layout(codec: QuantCodec, shape: BlockShape, device: torch.device) -
     return _as_cupy(torch.from_numpy(layout(codec, shape)).to(device))
 
 
+def _pools(
+    src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor
+) -> tuple[Any, ...]:
+    return _as_cupy(src), _as_cupy(src_slots), _as_cupy(dst), _as_cupy(dst_slots)
+
+
 def quantize_into(
     codec: Any,
     src: torch.Tensor,
@@ -126,17 +132,14 @@ def quantize_into(
     """Float pool rows -> packed pool rows: one CUDA block per (slot, layer, K/V, head)."""
     q = _quant(codec)
     n = int(src_slots.numel())
-    args = (
-        _as_cupy(src),
-        _as_cupy(src_slots),
-        _as_cupy(dst),
-        _as_cupy(dst_slots),
-        _device_layout(q, shape, src.device),
-        *_dims(shape),
-    )
+    args = (*_pools(src, src_slots, dst, dst_slots), _device_layout(q, shape, src.device))
     grid = n * shape.layers * 2 * shape.kv_heads
     _launch(
-        f"kvtier_quantize_{_SUFFIX[shape.dtype]}", src.device, grid, args, shared_bytes(q, shape)
+        f"kvtier_quantize_{_SUFFIX[shape.dtype]}",
+        src.device,
+        grid,
+        (*args, *_dims(shape)),
+        shared_bytes(q, shape),
     )
 
 
@@ -154,15 +157,11 @@ def dequantize_into(
     code_bytes = n * shape.elements * q.bits // 8
     grid = min(-(-code_bytes // THREADS), 65535 * 32)
     args = (
-        _as_cupy(src),
-        _as_cupy(src_slots),
-        _as_cupy(dst),
-        _as_cupy(dst_slots),
+        *_pools(src, src_slots, dst, dst_slots),
         _device_layout(q, shape, src.device),
         np.int64(n),
-        *_dims(shape),
     )
-    _launch(f"kvtier_dequantize_{_SUFFIX[shape.dtype]}", src.device, grid, args)
+    _launch(f"kvtier_dequantize_{_SUFFIX[shape.dtype]}", src.device, grid, (*args, *_dims(shape)))
 
 
 def transcode_into(

@@ -202,7 +202,7 @@ class LearnedCodec(Codec):
         st = require("safetensors", "torch", purpose="loading a learned codec")
         with st.safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
         if meta.get("kvtier.codec") != "learned":
             raise InvalidArgumentError(f"{path}: not a kvtier learned codec file")
         if compressor is None or decompressor is None:
