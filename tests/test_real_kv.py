@@ -17,7 +17,7 @@ pytest.importorskip("gguf")
 
 from kvtier import cli  # noqa: E402
 from kvtier.codecs import LearnedCodec, fit_pca, get_codec  # noqa: E402
-from kvtier.errors import MissingDependencyError  # noqa: E402
+from kvtier.errors import KvtierError, MissingDependencyError  # noqa: E402
 from kvtier.eval import codecs as quality  # noqa: E402
 from kvtier.eval import model as real  # noqa: E402
 
@@ -31,6 +31,8 @@ def loaded() -> tuple[Any, Any]:
         real.wikitext_path()
     except MissingDependencyError as exc:
         pytest.skip(f"SmolLM2 not installed: {exc}")
+    except KvtierError as exc:
+        pytest.skip(f"WikiText-2 not found: {exc}")
     return real.load_smollm2()
 
 
