@@ -110,9 +110,17 @@ def _dims(shape: BlockShape) -> tuple[np.int32, ...]:
     )
 
 
+# A layout depends only on (format, shape); keep its device copy instead of uploading 80 bytes
+# from pageable memory (a synchronous copy) before every launch.
+_layouts: dict[tuple[str, BlockShape, str], Any] = {}
+
+
 def _device_layout(codec: QuantCodec, shape: BlockShape, device: torch.device) -> Any:
-    torch = torch_module()
-    return _as_cupy(torch.from_numpy(layout(codec, shape)).to(device))
+    key = (codec.format, shape, str(device))
+    if key not in _layouts:
+        torch = torch_module()
+        _layouts[key] = _as_cupy(torch.from_numpy(layout(codec, shape)).to(device))
+    return _layouts[key]
 
 
 def _pools(
