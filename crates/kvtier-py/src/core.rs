@@ -115,7 +115,7 @@ impl PyCore {
         recent_window = 128, sink_blocks = 1, weights = (0.4, 0.4, 0.2), headroom = 0.1,
         hysteresis = 0.1, max_move_bytes = None, decay = 0.9, attention_ema = 0.5,
         scissorhands_window = 8, write_through = false, evict_on_full = false,
-        namespace = "default", pool_slots = vec![]
+        namespace = "default", pool_slots = vec![], pool_headroom = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -139,6 +139,7 @@ impl PyCore {
         evict_on_full: bool,
         namespace: &str,
         pool_slots: Vec<(String, i64, i64)>,
+        pool_headroom: bool,
     ) -> PyResult<Self> {
         let pool_slots = pool_slots
             .into_iter()
@@ -177,6 +178,7 @@ impl PyCore {
             evict_on_full,
             namespace: kvtier::namespace_seed(namespace),
             pool_slots,
+            pool_headroom,
         };
         Ok(PyCore {
             inner: Mutex::new(Core::new(cfg).py_err()?),
@@ -243,6 +245,16 @@ impl PyCore {
         let hashes = array::<u64>(hashes, "hashes", "uint64")?;
         let h = hashes.as_slice()?;
         let out = self.with(py, |c| c.append_blocks(seq, h)).py_err()?;
+        Ok((
+            PyArray1::from_vec(py, out.blocks),
+            PyArray1::from_vec(py, out.shared),
+        ))
+    }
+
+    /// Appends `n` tokens without ids (their K/V only); the sequence stops being hashed.
+    /// Returns `(block_ids, shared)` for the blocks added (none shared).
+    fn extend<'py>(&self, py: Python<'py>, seq: u32, n: u64) -> PyResult<AppendedArrays<'py>> {
+        let out = self.with(py, |c| c.extend(seq, n)).py_err()?;
         Ok((
             PyArray1::from_vec(py, out.blocks),
             PyArray1::from_vec(py, out.shared),

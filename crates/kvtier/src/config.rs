@@ -136,6 +136,10 @@ pub struct Config {
     pub namespace: u64,
     /// Explicit slot capacities `(tier, level, slots)`; other pools are sized from the budget.
     pub pool_slots: Vec<(Tier, u8, u32)>,
+    /// Keep `headroom` free in each explicitly sized pool too, not only in each tier's bytes.
+    /// An engine whose pools are fixed partitions of its memory (the Python `BlockManager`)
+    /// needs this: a full level cannot borrow the bytes another level leaves free.
+    pub pool_headroom: bool,
 }
 
 impl Default for Config {
@@ -164,6 +168,7 @@ impl Default for Config {
             evict_on_full: false,
             namespace: 0,
             pool_slots: Vec::new(),
+            pool_headroom: false,
         }
     }
 }

@@ -70,6 +70,9 @@ pub(crate) struct Sequence {
     chain: u64,
     /// Token ids of the trailing partial block, hashed when it fills.
     partial: Vec<u32>,
+    /// Tokens were appended without ids (`extend`): the hash chain is broken, so no later block
+    /// of this sequence is hashed or shared.
+    opaque: bool,
 }
 
 /// Event counters since the core was created.
@@ -734,6 +737,9 @@ impl Core {
     pub fn append_tokens(&mut self, seq: u32, tokens: &[u32]) -> Result<Appended> {
         let bs = self.cfg.block_size as usize;
         let s = self.seq(seq)?;
+        if s.opaque {
+            return self.extend(seq, tokens.len() as u64);
+        }
         let fill = (s.tokens % bs as u64) as usize;
         // Plan the blocks first (pure), then reference, make room, and write.
         let head = if fill > 0 {
@@ -810,6 +816,38 @@ impl Core {
             out.shared.push(shared.is_some());
         }
         s.tokens += tokens.len() as u64;
+        self.seqs.insert(seq, s);
+        Ok(out)
+    }
+
+    /// Appends `n` tokens whose ids the engine does not give (it only has their K/V). Their
+    /// blocks are never hashed, and the sequence becomes opaque: with a gap in its token ids, no
+    /// later block of it can be named by a prefix hash, so none is indexed or shared.
+    pub fn extend(&mut self, seq: u32, n: u64) -> Result<Appended> {
+        let bs = u64::from(self.cfg.block_size);
+        let s = self.seq(seq)?;
+        let fill = s.tokens % bs;
+        let head = if fill > 0 { (bs - fill).min(n) } else { 0 };
+        self.ensure_device_room((n - head).div_ceil(bs))?;
+        let mut s = self.seqs.remove(&seq).expect("checked above");
+        s.opaque = true;
+        s.partial.clear();
+        if head > 0 {
+            let last = *s.blocks.last().expect("a partial block exists");
+            self.blocks.rows[last as usize].fill += head as u32;
+        }
+        let mut out = Appended::default();
+        let mut rest = n - head;
+        while rest > 0 {
+            let len = rest.min(bs);
+            let b = self.new_device_block(s.blocks.len() as u32);
+            self.blocks.rows[b as usize].fill = len as u32;
+            s.blocks.push(b);
+            out.blocks.push(b);
+            out.shared.push(false);
+            rest -= len;
+        }
+        s.tokens += n;
         self.seqs.insert(seq, s);
         Ok(out)
     }

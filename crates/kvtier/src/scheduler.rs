@@ -121,6 +121,11 @@ impl Core {
         let mut unmet = 0;
         for t in 0..self.cfg.tiers.len() {
             unmet += self.relieve_pressure(&mut pass, t, &wishes);
+            if self.cfg.pool_headroom {
+                for level in 0..self.cfg.num_levels() {
+                    self.relieve_pool(&mut pass, t, level as u8, &wishes);
+                }
+            }
         }
         let plan = Plan {
             id: self.next_plan,
@@ -522,6 +527,83 @@ impl Core {
                 } else {
                     self.push_move(pass, b, MoveKind::Evict, loc, None);
                 }
+            }
+        }
+    }
+
+    /// Pass 4 (with `pool_headroom`), for one explicitly sized pool filled past `1 - headroom`
+    /// of its slots: its lowest-ranked movable blocks are demoted when the next level's pool has
+    /// a free slot, else offloaded when the next tier has room; cached blocks of a completely
+    /// full pool are evicted. Protected blocks stay.
+    fn relieve_pool(&mut self, pass: &mut Pass, t: usize, level: u8, wishes: &[Wish]) {
+        let levels = self.cfg.num_levels();
+        let p = t * levels + usize::from(level);
+        let tier = self.cfg.tiers[t].tier;
+        let explicit = self
+            .cfg
+            .pool_slots
+            .iter()
+            .any(|e| e.0 == tier && e.1 == level);
+        let cap = self.pools[p].capacity();
+        if !explicit || cap == 0 {
+            return;
+        }
+        let keep_free = ((f64::from(cap) * f64::from(self.cfg.headroom)).ceil() as u32).min(cap);
+        let soft = cap - keep_free;
+        // Slots this plan already empties at commit (every move but a backup frees the block's
+        // current slot).
+        let leaving = pass
+            .moves
+            .iter()
+            .filter(|m| m.kind != MoveKind::Backup)
+            .map(|m| self.blocks.rows[m.block as usize].loc)
+            .filter(|cur| cur.tier == tier && cur.level == level && cur.slot != NO_SLOT)
+            .count() as u32;
+        let mut used = self.pools[p].used().saturating_sub(leaving);
+        if used <= soft {
+            return;
+        }
+        let mut live: Vec<(Key, u32)> = wishes
+            .iter()
+            .filter(|w| {
+                let loc = self.blocks.rows[w.block as usize].loc;
+                !w.protected && self.movable(w.block) && loc.tier == tier && loc.level == level
+            })
+            .map(|w| (self.key(w.block as usize), w.block))
+            .collect();
+        live.sort_unstable_by(|a, b| b.cmp(a)); // pop() takes the lowest
+        let demotable = self.cfg.enable_compression && level < self.cfg.last_kept_level();
+        let next = self.cfg.tiers.get(t + 1).map(|c| c.tier);
+        while used > soft {
+            let cached = self.lowest_evictable(&[p]);
+            let (b, is_live) = match (cached, live.last().copied()) {
+                (Some(c), Some(l)) if l < c => (l.1, true),
+                (Some(c), _) => (c.1, false),
+                (None, Some(l)) => (l.1, true),
+                (None, None) => return,
+            };
+            if is_live {
+                live.pop();
+            }
+            let loc = self.blocks.rows[b as usize].loc;
+            let room = |c: &Core, tier: Tier, level: u8| {
+                c.pools[c.pool_index(tier, level)].free_count() > 0
+            };
+            let acted = if demotable && room(self, tier, level + 1) {
+                self.demote_to(pass, b, level + 1)
+            } else if let Some(n) = next.filter(|&n| {
+                room(self, n, level) && self.fits(pass, self.tier_pos(n), self.level_bytes(level))
+            }) {
+                self.push_move(pass, b, MoveKind::Offload, loc, Some((n, level)))
+            } else if !is_live && used >= cap {
+                self.push_move(pass, b, MoveKind::Evict, loc, None)
+            } else {
+                false
+            };
+            if acted {
+                used -= 1;
+            } else if !is_live {
+                return; // the lowest cached block cannot move: nothing below it can either
             }
         }
     }

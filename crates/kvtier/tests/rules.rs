@@ -408,3 +408,83 @@ fn above_the_budget_live_blocks_are_dropped_when_the_ladder_has_a_drop_level() {
     assert_eq!(second.unmet_bytes, 0);
     assert!(c.tier_bytes()[0] <= 10);
 }
+
+#[test]
+fn tokens_without_ids_are_never_hashed_nor_shared() {
+    let mut c = core(cfg());
+    let a = c.add_sequence();
+    let tokens: Vec<u32> = (0..8).collect();
+    c.append_tokens(a, &tokens).unwrap(); // two hashed blocks
+    let added = c.extend(a, 6).unwrap(); // one full anonymous block and a partial one
+    assert_eq!(added.blocks.len(), 2);
+    assert_eq!(c.sequence_tokens(a).unwrap(), 14);
+    // Ids given after the gap are not hashed either: the sequence is opaque now.
+    c.append_tokens(a, &[1, 2]).unwrap();
+    assert_eq!(c.sequence_tokens(a).unwrap(), 16);
+    // A second sequence with the same ids shares the hashed prefix only.
+    let b = c.add_sequence();
+    let shared = c
+        .append_tokens(b, &(0..16).collect::<Vec<u32>>())
+        .unwrap()
+        .shared;
+    assert_eq!(shared, vec![true, true, false, false]);
+    assert!(matches!(
+        c.extend(99, 1),
+        Err(Error::UnknownSequence { seq: 99 })
+    ));
+}
+
+#[test]
+fn pool_headroom_demotes_then_offloads_out_of_a_full_explicit_pool() {
+    let mut cfg = cfg();
+    cfg.pressure_only = true; // no rank split: only the pool pass moves blocks
+    cfg.headroom = 0.25;
+    cfg.policy = kvtier::PolicyKind::Lru;
+    cfg.tiers = vec![
+        TierConfig {
+            tier: Tier::Device,
+            budget_bytes: None,
+        },
+        TierConfig {
+            tier: Tier::Host,
+            budget_bytes: None,
+        },
+    ];
+    cfg.pool_slots = vec![
+        (Tier::Device, 0, 8),
+        (Tier::Device, 1, 2),
+        (Tier::Device, 2, 1),
+    ];
+    cfg.pool_headroom = true;
+    let mut c = core(cfg.clone());
+    let (s, blocks) = seq_with(&mut c, 100, 8); // level 0 full: 8 of 8 slots, soft limit 6
+    c.free_sequence(s).unwrap(); // all cached now
+    let plan = commit(&mut c);
+    let kinds: Vec<MoveKind> = plan.moves.iter().map(|m| m.kind).collect();
+    // The two least recently used go down a level (level 1 has 2 free slots of 2).
+    assert_eq!(kinds, vec![MoveKind::Demote, MoveKind::Demote]);
+    assert_eq!(plan.moves[0].block, blocks[0]);
+    let used = |c: &Core, tier: Tier, level: u8| {
+        c.usage()
+            .into_iter()
+            .find(|u| u.tier == tier && u.level == level)
+            .unwrap()
+            .used_slots
+    };
+    assert_eq!(used(&c, Tier::Device, 0), 6);
+    // Level 1 is now over its own limit (2 of 2, soft 1): its lowest block goes to level 2, and
+    // when level 2 is full too, blocks are offloaded to the host.
+    let kinds = |p: kvtier::Plan| p.moves.iter().map(|m| m.kind).collect::<Vec<_>>();
+    assert_eq!(kinds(commit(&mut c)), vec![MoveKind::Demote]);
+    // Level 2 keeps ceil(25 % of 1) = 1 slot free, and is the last level: off to the host.
+    assert_eq!(kinds(commit(&mut c)), vec![MoveKind::Offload]);
+    assert_eq!(used(&c, Tier::Device, 1), 1);
+    assert_eq!(used(&c, Tier::Device, 2), 0);
+    assert_eq!(used(&c, Tier::Host, 2), 1);
+    // Without the flag the same state plans nothing: pools sized from budgets never trigger it.
+    cfg.pool_headroom = false;
+    let mut c = core(cfg);
+    let (s, _) = seq_with(&mut c, 100, 8);
+    c.free_sequence(s).unwrap();
+    assert!(commit(&mut c).moves.is_empty());
+}
