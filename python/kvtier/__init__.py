@@ -11,6 +11,7 @@ from importlib import metadata as _metadata
 
 from ._core import Core, Plan, prefix_hashes
 from .config import KvtierConfig, parse_bytes
+from .manager import BlockManager, ManagerStats
 from .errors import (
     BlockBusyError,
     ConfigError,
@@ -30,6 +31,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that was ne
 
 __all__ = [
     "BlockBusyError",
+    "BlockManager",
     "ConfigError",
     "Core",
     "InvalidArgumentError",
@@ -37,6 +39,7 @@ __all__ = [
     "InvalidSequenceError",
     "KvtierConfig",
     "KvtierError",
+    "ManagerStats",
     "MissingDependencyError",
     "OutOfCapacityError",
     "Plan",

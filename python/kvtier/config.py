@@ -143,6 +143,15 @@ def _parse_weights(text: str) -> tuple[float, ...]:
         ) from None
 
 
+def _parse_shares(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"expected comma-separated fractions, one per level, got {text!r}"
+        ) from None
+
+
 def _parse_size(text: str) -> int:
     return parse_bytes(text)
 
@@ -167,6 +176,7 @@ def _var(field_name: str, kind: str, help: str, alias: str | None = None) -> Env
         "size": _parse_size,
         "list": _parse_list,
         "weights": _parse_weights,
+        "shares": _parse_shares,
         "str": str.strip,
     }
     return EnvVar(f"KVTIER_{field_name.upper()}", field_name, alias, kind, help, parsers[kind])
@@ -205,7 +215,19 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "size",
         "device tier budget in bytes (`8GiB`, `512MB`, `1e9`); unset = no limit",
     ),
+    _var(
+        "device_blocks",
+        "int",
+        "device tier budget in blocks at level 0 (instead of bytes); unset = `device_budget`",
+    ),
     _var("host_budget", "size", "host (pinned DRAM) tier budget in bytes; unset = no host tier"),
+    _var("host_blocks", "int", "host tier budget in blocks at level 0 (instead of bytes)"),
+    _var(
+        "pool_shares",
+        "shares",
+        "fraction of each tier's budget given to each level's pool, e.g. `0.5,0.3,0.2`; "
+        "unset = half to level 0, the rest by `compression_ratio`",
+    ),
     _var("disk_budget", "size", "disk tier budget in bytes; unset = no disk tier"),
     _var(
         "remote_budget",
@@ -224,7 +246,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "attention_ema", "float", "weight of the newest attention observation in its moving average"
     ),
     _var("scissorhands_window", "int", "steps over which `scissorhands` measures persistence"),
-    _var("write_through", "bool", "also write each new block to the next tier right away"),
+    _var(
+        "write_through",
+        "bool",
+        "on demotion, keep the block's more precise bytes in the next tier (host), so a later "
+        "promotion restores it exactly",
+    ),
     _var(
         "evict_on_full",
         "bool",
@@ -256,7 +283,12 @@ class KvtierConfig:
     #: importance weights (magnitude, learned, attention).
     weights: tuple[float, float, float] = (0.4, 0.4, 0.2)
     device_budget: int | None = None
+    #: device budget in level-0 blocks; the BlockManager turns it into bytes
+    device_blocks: int | None = None
     host_budget: int | None = None
+    host_blocks: int | None = None
+    #: fraction of a tier's budget per level's pool (the BlockManager's fixed partition)
+    pool_shares: tuple[float, ...] | None = None
     disk_budget: int | None = None
     remote_budget: int | None = None
     max_move_bytes: int | None = None
@@ -356,6 +388,17 @@ class KvtierConfig:
             if getattr(self, name) is not None:
                 set_(name, _integer(self, name, 0, what="a byte count"))
 
+        for tier in ("device", "host"):
+            blocks = f"{tier}_blocks"
+            if getattr(self, blocks) is not None:
+                set_(blocks, _integer(self, blocks, 1, what="a block count"))
+                if getattr(self, f"{tier}_budget") is not None:
+                    raise ConfigError(
+                        f"{blocks}: expected either {tier}_budget (bytes) or {blocks}, not both"
+                    )
+        if self.pool_shares is not None:
+            set_("pool_shares", _shares(self.pool_shares))
+
         if not isinstance(self.policy, str) or self.policy.strip().lower() not in POLICIES:
             raise ConfigError(
                 f"policy: unknown policy {self.policy!r}: expected one of {', '.join(POLICIES)}"
@@ -401,6 +444,11 @@ class KvtierConfig:
             set_("ladder", ladder)
             # The ladder wins: levels is its length.
             set_("levels", len(ladder))
+        if self.pool_shares is not None and len(self.pool_shares) != self.levels:
+            raise ConfigError(
+                f"pool_shares: expected one fraction per level ({self.levels}), "
+                f"got {len(self.pool_shares)}"
+            )
 
     def _check_ladder(self, ladder: object) -> tuple[str, ...]:
         if isinstance(ladder, str):
@@ -429,6 +477,22 @@ class KvtierConfig:
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)
+
+
+def _shares(value: object) -> tuple[float, ...]:
+    if isinstance(value, str):
+        value = _parse_shares(value)
+    shares = tuple(_as_float(x) for x in value) if isinstance(value, (tuple, list)) else ()
+    if (
+        not shares
+        or any(x is None or not math.isfinite(x) or x < 0 for x in shares)
+        or not 0.99 <= sum(x for x in shares if x is not None) <= 1.01
+    ):
+        raise ConfigError(
+            f"pool_shares: expected non-negative fractions that sum to 1, one per level, "
+            f"got {value!r}"
+        )
+    return tuple(float(x) for x in shares if x is not None)
 
 
 def _as_float(x: object) -> float | None:

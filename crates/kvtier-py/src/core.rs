@@ -268,6 +268,13 @@ impl PyCore {
         Ok((f.child, f.copy))
     }
 
+    /// Takes blocks out of the prefix index; each is freed once nothing references it.
+    fn forget(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
+        let ids = blocks.as_slice()?;
+        self.with(py, |c| c.forget(ids)).py_err()
+    }
+
     fn free_sequence(&self, py: Python<'_>, seq: u32) -> PyResult<()> {
         self.with(py, |c| c.free_sequence(seq)).py_err()
     }

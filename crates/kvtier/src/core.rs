@@ -903,6 +903,22 @@ impl Core {
         Ok(())
     }
 
+    /// Takes blocks out of the prefix index (their bytes are incomplete and must not be shared
+    /// again); each is freed once nothing references it.
+    pub fn forget(&mut self, ids: &[u32]) -> Result<()> {
+        self.check_blocks(ids)?;
+        for &b in ids {
+            let i = b as usize;
+            if self.blocks.rows[i].indexed {
+                self.index.remove(self.blocks.rows[i].hash, b);
+                self.blocks.rows[i].indexed = false;
+                self.refresh_evictable(b);
+                self.release_if_orphan(b);
+            }
+        }
+        Ok(())
+    }
+
     // ---- prefix lookup ------------------------------------------------------------------------
 
     /// Blocks of the longest indexed prefix of `hashes`.

@@ -488,3 +488,23 @@ fn pool_headroom_demotes_then_offloads_out_of_a_full_explicit_pool() {
     c.free_sequence(s).unwrap();
     assert!(commit(&mut c).moves.is_empty());
 }
+
+#[test]
+fn forgotten_blocks_are_not_shared_and_are_freed_with_their_last_owner() {
+    let mut c = core(cfg());
+    let a = c.add_sequence();
+    let tokens: Vec<u32> = (0..8).collect();
+    let blocks = c.append_tokens(a, &tokens).unwrap().blocks;
+    c.forget(&blocks[1..]).unwrap();
+    let b = c.add_sequence();
+    let shared = c.append_tokens(b, &tokens).unwrap().shared;
+    assert_eq!(shared, vec![true, false]);
+    let live = c.live_blocks();
+    c.free_sequence(a).unwrap();
+    assert_eq!(
+        c.live_blocks(),
+        live - 1,
+        "the forgotten block goes with its owner"
+    );
+    assert!(c.forget(&[999]).is_err());
+}

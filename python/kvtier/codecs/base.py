@@ -159,6 +159,8 @@ class Codec(ABC):
     lossless: bool = False
     #: CUDA kernels exist for this codec (see codecs/cuda.py)
     has_kernels: bool = False
+    #: every section's leading axis is the layer, so one layer decodes from its own bytes
+    layer_major: bool = False
 
     @property
     @abstractmethod
@@ -349,6 +351,31 @@ class Codec(ABC):
         else:
             values = self._decode(self.unpack(s.read(src), shape), shape)
             to._write_parts(dst, d, to._encode(values), shape)
+
+    def decode_layer(
+        self, rows: torch.Tensor, shape: BlockShape, layer: int, *, dtype: Any = None
+    ) -> torch.Tensor:
+        """One layer of packed rows ``uint8 [n, bytes_per_block]``, decoded to
+        ``[n, 2, kv_heads, block_size, head_dim]`` in ``dtype`` (default: the model dtype).
+
+        Attention reads one layer at a time: a layer-major codec reads only that layer's bytes
+        of each section; any other codec decodes whole blocks and keeps the layer."""
+        rows = as_tensor(rows, "rows")
+        check_pool(rows, "rows", self.bytes_per_block(shape))
+        if not 0 <= layer < shape.layers:
+            raise InvalidArgumentError(f"layer: expected 0 <= layer < {shape.layers}, got {layer}")
+        out_dtype = torch_dtype(shape.dtype) if dtype is None else dtype
+        n = rows.shape[0]
+        if not self.layer_major:
+            return self._decode(self.unpack(rows, shape), shape)[:, layer].to(out_dtype)
+        one = BlockShape(1, shape.kv_heads, shape.block_size, shape.head_dim, shape.dtype)
+        parts, at = {}, 0
+        for s in self.sections(shape):
+            per_layer = s.nbytes // shape.layers
+            chunk = rows[:, at + layer * per_layer : at + (layer + 1) * per_layer].contiguous()
+            parts[s.name] = chunk.view(torch_dtype(s.dtype)).reshape(n, 1, *s.shape[1:])
+            at += s.nbytes
+        return self._decode(parts, one)[:, 0].to(out_dtype)
 
     # -- backend choice -------------------------------------------------------------------------
 

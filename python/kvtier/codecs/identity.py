@@ -14,6 +14,8 @@ class IdentityCodec(Codec):
     """Stores blocks in ``dtype``: lossless for blocks already in it, a cast otherwise. A float
     pool ``[slots, *shape.dims]`` viewed as ``uint8 [slots, bytes]`` is its packed pool."""
 
+    layer_major = True
+
     lossless = True
 
     def __init__(self, dtype: str = "fp16") -> None:

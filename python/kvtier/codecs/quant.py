@@ -42,6 +42,8 @@ def _fp16_round(x: torch.Tensor) -> torch.Tensor:
 class QuantCodec(Codec):
     """Integer codes with fp16 scales per group; the shared machinery of ``int8`` and ``int4``."""
 
+    layer_major = True
+
     has_kernels = True
 
     def __init__(

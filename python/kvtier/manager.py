@@ -1,0 +1,760 @@
+"""``BlockManager``: the tiered, mixed-precision KV store a custom engine calls.
+
+The Rust core decides (which block lives where, at which level); this class owns the tensors and
+moves the bytes. Per (tier, level) there is one pool, allocated once at construction:
+
+- level 0 is a float pool ``[slots, layers, 2, kv_heads, block_size, head_dim]`` in the model
+  dtype, where new K/V is written;
+- every other level is a packed pool ``uint8 [slots, bytes_per_block]`` of its codec.
+
+Each tier's budget is split between its levels by ``pool_shares`` (a fixed partition of memory:
+the core keeps ``headroom`` free in each pool, demoting or offloading out of a full one).
+
+Lifecycle of a block as the manager sees it: allocated at level 0 on the device when a sequence
+grows, *pinned* (never moved) until every layer has written all its tokens, then free to be
+demoted, offloaded, promoted by :meth:`BlockManager.step`. A block is shared between sequences by
+prefix hash only once complete; a sequence that reuses a cached prefix skips writing it.
+
+Thread safety: one lock guards the core and the pools' bookkeeping; :meth:`step` copies bytes
+outside it (a plan's sources stay valid and its destinations reserved until commit, and appends
+only write pinned blocks, which plans never move), so appends and gathers proceed meanwhile.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._core import Core, Plan
+from .codecs import BlockShape, Codec, get_codec
+from .codecs.base import as_tensor, dtype_name, torch_dtype, torch_module
+from .config import KvtierConfig, normalize_dtype
+from .errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvalidSequenceError,
+    OutOfCapacityError,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BlockManager", "ManagerStats", "PoolStats"]
+
+TIERS = ("device", "host")
+#: The device budget when neither ``device_budget`` nor ``device_blocks`` is set: this share of
+#: the free CUDA memory, or a fixed amount of CPU memory.
+DEFAULT_CUDA_SHARE = 0.5
+DEFAULT_CPU_BYTES = 1 << 30
+
+
+def default_shares(levels: int, level_bytes: Sequence[int], ratio: float) -> tuple[float, ...]:
+    """Half of a tier to level 0 (new blocks and every sequence's recent window), the other half
+    split so that levels 1 and 2 hold blocks in the proportion ``compression_ratio`` asks for."""
+    if levels == 1:
+        return (1.0,)
+    if levels == 2:
+        return (0.5, 0.5)
+    want = [ratio * level_bytes[1], (1 - ratio) * level_bytes[2]]
+    rest = [0.0] * (levels - 3)  # levels below 2 get nothing unless configured
+    total = sum(want) or 1.0
+    return (0.5, 0.5 * want[0] / total, 0.5 * want[1] / total, *rest)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Occupancy of one (tier, level) pool, from the core's slot counts."""
+
+    tier: str
+    level: int
+    codec: str
+    blocks: int
+    capacity_blocks: int
+    bytes: int
+    capacity_bytes: int
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    """What :meth:`BlockManager.stats` reports; every byte figure is real pool occupancy."""
+
+    pools: tuple[PoolStats, ...]
+    #: bytes the held blocks take, and what they would take at level 0
+    held_bytes: int
+    level0_bytes: int
+    counters: dict[str, int] = field(default_factory=dict)
+    sequences: int = 0
+    tokens: int = 0
+
+    @property
+    def memory_saved_mb(self) -> float:
+        """Megabytes (10^6) saved against holding the same blocks at level 0."""
+        return (self.level0_bytes - self.held_bytes) / 1e6
+
+    @property
+    def avg_compression_ratio(self) -> float:
+        """Level-0 bytes over held bytes of the blocks held (1.0 = nothing compressed)."""
+        return self.level0_bytes / self.held_bytes if self.held_bytes else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures of ``get_compression_stats()``: plain numbers, JSON-ready."""
+        c = self.counters
+        return {
+            "memory_saved_mb": self.memory_saved_mb,
+            "avg_compression_ratio": self.avg_compression_ratio,
+            "held_bytes": self.held_bytes,
+            "level0_bytes": self.level0_bytes,
+            "sequences": self.sequences,
+            "tokens": self.tokens,
+            "pools": [vars(p) for p in self.pools],
+            "promotions": c.get("promotions", 0),
+            "demotions": c.get("demotions", 0),
+            "offloads": c.get("offloads", 0),
+            "fetches": c.get("fetches", 0),
+            "evictions": c.get("evictions", 0),
+            "backups": c.get("backups", 0),
+            "hits": c.get("shared_hits", 0),
+            "noop_promotions": c.get("noop_promotions", 0),
+            "counters": dict(c),
+        }
+
+    def to_prometheus(self, prefix: str = "kvtier") -> str:
+        """The stats in the Prometheus text exposition format."""
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help: str, rows: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {prefix}_{name} {help}")
+            lines.append(f"# TYPE {prefix}_{name} {kind}")
+            lines.extend(f"{prefix}_{name}{labels} {value:g}" for labels, value in rows)
+
+        def labels(p: PoolStats) -> str:
+            return f'{{tier="{p.tier}",level="{p.level}",codec="{p.codec}"}}'
+
+        metric(
+            "pool_blocks",
+            "gauge",
+            "Blocks held per pool.",
+            [(labels(p), p.blocks) for p in self.pools],
+        )
+        metric(
+            "pool_capacity_blocks",
+            "gauge",
+            "Slots per pool.",
+            [(labels(p), p.capacity_blocks) for p in self.pools],
+        )
+        metric(
+            "pool_bytes",
+            "gauge",
+            "Bytes held per pool.",
+            [(labels(p), p.bytes) for p in self.pools],
+        )
+        metric("held_bytes", "gauge", "Bytes held over all pools.", [("", self.held_bytes)])
+        metric(
+            "memory_saved_bytes",
+            "gauge",
+            "Bytes saved against level 0.",
+            [("", self.level0_bytes - self.held_bytes)],
+        )
+        metric(
+            "compression_ratio",
+            "gauge",
+            "Level-0 bytes over held bytes.",
+            [("", self.avg_compression_ratio)],
+        )
+        moves = ("demotions", "promotions", "offloads", "fetches", "evictions", "backups")
+        metric(
+            "moves_total",
+            "counter",
+            "Blocks moved, by kind.",
+            [(f'{{kind="{k}"}}', self.counters.get(k, 0)) for k in moves],
+        )
+        metric(
+            "prefix_hits_total",
+            "counter",
+            "Blocks shared from the prefix cache.",
+            [("", self.counters.get("shared_hits", 0))],
+        )
+        metric("sequences", "gauge", "Live sequences.", [("", self.sequences)])
+        return "\n".join(lines) + "\n"
+
+
+@dataclass
+class _Seq:
+    #: tokens written per layer
+    lengths: np.ndarray
+
+
+class BlockManager:
+    """Tiered KV storage for one model: append K/V, gather it for attention, ``step()`` to let
+    the scheduler move blocks between levels and tiers.
+
+    ``config`` defaults to :meth:`KvtierConfig.from_env`. ``dtype`` is the model's K/V dtype
+    (``torch.float16``, ``"bf16"`` ...); ``device`` where the device tier lives (default: CUDA
+    when available, else the CPU). K/V cross as ``[num_tokens, num_kv_heads, head_dim]`` tensors
+    (any DLPack producer) in that dtype and on that device.
+    """
+
+    def __init__(
+        self,
+        config: KvtierConfig | None,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any = "fp16",
+        device: Any = None,
+    ) -> None:
+        torch = torch_module()
+        self.config = config = KvtierConfig.from_env() if config is None else config
+        if not isinstance(config, KvtierConfig):
+            raise ConfigError(f"config: expected a KvtierConfig, got {type(config).__name__}")
+        dtype_str = dtype_name(dtype) if isinstance(dtype, torch.dtype) else normalize_dtype(dtype)
+        self.shape = BlockShape(num_layers, num_kv_heads, config.block_size, head_dim, dtype_str)
+        self.dtype = torch_dtype(dtype_str)
+        self.device = torch.device(
+            device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.ladder = config.resolved_ladder(dtype_str)
+        if self.ladder[0] != dtype_str:
+            raise ConfigError(
+                f"ladder: level 0 is {self.ladder[0]!r} but the model dtype is {dtype_str!r}: "
+                "level 0 holds K/V exactly as the model wrote it"
+            )
+        if "drop" in self.ladder:
+            raise ConfigError(
+                "ladder: the BlockManager does not support a 'drop' level yet (it would leave "
+                "attention with gaps); use the simulator to study drop policies"
+            )
+        for name in ("disk_budget", "remote_budget"):
+            if getattr(config, name) is not None:
+                raise ConfigError(
+                    f"{name}: the BlockManager keeps blocks on the device and host tiers only; "
+                    "disk and remote stores are not wired into it yet"
+                )
+        self.codecs: list[Codec] = [get_codec(name) for name in self.ladder]
+        self.level_bytes = [c.bytes_per_block(self.shape) for c in self.codecs]
+        budgets = {"device": self._budget("device")}
+        host = self._budget("host")
+        if host is not None:
+            budgets["host"] = host
+        if config.write_through and "host" not in budgets:
+            raise ConfigError(
+                "write_through: needs a host tier to keep full-precision copies in; set "
+                "host_budget or host_blocks"
+            )
+        shares = config.pool_shares or default_shares(
+            len(self.ladder), self.level_bytes, config.compression_ratio
+        )
+        self.slots: dict[tuple[str, int], int] = {}
+        for tier, budget in budgets.items():
+            assert budget is not None
+            for level, (share, nbytes) in enumerate(zip(shares, self.level_bytes, strict=True)):
+                self.slots[tier, level] = int(share * budget // nbytes)
+        if self.slots["device", 0] < 1:
+            raise ConfigError(
+                f"device budget {budgets['device']} B holds no level-0 block of "
+                f"{self.level_bytes[0]} B at level-0 share {shares[0]:g}: raise device_budget "
+                "or device_blocks"
+            )
+        self._tiers = list(budgets)
+        self.core = Core(
+            self.level_bytes,
+            tiers=[
+                (t, sum(self.slots[t, lv] * b for lv, b in enumerate(self.level_bytes)))
+                for t in self._tiers
+            ],
+            block_size=config.block_size,
+            policy=config.policy,
+            enable_compression=config.enable_compression,
+            compression_ratio=config.compression_ratio,
+            recent_window=config.recent_window,
+            sink_blocks=config.sink_blocks,
+            weights=config.weights,
+            headroom=config.headroom,
+            hysteresis=config.hysteresis,
+            max_move_bytes=config.max_move_bytes,
+            decay=config.decay,
+            attention_ema=config.attention_ema,
+            scissorhands_window=config.scissorhands_window,
+            write_through=config.write_through,
+            evict_on_full=config.evict_on_full,
+            namespace=config.namespace,
+            pool_slots=[(t, lv, n) for (t, lv), n in self.slots.items()],
+            pool_headroom=True,
+        )
+        self.pools: dict[tuple[str, int], Any] = {}
+        for (tier, level), n in self.slots.items():
+            on = self.device if tier == "device" else torch.device("cpu")
+            pin = tier == "host" and self.device.type == "cuda"
+            shape = (n, *self.shape.dims) if level == 0 else (n, self.level_bytes[level])
+            dt = self.dtype if level == 0 else torch.uint8
+            self.pools[tier, level] = torch.empty(shape, dtype=dt, device=on, pin_memory=pin)
+        self._seqs: dict[int, _Seq] = {}
+        # Per block id (grown on demand): tokens written per layer, pinned while incomplete,
+        # and the running key-norm sum behind its magnitude signal.
+        self._written = np.zeros((0, num_layers), dtype=np.int32)
+        self._pinned = np.zeros(0, dtype=bool)
+        self._norm_sum = np.zeros(0, dtype=np.float64)
+        self._norm_count = np.zeros(0, dtype=np.int64)
+        self._lock = threading.RLock()
+        self._step_lock = threading.Lock()
+
+    # -- configuration --------------------------------------------------------------------------
+
+    def _budget(self, tier: str) -> int | None:
+        cfg = self.config
+        blocks = getattr(cfg, f"{tier}_blocks")
+        if blocks is not None:
+            return int(blocks) * self.level_bytes[0]
+        budget = getattr(cfg, f"{tier}_budget")
+        if budget is not None or tier != "device":
+            return budget
+        torch = torch_module()
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * DEFAULT_CUDA_SHARE)
+        return DEFAULT_CPU_BYTES
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes allocated for all pools (what the manager costs, whatever it holds)."""
+        return sum(p.numel() * p.element_size() for p in self.pools.values())
+
+    @property
+    def block_size(self) -> int:
+        return self.shape.block_size
+
+    # -- sequences ------------------------------------------------------------------------------
+
+    def add_sequence(self, token_ids: Any = None) -> int:
+        """A new sequence; with ``token_ids`` (its prompt), the longest cached prefix of them is
+        shared rather than stored again: :meth:`num_tokens` then says how many leading tokens
+        already have their K/V, and appends start after them."""
+        tokens = None if token_ids is None else _token_array(token_ids)
+        with self._lock:
+            seq = self.core.add_sequence()
+            state = _Seq(np.zeros(self.shape.layers, dtype=np.int64))
+            self._seqs[seq] = state
+            if tokens is not None and len(tokens):
+                try:
+                    self._grow(seq, lambda: self.core.append_tokens(seq, tokens))
+                except BaseException:
+                    del self._seqs[seq]
+                    self.core.free_sequence(seq)
+                    raise
+                state.lengths[:] = self._cached_prefix(self.core.sequence_blocks(seq))
+            return seq
+
+    def add_tokens(self, seq: int, token_ids: Any) -> None:
+        """Declares the ids of tokens about to be appended (e.g. each generated token), so their
+        blocks are hashed and can serve later prompts as a cached prefix. Without it, appended
+        K/V is stored but never shared."""
+        tokens = _token_array(token_ids)
+        with self._lock:
+            self._seq(seq)
+            self._grow(seq, lambda: self.core.append_tokens(seq, tokens))
+
+    def num_tokens(self, seq: int, layer: int = 0) -> int:
+        """Tokens whose K/V ``layer`` holds for ``seq``."""
+        with self._lock:
+            return int(self._seq(seq).lengths[self._layer(layer)])
+
+    def sequences(self) -> list[int]:
+        with self._lock:
+            return list(self._seqs)
+
+    def lookup(self, token_ids: Any) -> int:
+        """How many leading tokens of ``token_ids`` have their K/V cached (whole blocks)."""
+        tokens = _token_array(token_ids)
+        with self._lock:
+            return self._cached_prefix(self.core.lookup_tokens(tokens))
+
+    def fork(self, seq: int) -> int:
+        """A child sequence sharing ``seq``'s blocks (beam search, parallel sampling): full blocks
+        are shared, the partial last block is copied."""
+        with self._lock:
+            parent = self._seq(seq)
+            child, copy = self.core.fork(seq)
+            self._seqs[child] = _Seq(parent.lengths.copy())
+            if copy is not None:
+                src, dst = copy
+                new = np.array([dst], dtype=np.uint32)
+                self._track(new)
+                info = self.core.block_info(np.array(copy, dtype=np.uint32))
+                pool = self.pools["device", 0]
+                pool[int(info["slot"][1])] = pool[int(info["slot"][0])]
+                self._written[dst] = self._written[src]
+                self._norm_sum[dst] = self._norm_sum[src]
+                self._norm_count[dst] = self._norm_count[src]
+                self._pin(new)
+            return child
+
+    def free(self, seq: int) -> None:
+        """Drops a sequence. Its complete blocks stay cached for later prompts (until evicted);
+        blocks some layer never finished are forgotten, so they are never shared."""
+        with self._lock:
+            self._seq(seq)
+            blocks = self.core.sequence_blocks(seq)
+            info = self.core.block_info(blocks)
+            mine = blocks[(info["refcount"] == 1) & self._pinned[blocks]]
+            if len(mine):
+                self.core.unpin(mine)
+                self._pinned[mine] = False
+                self.core.forget(mine)
+            self.core.free_sequence(seq)
+            del self._seqs[seq]
+
+    # -- K/V ------------------------------------------------------------------------------------
+
+    def append(self, seq: int, layer: int, k: Any, v: Any) -> None:
+        """Appends K/V of new tokens, ``[num_tokens, num_kv_heads, head_dim]`` each, to one layer
+        of ``seq``. The first layer to pass the sequence's end allocates its blocks; when the
+        device is full, a ``step()`` makes room or :class:`OutOfCapacityError` says which budget
+        ran out (nothing is written then)."""
+        k, v = self._check_kv(k, "k"), self._check_kv(v, "v")
+        if k.shape != v.shape:
+            raise InvalidArgumentError(
+                f"expected k and v of one shape, got {list(k.shape)} and {list(v.shape)}"
+            )
+        layer = self._layer(layer)
+        n = int(k.shape[0])
+        with self._lock:
+            state = self._seq(seq)
+            start = int(state.lengths[layer])
+            end = start + n
+            if n == 0:
+                return
+            have = self.core.sequence_tokens(seq)
+            if end > have:
+                self._grow(seq, lambda: self.core.extend(seq, end - have))
+            self._write(seq, layer, start, end, k, v)
+            state.lengths[layer] = end
+
+    def gather(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every token of ``seq`` at ``layer``, ``[num_tokens, num_kv_heads,
+        head_dim]`` each, decoded to the model dtype, contiguous, on the device. Counts a read
+        of each block for the scheduler."""
+        torch = torch_module()
+        layer = self._layer(layer)
+        bs = self.block_size
+        with self._lock:
+            tokens = int(self._seq(seq).lengths[layer])
+            m = -(-tokens // bs)
+            blocks = self.core.sequence_blocks(seq)[:m]
+            need = np.minimum(bs, tokens - bs * np.arange(m))
+            short = np.nonzero(self._written[blocks, layer] < need)[0]
+            if len(short):
+                raise InvalidArgumentError(
+                    f"sequence {seq} layer {layer}: block {int(blocks[short[0]])} (tokens from "
+                    f"{int(short[0]) * bs}) is shared but its owner has not written this layer "
+                    "yet; append the owner's layer first"
+                )
+            out = torch.empty((m, *self.shape.dims[1:]), dtype=self.dtype, device=self.device)
+            for (tier, level), rows, slots in self._locations(blocks):
+                out[rows] = self._read_layer(tier, level, slots, layer)
+            if m:
+                self.core.record_reads(blocks)
+        kv = out.permute(1, 0, 3, 2, 4).reshape(2, m * bs, *self.shape.dims[2:5:2])
+        return kv[0, :tokens], kv[1, :tokens]
+
+    # -- signals --------------------------------------------------------------------------------
+
+    def record_attention(self, seq: int, layer: int, weights: Any) -> None:
+        """Feeds attention weights whose last axis runs over the sequence's tokens (e.g.
+        ``[heads, queries, tokens]`` from eager attention): each block is credited the mean
+        attention its tokens received, smoothed over reports by the core."""
+        w = as_tensor(weights, "weights")
+        self._layer(layer)
+        with self._lock:
+            tokens = int(self._seq(seq).lengths[self._layer(layer)])
+            if w.dim() < 1 or w.shape[-1] != tokens:
+                raise InvalidArgumentError(
+                    f"weights: expected a last axis of {tokens} tokens (sequence {seq}, layer "
+                    f"{layer}), got shape {list(w.shape)}"
+                )
+            per_token = w.detach().float().reshape(-1, tokens).mean(0).cpu().numpy()
+            mass = _per_block(per_token, self.block_size)
+            blocks = self.core.sequence_blocks(seq)[: len(mass)]
+            self.core.record_attention(blocks, mass.astype(np.float32))
+
+    def set_learned_scores(self, seq: int, scores: Any) -> None:
+        """A learned importance score per block of ``seq`` (e.g. from a probe on its keys)."""
+        values = np.asarray(scores, dtype=np.float32).reshape(-1)
+        with self._lock:
+            blocks = self.core.sequence_blocks(self._seq_id(seq))
+            if len(values) != len(blocks) or not np.isfinite(values).all():
+                raise InvalidArgumentError(
+                    f"scores: expected {len(blocks)} finite scores (one per block of sequence "
+                    f"{seq}), got {len(values)}"
+                )
+            self.core.set_learned(blocks, values)
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    def step(self) -> dict[str, int]:
+        """Lets the core plan moves and executes them: one batched codec call or copy per kind of
+        move and pair of pools, then commit. If a copy fails, the plan is aborted (every block
+        stays where it was) and the error raised. Returns the plan's summary."""
+        with self._step_lock:
+            with self._lock:
+                plan = self.core.plan()
+            try:
+                self._execute(plan)
+            except BaseException:
+                with self._lock:
+                    self.core.abort(plan.id)
+                raise
+            with self._lock:
+                self.core.commit(plan.id)
+            return plan.summary()
+
+    def _execute(self, plan: Plan) -> None:
+        if not len(plan):
+            return
+        torch = torch_module()
+        tiers, kinds = Plan.TIERS, Plan.KINDS
+        copies = np.isin(plan.kind, [kinds.index("evict"), kinds.index("drop")], invert=True)
+        cols = np.stack([plan.src_tier, plan.src_level, plan.dst_tier, plan.dst_level]).T[copies]
+        src_slots, dst_slots = plan.src_slot[copies], plan.dst_slot[copies]
+        groups, inverse = np.unique(cols, axis=0, return_inverse=True)
+        for g, (st, sl, dt, dl) in enumerate(groups):
+            pick = inverse.reshape(-1) == g
+            src = self.pools[tiers[st], int(sl)]
+            dst = self.pools[tiers[dt], int(dl)]
+            s = torch.from_numpy(src_slots[pick].astype(np.int64))
+            d = torch.from_numpy(dst_slots[pick].astype(np.int64))
+            if sl == dl:
+                dst[d.to(dst.device)] = src[s.to(src.device)].to(dst.device, non_blocking=True)
+            elif st == dt and sl == 0:
+                self.codecs[dl].encode_into(src, s, dst, d)
+            elif st == dt:
+                self.codecs[sl].transcode_into(src, s, self.codecs[dl], dst, d, self.shape)
+            else:
+                raise RuntimeError(f"plan moves a block across tiers and levels at once: {cols}")
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # -- stats ----------------------------------------------------------------------------------
+
+    def stats(self) -> ManagerStats:
+        """Pool occupancy, bytes saved and move counters, read from the core."""
+        with self._lock:
+            pools = tuple(
+                PoolStats(
+                    tier=tier,
+                    level=level,
+                    codec=self.ladder[level],
+                    blocks=used,
+                    capacity_blocks=cap,
+                    bytes=nbytes,
+                    capacity_bytes=cap * self.level_bytes[level],
+                )
+                for tier, level, used, cap, nbytes in self.core.usage()
+            )
+            tokens = sum(int(s.lengths.max(initial=0)) for s in self._seqs.values())
+            return ManagerStats(
+                pools=pools,
+                held_bytes=sum(p.bytes for p in pools),
+                level0_bytes=sum(p.blocks for p in pools) * self.level_bytes[0],
+                counters=self.core.counters(),
+                sequences=len(self._seqs),
+                tokens=tokens,
+            )
+
+    def get_compression_stats(self) -> dict[str, Any]:
+        """``memory_saved_mb``, ``avg_compression_ratio``, per-pool blocks and bytes, and the
+        promotions, demotions, offloads, evictions and hits so far (see :class:`ManagerStats`)."""
+        return self.stats().as_dict()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _seq(self, seq: int) -> _Seq:
+        try:
+            return self._seqs[seq]
+        except (KeyError, TypeError):
+            raise InvalidSequenceError(
+                f"unknown sequence {seq!r}: expected one returned by add_sequence or fork and "
+                "not yet freed"
+            ) from None
+
+    def _seq_id(self, seq: int) -> int:
+        self._seq(seq)
+        return seq
+
+    def _layer(self, layer: Any) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise InvalidArgumentError(f"layer: expected an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.shape.layers:
+            raise InvalidArgumentError(
+                f"layer: expected 0 <= layer < {self.shape.layers}, got {layer}"
+            )
+        return int(layer)
+
+    def _check_kv(self, x: Any, what: str) -> torch.Tensor:
+        t = as_tensor(x, what)
+        want = (self.shape.kv_heads, self.shape.head_dim)
+        if t.dim() != 3 or tuple(t.shape[1:]) != want:
+            raise InvalidArgumentError(
+                f"{what}: expected shape [num_tokens, {want[0]} kv_heads, {want[1]} head_dim], "
+                f"got {list(t.shape)}"
+            )
+        if t.dtype != self.dtype:
+            raise InvalidArgumentError(
+                f"{what}: expected dtype {self.dtype} (the model dtype of this manager), got "
+                f"{t.dtype}"
+            )
+        if t.device != self.device:
+            raise InvalidArgumentError(
+                f"{what}: expected a tensor on {self.device}, got one on {t.device}"
+            )
+        return t
+
+    def _grow(self, seq: int, call: Any) -> None:
+        """Runs a core call that allocates blocks; when the device is full, lets ``step()`` make
+        room (demote, offload) once and retries. New blocks are pinned until complete."""
+        try:
+            added, shared = call()
+        except OutOfCapacityError:
+            self._lock.release()  # step() takes the step lock, then this one: never hold both
+            try:
+                self.step()
+            finally:
+                self._lock.acquire()
+            try:
+                added, shared = call()
+            except OutOfCapacityError as exc:
+                raise OutOfCapacityError(
+                    f"{exc} (after a step() to make room); {self._room()}"
+                ) from None
+        new = added[~shared]
+        self._track(new)
+        self._pin(new)
+
+    def _room(self) -> str:
+        budgets = ", ".join(
+            f"{t} {sum(self.slots[t, lv] * b for lv, b in enumerate(self.level_bytes))} B"
+            for t in self._tiers
+        )
+        return f"budgets: {budgets}; raise device_budget/host_budget or free sequences"
+
+    def _track(self, new: np.ndarray) -> None:
+        if not len(new):
+            return
+        top = int(new.max()) + 1
+        if top > len(self._pinned):
+            grow = max(top, 2 * len(self._pinned))
+            self._written = np.concatenate(
+                [self._written, np.zeros((grow - len(self._written), self.shape.layers), np.int32)]
+            )
+            for name in ("_pinned", "_norm_sum", "_norm_count"):
+                old = getattr(self, name)
+                setattr(self, name, np.concatenate([old, np.zeros(grow - len(old), old.dtype)]))
+        self._written[new] = 0
+        self._norm_sum[new] = 0.0
+        self._norm_count[new] = 0
+
+    def _pin(self, new: np.ndarray) -> None:
+        if len(new):
+            self.core.pin(new)
+            self._pinned[new] = True
+
+    def _cached_prefix(self, blocks: np.ndarray) -> int:
+        """Tokens of the leading blocks that are complete in every layer."""
+        if not len(blocks):
+            return 0
+        complete = (self._written[blocks] == self.block_size).all(axis=1)
+        n = len(complete) if complete.all() else int(np.argmin(complete))
+        return n * self.block_size
+
+    def _write(self, seq: int, layer: int, start: int, end: int, k: Any, v: Any) -> None:
+        torch = torch_module()
+        bs = self.block_size
+        positions = np.arange(start, end)
+        index = positions // bs
+        blocks = self.core.sequence_blocks(seq)[index[0] : index[-1] + 1]
+        offset = positions % bs
+        tok_blocks = blocks[index - index[0]]
+        # Tokens already there (a shared block its owner wrote) are not written again.
+        fresh = offset >= self._written[tok_blocks, layer]
+        if not fresh.any():
+            return
+        info = self.core.block_info(blocks)
+        where = np.nonzero(fresh)[0]
+        local = index[where] - index[0]
+        moved = (info["tier"][local] != 0) | (info["level"][local] != 0)
+        if moved.any():
+            b = int(tok_blocks[where[moved.argmax()]])
+            raise InvalidArgumentError(
+                f"sequence {seq} layer {layer}: block {b} is no longer at level 0 on the device, "
+                "so tokens cannot be written into it"
+            )
+        slots = torch.from_numpy(info["slot"][local].astype(np.int64)).to(self.device)
+        offs = torch.from_numpy(offset[where]).to(self.device)
+        sel = torch.from_numpy(where).to(self.device)
+        pool = self.pools["device", 0]
+        ks, vs = (k, v) if len(where) == len(positions) else (k[sel], v[sel])
+        pool[slots, layer, 0, :, offs] = ks
+        pool[slots, layer, 1, :, offs] = vs
+        # Bookkeeping after the writes: a block's written count is its highest written offset.
+        touched = tok_blocks[where]
+        np.maximum.at(self._written[:, layer], touched, offset[where] + 1)
+        norms = ks.float().norm(dim=-1).mean(dim=-1).cpu().numpy()
+        np.add.at(self._norm_sum, touched, norms)
+        np.add.at(self._norm_count, touched, 1)
+        uniq = np.unique(touched)
+        self.core.set_magnitude(
+            uniq, (self._norm_sum[uniq] / self._norm_count[uniq]).astype(np.float32)
+        )
+        done = uniq[self._pinned[uniq] & (self._written[uniq] == bs).all(axis=1)]
+        if len(done):
+            self.core.unpin(done)
+            self._pinned[done] = False
+
+    def _locations(
+        self, blocks: np.ndarray
+    ) -> Iterator[tuple[tuple[str, int], torch.Tensor, np.ndarray]]:
+        """Blocks grouped by pool: ``((tier, level), rows in blocks, slots)``."""
+        torch = torch_module()
+        if not len(blocks):
+            return
+        info = self.core.block_info(blocks)
+        key = info["tier"].astype(np.int64) * 256 + info["level"]
+        for k in np.unique(key):
+            rows = np.nonzero(key == k)[0]
+            tier = Plan.TIERS[int(k) // 256]
+            yield (tier, int(k) % 256), torch.from_numpy(rows).to(self.device), info["slot"][rows]
+
+    def _read_layer(self, tier: str, level: int, slots: np.ndarray, layer: int) -> torch.Tensor:
+        """``[n, 2, kv_heads, block_size, head_dim]`` of one layer of blocks, on the device."""
+        torch = torch_module()
+        pool = self.pools[tier, level]
+        idx = torch.from_numpy(slots.astype(np.int64)).to(pool.device)
+        if level == 0:
+            return pool[idx, layer].to(self.device, non_blocking=True)
+        rows = pool[idx].to(self.device, non_blocking=True)
+        return self.codecs[level].decode_layer(rows, self.shape, layer, dtype=self.dtype)
+
+
+def _token_array(token_ids: Any) -> np.ndarray:
+    arr = np.asarray(token_ids.cpu() if hasattr(token_ids, "cpu") else token_ids)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise InvalidArgumentError(
+            f"token_ids: expected a 1-D sequence of integer token ids, got {arr.dtype} "
+            f"{list(arr.shape)}"
+        )
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.uint32).max):
+        raise InvalidArgumentError("token_ids: expected ids in [0, 2**32)")
+    return arr.astype(np.uint32)
+
+
+def _per_block(per_token: np.ndarray, block_size: int) -> np.ndarray:
+    m = math.ceil(len(per_token) / block_size)
+    padded = np.zeros(m * block_size, dtype=np.float64)
+    padded[: len(per_token)] = per_token
+    return padded.reshape(m, block_size).sum(axis=1)
