@@ -75,18 +75,6 @@ def test_the_compiled_kernels_never_fuse_the_rounding_steps(ptx: str) -> None:
 # ---- on a GPU: the kernels against the torch reference -------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def torch_cuda() -> Any:
-    torch = pytest.importorskip("torch")
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        pytest.skip("CuPy is not installed: the CUDA kernels run through it")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
-    return torch
-
-
 DTYPES = ["fp16", "bf16", "fp32"]
 CODECS: dict[str, Callable[[], QuantCodec]] = {
     "int8": lambda: Int8Codec(),

@@ -1,0 +1,488 @@
+"""BlockManager: what a custom engine relies on — exact K/V at level 0, the codec's own error
+after demotion, exact again after a promotion from a write-through copy, prefix sharing, forks,
+capacity, bad input that changes nothing, and threads."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtier import (  # noqa: E402
+    BlockManager,
+    InvalidArgumentError,
+    InvalidSequenceError,
+    KvtierConfig,
+    OutOfCapacityError,
+)
+
+LAYERS, HEADS, DIM, BS = 3, 2, 32, 16
+
+
+def manager(device: str = "cpu", dtype: Any = torch.float16, **cfg: Any) -> BlockManager:
+    base: dict[str, Any] = {"block_size": BS, "recent_window": 32, "device_blocks": 64}
+    base.update(cfg)
+    return BlockManager(KvtierConfig(**base), LAYERS, HEADS, DIM, dtype, device)
+
+
+def kv(tokens: int, seed: int, device: str = "cpu", dtype: Any = torch.float16) -> Any:
+    """K and V for every layer: ``[layers, 2, tokens, heads, dim]``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYERS, 2, tokens, HEADS, DIM, generator=g).to(device, dtype)
+
+
+def append_all(bm: BlockManager, seq: int, x: Any, chunks: list[int] | None = None) -> None:
+    chunks = chunks or [x.shape[2]]
+    at = 0
+    for n in chunks:
+        for layer in range(LAYERS):
+            bm.append(seq, layer, x[layer, 0, at : at + n], x[layer, 1, at : at + n])
+        at += n
+
+
+def expected(bm: BlockManager, seq: int, layer: int, x: Any) -> tuple[Any, Any]:
+    """What gather must return: level-0 blocks exactly, others as their codec reproduces them."""
+    tokens = bm.num_tokens(seq, layer)
+    m = -(-tokens // BS)
+    blocks = bm.core.sequence_blocks(seq)[:m]
+    levels = bm.core.block_info(blocks)["level"]
+    full = torch.zeros(LAYERS, 2, m * BS, HEADS, DIM, dtype=x.dtype, device=x.device)
+    full[:, :, :tokens] = x[:, :, :tokens]
+    # [m, layers, 2, heads, block, dim], the codecs' block layout
+    as_blocks = full.reshape(LAYERS, 2, m, BS, HEADS, DIM).permute(2, 0, 1, 4, 3, 5).contiguous()
+    out = as_blocks[:, layer].clone()
+    for level in set(levels.tolist()) - {0}:
+        pick = torch.from_numpy(np.nonzero(levels == level)[0])
+        codec = bm.codecs[level]
+        out[pick] = codec.decode(codec.encode(as_blocks[pick]))[:, layer]
+    flat = out.permute(1, 0, 3, 2, 4).reshape(2, m * BS, HEADS, DIM)[:, :tokens]
+    return flat[0], flat[1]
+
+
+def assert_gathers(bm: BlockManager, seq: int, x: Any) -> None:
+    for layer in range(LAYERS):
+        k, v = bm.gather(seq, layer)
+        want_k, want_v = expected(bm, seq, layer, x)
+        assert k.is_contiguous() and v.is_contiguous()
+        assert k.dtype == x.dtype and k.shape == want_k.shape
+        torch.testing.assert_close(k, want_k, rtol=0, atol=0)
+        torch.testing.assert_close(v, want_v, rtol=0, atol=0)
+
+
+def assert_close_blocks(got: Any, want: Any) -> None:
+    """Each block of gathered K or V ``[tokens, heads, dim]`` is its own data, perhaps through a
+    lossy level: cosine > 0.97 with the original block. A block holding another block's K/V,
+    or garbage, fails."""
+    n = got.shape[0]
+    m = -(-n // BS)
+    pad = (0, 0, 0, 0, 0, m * BS - n)
+    a = torch.nn.functional.pad(got.float(), pad).reshape(m, -1)
+    b = torch.nn.functional.pad(want.float(), pad).reshape(m, -1)
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=1)
+    assert bool((cos > 0.97).all()), cos
+
+
+def levels_of(bm: BlockManager, seq: int) -> list[int]:
+    return bm.core.block_info(bm.core.sequence_blocks(seq))["level"].tolist()
+
+
+def snapshot(bm: BlockManager) -> tuple[Any, ...]:
+    stats = bm.get_compression_stats()
+    pools = {key: pool.clone() for key, pool in bm.pools.items()}
+    seqs = {s: bm.num_tokens(s, 0) for s in bm.sequences()}
+    return stats, pools, seqs, bm.core.counters()
+
+
+def assert_same(a: tuple[Any, ...], b: tuple[Any, ...], *, planned: int = 0) -> None:
+    """Equal stats, pools and sequences; ``planned`` plans (that moved nothing) allowed."""
+    counters = dict(b[3], plans=b[3]["plans"] - planned)
+    stats = dict(b[0], counters=dict(b[0]["counters"], plans=b[0]["counters"]["plans"] - planned))
+    assert a[0] == stats and a[2] == b[2] and a[3] == counters
+    for key in a[1]:
+        assert torch.equal(a[1][key].view(torch.uint8), b[1][key].view(torch.uint8)), key
+
+
+# -- correctness -----------------------------------------------------------------------------------
+
+
+def test_level_0_gives_back_exactly_what_was_written_in_any_chunking() -> None:
+    bm = manager(enable_compression=False)
+    x = kv(83, seed=1)
+    seq = bm.add_sequence()
+    append_all(bm, seq, x, [1, 15, 16, 40, 11])
+    assert bm.num_tokens(seq) == 83
+    for layer in range(LAYERS):
+        k, v = bm.gather(seq, layer)
+        assert torch.equal(k, x[layer, 0]) and torch.equal(v, x[layer, 1])
+
+
+def test_numpy_and_other_dlpack_producers_are_accepted() -> None:
+    bm = manager(enable_compression=False)
+    x = kv(20, seed=2)
+    seq = bm.add_sequence()
+    for layer in range(LAYERS):
+        bm.append(seq, layer, x[layer, 0].numpy(), x[layer, 1].numpy())
+    assert torch.equal(bm.gather(seq, 2)[0], x[2, 0])
+
+
+def test_after_demotions_gather_returns_what_the_codec_reproduces() -> None:
+    bm = manager()
+    x = kv(200, seed=3)
+    seq = bm.add_sequence()
+    append_all(bm, seq, x, [120, 80])
+    bm.step()
+    levels = levels_of(bm, seq)
+    # sink and the 32-token recent window (the last 2 full blocks + the partial one) stay fp16;
+    # the rest is split between int8 and int4
+    assert levels[0] == 0 and levels[-3:] == [0, 0, 0]
+    assert {1, 2} <= set(levels[1:-3])
+    assert_gathers(bm, seq, x)
+    # and the error is the codec's: int4 keys stay close to the originals
+    k, _ = bm.gather(seq, 0)
+    cos = torch.nn.functional.cosine_similarity(k.float().flatten(), x[0, 0].float().flatten(), 0)
+    assert cos > 0.98
+
+
+def test_a_promotion_from_a_write_through_copy_restores_the_original_exactly() -> None:
+    bm = manager(write_through=True, host_blocks=64, recent_window=64)
+    x = kv(12 * BS, seed=4)
+    ids = np.arange(12 * BS) + 1000
+    a = bm.add_sequence(ids)
+    assert bm.num_tokens(a) == 0  # nothing cached yet
+    append_all(bm, a, x)
+    bm.step()
+    assert max(levels_of(bm, a)) > 0
+    stats = bm.get_compression_stats()
+    assert stats["backups"] == stats["demotions"] > 0
+    host = sum(p["bytes"] for p in stats["pools"] if p["tier"] == "host")
+    assert host == stats["backups"] * bm.level_bytes[0], "the copies are level-0 blocks on the host"
+    bm.free(a)
+    # A new prompt reusing the first 8 blocks: their tail is now in its recent window.
+    b = bm.add_sequence(ids[: 8 * BS])
+    assert bm.num_tokens(b) == 8 * BS
+    before = levels_of(bm, b)
+    bm.step()
+    after = levels_of(bm, b)
+    assert any(lb > 0 and la == 0 for lb, la in zip(before, after, strict=True))
+    assert bm.get_compression_stats()["promotions"] > 0
+    for layer in range(LAYERS):
+        k, v = bm.gather(b, layer)
+        want_k, want_v = expected(bm, b, layer, x[:, :, : 8 * BS])
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    # the promoted blocks are exact
+    promoted = [i for i, (lb, la) in enumerate(zip(before, after, strict=True)) if lb and not la]
+    k, _ = bm.gather(b, 1)
+    for i in promoted:
+        assert torch.equal(k[i * BS : (i + 1) * BS], x[1, 0, i * BS : (i + 1) * BS])
+
+
+def test_a_cached_prefix_is_shared_and_not_written_again() -> None:
+    bm = manager(enable_compression=False)
+    x = kv(5 * BS + 3, seed=5)
+    ids = np.arange(5 * BS + 3)
+    a = bm.add_sequence(ids)
+    append_all(bm, a, x)
+    assert bm.lookup(ids) == 5 * BS
+    assert bm.lookup(ids[: 2 * BS + 7]) == 2 * BS
+    assert bm.lookup(ids + 1) == 0
+    held = bm.stats().held_bytes
+    b = bm.add_sequence(ids[: 3 * BS + 4])
+    assert bm.num_tokens(b) == 3 * BS
+    rest = x[:, :, 3 * BS : 3 * BS + 4]
+    append_all(bm, b, rest)
+    assert bm.stats().held_bytes == held + bm.level_bytes[0]  # only the partial block is new
+    assert bm.get_compression_stats()["hits"] == 3
+    for layer in range(LAYERS):
+        k, _ = bm.gather(b, layer)
+        assert torch.equal(k, x[layer, 0, : 3 * BS + 4])
+
+
+def test_a_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
+    bm = manager(enable_compression=False)
+    x = kv(2 * BS + 5, seed=6)
+    parent = bm.add_sequence()
+    append_all(bm, parent, x)
+    child = bm.fork(parent)
+    assert bm.num_tokens(child) == 2 * BS + 5
+    y = kv(3, seed=7)
+    append_all(bm, child, y)
+    for layer in range(LAYERS):
+        kp, _ = bm.gather(parent, layer)
+        kc, _ = bm.gather(child, layer)
+        assert torch.equal(kp, x[layer, 0])
+        assert torch.equal(kc, torch.cat([x[layer, 0], y[layer, 0]]))
+    bm.free(parent)
+    assert torch.equal(bm.gather(child, 0)[0][: 2 * BS + 5], x[0, 0])
+
+
+def test_freeing_everything_returns_every_slot() -> None:
+    bm = manager()
+    seqs = [bm.add_sequence() for _ in range(3)]
+    for i, s in enumerate(seqs):
+        append_all(bm, s, kv(70 + i, seed=i))
+    bm.step()
+    for s in seqs:
+        bm.free(s)
+    assert bm.stats().held_bytes == 0  # anonymous blocks are never cached
+    with pytest.raises(InvalidSequenceError):
+        bm.gather(seqs[0], 0)
+
+
+# -- signals ---------------------------------------------------------------------------------------
+
+
+def test_attention_reports_decide_which_blocks_keep_int8() -> None:
+    bm = manager(weights=(0.0, 0.0, 1.0), recent_window=16)
+    x = kv(12 * BS, seed=8)
+    seq = bm.add_sequence()
+    append_all(bm, seq, x)
+    weights = torch.zeros(HEADS, 1, 12 * BS)
+    weights[:, :, 5 * BS : 6 * BS] = 1.0  # block 5 gets all the attention
+    bm.record_attention(seq, 0, weights)
+    bm.step()
+    levels = levels_of(bm, seq)
+    assert levels[5] == 1
+    assert levels.count(2) > 0
+    with pytest.raises(InvalidArgumentError, match="last axis of 192 tokens"):
+        bm.record_attention(seq, 0, torch.zeros(3))
+
+
+def test_learned_scores_need_one_finite_score_per_block() -> None:
+    bm = manager(weights=(0.0, 1.0, 0.0), recent_window=16)
+    seq = bm.add_sequence()
+    append_all(bm, seq, kv(10 * BS, seed=9))
+    scores = np.zeros(10)
+    scores[3] = 5.0
+    bm.set_learned_scores(seq, scores)
+    bm.step()
+    assert levels_of(bm, seq)[3] == 1
+    with pytest.raises(InvalidArgumentError, match="expected 10 finite scores"):
+        bm.set_learned_scores(seq, np.zeros(4))
+
+
+# -- stats -----------------------------------------------------------------------------------------
+
+
+def test_stats_are_the_real_pool_occupancy() -> None:
+    bm = manager(recent_window=16)
+    seq = bm.add_sequence()
+    append_all(bm, seq, kv(20 * BS, seed=10))
+    bm.step()
+    st = bm.stats()
+    levels = levels_of(bm, seq)
+    by_level = [levels.count(lv) for lv in range(3)]
+    assert [p.blocks for p in st.pools] == by_level
+    assert st.held_bytes == sum(n * b for n, b in zip(by_level, bm.level_bytes, strict=True))
+    assert st.level0_bytes == 20 * bm.level_bytes[0]
+    d = bm.get_compression_stats()
+    assert d["memory_saved_mb"] == pytest.approx((st.level0_bytes - st.held_bytes) / 1e6)
+    assert d["avg_compression_ratio"] > 1.5
+    assert d["demotions"] == sum(by_level[1:])
+    text = st.to_prometheus()
+    assert 'kvtier_pool_blocks{tier="device",level="2",codec="int4"} ' + str(by_level[2]) in text
+    assert "# TYPE kvtier_moves_total counter" in text
+
+
+def test_the_original_designs_variables_configure_the_manager() -> None:
+    cfg = KvtierConfig.from_env(
+        environ={"VLLM_KV_COMPRESSION_LEVELS": "2", "KVTIER_DEVICE_BLOCKS": "8"}
+    )
+    bm = BlockManager(cfg, LAYERS, HEADS, DIM, torch.float16, "cpu")
+    assert bm.ladder == ("fp16", "int8")
+    assert bm.slots["device", 0] == 4  # half of 8 level-0 blocks
+    off = KvtierConfig.from_env(environ={"VLLM_ENABLE_KV_COMPRESSION": "0"}, device_blocks=8)
+    assert BlockManager(off, LAYERS, HEADS, DIM, "fp16", "cpu").ladder == ("fp16",)
+
+
+# -- capacity --------------------------------------------------------------------------------------
+
+
+def test_a_full_device_refuses_an_append_naming_the_budget_and_writes_nothing() -> None:
+    bm = manager(device_blocks=4, enable_compression=False)  # 4 level-0 slots, nothing else
+    seq = bm.add_sequence()
+    x = kv(5 * BS, seed=11)
+    append_all(bm, seq, x[:, :, : 4 * BS])
+    before = snapshot(bm)
+    with pytest.raises(OutOfCapacityError, match="budget"):
+        bm.append(seq, 0, x[0, 0, 4 * BS :], x[0, 1, 4 * BS :])
+    # The append let one step() try to make room; with nowhere to move blocks it moved none.
+    assert_same(before, snapshot(bm), planned=1)
+
+
+def test_a_full_device_offloads_to_the_host_instead_of_failing() -> None:
+    bm = manager(device_blocks=8, host_blocks=64, recent_window=16)
+    seq = bm.add_sequence()
+    x = kv(40 * BS, seed=12)
+    append_all(bm, seq, x, [BS] * 40)  # far more than the device holds
+    stats = bm.get_compression_stats()
+    assert stats["offloads"] > 0
+    assert sum(p["blocks"] for p in stats["pools"] if p["tier"] == "host") > 0
+    assert_gathers(bm, seq, x)
+
+
+def test_evict_on_full_makes_room_from_cached_blocks() -> None:
+    bm = manager(device_blocks=4, enable_compression=False, evict_on_full=True)
+    ids = np.arange(4 * BS)
+    a = bm.add_sequence(ids)
+    append_all(bm, a, kv(4 * BS, seed=13))
+    bm.free(a)  # 4 cached blocks fill the device
+    b = bm.add_sequence()
+    x = kv(2 * BS, seed=14)
+    append_all(bm, b, x)
+    assert bm.get_compression_stats()["evictions"] == 2
+    assert torch.equal(bm.gather(b, 1)[0], x[1, 0])
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("what", "call", "error", "match"),
+    [
+        ("layer", lambda bm, s, k: bm.append(s, LAYERS, k, k), InvalidArgumentError, "layer"),
+        (
+            "heads",
+            lambda bm, s, k: bm.append(s, 0, k[:, :1], k[:, :1]),
+            InvalidArgumentError,
+            "kv_heads",
+        ),
+        (
+            "dim",
+            lambda bm, s, k: bm.append(s, 0, k[..., :8], k[..., :8]),
+            InvalidArgumentError,
+            "head_dim",
+        ),
+        (
+            "dtype",
+            lambda bm, s, k: bm.append(s, 0, k.float(), k.float()),
+            InvalidArgumentError,
+            "dtype",
+        ),
+        (
+            "device",
+            lambda bm, s, k: bm.append(s, 0, k.to("meta"), k.to("meta")),
+            InvalidArgumentError,
+            "expected a tensor on cpu",
+        ),
+        ("k/v", lambda bm, s, k: bm.append(s, 0, k, k[:2]), InvalidArgumentError, "one shape"),
+        (
+            "sequence",
+            lambda bm, s, k: bm.append(s + 99, 0, k, k),
+            InvalidSequenceError,
+            "unknown sequence",
+        ),
+        ("gather", lambda bm, s, k: bm.gather(s, -1), InvalidArgumentError, "layer"),
+        ("tokens", lambda bm, s, k: bm.add_tokens(s, [[1, 2]]), InvalidArgumentError, "token_ids"),
+        (
+            "not a tensor",
+            lambda bm, s, k: bm.append(s, 0, "k", "v"),
+            InvalidArgumentError,
+            "DLPack",
+        ),
+    ],
+)
+def test_bad_input_raises_a_clear_error_and_changes_nothing(
+    what: str, call: Any, error: type[Exception], match: str
+) -> None:
+    bm = manager()
+    seq = bm.add_sequence()
+    x = kv(40, seed=15)
+    append_all(bm, seq, x)
+    bm.step()
+    before = snapshot(bm)
+    with pytest.raises(error, match=match):
+        call(bm, seq, x[0, 0, :4])
+    assert_same(before, snapshot(bm))
+
+
+def test_a_config_the_manager_cannot_serve_is_refused() -> None:
+    from kvtier import ConfigError
+
+    with pytest.raises(ConfigError, match="write_through: needs a host tier"):
+        manager(write_through=True)
+    with pytest.raises(ConfigError, match="holds no level-0 block"):
+        manager(device_blocks=None, device_budget=1000)
+    with pytest.raises(ConfigError, match="model dtype"):
+        manager(ladder=("bf16", "int8"))
+
+
+# -- threads ---------------------------------------------------------------------------------------
+
+
+def test_two_writers_and_a_stepper_never_corrupt_a_block() -> None:
+    bm = manager(device_blocks=48, host_blocks=64, recent_window=16)
+    data = {}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def writer(seed: int) -> None:
+        try:
+            seq = bm.add_sequence()
+            x = kv(30 * BS + 7, seed=seed)
+            data[seq] = x
+            at = 0
+            for n in [5, 11, 16, 1, 30, 3] * 15:
+                n = min(n, x.shape[2] - at)
+                if n <= 0:
+                    break
+                for layer in range(LAYERS):
+                    bm.append(seq, layer, x[layer, 0, at : at + n], x[layer, 1, at : at + n])
+                    k, v = bm.gather(seq, layer)
+                    assert_close_blocks(k, x[layer, 0, : at + n])
+                    assert_close_blocks(v, x[layer, 1, : at + n])
+                at += n
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def stepper() -> None:
+        try:
+            while not stop.is_set():
+                bm.step()
+        except BaseException as exc:  # pragma: no cover
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in (20, 21)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so that races show
+    step_thread = threading.Thread(target=stepper)
+    step_thread.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    step_thread.join()
+    sys.setswitchinterval(switch)
+    assert not errors, errors
+    assert bm.get_compression_stats()["demotions"] > 0
+    for seq, x in data.items():
+        assert bm.num_tokens(seq) == x.shape[2]
+        for layer in range(LAYERS):
+            k, v = bm.gather(seq, layer)
+            assert_close_blocks(k, x[layer, 0])
+            assert_close_blocks(v, x[layer, 1])
+
+
+# -- GPU -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_on_cuda_level_0_is_exact_and_demotions_match_the_codec(torch_cuda: Any) -> None:
+    bm = manager("cuda", host_blocks=64, write_through=True)
+    x = kv(150, seed=16, device="cuda")
+    seq = bm.add_sequence()
+    append_all(bm, seq, x, [100, 50])
+    assert bm.pools["host", 0].is_pinned()
+    assert_gathers(bm, seq, x)
+    bm.step()
+    assert max(levels_of(bm, seq)) > 0
+    for layer in range(LAYERS):
+        k, v = bm.gather(seq, layer)
+        assert_close_blocks(k, x[layer, 0])
+        assert_close_blocks(v, x[layer, 1])
+        assert torch.equal(k[-20:], x[layer, 0, -20:])  # the recent window stays exact
