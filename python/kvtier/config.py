@@ -213,7 +213,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var(
         "device_budget",
         "size",
-        "device tier budget in bytes (`8GiB`, `512MB`, `1e9`); unset = no limit",
+        "device tier budget in bytes (`8GiB`, `512MB`, `1e9`); unset: no limit in the "
+        "simulator, half the free CUDA memory (1 GiB on a CPU) in a `BlockManager`",
     ),
     _var(
         "device_blocks",
@@ -235,7 +236,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "remote (Redis/Valkey) tier budget in bytes; unset = no remote tier",
     ),
     _var("max_move_bytes", "size", "cap on bytes moved per `step()`; unset = no cap"),
-    _var("headroom", "float", "fraction of the device budget kept free for new blocks"),
+    _var(
+        "headroom",
+        "float",
+        "fraction of each tier's budget (and of each `BlockManager` pool) kept free for new blocks",
+    ),
     _var(
         "hysteresis",
         "float",
@@ -255,7 +260,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var(
         "evict_on_full",
         "bool",
-        "evict the lowest-scored block when a pool is full instead of failing",
+        "when a new block does not fit, evict cached (unreferenced) blocks, lowest-ranked "
+        "first, instead of failing",
     ),
     _var("namespace", "str", "namespace of prefix hashes and stored keys (model, codec, tenant)"),
 )
