@@ -11,7 +11,6 @@ from importlib import metadata as _metadata
 
 from ._core import Core, Plan, prefix_hashes
 from .config import KvtierConfig, parse_bytes
-from .manager import BlockManager, ManagerStats
 from .errors import (
     BlockBusyError,
     ConfigError,
@@ -23,6 +22,7 @@ from .errors import (
     OutOfCapacityError,
     PlanError,
 )
+from .manager import BlockManager, ManagerStats
 
 try:
     __version__ = _metadata.version("kvtier")

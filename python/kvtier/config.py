@@ -134,22 +134,18 @@ def _parse_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(","))
 
 
-def _parse_weights(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(
-            f"expected three comma-separated numbers (magnitude,learned,attention), got {text!r}"
-        ) from None
+def _float_list(expected: str) -> Callable[[str], tuple[float, ...]]:
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            return tuple(float(part) for part in text.split(","))
+        except ValueError:
+            raise ValueError(f"expected {expected}, got {text!r}") from None
+
+    return parse
 
 
-def _parse_shares(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(
-            f"expected comma-separated fractions, one per level, got {text!r}"
-        ) from None
+_parse_weights = _float_list("three comma-separated numbers (magnitude,learned,attention)")
+_parse_shares = _float_list("comma-separated fractions, one per level")
 
 
 def _parse_size(text: str) -> int:

@@ -24,6 +24,16 @@ fn seq_with(core: &mut Core, base: u64, n: u64) -> (u32, Vec<u32>) {
     (s, blocks)
 }
 
+fn unbounded(tiers: &[Tier]) -> Vec<TierConfig> {
+    tiers
+        .iter()
+        .map(|&tier| TierConfig {
+            tier,
+            budget_bytes: None,
+        })
+        .collect()
+}
+
 fn commit(core: &mut Core) -> kvtier::Plan {
     let plan = core.plan().unwrap().clone();
     core.commit(plan.id).unwrap();
@@ -98,16 +108,7 @@ fn promotion_restores_from_a_write_through_copy_and_is_a_noop_without_one() {
     for write_through in [true, false] {
         let mut cfg = cfg();
         cfg.write_through = write_through;
-        cfg.tiers = vec![
-            TierConfig {
-                tier: Tier::Device,
-                budget_bytes: None,
-            },
-            TierConfig {
-                tier: Tier::Host,
-                budget_bytes: None,
-            },
-        ];
+        cfg.tiers = unbounded(&[Tier::Device, Tier::Host]);
         let mut c = core(cfg);
         let (s, blocks) = seq_with(&mut c, 1, 6);
         commit(&mut c); // middle blocks demoted
@@ -440,16 +441,7 @@ fn pool_headroom_demotes_then_offloads_out_of_a_full_explicit_pool() {
     cfg.pressure_only = true; // no rank split: only the pool pass moves blocks
     cfg.headroom = 0.25;
     cfg.policy = kvtier::PolicyKind::Lru;
-    cfg.tiers = vec![
-        TierConfig {
-            tier: Tier::Device,
-            budget_bytes: None,
-        },
-        TierConfig {
-            tier: Tier::Host,
-            budget_bytes: None,
-        },
-    ];
+    cfg.tiers = unbounded(&[Tier::Device, Tier::Host]);
     cfg.pool_slots = vec![
         (Tier::Device, 0, 8),
         (Tier::Device, 1, 2),
