@@ -1190,3 +1190,18 @@ def test_model_shapes_size_blocks_with_the_codecs() -> None:
     assert llama.block_bytes("drop", 16) == 0
     with pytest.raises(ConfigError, match="int3"):
         llama.block_bytes("int3", 16)
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4"])
+def test_decode_layer_reads_one_layer_of_chosen_rows_exactly_as_decode(name: str) -> None:
+    codec = get_codec(name)
+    x = torch.randn(5, 3, 2, 2, 32, 64).half()
+    enc = codec.encode(x)
+    full = codec.decode(enc)
+    slots = torch.tensor([4, 0, 2])
+    for layer in range(3):
+        assert torch.equal(codec.decode_layer(enc.data, enc.shape, layer), full[:, layer])
+        got = codec.decode_layer(enc.data, enc.shape, layer, slots=slots, dtype=torch.float32)
+        assert torch.equal(got, codec.decode(enc, dtype=torch.float32)[slots, layer])
+    with pytest.raises(InvalidArgumentError, match="layer"):
+        codec.decode_layer(enc.data, enc.shape, 3)

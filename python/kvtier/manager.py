@@ -737,8 +737,9 @@ class BlockManager:
         idx = torch.from_numpy(slots.astype(np.int64)).to(pool.device)
         if level == 0:
             return pool[idx, layer].to(self.device, non_blocking=True)
-        rows = pool[idx].to(self.device, non_blocking=True)
-        return self.codecs[level].decode_layer(rows, self.shape, layer, dtype=self.dtype)
+        return self.codecs[level].decode_layer(
+            pool, self.shape, layer, slots=idx, dtype=self.dtype, device=self.device
+        )
 
 
 def _token_array(token_ids: Any) -> np.ndarray:

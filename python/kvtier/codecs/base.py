@@ -353,27 +353,38 @@ class Codec(ABC):
             to._write_parts(dst, d, to._encode(values), shape)
 
     def decode_layer(
-        self, rows: torch.Tensor, shape: BlockShape, layer: int, *, dtype: Any = None
+        self,
+        rows: torch.Tensor,
+        shape: BlockShape,
+        layer: int,
+        *,
+        slots: torch.Tensor | None = None,
+        dtype: Any = None,
+        device: Any = None,
     ) -> torch.Tensor:
-        """One layer of packed rows ``uint8 [n, bytes_per_block]``, decoded to
-        ``[n, 2, kv_heads, block_size, head_dim]`` in ``dtype`` (default: the model dtype).
+        """One layer of packed rows ``uint8 [n, bytes_per_block]`` (or of rows ``slots`` of a
+        pool), decoded to ``[n, 2, kv_heads, block_size, head_dim]`` in ``dtype`` (default: the
+        model dtype) on ``device`` (default: the rows' device).
 
-        Attention reads one layer at a time: a layer-major codec reads only that layer's bytes
-        of each section; any other codec decodes whole blocks and keeps the layer."""
+        Attention reads one layer at a time: a layer-major codec reads, and moves to ``device``,
+        only that layer's bytes of each section; any other codec decodes whole blocks."""
         rows = as_tensor(rows, "rows")
         check_pool(rows, "rows", self.bytes_per_block(shape))
         if not 0 <= layer < shape.layers:
             raise InvalidArgumentError(f"layer: expected 0 <= layer < {shape.layers}, got {layer}")
         out_dtype = torch_dtype(shape.dtype) if dtype is None else dtype
-        n = rows.shape[0]
+        device = rows.device if device is None else device
+        pick = slice(None) if slots is None else slots.to(rows.device)
         if not self.layer_major:
-            return self._decode(self.unpack(rows, shape), shape)[:, layer].to(out_dtype)
+            whole = self.unpack(rows[pick].to(device), shape)
+            return self._decode(whole, shape)[:, layer].to(out_dtype)
         one = BlockShape(1, shape.kv_heads, shape.block_size, shape.head_dim, shape.dtype)
         parts, at = {}, 0
         for s in self.sections(shape):
             per_layer = s.nbytes // shape.layers
-            chunk = rows[:, at + layer * per_layer : at + (layer + 1) * per_layer].contiguous()
-            parts[s.name] = chunk.view(torch_dtype(s.dtype)).reshape(n, 1, *s.shape[1:])
+            cols = slice(at + layer * per_layer, at + (layer + 1) * per_layer)
+            chunk = rows[pick, cols].to(device).contiguous()
+            parts[s.name] = chunk.view(torch_dtype(s.dtype)).reshape(-1, 1, *s.shape[1:])
             at += s.nbytes
         return self._decode(parts, one)[:, 0].to(out_dtype)
 
