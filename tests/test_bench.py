@@ -37,3 +37,30 @@ def test_bench_codecs_quick_prints_figures_beside_baselines() -> None:
     # bytes moved: the fp16 input plus exactly the packed rows the codec writes
     fp16 = result["fp16_bytes"]
     assert rows["int4 encode"]["bytes_moved"] == fp16 + fp16 * 11 // 32
+
+
+def test_bench_manager_quick_prints_figures_beside_baselines() -> None:
+    result = _bench("manager", "--quick", "--threads", "1")
+    assert result["fp16_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+    cpu = next(d for d in result["devices"] if d["device"] == "cpu")
+    decode = cpu["decode"]
+    assert decode["baseline"]["tokens_per_s"] > 0, "the named baseline is measured in the run"
+    work = result["workload"]
+    for setting in ("default", "fp16_only"):
+        r = decode[setting]
+        assert r["tokens"] == decode["baseline"]["tokens"], "same work on both sides"
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_ratio_vs_baseline"] > 0
+        assert r["gather"]["count"] == work["sequences"] * work["steps"] * 32
+        assert r["step"]["count"] == work["steps"]
+        assert r["step"]["max_ms"] >= r["step"]["mean_ms"] >= 0
+        assert r["memory"]["tokens"] == work["sequences"] * (work["prompt"] + work["steps"])
+    memory = cpu["memory"]
+    assert memory["default"]["ladder"] == ["fp16", "int8", "int4"]
+    assert memory["fp16_only"]["ladder"] == ["fp16"]
+    # real bytes: fp16 only holds exactly fp16 K/V (whole blocks); compression holds less
+    assert memory["fp16_only"]["ratio_vs_fp16"] >= 1.0
+    assert memory["default"]["ratio_vs_fp16"] < 1.0
+    assert memory["aggressive"]["ratio_vs_fp16"] < memory["default"]["ratio_vs_fp16"]
+    assert decode["default"]["memory"]["ratio_vs_fp16"] < 1.0
+    for m in memory.values():
+        assert m["pool_bytes"] >= m["held_bytes"] > 0

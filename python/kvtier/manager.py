@@ -457,7 +457,7 @@ class BlockManager:
                 )
             out = torch.empty((m, *self.shape.dims[1:]), dtype=self.dtype, device=self.device)
             for (tier, level), rows, slots in self._locations(blocks):
-                out[rows] = self._read_layer(tier, level, slots, layer)
+                out.index_copy_(0, rows, self._read_layer(tier, level, slots, layer))
             if m:
                 self.core.record_reads(blocks)
         kv = out.permute(1, 0, 3, 2, 4).reshape(2, m * bs, *self.shape.dims[2:5:2])
@@ -736,7 +736,7 @@ class BlockManager:
         pool = self.pools[tier, level]
         idx = torch.from_numpy(slots.astype(np.int64)).to(pool.device)
         if level == 0:
-            return pool[idx, layer].to(self.device, non_blocking=True)
+            return pool[:, layer].index_select(0, idx).to(self.device, non_blocking=True)
         return self.codecs[level].decode_layer(
             pool, self.shape, layer, slots=idx, dtype=self.dtype, device=self.device
         )

@@ -24,6 +24,7 @@ how the simulator sizes pools.
 from __future__ import annotations
 
 import math
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -48,7 +49,11 @@ FLOAT_DTYPES = ("fp16", "bf16", "fp32")
 
 def torch_module() -> Any:
     """torch, or a MissingDependencyError naming the extra that installs it."""
-    return require("torch", "torch", purpose="kvtier's codecs need torch")
+    torch = sys.modules.get("torch")  # the hot paths call this: skip the import machinery
+    return torch if torch is not None else require("torch", "torch", purpose=_NEEDS_TORCH)
+
+
+_NEEDS_TORCH = "kvtier's codecs need torch"
 
 
 def torch_dtype(name: str) -> torch.dtype:

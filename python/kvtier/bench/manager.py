@@ -1,0 +1,486 @@
+"""``kvtier bench manager``: the BlockManager beside a contiguous torch KV cache, in one run.
+
+Both do the same appends and reads of a decode-like workload.
+
+The shape: Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, fp16), blocks of 16 tokens.
+
+- decode: S sequences each append a P-token prompt to every layer (then one ``step()``), then G
+  decode steps: per layer, per sequence, append one token and gather the whole layer back
+  (``[n, kv_heads, head_dim]`` K and V, contiguous); one ``step()`` per decode step. Timed for the
+  default ladder (fp16, int8, int4; recent window 128) and with compression off (fp16 only). The
+  baseline preallocates ``[max_tokens, kv_heads, head_dim]`` K and V per sequence and layer:
+  append is a slice copy, a read is the slice (already contiguous). Tokens/s counts tokens of a
+  sequence (all layers) appended per second of the whole workload.
+- memory: bytes the pools hold per token after a final ``step()``, against fp16 K/V (131,072
+  B/token), for the default ladder, fp16 only, and an aggressive setting (every compressible
+  block to int4, recent window 32); measured after the decode workload and, separately, on
+  longer sequences (prompt, ``step()``, decode appends and steps, no gathers). The recent window
+  and the sink block stay fp16, so bytes per token fall as sequences grow: the length is given
+  with each figure.
+
+Runs on the CPU, and on CUDA when ``torch.cuda.is_available()``. Prints a table on stdout
+(``--json``: one JSON object instead); progress goes to stderr. Figures, never pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..config import KvtierConfig
+from ..manager import BlockManager
+from .core import best_of
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DTYPE = torch.float16
+#: fp16 K and V of one token over every layer: 2 * 32 * 8 * 128 * 2 bytes.
+FP16_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2
+#: The design target: at default settings the manager holds at most this share of fp16 bytes.
+TARGET_RATIO = 0.6
+
+#: The manager settings compared (``KvtierConfig`` overrides besides the device budget).
+SETTINGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "fp16_only": {"enable_compression": False},
+    "aggressive": {"compression_ratio": 0.0, "recent_window": 32},
+}
+TIMED = ("default", "fp16_only")
+
+
+@dataclass(frozen=True)
+class Workload:
+    sequences: int
+    prompt: int
+    steps: int
+
+    @property
+    def length(self) -> int:
+        return self.prompt + self.steps
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * self.length
+
+
+QUICK = Workload(sequences=2, prompt=256, steps=4)
+FULL = Workload(sequences=4, prompt=512, steps=32)
+#: The memory runs: sequences of this many tokens (prompt plus ``steps`` decode tokens).
+QUICK_MEMORY = Workload(sequences=2, prompt=512 - 4, steps=4)
+FULL_MEMORY = Workload(sequences=4, prompt=2048 - 8, steps=8)
+
+Inputs = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _inputs(work: Workload, device: torch.device) -> Inputs:
+    """Per sequence: prompt K and V ``[P, heads, dim]`` and decode K and V ``[G, heads, dim]``,
+    with per-token scales so that key norms (the magnitude signal) differ between blocks. Every
+    layer appends the same tensors: the data does not change the cost."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(work.sequences):
+        four = []
+        for n in (work.prompt, work.prompt, work.steps, work.steps):
+            scale = torch.rand((n, 1, 1), generator=gen) * 2 + 0.1
+            x = torch.randn((n, KV_HEADS, HEAD_DIM), generator=gen) * scale
+            four.append(x.to(DTYPE).to(device))
+        out.append((four[0], four[1], four[2], four[3]))
+    return out
+
+
+def _device_blocks(work: Workload) -> int:
+    """One device budget for every setting, in level-0 blocks: room for every block of every
+    sequence at level 0 within the default ladder's half share and the pools' headroom, so that
+    no append has to wait for a ``step()`` to make room."""
+    blocks = work.sequences * math.ceil(work.length / BLOCK_SIZE)
+    return math.ceil(2 * blocks / (1 - KvtierConfig().headroom)) + 4
+
+
+def _manager(setting: str, work: Workload, device: torch.device) -> BlockManager:
+    cfg = KvtierConfig(device_blocks=_device_blocks(work), **SETTINGS[setting])
+    return BlockManager(cfg, LAYERS, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+
+
+def _syncer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    return {
+        "mean_ms": statistics.fmean(values) * 1e3 if values else 0.0,
+        "max_ms": max(values, default=0.0) * 1e3,
+        "count": len(values),
+    }
+
+
+def _memory(bm: BlockManager, setting: str, work: Workload) -> dict[str, Any]:
+    st = bm.stats()
+    per_token = st.held_bytes / st.tokens
+    return {
+        "setting": setting,
+        "ladder": list(bm.ladder),
+        "recent_window": bm.config.recent_window,
+        "compression_ratio": bm.config.compression_ratio,
+        "sequences": st.sequences,
+        "sequence_tokens": work.length,
+        "tokens": st.tokens,
+        "held_bytes": st.held_bytes,
+        "held_bytes_per_token": per_token,
+        "ratio_vs_fp16": per_token / FP16_BYTES_PER_TOKEN,
+        "pool_bytes": bm.pool_bytes,
+        "pool_bytes_per_token": bm.pool_bytes / st.tokens,
+        "blocks_per_level": {
+            f"{p.tier}/{p.level}:{p.codec}": p.blocks for p in st.pools if p.blocks
+        },
+        "moves": {
+            k: st.counters.get(k, 0) for k in ("demotions", "promotions", "offloads", "evictions")
+        },
+    }
+
+
+def run_manager(
+    setting: str,
+    work: Workload,
+    inputs: Inputs,
+    device: torch.device,
+    *,
+    gather: bool = True,
+    read_repeats: int = 1,
+) -> dict[str, Any]:
+    """The workload on a fresh manager (construction not timed); with ``gather=False`` no reads
+    (the memory runs). Ends with an untimed ``step()`` before the memory figures."""
+    sync = _syncer(device)
+    bm = _manager(setting, work, device)
+    sync()
+    clock = time.perf_counter
+    prefill_appends: list[float] = []
+    appends: list[float] = []
+    gathers: list[float] = []
+    steps: list[float] = []
+    start = clock()
+    seqs = [bm.add_sequence() for _ in range(work.sequences)]
+    for seq, (kp, vp, _, _) in zip(seqs, inputs, strict=True):
+        for layer in range(LAYERS):
+            t0 = clock()
+            bm.append(seq, layer, kp, vp)
+            sync()
+            prefill_appends.append(clock() - t0)
+    t0 = clock()
+    bm.step()
+    sync()
+    prefill_step = clock() - t0
+    prefill_s = clock() - start
+    for g in range(work.steps):
+        for layer in range(LAYERS):
+            for seq, (_, _, kd, vd) in zip(seqs, inputs, strict=True):
+                t0 = clock()
+                bm.append(seq, layer, kd[g : g + 1], vd[g : g + 1])
+                sync()
+                t1 = clock()
+                appends.append(t1 - t0)
+                if gather:
+                    bm.gather(seq, layer)
+                    sync()
+                    gathers.append(clock() - t1)
+        t0 = clock()
+        bm.step()
+        sync()
+        steps.append(clock() - t0)
+    total_s = clock() - start
+    if gather:  # a read gives the whole layer back, contiguous
+        for x in bm.gather(seqs[-1], LAYERS - 1):
+            assert x.shape == (work.length, KV_HEADS, HEAD_DIM) and x.is_contiguous(), x.shape
+    bm.step()
+    sync()
+    out: dict[str, Any] = {
+        "setting": setting,
+        "tokens": work.tokens,
+        "total_s": total_s,
+        "tokens_per_s": work.tokens / total_s,
+        "prefill_s": prefill_s,
+        "decode_s": total_s - prefill_s,
+        "decode_tokens_per_s": work.sequences * work.steps / (total_s - prefill_s),
+        "prefill_append": _ms(prefill_appends),
+        "prefill_step_ms": prefill_step * 1e3,
+        "append": _ms(appends),
+        "gather": _ms(gathers),
+        "step": _ms(steps),
+    }
+    if gather:
+
+        def read_all() -> None:
+            for layer in range(LAYERS):
+                for seq in seqs:
+                    bm.gather(seq, layer)
+            sync()
+
+        out["read_all_ms"] = best_of(read_repeats, read_all) * 1e3
+    out["memory"] = _memory(bm, setting, work)
+    return out
+
+
+def run_baseline(
+    work: Workload, inputs: Inputs, device: torch.device, *, read_repeats: int = 1
+) -> dict[str, Any]:
+    """The same appends and reads on a preallocated contiguous cache (allocation not timed)."""
+    sync = _syncer(device)
+    shape = (work.length, KV_HEADS, HEAD_DIM)
+    cache = [
+        [
+            (
+                torch.empty(shape, dtype=DTYPE, device=device),
+                torch.empty(shape, dtype=DTYPE, device=device),
+            )
+            for _ in range(LAYERS)
+        ]
+        for _ in range(work.sequences)
+    ]
+    sync()
+    clock = time.perf_counter
+    prefill_appends: list[float] = []
+    appends: list[float] = []
+    reads: list[float] = []
+    start = clock()
+    for layers, (kp, vp, _, _) in zip(cache, inputs, strict=True):
+        for k, v in layers:
+            t0 = clock()
+            k[: work.prompt].copy_(kp)
+            v[: work.prompt].copy_(vp)
+            sync()
+            prefill_appends.append(clock() - t0)
+    prefill_s = clock() - start
+    n = work.prompt
+    for g in range(work.steps):
+        for layer in range(LAYERS):
+            for layers, (_, _, kd, vd) in zip(cache, inputs, strict=True):
+                k, v = layers[layer]
+                t0 = clock()
+                k[n : n + 1].copy_(kd[g : g + 1])
+                v[n : n + 1].copy_(vd[g : g + 1])
+                sync()
+                t1 = clock()
+                appends.append(t1 - t0)
+                k[: n + 1].contiguous(), v[: n + 1].contiguous()  # views: already contiguous
+                sync()
+                reads.append(clock() - t1)
+        n += 1
+    total_s = clock() - start
+
+    def read_all() -> None:
+        for layer in range(LAYERS):
+            for layers in cache:
+                k, v = layers[layer]
+                k[:n].contiguous(), v[:n].contiguous()
+        sync()
+
+    allocated = 2 * work.sequences * LAYERS * math.prod(shape) * 2
+    return {
+        "setting": "contiguous torch cache",
+        "tokens": work.tokens,
+        "total_s": total_s,
+        "tokens_per_s": work.tokens / total_s,
+        "prefill_s": prefill_s,
+        "decode_s": total_s - prefill_s,
+        "decode_tokens_per_s": work.sequences * work.steps / (total_s - prefill_s),
+        "prefill_append": _ms(prefill_appends),
+        "append": _ms(appends),
+        "gather": _ms(reads),
+        "read_all_ms": best_of(read_repeats, read_all) * 1e3,
+        "allocated_bytes": allocated,
+        "allocated_bytes_per_token": allocated / work.tokens,
+    }
+
+
+def run_device(
+    device: torch.device, work: Workload, memory_work: Workload, repeats: int, log: Any
+) -> dict[str, Any]:
+    inputs = _inputs(work, device)
+    # Warm-up: first calls into torch ops and the codecs, off the clock.
+    tiny = Workload(sequences=1, prompt=48, steps=2)
+    for setting in TIMED:
+        run_manager(setting, tiny, _inputs(tiny, device), device)
+    run_baseline(tiny, _inputs(tiny, device), device)
+    log(f"[{device}] baseline: contiguous torch cache")
+    baseline = run_baseline(work, inputs, device, read_repeats=repeats)
+    decode: dict[str, Any] = {"baseline": baseline}
+    for setting in TIMED:
+        log(f"[{device}] manager {setting}: decode workload")
+        r = run_manager(setting, work, inputs, device, read_repeats=repeats)
+        r["tokens_per_s_ratio_vs_baseline"] = r["tokens_per_s"] / baseline["tokens_per_s"]
+        r["decode_tokens_per_s_ratio_vs_baseline"] = (
+            r["decode_tokens_per_s"] / baseline["decode_tokens_per_s"]
+        )
+        decode[setting] = r
+    del inputs
+    memory: dict[str, Any] = {}
+    memory_inputs = _inputs(memory_work, device)
+    for setting in SETTINGS:
+        log(f"[{device}] manager {setting}: memory run, {memory_work.length}-token sequences")
+        memory[setting] = run_manager(setting, memory_work, memory_inputs, device, gather=False)[
+            "memory"
+        ]
+    return {"device": str(device), "decode": decode, "memory": memory}
+
+
+def _table(result: dict[str, Any]) -> str:
+    work, mem_work = result["workload"], result["memory_workload"]
+    lines = [
+        f"kvtier bench manager: Llama-3-8B KV ({LAYERS} layers, {KV_HEADS} kv heads, head_dim "
+        f"{HEAD_DIM}, fp16), block_size {BLOCK_SIZE}; torch {result['torch']}, "
+        f"{result['cpu_threads']} CPU threads",
+        f"decode workload: {work['sequences']} sequences x ({work['prompt']} prompt + "
+        f"{work['steps']} decode tokens), every layer; a read per layer per sequence per decode "
+        "step; step() after the prefill and after each decode step",
+    ]
+    for dev in result["devices"]:
+        d = dev["decode"]
+        base = d["baseline"]
+        lines += [
+            "",
+            f"[{dev['device']}] throughput (tokens of a sequence, all layers; ratio against the "
+            "contiguous torch cache)",
+            f"  {'':24s} {'tokens/s':>10s} {'x base':>8s} {'decode tok/s':>12s} {'x base':>8s}"
+            f" {'prefill s':>9s} {'decode s':>9s}",
+        ]
+        for name in ("baseline", *TIMED):
+            r = d[name]
+            label = "contiguous torch cache" if name == "baseline" else f"manager {name}"
+            ratio = r.get("tokens_per_s_ratio_vs_baseline", 1.0)
+            dratio = r.get("decode_tokens_per_s_ratio_vs_baseline", 1.0)
+            lines.append(
+                f"  {label:24s} {r['tokens_per_s']:10.0f} {ratio:8.3f} "
+                f"{r['decode_tokens_per_s']:12.1f} {dratio:8.3f} {r['prefill_s']:9.2f} "
+                f"{r['decode_s']:9.2f}"
+            )
+        lines += [
+            f"[{dev['device']}] per call, mean ms (max)",
+            f"  {'':24s} {'prefill append':>15s} {'decode append':>15s} {'gather/read':>15s}"
+            f" {'read all':>9s} {'step':>17s} {'prefill step':>12s}",
+        ]
+        for name in ("baseline", *TIMED):
+            r = d[name]
+            label = "contiguous torch cache" if name == "baseline" else f"manager {name}"
+            step = (
+                f"{r['step']['mean_ms']:7.3f} ({r['step']['max_ms']:7.2f})" if "step" in r else "-"
+            )
+            pstep = f"{r['prefill_step_ms']:.1f}" if "prefill_step_ms" in r else "-"
+            lines.append(
+                f"  {label:24s} {r['prefill_append']['mean_ms']:15.3f} "
+                f"{r['append']['mean_ms']:15.3f} {r['gather']['mean_ms']:15.3f} "
+                f"{r['read_all_ms']:9.1f} {step:>17s} {pstep:>12s}"
+            )
+        lines += [
+            f"[{dev['device']}] memory after a final step(): held bytes per token against fp16 "
+            f"({FP16_BYTES_PER_TOKEN:,} B/token; target at default settings <= {TARGET_RATIO}x)",
+            f"  {'':24s} {'seq len':>7s} {'held B/token':>12s} {'x fp16':>7s}"
+            f" {'pool MiB':>9s} {'pool B/token':>12s}  blocks per level",
+        ]
+        rows = [(f"decode: {n}", d[n]["memory"]) for n in TIMED] + [
+            (f"long: {n}", m) for n, m in dev["memory"].items()
+        ]
+        for label, m in rows:
+            levels = ", ".join(f"{k.split(':')[1]} {v}" for k, v in m["blocks_per_level"].items())
+            lines.append(
+                f"  {label:24s} {m['sequence_tokens']:7d} {m['held_bytes_per_token']:12,.0f} "
+                f"{m['ratio_vs_fp16']:7.3f} {m['pool_bytes'] / 2**20:9.1f} "
+                f"{m['pool_bytes_per_token']:12,.0f}  {levels}"
+            )
+        alloc = base["allocated_bytes_per_token"]
+        lines.append(
+            f"  {'contiguous torch cache':24s} {work['prompt'] + work['steps']:7d} "
+            f"{alloc:12,.0f} {alloc / FP16_BYTES_PER_TOKEN:7.3f} "
+            f"{base['allocated_bytes'] / 2**20:9.1f} {alloc:12,.0f}  (preallocated to the length)"
+        )
+    lines.append(
+        f"settings: default = fp16,int8,int4, compression_ratio 0.5, recent_window 128; fp16_only"
+        f" = enable_compression=False; aggressive = compression_ratio 0.0, recent_window 32; "
+        f"device_blocks {result['device_blocks']} (decode) / {result['memory_device_blocks']} "
+        f"(long: {mem_work['sequences']} x {mem_work['prompt'] + mem_work['steps']} tokens, no "
+        "reads)"
+    )
+    if not result["cuda"]:
+        lines.append("cuda: not available (torch.cuda.is_available() is False): not measured")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kvtier bench manager", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK.sequences} x ({QUICK.prompt} + {QUICK.steps}) tokens, memory at "
+        f"{QUICK_MEMORY.length} (a smoke run)",
+    )
+    ap.add_argument("--sequences", type=int, default=None, help="S (default: 4, quick: 2)")
+    ap.add_argument("--prompt", type=int, default=None, help="P tokens (default: 512, quick: 256)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="G decode steps (default: 32, quick: 4)"
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="timed runs of 'read all' (best; default 3)"
+    )
+    ap.add_argument("--no-cpu", action="store_true", help="skip the CPU figures")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = QUICK if args.quick else FULL
+    work = Workload(
+        args.sequences or base.sequences, args.prompt or base.prompt, args.steps or base.steps
+    )
+    memory_work = QUICK_MEMORY if args.quick else FULL_MEMORY
+    repeats = args.repeats or (1 if args.quick else 3)
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    cuda = torch.cuda.is_available()
+    result: dict[str, Any] = {
+        "shape": {
+            "layers": LAYERS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "block_size": BLOCK_SIZE,
+            "dtype": "fp16",
+        },
+        "fp16_bytes_per_token": FP16_BYTES_PER_TOKEN,
+        "target_ratio_vs_fp16": TARGET_RATIO,
+        "workload": asdict(work),
+        "memory_workload": asdict(memory_work),
+        "device_blocks": _device_blocks(work),
+        "memory_device_blocks": _device_blocks(memory_work),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "cuda": cuda,
+        "devices": [],
+    }
+    log(
+        f"kvtier bench manager: {work.sequences} x ({work.prompt} + {work.steps}) tokens; memory "
+        f"at {memory_work.length} tokens"
+    )
+    devices = ([] if args.no_cpu else [torch.device("cpu")]) + (
+        [torch.device("cuda", torch.cuda.current_device())] if cuda else []
+    )
+    for device in devices:
+        result["devices"].append(run_device(device, work, memory_work, repeats, log))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
