@@ -470,9 +470,9 @@ class BlockManager:
         ``[heads, queries, tokens]`` from eager attention): each block is credited the mean
         attention its tokens received, smoothed over reports by the core."""
         w = as_tensor(weights, "weights")
-        self._layer(layer)
+        layer = self._layer(layer)
         with self._lock:
-            tokens = int(self._seq(seq).lengths[self._layer(layer)])
+            tokens = int(self._seq(seq).lengths[layer])
             if w.dim() < 1 or w.shape[-1] != tokens:
                 raise InvalidArgumentError(
                     f"weights: expected a last axis of {tokens} tokens (sequence {seq}, layer "

@@ -115,6 +115,19 @@ def _syncer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+def _throughput(setting: str, work: Workload, total_s: float, prefill_s: float) -> dict[str, Any]:
+    """The figures every side of the decode workload reports alike."""
+    return {
+        "setting": setting,
+        "tokens": work.tokens,
+        "total_s": total_s,
+        "tokens_per_s": work.tokens / total_s,
+        "prefill_s": prefill_s,
+        "decode_s": total_s - prefill_s,
+        "decode_tokens_per_s": work.sequences * work.steps / (total_s - prefill_s),
+    }
+
+
 def _ms(values: list[float]) -> dict[str, float]:
     return {
         "mean_ms": statistics.fmean(values) * 1e3 if values else 0.0,
@@ -203,13 +216,7 @@ def run_manager(
     bm.step()
     sync()
     out: dict[str, Any] = {
-        "setting": setting,
-        "tokens": work.tokens,
-        "total_s": total_s,
-        "tokens_per_s": work.tokens / total_s,
-        "prefill_s": prefill_s,
-        "decode_s": total_s - prefill_s,
-        "decode_tokens_per_s": work.sequences * work.steps / (total_s - prefill_s),
+        **_throughput(setting, work, total_s, prefill_s),
         "prefill_append": _ms(prefill_appends),
         "prefill_step_ms": prefill_step * 1e3,
         "append": _ms(appends),
@@ -285,13 +292,7 @@ def run_baseline(
 
     allocated = 2 * work.sequences * LAYERS * math.prod(shape) * 2
     return {
-        "setting": "contiguous torch cache",
-        "tokens": work.tokens,
-        "total_s": total_s,
-        "tokens_per_s": work.tokens / total_s,
-        "prefill_s": prefill_s,
-        "decode_s": total_s - prefill_s,
-        "decode_tokens_per_s": work.sequences * work.steps / (total_s - prefill_s),
+        **_throughput("contiguous torch cache", work, total_s, prefill_s),
         "prefill_append": _ms(prefill_appends),
         "append": _ms(appends),
         "gather": _ms(reads),
