@@ -9,7 +9,7 @@ import numpy as np
 
 from .errors import InvalidArgumentError
 
-_INTEGER_RANGES = {"uint32": (0, 2**32 - 1), "uint64": (0, 2**64 - 1)}
+_INTEGER_RANGES = {"uint8": (0, 255), "uint32": (0, 2**32 - 1), "uint64": (0, 2**64 - 1)}
 
 
 def as_array(obj: Any, name: str, dtype: str) -> np.ndarray:

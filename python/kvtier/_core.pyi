@@ -4,7 +4,7 @@ from typing import Any, ClassVar, Final, final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Core", "Plan", "Simulator", "kernel_sources", "namespace_seed", "prefix_hashes"]
+__all__ = ["Core", "Plan", "Simulator", "checksum", "kernel_sources", "namespace_seed", "prefix_hashes"]
 
 _Ids = npt.ArrayLike
 _Usage = list[tuple[str, int, int, int, int]]

@@ -38,6 +38,28 @@ fn namespace_seed(namespace: &str) -> u64 {
     kvtier::namespace_seed(namespace)
 }
 
+/// xxh3-64 of the concatenation of `parts` (uint8 arrays), read without the GIL: the checksum
+/// of stored values (`kvtier.stores`). Streaming, so a header and a payload need no joining copy.
+#[pyfunction]
+#[pyo3(signature = (*parts, seed = 0))]
+fn checksum(py: Python<'_>, parts: Vec<Bound<'_, PyAny>>, seed: u64) -> PyResult<u64> {
+    let arrays = parts
+        .iter()
+        .map(|p| arrays::array::<u8>(p, "parts", "uint8"))
+        .collect::<PyResult<Vec<_>>>()?;
+    let slices = arrays
+        .iter()
+        .map(|a| a.as_slice())
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(py.detach(|| {
+        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
+        for s in &slices {
+            h.update(s);
+        }
+        h.digest()
+    }))
+}
+
 /// The CUDA sources of kvtier's kernels (kernels/*.cu), by file name. Compiled into the
 /// extension so that every installed copy of kvtier carries the kernels it was built with.
 #[pyfunction]
@@ -56,5 +78,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prefix_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(namespace_seed, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum, m)?)?;
     Ok(())
 }

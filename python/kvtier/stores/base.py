@@ -1,0 +1,227 @@
+"""The one interface over stored bytes that every tier speaks.
+
+A :class:`KVStore` is bound to a :class:`Namespace`; :meth:`KVStore.with_namespace` gives another
+view of the same backend (same memory, directory or connection, same budget). Subclasses move
+sealed values (``format.seal``) under full keys; this class does the sealing, the checks and the
+counting, so every store treats a bad value the same way: a miss, logged and counted.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import InvalidArgumentError, KvtierError, PayloadError
+from .format import Namespace, payload_view, seal, unseal
+
+log = logging.getLogger("kvtier.stores")
+
+Parts = tuple[bytes, memoryview, bytes]
+
+
+class StoreClosedError(KvtierError):
+    """The store was closed; open a new one."""
+
+
+@dataclass
+class StoreStats:
+    """What a store did since it was opened (all namespaces of its backend together)."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    #: puts refused or failed: over budget, disk full, server unreachable
+    put_failures: int = 0
+    hits: int = 0
+    hit_bytes: int = 0
+    misses: int = 0
+    #: values that failed a check (truncated, bit-flipped, foreign); each also counts as a miss
+    corrupt: int = 0
+    #: backend errors (I/O, connection); gets that hit one also count as misses
+    errors: int = 0
+    evictions: int = 0
+    deletes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class KVStore(ABC):
+    """``put/get/contains/delete/pop`` of byte values under keys of one namespace, and their
+    batch forms (the normal path). A miss is ``None``; a value that fails any check is a miss."""
+
+    kind: str = "store"
+
+    def __init__(self, namespace: Namespace) -> None:
+        if not isinstance(namespace, Namespace):
+            raise InvalidArgumentError(
+                f"namespace: expected a kvtier.stores.Namespace, got {type(namespace).__name__}"
+            )
+        self.namespace = namespace
+        self.stats = StoreStats()
+        self._stats_lock = threading.Lock()
+        self._closed = [False]  # shared by every namespace view of this backend
+
+    def with_namespace(self, namespace: Namespace) -> KVStore:
+        """The same backend seen through another namespace."""
+        view = copy.copy(self)
+        KVStore.__init__(view, namespace)
+        view.stats, view._stats_lock, view._closed = self.stats, self._stats_lock, self._closed
+        return view
+
+    # -- the public API -------------------------------------------------------------------------
+
+    def put(self, key: str | int, value: Any) -> bool:
+        """Stores ``value`` (any contiguous bytes: bytes, numpy, CPU tensor) under ``key``.
+        Returns False when the store refused or failed (budget, disk full, server away); what
+        was stored before is then left as it was."""
+        return self.put_many([key], [value])[0]
+
+    def get(self, key: str | int) -> memoryview | None:
+        """The payload stored under ``key`` as a read-only view, or None (a miss)."""
+        return self.get_many([key])[0]
+
+    def put_many(self, keys: Sequence[str | int], values: Sequence[Any]) -> list[bool]:
+        self._check_open()
+        if len(keys) != len(values):
+            raise InvalidArgumentError(
+                f"put_many: {len(keys)} keys but {len(values)} values; expected one value per key"
+            )
+        full = [self.namespace.key(k) for k in keys]
+        sealed = [seal(self.namespace, k, payload_view(v)) for k, v in zip(full, values)]
+        done = self._put(full, sealed)
+        ok = sum(done)
+        with self._stats_lock:
+            self.stats.puts += ok
+            self.stats.put_bytes += sum(len(p[1]) for p, d in zip(sealed, done) if d)
+            self.stats.put_failures += len(done) - ok
+        return done
+
+    def get_many(self, keys: Sequence[str | int]) -> list[memoryview | None]:
+        self._check_open()
+        full = [self.namespace.key(k) for k in keys]
+        return self._open_all(full, self._get(full))
+
+    def pop(self, key: str | int) -> memoryview | None:
+        """Takes the value out: returns it and deletes it, atomically (of two processes popping
+        one key, one gets it). A miss is None."""
+        self._check_open()
+        full = self.namespace.key(key)
+        return self._open_all([full], [self._pop(full)])[0]
+
+    def contains(self, key: str | int) -> bool:
+        """Whether a value is stored under ``key`` (``get`` still checks it)."""
+        self._check_open()
+        return self._contains(self.namespace.key(key))
+
+    def delete(self, key: str | int) -> bool:
+        """Deletes ``key``; True when there was a value."""
+        return self.delete_many([key])[0]
+
+    def delete_many(self, keys: Sequence[str | int]) -> list[bool]:
+        self._check_open()
+        done = self._delete([self.namespace.key(k) for k in keys])
+        with self._stats_lock:
+            self.stats.deletes += sum(done)
+        return done
+
+    def keys(self) -> Iterator[str]:
+        """The keys of this namespace (as given to ``put``; hashes as 16 hex digits)."""
+        self._check_open()
+        n = len(self.namespace.prefix)
+        return (k[n:] for k in self._scan(self.namespace.prefix))
+
+    def close(self) -> None:
+        """Releases the backend (connections, file handles); the stored values stay where they
+        live (a disk directory or a Redis server outlives the store, host memory does not)."""
+        if not self._closed[0]:
+            self._closed[0] = True
+            self._close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed[0]
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.describe()}, namespace={self.namespace})"
+
+    def describe(self) -> str:
+        return self.kind
+
+    # -- for subclasses -------------------------------------------------------------------------
+
+    @abstractmethod
+    def _put(self, keys: list[str], values: list[Parts]) -> list[bool]: ...
+
+    @abstractmethod
+    def _get(self, keys: list[str]) -> list[Any]:
+        """The stored blobs (any buffer) or None; backend errors become None (and are counted
+        with :meth:`_error`)."""
+
+    @abstractmethod
+    def _pop(self, key: str) -> Any: ...
+
+    @abstractmethod
+    def _contains(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _delete(self, keys: list[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def _scan(self, prefix: str) -> Iterable[str]: ...
+
+    def _close(self) -> None:
+        pass
+
+    def _discard_corrupt(self, key: str) -> None:
+        """Called for a value that failed its checks; a store that can remove it does."""
+
+    def _error(self, what: str, exc: BaseException) -> None:
+        with self._stats_lock:
+            self.stats.errors += 1
+        log.warning("%s: %s failed: %s", self.describe(), what, exc)
+
+    def _evicted(self, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats.evictions += n
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed[0]:
+            raise StoreClosedError(f"{self.describe()}: the store is closed")
+
+    def _open_all(self, keys: list[str], blobs: list[Any]) -> list[memoryview | None]:
+        out: list[memoryview | None] = []
+        hits = hit_bytes = corrupt = 0
+        for key, blob in zip(keys, blobs, strict=True):
+            if blob is None:
+                out.append(None)
+                continue
+            try:
+                payload = unseal(self.namespace, key, blob)
+            except PayloadError as exc:
+                corrupt += 1
+                log.warning("%s: %s is not served: %s", self.describe(), key, exc)
+                self._discard_corrupt(key)
+                out.append(None)
+                continue
+            hits += 1
+            hit_bytes += len(payload)
+            out.append(payload)
+        with self._stats_lock:
+            self.stats.hits += hits
+            self.stats.hit_bytes += hit_bytes
+            self.stats.misses += len(keys) - hits
+            self.stats.corrupt += corrupt
+        return out

@@ -1,0 +1,237 @@
+"""Values as files in a directory: one file per key, written atomically, and still there when
+the directory is opened again (after a restart, or by another process).
+
+Layout: ``<root>/<namespace digest>/<2 hex digits>/<name>``, where the name is the key when it
+is a safe file name (a prefix hash always is) and a digest of it otherwise; the header inside
+names the full key either way, so a file read under another key is a miss.
+
+A write goes to a temporary file in the same directory and is renamed over the final name, so
+a reader (in this or another process) sees the old value or the new one, never a torn one. A
+``pop`` claims the file by renaming it first, so of two processes popping one key only one
+gets it. A file that fails its checks is removed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._core import checksum
+from ..errors import InvalidArgumentError
+from .base import KVStore, Parts
+from .format import Namespace, read_key
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.=-]{1,120}")
+_TMP = ".tmp-"
+
+
+class DiskStore(KVStore):
+    """Files under ``root`` within a byte budget (least recently used files are deleted to make
+    room; a value larger than the budget is refused). ``fsync=True`` also makes a value
+    survive a power loss, at the cost of a sync per write.
+
+    The budget is kept by this process's index of the directory (built when it opens):
+    several processes sharing a directory each keep their own view of it.
+    """
+
+    kind = "disk"
+
+    def __init__(
+        self, root: str | os.PathLike[str], namespace: Namespace, budget: int,
+        *, fsync: bool = False,
+    ) -> None:
+        super().__init__(namespace)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise InvalidArgumentError(f"budget: expected bytes >= 0, got {budget!r}")
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InvalidArgumentError(f"root: cannot use {self.root} as a store: {exc}") from exc
+        self.budget = budget
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._counter = itertools.count()
+        # path -> size, least recently used first; one index for every namespace under root.
+        self._files: OrderedDict[str, int] = OrderedDict()
+        self._bytes = 0
+        self._index()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
+
+    def describe(self) -> str:
+        return f"disk store {self.root} ({self._bytes}/{self.budget} B)"
+
+    # -- paths ----------------------------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        _, ns, name = key.split(":", 2)  # kvtier:<namespace digest>:<key>
+        digest = checksum(np.frombuffer(key.encode(), np.uint8))
+        if not _SAFE_NAME.fullmatch(name):
+            name = f"~{digest:016x}"
+        return os.path.join(self.root, ns, f"{digest & 0xFF:02x}", name)
+
+    def _index(self) -> None:
+        found = []
+        for dirpath, _, names in os.walk(self.root):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                if _TMP in name:
+                    # a write or pop that died half-way: not a value
+                    _unlink(path)
+                    continue
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                found.append((st.st_mtime_ns, path, st.st_size))
+        found.sort()
+        for _, path, size in found:
+            self._files[path] = size
+            self._bytes += size
+
+    def _forget(self, path: str) -> None:
+        size = self._files.pop(path, None)
+        if size is not None:
+            self._bytes -= size
+
+    # -- KVStore --------------------------------------------------------------------------------
+
+    def _tmp(self, directory: str) -> str:
+        return os.path.join(
+            directory, f"{_TMP}{os.getpid()}-{threading.get_ident()}-{next(self._counter)}"
+        )
+
+    def _put(self, keys: list[str], values: list[Parts]) -> list[bool]:
+        return [self._put_one(k, v) for k, v in zip(keys, values)]
+
+    def _put_one(self, key: str, parts: Parts) -> bool:
+        size = sum(len(p) for p in parts)
+        if size > self.budget:
+            return False
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        self._make_room(path, size)
+        tmp = self._tmp(directory)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                written = os.writev(fd, parts)
+                while written < size:  # writev may stop short (signals, huge values)
+                    rest = b"".join(parts)[written:]
+                    written += os.write(fd, rest)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            _unlink(tmp)
+            self._error(f"writing {path}", exc)
+            return False
+        with self._lock:
+            self._forget(path)
+            self._files[path] = size
+            self._bytes += size
+        return True
+
+    def _make_room(self, path: str, size: int) -> None:
+        victims = []
+        with self._lock:
+            self._forget(path)  # the value it replaces frees its bytes
+            while self._files and self._bytes + size > self.budget:
+                victim, vsize = self._files.popitem(last=False)
+                self._bytes -= vsize
+                victims.append(victim)
+        for v in victims:
+            _unlink(v)
+        if victims:
+            self._evicted(len(victims))
+
+    def _read(self, path: str) -> bytes | None:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                data = f.read()
+        except FileNotFoundError:
+            with self._lock:
+                self._forget(path)
+            return None
+        except OSError as exc:
+            self._error(f"reading {path}", exc)
+            return None
+        with self._lock:
+            if path in self._files:
+                self._files.move_to_end(path)
+        return data
+
+    def _get(self, keys: list[str]) -> list[Any]:
+        return [self._read(self._path(k)) for k in keys]
+
+    def _pop(self, key: str) -> Any:
+        path = self._path(key)
+        claimed = self._tmp(os.path.dirname(path))
+        try:
+            os.rename(path, claimed)  # atomic: one claimant wins
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._error(f"claiming {path}", exc)
+            return None
+        with self._lock:
+            self._forget(path)
+        data = self._read(claimed)
+        _unlink(claimed)
+        return data
+
+    def _contains(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def _delete(self, keys: list[str]) -> list[bool]:
+        done = []
+        for key in keys:
+            path = self._path(key)
+            with self._lock:
+                self._forget(path)
+            done.append(_unlink(path))
+        return done
+
+    def _discard_corrupt(self, key: str) -> None:
+        self._delete([key])
+
+    def _scan(self, prefix: str) -> Iterable[str]:
+        ns_dir = self.root / prefix.split(":")[1]
+        keys = []
+        for dirpath, _, names in os.walk(ns_dir):
+            for name in names:
+                if _TMP in name:
+                    continue
+                if not name.startswith("~"):
+                    keys.append(prefix + name)
+                    continue
+                try:  # a digest name: the header knows the key
+                    with open(os.path.join(dirpath, name), "rb") as f:
+                        key = read_key(f.read(4096))
+                except OSError:
+                    continue
+                if key is not None and key.startswith(prefix):
+                    keys.append(key)
+        return keys
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,194 @@
+"""Stored values: a small versioned header, the payload, and a checksum; and the namespaces
+that keep different models, codecs, shapes and tenants apart.
+
+Layout of a value (little-endian)::
+
+    magic   4 bytes  b"KVTR"
+    version u16      FORMAT_VERSION
+    hdrlen  u16      bytes of the header, magic included
+    length  u64      bytes of the payload
+    ns      u64      digest of the namespace (model, tenant, codec, dtype, shape)
+    key, codec, dtype, shape   each a u16 length + UTF-8 text
+    payload
+    xxh3-64 of everything before it (u64)
+
+The header names the key it was written under, so a value copied or renamed to another key is a
+miss too. Reading checks every field against what the reader expects: a value from another
+namespace, codec, shape or format version, a truncated one or one with a flipped bit is refused
+(:class:`~kvtier.errors.PayloadError`), never returned. No pickle.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from .._core import checksum
+from ..errors import InvalidArgumentError, PayloadError
+
+MAGIC = b"KVTR"
+FORMAT_VERSION = 1
+_FIXED = struct.Struct("<4sHHQQ")
+_TEXT_LEN = struct.Struct("<H")
+_SUM = struct.Struct("<Q")
+#: Bytes a value adds to its payload beyond the texts of its header.
+OVERHEAD = _FIXED.size + 4 * _TEXT_LEN.size + _SUM.size
+
+_SAFE_TEXT = re.compile(r"[\x21-\x7e]{1,200}")
+
+
+def _text(what: str, value: Any, *, empty: bool = False) -> str:
+    if not isinstance(value, str) or not (empty and value == "" or _SAFE_TEXT.fullmatch(value)):
+        raise InvalidArgumentError(
+            f"{what}: expected 1-200 printable ASCII characters without spaces, got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Whose values a store reads and writes: a model (or any name the engines agree on), a
+    tenant, and what the bytes are (codec, dtype, shape). Two namespaces that differ in any
+    field never see each other's keys, and a value read under the wrong one is a miss.
+
+    ``shape`` is free text (``str(BlockShape)`` for KV blocks); keys are strings or the core's
+    64-bit prefix hashes.
+    """
+
+    model: str
+    tenant: str = "default"
+    codec: str = "raw"
+    dtype: str = "uint8"
+    shape: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("model", "tenant", "codec", "dtype"):
+            _text(f"namespace {name}", getattr(self, name))
+        _text("namespace shape", self.shape, empty=True)
+
+    @cached_property
+    def digest(self) -> int:
+        text = "\0".join(
+            ("kvtier-namespace", self.model, self.tenant, self.codec, self.dtype, self.shape)
+        )
+        return checksum(np.frombuffer(text.encode(), np.uint8))
+
+    @cached_property
+    def prefix(self) -> str:
+        """What every stored key of this namespace starts with."""
+        return f"kvtier:{self.digest:016x}:"
+
+    def key(self, key: str | int) -> str:
+        """The stored key of ``key``: a 64-bit prefix hash (as 16 hex digits) or a string."""
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            if not 0 <= key < 2**64:
+                raise InvalidArgumentError(f"key: expected a 64-bit hash, got {key}")
+            return f"{self.prefix}{int(key):016x}"
+        return self.prefix + _text("key", key)
+
+    def with_codec(self, codec: str, dtype: str, shape: str) -> Namespace:
+        return Namespace(self.model, self.tenant, codec, dtype, shape)
+
+
+def _pack_text(s: str) -> bytes:
+    b = s.encode()
+    return _TEXT_LEN.pack(len(b)) + b
+
+
+def header(ns: Namespace, key: str, length: int) -> bytes:
+    texts = b"".join(_pack_text(s) for s in (key, ns.codec, ns.dtype, ns.shape))
+    size = _FIXED.size + len(texts)
+    return _FIXED.pack(MAGIC, FORMAT_VERSION, size, length, ns.digest) + texts
+
+
+def payload_view(value: Any) -> memoryview:
+    """The bytes of ``value`` (bytes, bytearray, memoryview, a contiguous numpy array or CPU
+    torch tensor) as a flat byte view, without copying."""
+    if hasattr(value, "__dlpack__") and type(value).__module__.startswith("torch"):
+        if value.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"value: expected bytes or a CPU tensor, got a tensor on {value.device}; "
+                "copy it to the host first"
+            )
+        value = value.detach().contiguous().reshape(-1).view(-1)
+        import torch
+
+        value = value.view(torch.uint8).numpy()
+    try:
+        view = memoryview(value)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"value: expected bytes, bytearray, memoryview, a numpy array or a CPU tensor, got "
+            f"{type(value).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgumentError("value: expected a contiguous buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def seal(ns: Namespace, key: str, payload: memoryview) -> tuple[bytes, memoryview, bytes]:
+    """The three parts of a stored value (header, payload, checksum), not joined: disk writes
+    them with one ``writev``, the others join them into the buffer they keep."""
+    head = header(ns, key, len(payload))
+    digest = checksum(np.frombuffer(head, np.uint8), np.frombuffer(payload, np.uint8))
+    return head, payload, _SUM.pack(digest)
+
+
+def unseal(ns: Namespace, key: str, blob: Any) -> memoryview:
+    """The payload of a stored value as a read-only view, after checking everything; raises
+    :class:`PayloadError` saying which check failed."""
+    view = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    if len(view) < _FIXED.size + _SUM.size:
+        raise PayloadError(f"{len(view)} bytes: shorter than any header")
+    magic, version, size, length, digest = _FIXED.unpack_from(view)
+    if magic != MAGIC:
+        raise PayloadError(f"magic {bytes(magic)!r} is not {MAGIC!r}: not a kvtier value")
+    if version != FORMAT_VERSION:
+        raise PayloadError(f"format version {version}, this kvtier reads {FORMAT_VERSION}")
+    if size + length + _SUM.size != len(view):
+        raise PayloadError(
+            f"{len(view)} bytes, the header says {size} + {length} + {_SUM.size}: truncated or "
+            "padded"
+        )
+    if digest != ns.digest:
+        raise PayloadError("written under another namespace (model, tenant, codec or shape)")
+    texts, pos = [], _FIXED.size
+    for _ in range(4):
+        if pos + _TEXT_LEN.size > size:
+            raise PayloadError("header texts run past the header")
+        (n,) = _TEXT_LEN.unpack_from(view, pos)
+        pos += _TEXT_LEN.size
+        texts.append(bytes(view[pos : pos + n]).decode(errors="replace"))
+        pos += n
+    if pos != size:
+        raise PayloadError("header length does not match its texts")
+    want = [key, ns.codec, ns.dtype, ns.shape]
+    for name, got, expected in zip(("key", "codec", "dtype", "shape"), texts, want, strict=True):
+        if got != expected:
+            raise PayloadError(f"written as {name} {got!r}, read as {expected!r}")
+    body = np.frombuffer(view, np.uint8)
+    (stored,) = _SUM.unpack_from(view, len(view) - _SUM.size)
+    if checksum(body[: len(view) - _SUM.size]) != stored:
+        raise PayloadError("checksum mismatch: the value is corrupt")
+    return view[size : size + length].toreadonly()
+
+
+def read_key(blob: Any) -> str | None:
+    """The key a value says it was written under, or None when its header is unreadable."""
+    view = memoryview(blob).cast("B")
+    try:
+        magic, _, size, _, _ = _FIXED.unpack_from(view)
+        (n,) = _TEXT_LEN.unpack_from(view, _FIXED.size)
+    except struct.error:
+        return None
+    start = _FIXED.size + _TEXT_LEN.size
+    if magic != MAGIC or start + n > min(size, len(view)):
+        return None
+    return bytes(view[start : start + n]).decode(errors="replace")

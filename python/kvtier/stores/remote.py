@@ -1,0 +1,159 @@
+"""Values on a Redis or Valkey server (or a Redis Cluster), shared by every engine that can
+reach it: the tier that lets a decode instance read what a prefill instance wrote.
+
+Batches go out as one pipeline (one round trip per node). When the server cannot be reached,
+``get`` is a miss and ``put`` reports failure at once, without waiting on the network again
+for ``retry_after`` seconds; after that the next call reconnects. The engine keeps running
+either way. The server's own ``maxmemory`` and eviction policy bound what it holds (set
+``ttl`` to let values expire).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import InvalidArgumentError, require
+from .base import KVStore, Parts
+from .format import Namespace
+
+
+class RedisStore(KVStore):
+    """``url``: ``redis://[user:password@]host:port[/db]`` or ``rediss://...`` for TLS (then
+    ``tls_ca``, ``tls_cert``, ``tls_key`` name the files). ``cluster``: talk to a Redis
+    Cluster; None asks the server whether it is one. ``timeout``: seconds for a connect and
+    for each reply. ``ttl``: seconds a value lives (None: until the server evicts it)."""
+
+    kind = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        namespace: Namespace,
+        *,
+        cluster: bool | None = None,
+        timeout: float = 1.0,
+        retry_after: float = 1.0,
+        ttl: float | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
+        super().__init__(namespace)
+        redis = require("redis", "redis", purpose="RedisStore needs redis-py")
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidArgumentError(
+                f"url: expected redis://host:port, rediss://host:port (TLS) or unix://path, "
+                f"got {url!r}"
+            )
+        if not timeout > 0 or not retry_after >= 0 or (ttl is not None and not ttl > 0):
+            raise InvalidArgumentError(
+                f"timeout > 0, retry_after >= 0 and ttl > 0 (or None) expected, got "
+                f"{timeout}, {retry_after}, {ttl}"
+            )
+        self.url = url
+        self.retry_after = retry_after
+        self._ttl_ms = None if ttl is None else int(ttl * 1000)
+        self._errors = redis.exceptions.RedisError
+        options: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+        if url.startswith("rediss://"):
+            options.update(ssl_ca_certs=tls_ca, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+        if cluster is None:
+            cluster = self._is_cluster(redis, url, options)
+        self.cluster = cluster
+        if cluster:
+            self._client = redis.cluster.RedisCluster.from_url(url, **options)
+        else:
+            self._client = redis.Redis.from_url(url, **options)
+        self._down_until = [0.0]  # shared by every namespace view
+        self._down_lock = threading.Lock()
+
+    @staticmethod
+    def _is_cluster(redis: Any, url: str, options: dict[str, Any]) -> bool:
+        probe = redis.Redis.from_url(url, **options)
+        try:
+            return bool(probe.info("cluster").get("cluster_enabled"))
+        except redis.exceptions.RedisError:
+            return False  # unreachable now: a plain client reconnects when it comes back
+        finally:
+            probe.close()
+
+    def describe(self) -> str:
+        return f"redis store {self.url}{' (cluster)' if self.cluster else ''}"
+
+    # -- failure handling -------------------------------------------------------------------------
+
+    def _available(self) -> bool:
+        return time.monotonic() >= self._down_until[0]
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        with self._down_lock:
+            first = self._available()
+            self._down_until[0] = time.monotonic() + self.retry_after
+        if first:  # one log line per outage
+            self._error(what, exc)
+        else:
+            with self._stats_lock:
+                self.stats.errors += 1
+
+    def _run(self, what: str, fill: Any, n: int, default: Any) -> list[Any]:
+        """Runs the commands ``fill`` queues on a pipeline; on a server error, ``default`` for
+        each of the ``n`` commands."""
+        if not self._available():
+            return [default] * n
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            fill(pipe)
+            return list(pipe.execute())
+        except self._errors as exc:
+            self._failed(what, exc)
+            return [default] * n
+
+    # -- KVStore --------------------------------------------------------------------------------
+
+    def _put(self, keys: list[str], values: list[Parts]) -> list[bool]:
+        def fill(pipe: Any) -> None:
+            for key, parts in zip(keys, values):
+                pipe.set(key, b"".join(parts), px=self._ttl_ms)
+
+        return [bool(r) for r in self._run("put", fill, len(keys), False)]
+
+    def _get(self, keys: list[str]) -> list[Any]:
+        def fill(pipe: Any) -> None:
+            for key in keys:
+                pipe.get(key)
+
+        return self._run("get", fill, len(keys), None)
+
+    def _pop(self, key: str) -> Any:
+        return self._run("pop", lambda pipe: pipe.getdel(key), 1, None)[0]
+
+    def _contains(self, key: str) -> bool:
+        return bool(self._run("contains", lambda pipe: pipe.exists(key), 1, 0)[0])
+
+    def _delete(self, keys: list[str]) -> list[bool]:
+        def fill(pipe: Any) -> None:
+            for key in keys:
+                pipe.delete(key)
+
+        return [bool(r) for r in self._run("delete", fill, len(keys), 0)]
+
+    def _discard_corrupt(self, key: str) -> None:
+        self._delete([key])
+
+    def _scan(self, prefix: str) -> Iterable[str]:
+        if not self._available():
+            return []
+        try:
+            return [
+                k.decode() if isinstance(k, bytes) else k
+                for k in self._client.scan_iter(match=prefix + "*", count=1000)
+            ]
+        except self._errors as exc:
+            self._failed("scan", exc)
+            return []
+
+    def _close(self) -> None:
+        self._client.close()
