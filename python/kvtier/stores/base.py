@@ -92,12 +92,14 @@ class KVStore(ABC):
                 f"put_many: {len(keys)} keys but {len(values)} values; expected one value per key"
             )
         full = [self.namespace.key(k) for k in keys]
-        sealed = [seal(self.namespace, k, payload_view(v)) for k, v in zip(full, values)]
+        sealed = [
+            seal(self.namespace, k, payload_view(v)) for k, v in zip(full, values, strict=True)
+        ]
         done = self._put(full, sealed)
         ok = sum(done)
         with self._stats_lock:
             self.stats.puts += ok
-            self.stats.put_bytes += sum(len(p[1]) for p, d in zip(sealed, done) if d)
+            self.stats.put_bytes += sum(len(p[1]) for p, d in zip(sealed, done, strict=True) if d)
             self.stats.put_failures += len(done) - ok
         return done
 
@@ -180,11 +182,12 @@ class KVStore(ABC):
     @abstractmethod
     def _scan(self, prefix: str) -> Iterable[str]: ...
 
-    def _close(self) -> None:
-        pass
+    @abstractmethod
+    def _close(self) -> None: ...
 
+    @abstractmethod
     def _discard_corrupt(self, key: str) -> None:
-        """Called for a value that failed its checks; a store that can remove it does."""
+        """Called for a value that failed its checks: the store removes it."""
 
     def _error(self, what: str, exc: BaseException) -> None:
         with self._stats_lock:

@@ -45,8 +45,12 @@ class DiskStore(KVStore):
     kind = "disk"
 
     def __init__(
-        self, root: str | os.PathLike[str], namespace: Namespace, budget: int,
-        *, fsync: bool = False,
+        self,
+        root: str | os.PathLike[str],
+        namespace: Namespace,
+        budget: int,
+        *,
+        fsync: bool = False,
     ) -> None:
         super().__init__(namespace)
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
@@ -113,7 +117,7 @@ class DiskStore(KVStore):
         )
 
     def _put(self, keys: list[str], values: list[Parts]) -> list[bool]:
-        return [self._put_one(k, v) for k, v in zip(keys, values)]
+        return [self._put_one(k, v) for k, v in zip(keys, values, strict=True)]
 
     def _put_one(self, key: str, parts: Parts) -> bool:
         size = sum(len(p) for p in parts)

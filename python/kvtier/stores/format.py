@@ -43,7 +43,7 @@ _SAFE_TEXT = re.compile(r"[\x21-\x7e]{1,200}")
 
 
 def _text(what: str, value: Any, *, empty: bool = False) -> str:
-    if not isinstance(value, str) or not (empty and value == "" or _SAFE_TEXT.fullmatch(value)):
+    if not isinstance(value, str) or not ((empty and value == "") or _SAFE_TEXT.fullmatch(value)):
         raise InvalidArgumentError(
             f"{what}: expected 1-200 printable ASCII characters without spaces, got {value!r}"
         )

@@ -60,7 +60,7 @@ class HostStore(KVStore):
 
     def _put(self, keys: list[str], values: list[Parts]) -> list[bool]:
         done = []
-        for key, parts in zip(keys, values):
+        for key, parts in zip(keys, values, strict=True):
             size = sum(len(p) for p in parts)
             if size > self.budget:
                 done.append(False)

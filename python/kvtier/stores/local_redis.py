@@ -63,17 +63,31 @@ class LocalRedis:
         """Starts every node (or just ``port``: a restart after :meth:`kill`)."""
         for p in self.ports if port is None else [port]:
             args = [
-                self.binary, "--port", str(p), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", self._dir.name, "--loglevel", "warning",
+                self.binary,
+                "--port",
+                str(p),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self._dir.name,
+                "--loglevel",
+                "warning",
             ]
             if self.cluster:
                 args += [
-                    "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
-                    "--cluster-node-timeout", "2000",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    f"nodes-{p}.conf",
+                    "--cluster-node-timeout",
+                    "2000",
                 ]
-            log = open(Path(self._dir.name) / f"redis-{p}.log", "ab")
-            self._procs[p] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-            log.close()
+            with open(Path(self._dir.name) / f"redis-{p}.log", "ab") as log:
+                self._procs[p] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         for p in self.ports if port is None else [port]:
             self._wait(lambda p=p: _ping(p), f"redis-server on port {p} did not answer PING")
         if self.cluster and port is None:
@@ -86,13 +100,17 @@ class LocalRedis:
         nodes = [f"127.0.0.1:{p}" for p in self.ports]
         subprocess.run(
             [cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
+            check=True,
+            capture_output=True,
+            timeout=60,
         )
 
         def ok() -> bool:
             out = subprocess.run(
                 [cli, "-p", str(self.ports[0]), "cluster", "info"],
-                capture_output=True, text=True, timeout=5,
+                capture_output=True,
+                text=True,
+                timeout=5,
             ).stdout
             return "cluster_state:ok" in out
 

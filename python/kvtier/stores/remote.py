@@ -115,7 +115,7 @@ class RedisStore(KVStore):
 
     def _put(self, keys: list[str], values: list[Parts]) -> list[bool]:
         def fill(pipe: Any) -> None:
-            for key, parts in zip(keys, values):
+            for key, parts in zip(keys, values, strict=True):
                 pipe.set(key, b"".join(parts), px=self._ttl_ms)
 
         return [bool(r) for r in self._run("put", fill, len(keys), False)]
