@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 VENV_STAMP := $(VENV)/.kvtier-tools
 SIMULATE_ARGS ?= --compare lru,importance
 # Extras installed into .venv: one environment for every test and benchmark.
-VENV_EXTRAS := "dev", "torch", "hf", "cuda13", "bench"
+VENV_EXTRAS := "dev", "torch", "hf", "cuda13", "bench", "redis"
 
 .PHONY: help venv develop test test-rust test-py lint lint-rust lint-py stubtest simulate \
 	bench eval wheel clean

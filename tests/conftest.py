@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,3 +20,34 @@ def torch_cuda() -> Any:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: torch.cuda.is_available() is False")
     return torch
+
+
+def local_redis(nodes: int = 1) -> Any:
+    """A started :class:`LocalRedis`; skips when redis-server is not installed, except under CI
+    (CI installs it, so a missing server there is a failure, not a skip)."""
+    from kvtier.stores.local_redis import LocalRedis, RedisUnavailableError
+
+    pytest.importorskip("redis")
+    try:
+        server = LocalRedis(nodes)
+    except RedisUnavailableError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))
+    return server.__enter__()  # stops what it started if the start fails
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[Any]:
+    """One real redis-server on a free loopback port for the whole run."""
+    server = local_redis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[Any]:
+    """A real 3-node Redis Cluster on loopback."""
+    server = local_redis(3)
+    yield server
+    server.stop()

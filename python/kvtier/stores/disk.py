@@ -213,6 +213,9 @@ class DiskStore(KVStore):
     def _discard_corrupt(self, key: str) -> None:
         self._delete([key])
 
+    def _close(self) -> None:
+        """Nothing to release: every call opens and closes its own files."""
+
     def _scan(self, prefix: str) -> Iterable[str]:
         ns_dir = self.root / prefix.split(":")[1]
         keys = []

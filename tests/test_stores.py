@@ -1,0 +1,379 @@
+"""The storage tiers against real backends: host memory, a real directory, a real redis-server
+(and a real 3-node Redis Cluster) started on loopback. Every fault is a real one: bytes flipped
+in a real file, a server killed with SIGKILL, a write past a real file-size limit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier.errors import InvalidArgumentError, PayloadError
+from kvtier.stores import (
+    FORMAT_VERSION,
+    DiskStore,
+    HostStore,
+    KVStore,
+    Namespace,
+    RedisStore,
+    StoreClosedError,
+)
+from kvtier.stores import format as fmt
+
+NS = Namespace("smollm2-135m", codec="int4", dtype="float16", shape="L30xH3xB16xD64")
+RNG = np.random.default_rng(7)
+
+
+def payload(n: int) -> bytes:
+    return RNG.integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture(params=["host", "disk", "redis"])
+def store(request: Any, tmp_path: Path) -> Iterator[KVStore]:
+    if request.param == "host":
+        s: KVStore = HostStore(NS, 64 << 20)
+    elif request.param == "disk":
+        s = DiskStore(tmp_path / "kv", NS, 64 << 20)
+    else:
+        server = request.getfixturevalue("redis_server")
+        s = RedisStore(server.url, NS)
+        for key in list(s.keys()):  # the server lives for the session
+            s.delete(key)
+    yield s
+    s.close()
+
+
+# -- the interface, on every store ---------------------------------------------------------------
+
+
+def test_round_trip_single_and_batched(store: KVStore) -> None:
+    values = [payload(n) for n in (0, 1, 4096, 65536, 1 << 20)]
+    keys = [0xDEADBEEF00000000 + i for i in range(len(values))]
+    assert store.put_many(keys, values) == [True] * len(values)
+    got = store.get_many([*keys, 12345])
+    assert [bytes(g) for g in got[:-1]] == values and got[-1] is None
+    assert store.put("text-key", np.arange(100, dtype=np.float32))
+    assert np.array_equal(np.frombuffer(store.get("text-key"), np.float32), np.arange(100))
+    assert sorted(store.keys()) == sorted([f"{k:016x}" for k in keys] + ["text-key"])
+    assert store.contains(keys[2]) and not store.contains(12345)
+    # overwrite, delete, pop
+    assert store.put(keys[0], b"new") and bytes(store.get(keys[0])) == b"new"
+    assert store.delete(keys[1]) and not store.delete(keys[1]) and store.get(keys[1]) is None
+    assert bytes(store.pop(keys[2])) == values[2] and store.pop(keys[2]) is None
+    s = store.stats
+    assert s.corrupt == 0 and s.errors == 0 and s.hits >= 8 and s.misses >= 3
+
+
+def test_returned_values_are_read_only_and_stable(store: KVStore) -> None:
+    v = bytearray(payload(1000))
+    store.put(1, v)
+    v[0] ^= 0xFF  # the caller reuses its buffer: the store kept its own copy
+    got = store.get(1)
+    assert got is not None and got.readonly and bytes(got) == bytes([v[0] ^ 0xFF]) + bytes(v[1:])
+    store.put(1, b"other")
+    assert got[0] == v[0] ^ 0xFF  # a view handed out earlier is never rewritten
+
+
+def test_namespaces_never_see_each_other(store: KVStore) -> None:
+    others = [
+        Namespace("another-model", codec=NS.codec, dtype=NS.dtype, shape=NS.shape),
+        Namespace(NS.model, tenant="tenant-b", codec=NS.codec, dtype=NS.dtype, shape=NS.shape),
+        NS.with_codec("int8", NS.dtype, NS.shape),
+        NS.with_codec(NS.codec, NS.dtype, "L30xH3xB32xD64"),
+    ]
+    store.put(42, b"mine")
+    for ns in others:
+        view = store.with_namespace(ns)
+        assert view.get(42) is None and not view.contains(42) and list(view.keys()) == []
+        view.put(42, b"theirs")
+    assert bytes(store.get(42)) == b"mine" and list(store.keys()) == [f"{42:016x}"]
+
+
+def test_bad_input_is_refused_and_changes_nothing(store: KVStore) -> None:
+    store.put(7, b"kept")
+    bad: list[tuple[Any, str]] = [
+        (lambda: store.put(-1, b"x"), "64-bit hash"),
+        (lambda: store.put(2**64, b"x"), "64-bit hash"),
+        (lambda: store.put("has space", b"x"), "printable ASCII"),
+        (lambda: store.put(1.5, b"x"), "printable ASCII"),
+        (lambda: store.put(7, "a str"), "expected bytes"),
+        (lambda: store.put(7, object()), "expected bytes"),
+        (lambda: store.put(7, np.arange(10)[::2]), "contiguous"),
+        (lambda: store.put_many([7, 8], [b"x"]), "one value per key"),
+    ]
+    for call, message in bad:
+        with pytest.raises(InvalidArgumentError, match=message):
+            call()
+    assert bytes(store.get(7)) == b"kept" and list(store.keys()) == [f"{7:016x}"]
+    store.close()
+    with pytest.raises(StoreClosedError):
+        store.get(7)
+
+
+def test_a_namespace_checks_its_fields() -> None:
+    with pytest.raises(InvalidArgumentError, match="namespace model"):
+        Namespace("")
+    with pytest.raises(InvalidArgumentError, match="namespace tenant"):
+        Namespace("m", tenant="a b")
+
+
+# -- the value format ------------------------------------------------------------------------------
+
+
+def sealed(ns: Namespace = NS, key: str = NS.key(5), data: bytes = b"payload" * 100) -> bytes:
+    return b"".join(fmt.seal(ns, key, memoryview(data)))
+
+
+def test_every_flipped_bit_is_caught() -> None:
+    blob = sealed()
+    assert bytes(fmt.unseal(NS, NS.key(5), blob)) == b"payload" * 100
+    for pos in range(len(blob)):
+        for bit in (0, 7):
+            bad = bytearray(blob)
+            bad[pos] ^= 1 << bit
+            with pytest.raises(PayloadError):
+                fmt.unseal(NS, NS.key(5), bytes(bad))
+
+
+@pytest.mark.parametrize(
+    "blob, reader, message",
+    [
+        (sealed()[:-1], NS, "truncated"),
+        (sealed() + b"\0", NS, "truncated"),
+        (sealed()[:10], NS, "shorter than any header"),
+        (b"NOTKVTIER" * 10, NS, "not a kvtier value"),
+        (sealed(), NS.with_codec("int8", NS.dtype, NS.shape), "another namespace"),
+        (sealed(), Namespace(NS.model, "t2", NS.codec, NS.dtype, NS.shape), "another namespace"),
+        (sealed(key=NS.key(6)), NS, "written as key"),
+    ],
+)
+def test_foreign_or_damaged_values_are_refused(blob: bytes, reader: Namespace, message: str) -> None:
+    with pytest.raises(PayloadError, match=message):
+        fmt.unseal(reader, NS.key(5), blob)
+
+
+def test_another_format_version_is_refused() -> None:
+    blob = bytearray(sealed())
+    blob[4:6] = (FORMAT_VERSION + 1).to_bytes(2, "little")
+    with pytest.raises(PayloadError, match="format version"):
+        fmt.unseal(NS, NS.key(5), bytes(blob))
+
+
+def test_a_foreign_value_in_a_store_is_a_counted_miss_and_removed(tmp_path: Path) -> None:
+    """A value written by another codec, copied under this namespace's key, is never served."""
+    int8 = NS.with_codec("int8", NS.dtype, NS.shape)
+    store = DiskStore(tmp_path, NS, 1 << 20)
+    store.with_namespace(int8).put(9, b"int8 bytes")
+    store.put(9, b"int4 bytes")
+    [theirs] = [p for p in tmp_path.rglob("*") if p.is_file() and b"int4 bytes" not in p.read_bytes()]
+    [mine] = [p for p in tmp_path.rglob("*") if p.is_file() and p != theirs]
+    mine.write_bytes(theirs.read_bytes())
+    assert store.get(9) is None
+    assert store.stats.corrupt == 1 and not mine.exists() and theirs.exists()
+
+
+# -- disk ------------------------------------------------------------------------------------------
+
+
+def test_disk_survives_a_restart(tmp_path: Path) -> None:
+    values = {i: payload(10_000 + i) for i in range(20)}
+    store = DiskStore(tmp_path, NS, 1 << 20)
+    store.put_many(list(values), list(values.values()))
+    store.close()
+    reopened = DiskStore(tmp_path, NS, 1 << 20)
+    assert reopened.used_bytes == store.used_bytes
+    assert [bytes(v) for v in reopened.get_many(list(values))] == list(values.values())
+
+
+def test_disk_corruption_is_a_miss_and_the_file_is_removed(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, NS, 1 << 20)
+    store.put_many([1, 2, 3], [payload(5000)] * 3)
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    flipped, truncated, _ = files
+    raw = bytearray(flipped.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    flipped.write_bytes(bytes(raw))
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    got = store.get_many([1, 2, 3])
+    assert sum(g is None for g in got) == 2 and store.stats.corrupt == 2
+    assert not flipped.exists() and not truncated.exists()
+    assert store.used_bytes == files[2].stat().st_size
+
+
+def test_disk_budget_evicts_least_recently_used_and_refuses_the_oversized(tmp_path: Path) -> None:
+    one = len(sealed(data=payload(10_000)))
+    store = DiskStore(tmp_path, NS, 3 * one + 10)
+    for i in range(3):
+        store.put(i, payload(10_000))
+    store.get(0)  # 0 is now more recent than 1
+    assert store.put(3, payload(10_000))
+    assert [store.contains(i) for i in range(4)] == [True, False, True, True]
+    assert store.stats.evictions == 1 and store.used_bytes <= store.budget
+    assert not store.put(0, payload(4 * one))  # larger than the whole budget: refused
+    assert store.get(0) is not None and store.stats.put_failures == 1
+
+
+FULL_DISK = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from kvtier.stores import DiskStore, Namespace
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    store = DiskStore(sys.argv[1], Namespace("m"), 1 << 30)
+    assert store.put(1, b"small value")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    ok = store.put(1, bytes(1_000_000))
+    print(ok, bytes(store.get(1)).decode(), store.stats.put_failures, store.stats.errors)
+    """
+)
+
+
+def test_a_full_disk_refuses_without_corrupting(tmp_path: Path) -> None:
+    """A real write failure (RLIMIT_FSIZE: the kernel refuses the bytes past the limit, as a
+    full disk does): the put reports failure, the old value stays, no temporary file is left."""
+    out = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "small", "value", "1", "1"]
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file() and p.name.startswith(".tmp")] == []
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from kvtier.stores import DiskStore, Namespace
+    store = DiskStore(sys.argv[1], Namespace("m"), 1 << 30)
+    fill = int(sys.argv[2])
+    for _ in range(300):
+        assert store.put("shared", bytes([fill]) * 300_000)
+    """
+)
+
+
+def test_two_processes_writing_one_key_never_tear_it(tmp_path: Path) -> None:
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(fill)])
+        for fill in (0xAA, 0x55)
+    ]
+    reader = DiskStore(tmp_path, Namespace("m"), 1 << 30)
+    seen = set()
+    while any(w.poll() is None for w in writers):
+        got = reader.get("shared")
+        if got is not None:
+            assert len(set(bytes(got))) == 1 and len(got) == 300_000
+            seen.add(got[0])
+    assert all(w.returncode == 0 for w in writers)
+    assert reader.stats.corrupt == 0 and seen <= {0xAA, 0x55} and seen
+
+
+def test_pop_hands_a_value_to_exactly_one_taker(tmp_path: Path) -> None:
+    for store in (HostStore(NS, 1 << 20), DiskStore(tmp_path, NS, 1 << 20)):
+        for round_ in range(20):
+            store.put(round_, b"only once")
+            results: list[Any] = []
+            threads = [
+                threading.Thread(target=lambda: results.append(store.pop(round_)))
+                for _ in range(4)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert sum(r is not None for r in results) == 1
+
+
+def test_host_budget_evicts_least_recently_used() -> None:
+    one = len(sealed(data=payload(1000)))
+    store = HostStore(NS, 2 * one)
+    store.put_many([1, 2], [payload(1000)] * 2)
+    store.get(1)
+    store.put(3, payload(1000))
+    assert [store.contains(i) for i in (1, 2, 3)] == [True, False, True]
+    assert store.used_bytes == 2 * one and store.stats.evictions == 1
+    assert not store.put(4, payload(3 * one)) and store.contains(1)
+
+
+# -- redis -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_redis_corrupt_and_foreign_values_are_misses(redis_server: Any) -> None:
+    import redis
+
+    store = RedisStore(redis_server.url, NS)
+    raw = redis.Redis.from_url(redis_server.url)
+    store.put(11, payload(5000))
+    blob = bytearray(raw.get(NS.key(11)))
+    blob[100] ^= 1
+    raw.set(NS.key(11), bytes(blob))
+    raw.set(NS.key(12), b"written by something else")
+    assert store.get_many([11, 12]) == [None, None]
+    assert store.stats.corrupt == 2 and raw.exists(NS.key(11), NS.key(12)) == 0
+
+
+@pytest.mark.redis
+def test_redis_killed_mid_run_then_back() -> None:
+    from conftest import local_redis
+
+    server = local_redis()
+    try:
+        store = RedisStore(server.url, NS, timeout=0.5, retry_after=0.3)
+        assert store.put(1, b"before")
+        server.kill()
+        start = time.monotonic()
+        assert store.get(1) is None  # a miss, not an exception
+        assert store.put_many([2, 3], [b"x", b"y"]) == [False, False]
+        assert store.get_many([1, 2]) == [None, None] and not store.contains(1)
+        assert time.monotonic() - start < 2.0  # no waiting on a dead server per call
+        assert store.stats.errors >= 1 and store.stats.put_failures == 2
+        server.start(server.ports[0])
+        time.sleep(0.35)  # retry_after
+        assert store.put(4, b"after")  # reconnected on its own
+        assert bytes(store.get(4)) == b"after" and store.get(1) is None  # no persistence
+    finally:
+        server.stop()
+
+
+@pytest.mark.redis
+def test_redis_cluster(redis_cluster: Any) -> None:
+    store = RedisStore(redis_cluster.url, NS)
+    assert store.cluster
+    keys = [int(k) for k in RNG.integers(0, 2**63, 300, dtype=np.int64)]
+    values = [payload(2000) for _ in keys]
+    assert all(store.put_many(keys, values))
+    assert [bytes(v) for v in store.get_many(keys)] == values
+    assert sorted(store.keys()) == sorted(f"{k:016x}" for k in keys)
+    assert bytes(store.pop(keys[0])) == values[0] and store.get(keys[0]) is None
+    assert store.with_namespace(Namespace("other")).get_many(keys[1:3]) == [None, None]
+
+
+@pytest.mark.gpu
+def test_host_store_pins_its_buffers(torch_cuda: Any) -> None:
+    store = HostStore(NS, 1 << 20)
+    assert store.pin
+    store.put(1, payload(4096))
+    blob = store._get([NS.key(1)])[0]
+    tensor = torch_cuda.frombuffer(blob, dtype=torch_cuda.uint8)
+    assert tensor.is_pinned()
+
+
+def test_disk_cleans_up_after_a_crash_half_way(tmp_path: Path) -> None:
+    """A temporary file left by a writer that died is not a value and is removed on open."""
+    store = DiskStore(tmp_path, NS, 1 << 20)
+    store.put(1, b"value")
+    leftover = next(p for p in tmp_path.rglob("*") if p.is_file()).parent / ".tmp-999-1-0"
+    leftover.write_bytes(b"half a value")
+    reopened = DiskStore(tmp_path, NS, 1 << 20)
+    assert not leftover.exists() and list(reopened.keys()) == [f"{1:016x}"]
+    assert os.path.getsize(next(p for p in tmp_path.rglob("*") if p.is_file())) == (
+        reopened.used_bytes
+    )
