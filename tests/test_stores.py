@@ -86,7 +86,7 @@ def test_returned_values_are_read_only_and_stable(store: KVStore) -> None:
 def test_namespaces_never_see_each_other(store: KVStore) -> None:
     others = [
         Namespace("another-model", codec=NS.codec, dtype=NS.dtype, shape=NS.shape),
-        Namespace(NS.model, tenant="tenant-b", codec=NS.codec, dtype=NS.dtype, shape=NS.shape),
+        Namespace(NS.model, tenant="tenant b", codec=NS.codec, dtype=NS.dtype, shape=NS.shape),
         NS.with_codec("int8", NS.dtype, NS.shape),
         NS.with_codec(NS.codec, NS.dtype, "L30xH3xB32xD64"),
     ]
@@ -104,7 +104,7 @@ def test_bad_input_is_refused_and_changes_nothing(store: KVStore) -> None:
         (lambda: store.put(-1, b"x"), "64-bit hash"),
         (lambda: store.put(2**64, b"x"), "64-bit hash"),
         (lambda: store.put("has space", b"x"), "printable ASCII"),
-        (lambda: store.put(1.5, b"x"), "printable ASCII"),
+        (lambda: store.put(1.5, b"x"), "64-bit hash or"),
         (lambda: store.put(7, "a str"), "expected bytes"),
         (lambda: store.put(7, object()), "expected bytes"),
         (lambda: store.put(7, np.arange(10)[::2]), "contiguous"),
@@ -123,7 +123,7 @@ def test_a_namespace_checks_its_fields() -> None:
     with pytest.raises(InvalidArgumentError, match="namespace model"):
         Namespace("")
     with pytest.raises(InvalidArgumentError, match="namespace tenant"):
-        Namespace("m", tenant="a b")
+        Namespace("m", tenant="line\nbreak")
 
 
 # -- the value format ------------------------------------------------------------------------------

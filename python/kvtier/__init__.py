@@ -13,6 +13,7 @@ from ._core import Core, Plan, prefix_hashes
 from .config import KvtierConfig, parse_bytes
 from .errors import (
     BlockBusyError,
+    BlockLostError,
     ConfigError,
     InvalidArgumentError,
     InvalidBlockError,
@@ -31,6 +32,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree that was ne
 
 __all__ = [
     "BlockBusyError",
+    "BlockLostError",
     "BlockManager",
     "ConfigError",
     "Core",

@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = [
     "BlockBusyError",
+    "BlockLostError",
     "ConfigError",
     "InvalidArgumentError",
     "InvalidBlockError",
@@ -79,6 +80,12 @@ class BlockBusyError(KvtierError):
 class PayloadError(KvtierError, ValueError):
     """Packed bytes do not match the codec, block shape or format version reading them, or
     are truncated or corrupt. Nothing is decoded from them."""
+
+
+class BlockLostError(KvtierError):
+    """A block's bytes could not be read back from a store tier (corrupt, evicted by the
+    server, or the server is gone). Its sequence must be freed and recomputed; nothing wrong
+    is ever returned in its place."""
 
 
 class MissingDependencyError(KvtierError, ImportError):

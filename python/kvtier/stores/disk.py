@@ -17,6 +17,7 @@ import itertools
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -90,13 +91,13 @@ class DiskStore(KVStore):
         for dirpath, _, names in os.walk(self.root):
             for name in names:
                 path = os.path.join(dirpath, name)
-                if _TMP in name:
-                    # a write or pop that died half-way: not a value
-                    _unlink(path)
-                    continue
                 try:
                     st = os.stat(path)
                 except OSError:
+                    continue
+                if _TMP in name:
+                    if _abandoned(name, st.st_mtime):
+                        _unlink(path)  # a write or pop that died half-way: not a value
                     continue
                 found.append((st.st_mtime_ns, path, st.st_size))
         found.sort()
@@ -234,6 +235,20 @@ class DiskStore(KVStore):
                 if key is not None and key.startswith(prefix):
                     keys.append(key)
         return keys
+
+
+def _abandoned(tmp_name: str, mtime: float) -> bool:
+    """A temporary file whose writer is gone: its process is not alive, or it is an hour old
+    (another host's writer, on a shared file system). Another process's write in flight is
+    left alone."""
+    try:
+        pid = int(tmp_name.split("-")[1])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return True
+    except PermissionError:
+        pass  # alive, someone else's
+    return time.time() - mtime > 3600
 
 
 def _unlink(path: str) -> bool:

@@ -39,14 +39,23 @@ _SUM = struct.Struct("<Q")
 #: Bytes a value adds to its payload beyond the texts of its header.
 OVERHEAD = _FIXED.size + 4 * _TEXT_LEN.size + _SUM.size
 
-_SAFE_TEXT = re.compile(r"[\x21-\x7e]{1,200}")
+_KEY_TEXT = re.compile(r"[\x21-\x7e]{1,200}")
 
 
-def _text(what: str, value: Any, *, empty: bool = False) -> str:
-    if not isinstance(value, str) or not ((empty and value == "") or _SAFE_TEXT.fullmatch(value)):
+def _key_text(value: Any) -> str:
+    if not isinstance(value, str) or not _KEY_TEXT.fullmatch(value):
         raise InvalidArgumentError(
-            f"{what}: expected 1-200 printable ASCII characters without spaces, got {value!r}"
+            f"key: expected a 64-bit hash or 1-200 printable ASCII characters without spaces, "
+            f"got {value!r}"
         )
+    return value
+
+
+def _field_text(what: str, value: Any, *, empty: bool = False) -> str:
+    if not isinstance(value, str) or not value.isprintable() or len(value) > 200 or (
+        not value and not empty
+    ):
+        raise InvalidArgumentError(f"{what}: expected 1-200 printable characters, got {value!r}")
     return value
 
 
@@ -68,8 +77,8 @@ class Namespace:
 
     def __post_init__(self) -> None:
         for name in ("model", "tenant", "codec", "dtype"):
-            _text(f"namespace {name}", getattr(self, name))
-        _text("namespace shape", self.shape, empty=True)
+            _field_text(f"namespace {name}", getattr(self, name))
+        _field_text("namespace shape", self.shape, empty=True)
 
     @cached_property
     def digest(self) -> int:
@@ -89,7 +98,7 @@ class Namespace:
             if not 0 <= key < 2**64:
                 raise InvalidArgumentError(f"key: expected a 64-bit hash, got {key}")
             return f"{self.prefix}{int(key):016x}"
-        return self.prefix + _text("key", key)
+        return self.prefix + _key_text(key)
 
     def with_codec(self, codec: str, dtype: str, shape: str) -> Namespace:
         return Namespace(self.model, self.tenant, codec, dtype, shape)

@@ -8,6 +8,7 @@ so none of them needs a server set up by hand.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -23,10 +24,26 @@ class RedisUnavailableError(KvtierError):
     """redis-server is not installed or did not come up."""
 
 
-def free_port() -> int:
+def free_port(*, cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node also its bus port (+10000), which Redis wants
+    at most 65535."""
+    if not cluster:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    for port in random.sample(range(20000, 45000), 200):
+        if all(_bindable(p) for p in (port, port + 10000)):
+            return port
+    raise RedisUnavailableError("no free pair of loopback ports for a cluster node")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _ping(port: int) -> bool:
@@ -51,7 +68,7 @@ class LocalRedis:
                 f"{binary} is not on PATH: install it (Debian: apt-get install redis-server)"
             )
         self.cluster = nodes > 1
-        self.ports = [free_port() for _ in range(nodes)]
+        self.ports = [free_port(cluster=self.cluster) for _ in range(nodes)]
         self._dir = tempfile.TemporaryDirectory(prefix="kvtier-redis-")
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
 
