@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtier import (  # noqa: E402
+    BlockLostError,
     BlockManager,
     InvalidArgumentError,
     InvalidSequenceError,
@@ -403,8 +405,12 @@ def test_bad_input_raises_a_clear_error_and_changes_nothing(
 def test_a_config_the_manager_cannot_serve_is_refused() -> None:
     from kvtier import ConfigError
 
-    with pytest.raises(ConfigError, match="write_through: needs a host tier"):
+    with pytest.raises(ConfigError, match="write_through: needs a tier after the device"):
         manager(write_through=True)
+    with pytest.raises(ConfigError, match="set disk_path"):
+        manager(disk_budget=1 << 20)
+    with pytest.raises(ConfigError, match="set remote_url"):
+        manager(remote_budget=1 << 20)
     with pytest.raises(ConfigError, match="holds no level-0 block"):
         manager(device_blocks=None, device_budget=1000)
     with pytest.raises(ConfigError, match="model dtype"):
@@ -486,3 +492,112 @@ def test_on_cuda_level_0_is_exact_and_demotions_match_the_codec(torch_cuda: Any)
         assert_close_blocks(k, x[layer, 0])
         assert_close_blocks(v, x[layer, 1])
         assert torch.equal(k[-20:], x[layer, 0, -20:])  # the recent window stays exact
+
+
+# -- disk and remote tiers (kvtier.stores) ---------------------------------------------------------
+
+#: Small device, no sink or recent window: blocks demote and then leave the device at once.
+SPILL = {"device_blocks": 24, "recent_window": 0, "sink_blocks": 0}
+
+
+def spill(bm: BlockManager, n: int = 12) -> dict[int, Any]:
+    seqs = {}
+    for i in range(n):
+        seq = bm.add_sequence()
+        seqs[seq] = kv(3 * BS, seed=100 + i)
+        append_all(bm, seq, seqs[seq])
+        bm.step()
+    return seqs
+
+
+def gathered(bm: BlockManager, seqs: dict[int, Any]) -> list[Any]:
+    return [torch.stack(bm.gather(s, layer)) for s in seqs for layer in range(LAYERS)]
+
+
+def store_tier_matches_host_tier(**tier: Any) -> BlockManager:
+    """The same workload with a store tier and with a host tier of the same budget: the core
+    plans the same moves, so every gathered K/V must be bit-identical."""
+    budget = 4 << 20
+    ref = manager(**SPILL, host_budget=budget)
+    bm = manager(**SPILL, **tier)
+    seqs = spill(bm)
+    spill(ref)
+    name = "disk" if "disk_budget" in tier else "remote"
+    assert sum(p.blocks for p in bm.stats().pools if p.tier == name) > 0
+    for a, b in zip(gathered(bm, seqs), gathered(ref, seqs), strict=True):
+        assert torch.equal(a, b)
+    return bm
+
+
+def test_disk_tier_serves_exactly_what_a_host_tier_would(tmp_path: Path) -> None:
+    bm = store_tier_matches_host_tier(disk_budget=4 << 20, disk_path=str(tmp_path))
+    counters = bm.stats().counters
+    assert counters["offloads"] > 0 and counters["fetches"] > 0
+    # Each level travels packed: the files are the codec's bytes plus a small header.
+    sizes = {p.stat().st_size for p in tmp_path.rglob("*") if p.is_file()}
+    overhead = {s - b for s in sizes for b in bm.level_bytes[1:]}
+    assert min(overhead) < 400 and max(sizes) < bm.level_bytes[0]
+    bm.close()
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_block_corrupted_on_disk_is_lost_never_served(tmp_path: Path) -> None:
+    bm = manager(**SPILL, disk_budget=4 << 20, disk_path=str(tmp_path))
+    seqs = spill(bm)
+    victim = max(tmp_path.rglob("*"), key=lambda p: p.stat().st_mtime if p.is_file() else 0)
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    lost, served = [], 0
+    for seq in seqs:
+        try:
+            bm.gather(seq, 0)
+            served += 1
+        except BlockLostError:
+            lost.append(seq)
+    assert len(lost) == 1 and served == len(seqs) - 1
+    for _ in range(3):
+        bm.step()  # the engine keeps running; the lost block is never fetched again
+    with pytest.raises(BlockLostError, match=f"sequence {lost[0]}"):
+        bm.gather(lost[0], 1)
+    bm.free(lost[0])
+    again = bm.add_sequence()
+    append_all(bm, again, seqs[lost[0]])  # recomputed K/V fits again
+    assert bm.gather(again, 0)[0].shape[0] == 3 * BS
+
+
+@pytest.mark.redis
+def test_remote_tier_serves_exactly_what_a_host_tier_would(redis_server: Any) -> None:
+    bm = store_tier_matches_host_tier(remote_budget=4 << 20, remote_url=redis_server.url)
+    from kvtier.stores import RedisStore
+
+    def mine() -> int:
+        views = [RedisStore(redis_server.url, s.namespace) for s in bm.stores.values()]
+        return sum(k.startswith(bm.instance) for v in views for k in v.keys())
+
+    assert mine() > 0
+    bm.close()
+    assert mine() == 0
+
+
+@pytest.mark.redis
+def test_the_engine_keeps_running_when_redis_dies() -> None:
+    from conftest import local_redis
+
+    server = local_redis()
+    try:
+        bm = manager(**SPILL, remote_budget=4 << 20, remote_url=server.url, remote_timeout=0.5)
+        seqs = spill(bm, 8)
+        server.kill()
+        summaries = [bm.step() for _ in range(3)]
+        assert any("store_refused" in s or "lost" in s for s in summaries), summaries
+        more = spill(bm, 4)  # new sequences are still served from the device
+        lost = 0
+        for seq in {**seqs, **more}:
+            try:
+                bm.gather(seq, 0)
+            except BlockLostError:
+                lost += 1
+        assert 0 < lost < len(seqs) + len(more)
+    finally:
+        server.stop()

@@ -227,10 +227,22 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     _var("disk_budget", "size", "disk tier budget in bytes; unset = no disk tier"),
     _var(
+        "disk_path",
+        "str",
+        "directory of the disk tier (a `BlockManager` needs it with `disk_budget`)",
+    ),
+    _var(
         "remote_budget",
         "size",
         "remote (Redis/Valkey) tier budget in bytes; unset = no remote tier",
     ),
+    _var(
+        "remote_url",
+        "str",
+        "server of the remote tier: `redis://host:port`, `rediss://` for TLS; a Redis Cluster "
+        "is detected",
+    ),
+    _var("remote_timeout", "float", "seconds to wait for the remote server to connect or reply"),
     _var("max_move_bytes", "size", "cap on bytes moved per `step()`; unset = no cap"),
     _var(
         "headroom",
@@ -292,7 +304,10 @@ class KvtierConfig:
     #: fraction of a tier's budget per level's pool (the BlockManager's fixed partition)
     pool_shares: tuple[float, ...] | None = None
     disk_budget: int | None = None
+    disk_path: str | None = None
     remote_budget: int | None = None
+    remote_url: str | None = None
+    remote_timeout: float = 1.0
     max_move_bytes: int | None = None
     headroom: float = 0.1
     hysteresis: float = 0.1
@@ -375,6 +390,7 @@ class KvtierConfig:
         set_("hysteresis", _number(self, "hysteresis", 0.0, 1.0))
         set_("decay", _number(self, "decay", 0.0, 1.0, lo_open=True))
         set_("attention_ema", _number(self, "attention_ema", 0.0, 1.0, lo_open=True))
+        set_("remote_timeout", _number(self, "remote_timeout", 0.0, math.inf, lo_open=True))
 
         set_("block_size", _integer(self, "block_size", 1))
         set_("recent_window", _integer(self, "recent_window", 0))

@@ -15,6 +15,14 @@ grows, *pinned* (never moved) until every layer has written all its tokens, then
 demoted, offloaded, promoted by :meth:`BlockManager.step`. A block is shared between sequences by
 prefix hash only once complete; a sequence that reuses a cached prefix skips writing it.
 
+Tiers: ``device`` and ``host`` pools are tensors; ``disk`` and ``remote`` are
+:mod:`kvtier.stores` (a directory, a Redis server), whose values are keyed by this manager's
+instance id, level and slot, so the core addresses them exactly like a pool. Moves to and from a
+store go in one batch per pool pair and carry each level's packed bytes (an INT4 block moves a
+quarter of an fp16 one). A block a store cannot give back (corrupt, evicted, server gone) is
+*lost*: never shared again, and :class:`BlockLostError` for its sequence, never wrong K/V. A
+store that refuses a write (full, server gone) is left out of plans for ``STORE_RETRY_S``.
+
 Thread safety: one lock guards the core and the pools' bookkeeping; :meth:`step` copies bytes
 outside it (a plan's sources stay valid and its destinations reserved until commit, and appends
 only write pinned blocks, which plans never move), so appends and gathers proceed meanwhile.
@@ -22,10 +30,15 @@ only write pinned blocks, which plans never move), so appends and gathers procee
 
 from __future__ import annotations
 
+import logging
 import math
+import shutil
 import threading
+import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,18 +48,26 @@ from .codecs import BlockShape, Codec, get_codec
 from .codecs.base import as_tensor, dtype_name, torch_dtype, torch_module
 from .config import KvtierConfig, normalize_dtype
 from .errors import (
+    BlockLostError,
     ConfigError,
     InvalidArgumentError,
     InvalidSequenceError,
     OutOfCapacityError,
 )
+from .stores import DiskStore, KVStore, Namespace, RedisStore
 
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("kvtier.manager")
+
 __all__ = ["BlockManager", "ManagerStats", "PoolStats"]
 
-TIERS = ("device", "host")
+TIERS = ("device", "host", "disk", "remote")
+#: Tiers held in a :class:`KVStore` rather than a tensor pool.
+STORE_TIERS = ("disk", "remote")
+#: Seconds a store tier that refused a write is left out of plans.
+STORE_RETRY_S = 1.0
 #: The device budget when neither ``device_budget`` nor ``device_blocks`` is set: this share of
 #: the free CUDA memory, or a fixed amount of CPU memory.
 DEFAULT_CUDA_SHARE = 0.5
@@ -231,22 +252,17 @@ class BlockManager:
                 "ladder: the BlockManager does not support a 'drop' level yet (it would leave "
                 "attention with gaps); use the simulator to study drop policies"
             )
-        for name in ("disk_budget", "remote_budget"):
-            if getattr(config, name) is not None:
-                raise ConfigError(
-                    f"{name}: the BlockManager keeps blocks on the device and host tiers only; "
-                    "disk and remote stores are not wired into it yet"
-                )
         self.codecs: list[Codec] = [get_codec(name) for name in self.ladder]
         self.level_bytes = [c.bytes_per_block(self.shape) for c in self.codecs]
         budgets = {"device": self._budget("device")}
-        host = self._budget("host")
-        if host is not None:
-            budgets["host"] = host
-        if config.write_through and "host" not in budgets:
+        for tier in TIERS[1:]:
+            budget = self._budget(tier)
+            if budget is not None:
+                budgets[tier] = budget
+        if config.write_through and len(budgets) == 1:
             raise ConfigError(
-                "write_through: needs a host tier to keep full-precision copies in; set "
-                "host_budget or host_blocks"
+                "write_through: needs a tier after the device to keep full-precision copies in; "
+                "set host_budget (or host_blocks), disk_budget or remote_budget"
             )
         shares = config.pool_shares or default_shares(
             len(self.ladder), self.level_bytes, config.compression_ratio
@@ -288,8 +304,13 @@ class BlockManager:
             pool_slots=[(t, lv, n) for (t, lv), n in self.slots.items()],
             pool_headroom=True,
         )
+        self.instance = uuid.uuid4().hex[:16]
+        self.stores = self._open_stores(budgets)
+        self._suspended: dict[str, float] = {}
         self.pools: dict[tuple[str, int], Any] = {}
         for (tier, level), n in self.slots.items():
+            if tier in STORE_TIERS:
+                continue
             on = self.device if tier == "device" else torch.device("cpu")
             pin = tier == "host" and self.device.type == "cuda"
             shape = (n, *self.shape.dims) if level == 0 else (n, self.level_bytes[level])
@@ -302,6 +323,7 @@ class BlockManager:
         self._pinned = np.zeros(0, dtype=bool)
         self._norm_sum = np.zeros(0, dtype=np.float64)
         self._norm_count = np.zeros(0, dtype=np.int64)
+        self._lost = np.zeros(0, dtype=bool)
         self._lock = threading.RLock()
         self._step_lock = threading.Lock()
 
@@ -309,7 +331,7 @@ class BlockManager:
 
     def _budget(self, tier: str) -> int | None:
         cfg = self.config
-        blocks = getattr(cfg, f"{tier}_blocks")
+        blocks = getattr(cfg, f"{tier}_blocks", None)
         if blocks is not None:
             return int(blocks) * self.level_bytes[0]
         budget = getattr(cfg, f"{tier}_budget")
@@ -320,6 +342,54 @@ class BlockManager:
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * DEFAULT_CUDA_SHARE)
         return DEFAULT_CPU_BYTES
+
+    def _open_stores(self, budgets: dict[str, int]) -> dict[tuple[str, int], KVStore]:
+        """One store per store tier, seen through one namespace per level (its codec)."""
+        cfg = self.config
+        stores: dict[tuple[str, int], KVStore] = {}
+        for tier in (t for t in budgets if t in STORE_TIERS):
+            base_ns = Namespace(cfg.namespace, codec=self.ladder[0], dtype=self.shape.dtype)
+            if tier == "disk":
+                if cfg.disk_path is None:
+                    raise ConfigError("disk_budget: the disk tier needs a directory: set disk_path")
+                # The core keeps the tier within its budget; the store's own budget only
+                # allows for the headers.
+                root = Path(cfg.disk_path) / f"manager-{self.instance}"
+                store: KVStore = DiskStore(root, base_ns, 2 * budgets[tier])
+            else:
+                if cfg.remote_url is None:
+                    raise ConfigError(
+                        "remote_budget: the remote tier needs a server: set remote_url"
+                    )
+                store = RedisStore(
+                    cfg.remote_url, base_ns, timeout=cfg.remote_timeout, retry_after=STORE_RETRY_S
+                )
+            for level, codec in enumerate(self.ladder):
+                stores[tier, level] = store.with_namespace(
+                    base_ns.with_codec(codec, self.shape.dtype, str(self.shape))
+                )
+        return stores
+
+    def close(self) -> None:
+        """Deletes this manager's blocks from its disk and remote tiers and closes them. The
+        tensor pools go with the object."""
+        with self._step_lock, self._lock:
+            for (_, level), store in self.stores.items():
+                if store.closed:
+                    continue
+                if isinstance(store, DiskStore):
+                    shutil.rmtree(store.root, ignore_errors=True)
+                else:
+                    mine = [k for k in store.keys() if k.startswith(self.instance)]  # noqa: SIM118
+                    store.delete_many(mine)
+                if level == len(self.ladder) - 1:
+                    store.close()
+
+    def __enter__(self) -> BlockManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def pool_bytes(self) -> int:
@@ -455,9 +525,16 @@ class BlockManager:
                     f"{int(short[0]) * bs}) is shared but its owner has not written this layer "
                     "yet; append the owner's layer first"
                 )
+            self._check_not_lost(seq, blocks)
             out = torch.empty((m, *self.shape.dims[1:]), dtype=self.dtype, device=self.device)
-            for (tier, level), rows, slots in self._locations(blocks):
-                out.index_copy_(0, rows, self._read_layer(tier, level, slots, layer))
+            for (tier, level), rows, slots, ids in self._locations(blocks):
+                try:
+                    part = self._read_layer(tier, level, slots, layer, ids)
+                except _Lost as exc:
+                    self._mark_lost(exc.blocks.astype(np.uint32))
+                    self._check_not_lost(seq, blocks)
+                    raise
+                out.index_copy_(0, rows, part)
             if m:
                 self.core.record_reads(blocks)
         kv = out.permute(1, 0, 3, 2, 4).reshape(2, m * bs, *self.shape.dims[2:5:2])
@@ -500,12 +577,19 @@ class BlockManager:
     def step(self) -> dict[str, int]:
         """Lets the core plan moves and executes them: one batched codec call or copy per kind of
         move and pair of pools, then commit. If a copy fails, the plan is aborted (every block
-        stays where it was) and the error raised. Returns the plan's summary."""
+        stays where it was) and the error raised; a store tier that refuses or loses blocks is
+        handled instead (see the module doc) and the summary says so. Returns the plan's
+        summary."""
         with self._step_lock:
             with self._lock:
+                self._resume_stores()
                 plan = self.core.plan()
             try:
                 self._execute(plan)
+            except (_StoreRefused, _Lost) as exc:
+                with self._lock:
+                    self.core.abort(plan.id)
+                    return {**plan.summary(), **self._store_failed(exc)}
             except BaseException:
                 with self._lock:
                     self.core.abort(plan.id)
@@ -521,14 +605,14 @@ class BlockManager:
         tiers, kinds = Plan.TIERS, Plan.KINDS
         copies = np.isin(plan.kind, [kinds.index("evict"), kinds.index("drop")], invert=True)
         cols = np.stack([plan.src_tier, plan.src_level, plan.dst_tier, plan.dst_level]).T[copies]
+        blocks = plan.block[copies]
         src_slots, dst_slots = plan.src_slot[copies], plan.dst_slot[copies]
         groups, inverse = np.unique(cols, axis=0, return_inverse=True)
         for g, (st, sl, dt, dl) in enumerate(groups):
             pick = inverse.reshape(-1) == g
-            src = self.pools[tiers[st], int(sl)]
-            dst = self.pools[tiers[dt], int(dl)]
-            s = torch.from_numpy(src_slots[pick].astype(np.int64))
-            d = torch.from_numpy(dst_slots[pick].astype(np.int64))
+            src_key, dst_key = (tiers[st], int(sl)), (tiers[dt], int(dl))
+            src, s = self._source(src_key, src_slots[pick], blocks[pick])
+            dst, d = self._destination(dst_key, dst_slots[pick])
             if sl == dl:
                 dst[d.to(dst.device)] = src[s.to(src.device)].to(dst.device, non_blocking=True)
             elif st == dt and sl == 0:
@@ -537,8 +621,94 @@ class BlockManager:
                 self.codecs[sl].transcode_into(src, s, self.codecs[dl], dst, d, self.shape)
             else:
                 raise RuntimeError(f"plan moves a block across tiers and levels at once: {cols}")
+            if dst_key in self.stores:
+                self._store_rows(dst_key, dst_slots[pick], dst)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+    # -- store tiers ----------------------------------------------------------------------------
+
+    def _slot_keys(self, slots: np.ndarray) -> list[str]:
+        return [f"{self.instance}.{int(s)}" for s in slots]
+
+    def _row_shape(self, level: int) -> tuple[int, ...]:
+        return tuple(self.shape.dims) if level == 0 else (self.level_bytes[level],)
+
+    def _load(self, key: tuple[str, int], slots: np.ndarray, blocks: np.ndarray) -> torch.Tensor:
+        """Rows of a store pool as a CPU tensor ``[n, *row]``; raises :class:`_Lost` naming the
+        blocks the store could not give back."""
+        torch = torch_module()
+        level = key[1]
+        values = self.stores[key].get_many(self._slot_keys(slots))
+        lost = [i for i, v in enumerate(values) if v is None or len(v) != self.level_bytes[level]]
+        if lost:
+            raise _Lost(key[0], blocks[lost])
+        raw = np.empty((len(values), self.level_bytes[level]), dtype=np.uint8)
+        for i, v in enumerate(values):
+            raw[i] = np.frombuffer(v, np.uint8)
+        rows = torch.from_numpy(raw)
+        if level == 0:
+            rows = rows.view(self.dtype)
+        return rows.reshape(len(values), *self._row_shape(level))
+
+    def _source(
+        self, key: tuple[str, int], slots: np.ndarray, blocks: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a group of moves reads: a tensor pool and the slots, or a store's rows loaded."""
+        torch = torch_module()
+        if key in self.stores:
+            return self._load(key, slots, blocks), torch.arange(len(slots))
+        return self.pools[key], torch.from_numpy(slots.astype(np.int64))
+
+    def _destination(
+        self, key: tuple[str, int], slots: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a group of moves writes: a tensor pool and the slots, or rows that
+        :meth:`_store_rows` then puts."""
+        torch = torch_module()
+        if key in self.stores:
+            dt = self.dtype if key[1] == 0 else torch.uint8
+            rows = torch.empty((len(slots), *self._row_shape(key[1])), dtype=dt)
+            return rows, torch.arange(len(slots))
+        return self.pools[key], torch.from_numpy(slots.astype(np.int64))
+
+    def _store_rows(self, key: tuple[str, int], slots: np.ndarray, rows: torch.Tensor) -> None:
+        torch = torch_module()
+        raw = rows.reshape(len(slots), -1).contiguous().view(torch.uint8).numpy()
+        done = self.stores[key].put_many(self._slot_keys(slots), list(raw))
+        if not all(done):
+            raise _StoreRefused(key[0])
+
+    def _store_failed(self, exc: _StoreRefused | _Lost) -> dict[str, int]:
+        """After a plan was aborted for a store: a refusing tier sits out a while; lost blocks
+        are forgotten (so never shared) and pinned where they are (so never moved again)."""
+        if isinstance(exc, _StoreRefused):
+            used = dict(self.core.tier_bytes())[exc.tier]
+            self.core.set_budget(exc.tier, used)
+            self._suspended[exc.tier] = time.monotonic() + STORE_RETRY_S
+            log.warning("the %s tier refused a write: no moves into it for a while", exc.tier)
+            return {"store_refused": 1}
+        lost = exc.blocks.astype(np.uint32)
+        self._mark_lost(lost)
+        log.warning("%d block(s) lost from the %s tier", len(lost), exc.tier)
+        return {"lost": len(lost)}
+
+    def _mark_lost(self, blocks: np.ndarray) -> None:
+        self.core.forget(blocks)
+        live = blocks[self.core.block_info(blocks)["refcount"] > 0]
+        self.core.pin(live)
+        self._pinned[live] = True
+        self._lost[live] = True
+
+    def _resume_stores(self) -> None:
+        now = time.monotonic()
+        for tier, until in list(self._suspended.items()):
+            if now >= until:
+                self.core.set_budget(tier, self._tier_budget(tier))
+                del self._suspended[tier]
+
+    def _tier_budget(self, tier: str) -> int:
+        return sum(self.slots[tier, lv] * b for lv, b in enumerate(self.level_bytes))
 
     # -- stats ----------------------------------------------------------------------------------
 
@@ -652,10 +822,11 @@ class BlockManager:
             self._written = np.concatenate(
                 [self._written, np.zeros((grow - len(self._written), self.shape.layers), np.int32)]
             )
-            for name in ("_pinned", "_norm_sum", "_norm_count"):
+            for name in ("_pinned", "_norm_sum", "_norm_count", "_lost"):
                 old = getattr(self, name)
                 setattr(self, name, np.concatenate([old, np.zeros(grow - len(old), old.dtype)]))
         self._written[new] = 0
+        self._lost[new] = False
         self._norm_sum[new] = 0.0
         self._norm_count[new] = 0
 
@@ -718,8 +889,8 @@ class BlockManager:
 
     def _locations(
         self, blocks: np.ndarray
-    ) -> Iterator[tuple[tuple[str, int], torch.Tensor, np.ndarray]]:
-        """Blocks grouped by pool: ``((tier, level), rows in blocks, slots)``."""
+    ) -> Iterator[tuple[tuple[str, int], torch.Tensor, np.ndarray, np.ndarray]]:
+        """Blocks grouped by pool: ``((tier, level), rows in blocks, slots, block ids)``."""
         torch = torch_module()
         if not len(blocks):
             return
@@ -728,18 +899,45 @@ class BlockManager:
         for k in np.unique(key):
             rows = np.nonzero(key == k)[0]
             tier = Plan.TIERS[int(k) // 256]
-            yield (tier, int(k) % 256), torch.from_numpy(rows).to(self.device), info["slot"][rows]
+            yield (
+                (tier, int(k) % 256),
+                torch.from_numpy(rows).to(self.device),
+                info["slot"][rows],
+                blocks[rows],
+            )
 
-    def _read_layer(self, tier: str, level: int, slots: np.ndarray, layer: int) -> torch.Tensor:
+    def _check_not_lost(self, seq: int, blocks: np.ndarray) -> None:
+        lost = blocks[self._lost[blocks]]
+        if len(lost):
+            raise BlockLostError(
+                f"sequence {seq}: block {int(lost[0])} was lost from a store tier (corrupt, "
+                "evicted by the server, or the server is gone); free the sequence and compute "
+                "its K/V again"
+            )
+
+    def _read_layer(
+        self, tier: str, level: int, slots: np.ndarray, layer: int, blocks: np.ndarray
+    ) -> torch.Tensor:
         """``[n, 2, kv_heads, block_size, head_dim]`` of one layer of blocks, on the device."""
-        torch = torch_module()
-        pool = self.pools[tier, level]
-        idx = torch.from_numpy(slots.astype(np.int64)).to(pool.device)
+        pool, idx = self._source((tier, level), slots, blocks)
+        idx = idx.to(pool.device)
         if level == 0:
             return pool[:, layer].index_select(0, idx).to(self.device, non_blocking=True)
         return self.codecs[level].decode_layer(
             pool, self.shape, layer, slots=idx, dtype=self.dtype, device=self.device
         )
+
+
+class _StoreRefused(Exception):
+    def __init__(self, tier: str) -> None:
+        super().__init__(f"the {tier} tier refused a write")
+        self.tier = tier
+
+
+class _Lost(Exception):
+    def __init__(self, tier: str, blocks: np.ndarray) -> None:
+        super().__init__(f"{len(blocks)} block(s) lost from the {tier} tier")
+        self.tier, self.blocks = tier, blocks
 
 
 def _token_array(token_ids: Any) -> np.ndarray:
