@@ -573,7 +573,7 @@ def test_remote_tier_serves_exactly_what_a_host_tier_would(redis_server: Any) ->
 
     def mine() -> int:
         views = [RedisStore(redis_server.url, s.namespace) for s in bm.stores.values()]
-        return sum(k.startswith(bm.instance) for v in views for k in v.keys())
+        return sum(k.startswith(bm.instance) for v in views for k in v.keys())  # noqa: SIM118
 
     assert mine() > 0
     bm.close()

@@ -145,7 +145,7 @@ def test_every_flipped_bit_is_caught() -> None:
 
 
 @pytest.mark.parametrize(
-    "blob, reader, message",
+    ("blob", "reader", "message"),
     [
         (sealed()[:-1], NS, "truncated"),
         (sealed() + b"\0", NS, "truncated"),
@@ -156,7 +156,9 @@ def test_every_flipped_bit_is_caught() -> None:
         (sealed(key=NS.key(6)), NS, "written as key"),
     ],
 )
-def test_foreign_or_damaged_values_are_refused(blob: bytes, reader: Namespace, message: str) -> None:
+def test_foreign_or_damaged_values_are_refused(
+    blob: bytes, reader: Namespace, message: str
+) -> None:
     with pytest.raises(PayloadError, match=message):
         fmt.unseal(reader, NS.key(5), blob)
 
@@ -174,7 +176,9 @@ def test_a_foreign_value_in_a_store_is_a_counted_miss_and_removed(tmp_path: Path
     store = DiskStore(tmp_path, NS, 1 << 20)
     store.with_namespace(int8).put(9, b"int8 bytes")
     store.put(9, b"int4 bytes")
-    [theirs] = [p for p in tmp_path.rglob("*") if p.is_file() and b"int4 bytes" not in p.read_bytes()]
+    [theirs] = [
+        p for p in tmp_path.rglob("*") if p.is_file() and b"int4 bytes" not in p.read_bytes()
+    ]
     [mine] = [p for p in tmp_path.rglob("*") if p.is_file() and p != theirs]
     mine.write_bytes(theirs.read_bytes())
     assert store.get(9) is None
@@ -280,10 +284,11 @@ def test_pop_hands_a_value_to_exactly_one_taker(tmp_path: Path) -> None:
         for round_ in range(20):
             store.put(round_, b"only once")
             results: list[Any] = []
-            threads = [
-                threading.Thread(target=lambda: results.append(store.pop(round_)))
-                for _ in range(4)
-            ]
+
+            def take(s: Any = store, key: int = round_, out: list[Any] = results) -> None:
+                out.append(s.pop(key))
+
+            threads = [threading.Thread(target=take) for _ in range(4)]
             for t in threads:
                 t.start()
             for t in threads:

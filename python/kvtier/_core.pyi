@@ -4,7 +4,15 @@ from typing import Any, ClassVar, Final, final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Core", "Plan", "Simulator", "checksum", "kernel_sources", "namespace_seed", "prefix_hashes"]
+__all__ = [
+    "Core",
+    "Plan",
+    "Simulator",
+    "checksum",
+    "kernel_sources",
+    "namespace_seed",
+    "prefix_hashes",
+]
 
 _Ids = npt.ArrayLike
 _Usage = list[tuple[str, int, int, int, int]]
@@ -136,3 +144,5 @@ def prefix_hashes(
 def namespace_seed(namespace: str) -> int: ...
 def kernel_sources() -> dict[str, str]:
     """The CUDA sources of kvtier's kernels (kernels/*.cu), by file name."""
+
+def checksum(*parts: npt.ArrayLike, seed: int = 0) -> int: ...

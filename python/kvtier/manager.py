@@ -254,7 +254,7 @@ class BlockManager:
             )
         self.codecs: list[Codec] = [get_codec(name) for name in self.ladder]
         self.level_bytes = [c.bytes_per_block(self.shape) for c in self.codecs]
-        budgets = {"device": self._budget("device")}
+        budgets: dict[str, int] = {"device": self._device_budget()}
         for tier in TIERS[1:]:
             budget = self._budget(tier)
             if budget is not None:
@@ -330,12 +330,17 @@ class BlockManager:
     # -- configuration --------------------------------------------------------------------------
 
     def _budget(self, tier: str) -> int | None:
-        cfg = self.config
-        blocks = getattr(cfg, f"{tier}_blocks", None)
+        """A tier's budget in bytes, from ``{tier}_blocks`` or ``{tier}_budget``; None: no
+        such tier."""
+        blocks = getattr(self.config, f"{tier}_blocks", None)
         if blocks is not None:
             return int(blocks) * self.level_bytes[0]
-        budget = getattr(cfg, f"{tier}_budget")
-        if budget is not None or tier != "device":
+        budget: int | None = getattr(self.config, f"{tier}_budget")
+        return budget
+
+    def _device_budget(self) -> int:
+        budget = self._budget("device")
+        if budget is not None:
             return budget
         torch = torch_module()
         if self.device.type == "cuda":
@@ -640,11 +645,13 @@ class BlockManager:
         torch = torch_module()
         level = key[1]
         values = self.stores[key].get_many(self._slot_keys(slots))
-        lost = [i for i, v in enumerate(values) if v is None or len(v) != self.level_bytes[level]]
-        if lost:
+        nbytes = self.level_bytes[level]
+        got = [v for v in values if v is not None and len(v) == nbytes]
+        if len(got) < len(values):
+            lost = [i for i, v in enumerate(values) if v is None or len(v) != nbytes]
             raise _Lost(key[0], blocks[lost])
-        raw = np.empty((len(values), self.level_bytes[level]), dtype=np.uint8)
-        for i, v in enumerate(values):
+        raw = np.empty((len(got), nbytes), dtype=np.uint8)
+        for i, v in enumerate(got):
             raw[i] = np.frombuffer(v, np.uint8)
         rows = torch.from_numpy(raw)
         if level == 0:

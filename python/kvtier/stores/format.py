@@ -52,8 +52,11 @@ def _key_text(value: Any) -> str:
 
 
 def _field_text(what: str, value: Any, *, empty: bool = False) -> str:
-    if not isinstance(value, str) or not value.isprintable() or len(value) > 200 or (
-        not value and not empty
+    if (
+        not isinstance(value, str)
+        or not value.isprintable()
+        or len(value) > 200
+        or (not value and not empty)
     ):
         raise InvalidArgumentError(f"{what}: expected 1-200 printable characters, got {value!r}")
     return value

@@ -52,7 +52,7 @@ class HostStore(KVStore):
 
         size = sum(len(p) for p in parts)
         buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        view, pos = memoryview(buf.numpy()), 0
+        view, pos = buf.numpy().data, 0
         for p in parts:
             view[pos : pos + len(p)] = p
             pos += len(p)

@@ -62,11 +62,12 @@ class LocalRedis:
     def __init__(self, nodes: int = 1, *, binary: str = "redis-server") -> None:
         if nodes != 1 and nodes < 3:
             raise ValueError(f"nodes: 1 (a server) or >= 3 (a cluster), got {nodes}")
-        self.binary = shutil.which(binary)
-        if self.binary is None:
+        found = shutil.which(binary)
+        if found is None:
             raise RedisUnavailableError(
                 f"{binary} is not on PATH: install it (Debian: apt-get install redis-server)"
             )
+        self.binary: str = found
         self.cluster = nodes > 1
         self.ports = [free_port(cluster=self.cluster) for _ in range(nodes)]
         self._dir = tempfile.TemporaryDirectory(prefix="kvtier-redis-")
