@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -64,3 +66,21 @@ def test_bench_manager_quick_prints_figures_beside_baselines() -> None:
     assert decode["default"]["memory"]["ratio_vs_fp16"] < 1.0
     for m in memory.values():
         assert m["pool_bytes"] >= m["held_bytes"] > 0
+
+
+def test_bench_stores_quick_prints_figures_beside_baselines() -> None:
+    result = _bench("stores", "--quick")
+    kinds = {"host", "disk"}
+    if shutil.which("redis-server") and importlib.util.find_spec("redis"):
+        kinds.add("redis")
+        assert result["environment"]["redis"]["version"]
+    else:
+        assert result["skipped"]["redis"], "a skipped store says why"
+    assert set(result["baselines"]) == kinds, "each store is measured beside its plain baseline"
+    cells = {(r["store"], r["op"], r["size"], r["batch"]) for r in result["rows"]}
+    assert len(cells) == len(result["rows"]) == len(kinds) * 2 * len(result["sizes"]) * 2
+    assert {r["store"] for r in result["rows"]} == kinds
+    for r in result["rows"]:
+        assert r["gb_per_s"] > 0 and r["values_per_s"] > 0 and r["baseline_gb_per_s"] > 0
+        assert r["bytes"] == r["values"] * r["size"] and r["values"] % r["batch"] == 0
+    assert result["evictions"] == dict.fromkeys(kinds, 0), "the budgets hold every value"

@@ -235,7 +235,7 @@ FULL_DISK = textwrap.dedent(
     assert store.put(1, b"small value")
     resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
     ok = store.put(1, bytes(1_000_000))
-    print(ok, bytes(store.get(1)).decode(), store.stats.put_failures, store.stats.errors)
+    print(ok, bytes(store.get(1)).decode(), store.stats.put_failures, store.stats.errors, store.used_bytes > 0)
     """
 )
 
@@ -247,7 +247,7 @@ def test_a_full_disk_refuses_without_corrupting(tmp_path: Path) -> None:
         [sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "small", "value", "1", "1"]
+    assert out.stdout.split() == ["False", "small", "value", "1", "1", "True"]
     assert [p.name for p in tmp_path.rglob("*") if p.is_file() and p.name.startswith(".tmp")] == []
 
 

@@ -220,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a benchmark and print its figures",
         description="Run a benchmark; figures are printed, never judged pass/fail.",
     )
-    bench.add_argument("suite", choices=("core", "codecs", "manager"), help="which benchmark")
+    bench.add_argument(
+        "suite", choices=("core", "codecs", "manager", "stores"), help="which benchmark"
+    )
     bench.add_argument(
         "options",
         nargs=argparse.REMAINDER,

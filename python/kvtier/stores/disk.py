@@ -68,6 +68,7 @@ class DiskStore(KVStore):
         # path -> size, least recently used first; one index for every namespace under root.
         self._files: OrderedDict[str, int] = OrderedDict()
         self._bytes = 0
+        self._dirs: set[str] = set()  # directories known to exist (saves a makedirs per put)
         self._index()
 
     @property
@@ -105,6 +106,16 @@ class DiskStore(KVStore):
             self._files[path] = size
             self._bytes += size
 
+    def _recount(self, path: str) -> None:
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return
+        with self._lock:
+            if path not in self._files:
+                self._files[path] = size
+                self._bytes += size
+
     def _forget(self, path: str) -> None:
         size = self._files.pop(path, None)
         if size is not None:
@@ -129,7 +140,9 @@ class DiskStore(KVStore):
         self._make_room(path, size)
         tmp = self._tmp(directory)
         try:
-            os.makedirs(directory, exist_ok=True)
+            if directory not in self._dirs:
+                os.makedirs(directory, exist_ok=True)
+                self._dirs.add(directory)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 written = os.writev(fd, parts)
@@ -144,6 +157,8 @@ class DiskStore(KVStore):
         except OSError as exc:
             _unlink(tmp)
             self._error(f"writing {path}", exc)
+            self._recount(path)  # the old value is still there
+            self._dirs.discard(directory)  # in case someone removed it: made again next time
             return False
         with self._lock:
             self._forget(path)
