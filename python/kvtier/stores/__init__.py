@@ -6,6 +6,7 @@ buffer a prefill process hands KV to a decode process through.
 """
 
 from .base import KVStore, StoreClosedError, StoreStats
+from .buffer import KVStoreBuffer, LookupBuffer
 from .disk import DiskStore
 from .format import FORMAT_VERSION, Namespace
 from .host import HostStore
@@ -16,6 +17,8 @@ __all__ = [
     "DiskStore",
     "HostStore",
     "KVStore",
+    "KVStoreBuffer",
+    "LookupBuffer",
     "Namespace",
     "RedisStore",
     "StoreClosedError",
