@@ -51,3 +51,27 @@ def redis_cluster() -> Iterator[Any]:
     server = local_redis(3)
     yield server
     server.stop()
+
+
+@pytest.fixture(params=["host", "disk", pytest.param("redis", marks=pytest.mark.redis)])
+def open_store(request: Any, tmp_path: Any) -> Iterator[Any]:
+    """Opens a store of each kind in a namespace: host memory, a directory under tmp_path, or
+    the session's redis-server (emptied of that namespace first). Closed afterwards."""
+    from kvtier.stores import DiskStore, HostStore, RedisStore
+
+    opened = []
+
+    def open_(ns: Any) -> Any:
+        if request.param == "host":
+            s = HostStore(ns, 64 << 20)
+        elif request.param == "disk":
+            s = DiskStore(tmp_path / "kv", ns, 64 << 20)
+        else:
+            s = RedisStore(request.getfixturevalue("redis_server").url, ns)
+            s.delete_many(list(s.keys()))  # the server lives for the whole run
+        opened.append(s)
+        return s
+
+    yield open_
+    for s in opened:
+        s.close()

@@ -26,7 +26,6 @@ from kvtier.stores import (  # noqa: E402
     KVStoreBuffer,
     LookupBuffer,
     Namespace,
-    RedisStore,
 )
 from kvtier.stores import buffer as buf  # noqa: E402
 
@@ -43,16 +42,9 @@ def kv(tokens: int, dtype: Any = torch.float32) -> tuple[Any, Any, Any]:
     return randn(4, 3, tokens, 16, dtype=dtype), randn(4, 3, tokens, 16, dtype=dtype), randn(64)
 
 
-@pytest.fixture(params=["host", "disk", pytest.param("redis", marks=pytest.mark.redis)])
-def store(request: Any, tmp_path: Path) -> Iterator[KVStore]:
-    if request.param == "host":
-        s: KVStore = HostStore(NS, 64 << 20)
-    elif request.param == "disk":
-        s = DiskStore(tmp_path / "kv", NS, 64 << 20)
-    else:
-        s = RedisStore(request.getfixturevalue("redis_server").url, NS)
-    yield s
-    s.close()
+@pytest.fixture
+def store(open_store: Any) -> KVStore:
+    return open_store(NS)
 
 
 @pytest.fixture

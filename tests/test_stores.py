@@ -10,7 +10,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +36,9 @@ def payload(n: int) -> bytes:
     return RNG.integers(0, 256, n, dtype=np.uint8).tobytes()
 
 
-@pytest.fixture(params=["host", "disk", "redis"])
-def store(request: Any, tmp_path: Path) -> Iterator[KVStore]:
-    if request.param == "host":
-        s: KVStore = HostStore(NS, 64 << 20)
-    elif request.param == "disk":
-        s = DiskStore(tmp_path / "kv", NS, 64 << 20)
-    else:
-        server = request.getfixturevalue("redis_server")
-        s = RedisStore(server.url, NS)
-        for key in list(s.keys()):  # the server lives for the session
-            s.delete(key)
-    yield s
-    s.close()
+@pytest.fixture
+def store(open_store: Any) -> KVStore:
+    return open_store(NS)
 
 
 # -- the interface, on every store ---------------------------------------------------------------
