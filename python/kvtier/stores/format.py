@@ -127,10 +127,9 @@ def payload_view(value: Any) -> memoryview:
                 f"value: expected bytes or a CPU tensor, got a tensor on {value.device}; "
                 "copy it to the host first"
             )
-        value = value.detach().contiguous().reshape(-1).view(-1)
         import torch
 
-        value = value.view(torch.uint8).numpy()
+        value = value.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     try:
         view = memoryview(value)
     except TypeError:
