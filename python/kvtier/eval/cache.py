@@ -1,0 +1,406 @@
+"""What a KV cache costs in quality and buys in memory, on a real model: ``kvtier eval cache``.
+
+SmolLM2-135M (fp32, on the CPU, eager attention so that attention weights reach the scheduler)
+reads WikiText-2. Each *method* is a transformers ``Cache``: ``DynamicCache`` (the baseline),
+transformers' ``QuantizedCache`` (quanto and HQQ backends, the peers), and ``TieredCache`` with
+several kvtier settings. For each we measure
+
+- **perplexity**: each window of ``--tokens`` tokens is split in half. The first half is the
+  context, run as one prefill; the scheduler then steps (compressing what left the recent
+  window), and the second half is teacher-forced ``--chunk`` tokens per forward pass, with a
+  scheduler step after each. Only the second half is scored, so every scored prediction attends
+  over K/V the cache has really compressed; with ``--chunk 1`` this is token-by-token decoding
+  exactly, and larger chunks differ only in that a chunk's own tokens see each other at full
+  precision (as the recent window always does);
+- **passkey retrieval**: a 5-digit key hidden in filler text at several depths of prompts of
+  1K and 2K tokens, then ``generate`` (greedy) through the cache; exact match of the key;
+- **KV bytes** held at the end of each window (what the cache's tensors take; kvtier's from its
+  pools), against ``DynamicCache``'s, and "fp16-equivalent": the same with every floating-point
+  tensor counted at 2 bytes, i.e. the cache a 16-bit deployment of the model would hold;
+- **tokens/s** of ``generate`` (a 512-token prompt, 64 new tokens, greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import KvtierConfig
+from ..integrations.hf import TieredCache
+from . import model as real
+
+WINDOWS = 16
+WINDOW_TOKENS = 1024
+CHUNK = 16
+PASSKEY_LENGTHS = (1024, 2048)
+PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+SPEED_PROMPT = 512
+SPEED_NEW = 64
+
+
+@dataclass(frozen=True)
+class Method:
+    """A named way to build a cache for ``model``."""
+
+    name: str
+    about: str
+    make: Callable[[Any], Any]
+
+
+def _kvtier(name: str, about: str, **fields: Any) -> Method:
+    config = KvtierConfig(**fields)
+    return Method(name, about, lambda model: TieredCache(model, config))
+
+
+def _quantized(backend: str) -> Method:
+    def make(model: Any) -> Any:
+        from transformers import QuantizedCache
+
+        # quanto builds a C++ extension with ninja on first use; the venv's ninja must be found.
+        bin_dir = str(Path(sys.executable).parent)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        return QuantizedCache(backend=backend, config=model.config, nbits=4)
+
+    return Method(
+        f"{backend}-int4",
+        f"transformers QuantizedCache, {backend}, 4 bits, groups of 64, last 128 tokens full",
+        make,
+    )
+
+
+def methods() -> dict[str, Method]:
+    """Every method by name; kvtier ones keep the first block and the last 128 tokens at level 0
+    (the aggressive one 32), as QuantizedCache keeps its last 128 tokens unquantized."""
+    from transformers import DynamicCache
+
+    ladder = ("fp32", "int8", "int4")
+    rows = [
+        Method("dynamic", "transformers DynamicCache (baseline)", lambda m: DynamicCache(config=m.config)),
+        _quantized("quanto"),
+        _quantized("hqq"),
+        _kvtier("kvtier-exact", "TieredCache, level 0 only (must equal the baseline)", enable_compression=False),
+        _kvtier("kvtier-int8", "TieredCache, int8 beyond the recent window", ladder=("fp32", "int8")),
+        _kvtier("kvtier-int4", "TieredCache, int4 beyond the recent window", ladder=("fp32", "int4")),
+        _kvtier("kvtier-default", "default ladder fp32,int8,int4, ratio 0.5, importance", ladder=ladder),
+        _kvtier("kvtier-h2o", "default ladder, h2o policy", ladder=ladder, policy="h2o"),
+        _kvtier("kvtier-lru", "default ladder, lru policy", ladder=ladder, policy="lru"),
+        _kvtier(
+            "kvtier-aggressive",
+            "ladder fp32,int8,int4, ratio 0 (all to int4), recent window 32",
+            ladder=ladder,
+            compression_ratio=0.0,
+            recent_window=32,
+        ),
+    ]
+    return {m.name: m for m in rows}
+
+
+DEFAULT_METHODS = (
+    "dynamic",
+    "quanto-int4",
+    "hqq-int4",
+    "kvtier-exact",
+    "kvtier-int8",
+    "kvtier-int4",
+    "kvtier-default",
+    "kvtier-h2o",
+    "kvtier-lru",
+    "kvtier-aggressive",
+)
+
+
+# -- bytes -----------------------------------------------------------------------------------------
+
+
+def _tensor_bytes(obj: Any, as_fp16: bool) -> int:
+    """Bytes of every tensor reachable from ``obj`` (tensor subclasses such as quanto's are
+    opened with ``__tensor_flatten__``); ``as_fp16`` counts floating-point elements at 2 bytes."""
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(obj, "__tensor_flatten__", None)
+        if flatten is not None and type(obj) is not torch.Tensor:
+            names, _ = flatten()
+            return sum(_tensor_bytes(getattr(obj, n), as_fp16) for n in names)
+        size = 2 if as_fp16 and obj.is_floating_point() else obj.element_size()
+        return obj.numel() * size
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, as_fp16) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, as_fp16) for v in obj)
+    return 0
+
+
+def cache_bytes(cache: Any) -> tuple[int, int]:
+    """``(real, fp16_equivalent)`` K/V bytes the cache holds now."""
+    if isinstance(cache, TieredCache):
+        held = cache.kv_bytes()
+        bm = cache.manager
+        assert bm is not None
+        fp16_block = bm.shape.fp16_bytes
+        level0 = held["blocks"][0]
+        return held["held"], held["held"] - level0 * (bm.level_bytes[0] - fp16_block)
+    # transformers' layers keep their tensors in attributes (quantized ones in their own types).
+    parts = [vars(layer) for layer in cache.layers]
+    return _tensor_bytes(parts, False), _tensor_bytes(parts, True)
+
+
+def _release(cache: Any) -> None:
+    if isinstance(cache, TieredCache):
+        cache.close()
+
+
+# -- perplexity ------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def perplexity(model: Any, method: Method, windows: torch.Tensor, chunk: int = CHUNK) -> dict[str, Any]:
+    """Perplexity of the second half of each window given the first (see the module doc)."""
+    nll, count, real_bytes, fp16_bytes = 0.0, 0, 0, 0
+    start = time.perf_counter()
+    for ids in windows:
+        context = len(ids) // 2
+        cache = method.make(model)
+        try:
+            logits = model(ids[None, :context], past_key_values=cache, use_cache=True).logits[0, -1:]
+            for s in range(context, len(ids) - 1, chunk):
+                part = ids[s : min(s + chunk, len(ids) - 1)]
+                out = model(part[None], past_key_values=cache, use_cache=True).logits[0]
+                logits = torch.cat([logits, out])
+            target = ids[context:]
+            nll += float(F.cross_entropy(logits.float(), target, reduction="sum"))
+            count += len(target)
+            b = cache_bytes(cache)
+            real_bytes += b[0]
+            fp16_bytes += b[1]
+        finally:
+            _release(cache)
+    return {
+        "perplexity": math.exp(nll / count),
+        "scored_tokens": count,
+        "kv_bytes": real_bytes // len(windows),
+        "kv_bytes_fp16": fp16_bytes // len(windows),
+        "seconds": time.perf_counter() - start,
+    }
+
+
+# -- passkey ---------------------------------------------------------------------------------------
+
+_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+    "it. I will quiz you about the important information there.\n"
+)
+_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+_QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def passkey_prompt(tokenizer: Any, length: int, depth: float, key: str) -> torch.Tensor:
+    """Token ids of a prompt of about ``length`` tokens with ``key`` at ``depth`` (0 = start of
+    the filler, 1 = its end)."""
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    fixed = len(tokenizer(_INTRO + needle + _QUESTION).input_ids)
+    per_filler = len(tokenizer(_FILLER * 10).input_ids) / 10
+    fillers = max(1, round((length - fixed) / per_filler))
+    before = round(fillers * depth)
+    text = _INTRO + _FILLER * before + needle + _FILLER * (fillers - before) + _QUESTION
+    return tokenizer(text, return_tensors="pt").input_ids[0]
+
+
+@torch.no_grad()
+def passkey(
+    model: Any,
+    tokenizer: Any,
+    method: Method,
+    lengths: tuple[int, ...] = PASSKEY_LENGTHS,
+    depths: tuple[float, ...] = PASSKEY_DEPTHS,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Exact-match accuracy of retrieving a random 5-digit key, one trial per (length, depth)."""
+    rng = random.Random(seed)
+    trials = []
+    for length in lengths:
+        for depth in depths:
+            key = str(rng.randrange(10_000, 100_000))
+            ids = passkey_prompt(tokenizer, length, depth, key)[None]
+            cache = method.make(model)
+            try:
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    past_key_values=cache,
+                    do_sample=False,
+                    max_new_tokens=8,
+                    pad_token_id=tokenizer.eos_token_id,
+                )
+            finally:
+                _release(cache)
+            answer = tokenizer.decode(out[0, ids.shape[1] :])
+            found = "".join(c for c in answer.strip()[:8] if c.isdigit())[:5]
+            trials.append({"tokens": ids.shape[1], "depth": depth, "key": key, "found": found == key})
+    return {"accuracy": sum(t["found"] for t in trials) / len(trials), "trials": trials}
+
+
+# -- speed -----------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def speed(model: Any, method: Method, prompt: torch.Tensor, new_tokens: int = SPEED_NEW) -> float:
+    """Tokens per second of a greedy ``generate`` of ``new_tokens`` after ``prompt`` (prefill
+    included in the time, as a user waits for it)."""
+    ids = prompt[None]
+    cache = method.make(model)
+    try:
+        start = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=model.generation_config.eos_token_id,
+        )
+        seconds = time.perf_counter() - start
+    finally:
+        _release(cache)
+    return (out.shape[1] - ids.shape[1]) / seconds
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def available(names: list[str]) -> tuple[list[Method], list[str]]:
+    """The methods whose packages are installed, and a note for each left out."""
+    table = methods()
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}: expected some of {', '.join(table)}")
+    chosen, skipped = [], []
+    needs = {"quanto-int4": "optimum.quanto", "hqq-int4": "hqq"}
+    for name in names:
+        module = needs.get(name)
+        if module is not None:
+            try:
+                __import__(module)
+            except ImportError:
+                skipped.append(f"{name}: {module} is not installed (pip install 'kvtier[bench]')")
+                continue
+        chosen.append(table[name])
+    return chosen, skipped
+
+
+def run(
+    names: list[str],
+    windows: int = WINDOWS,
+    tokens: int = WINDOW_TOKENS,
+    chunk: int = CHUNK,
+    lengths: tuple[int, ...] = PASSKEY_LENGTHS,
+    depths: tuple[float, ...] = PASSKEY_DEPTHS,
+    speed_new: int = SPEED_NEW,
+    progress: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    model, tokenizer = real.load_smollm2("eager")
+    text = real.windows(tokenizer, windows, tokens)
+    prompt = real.windows(tokenizer, 1, SPEED_PROMPT)[0]
+    chosen, skipped = available(names)
+    rows = []
+    for method in chosen:
+        progress(f"{method.name}: perplexity")
+        row: dict[str, Any] = {"method": method.name, "about": method.about}
+        row.update(perplexity(model, method, text, chunk))
+        if lengths and depths:
+            progress(f"{method.name}: passkey")
+            row["passkey"] = passkey(model, tokenizer, method, lengths, depths)
+        if speed_new:
+            progress(f"{method.name}: speed")
+            row["tokens_per_s"] = speed(model, method, prompt, speed_new)
+        rows.append(row)
+    base = next((r for r in rows if r["method"] == "dynamic"), None)
+    for r in rows:
+        if base is not None:
+            r["ppl_change"] = r["perplexity"] / base["perplexity"] - 1
+            r["bytes_vs_dynamic"] = r["kv_bytes"] / base["kv_bytes"]
+            r["bytes_vs_fp16"] = r["kv_bytes_fp16"] / base["kv_bytes_fp16"]
+    return {
+        "model": real.MODEL_ID + " (fp32, eager attention, CPU)",
+        "text": "wikitext2_test.raw",
+        "windows": windows,
+        "window_tokens": tokens,
+        "scored": "second half of each window, after a prefill of the first half",
+        "chunk": chunk,
+        "passkey_lengths": list(lengths),
+        "passkey_depths": list(depths),
+        "speed": f"generate, {SPEED_PROMPT}-token prompt, {speed_new} new tokens, greedy",
+        "threads": torch.get_num_threads(),
+        "skipped": skipped,
+        "rows": rows,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    """A markdown table of the result."""
+    lines = [
+        "| method | perplexity | vs baseline | passkey | KV bytes | vs baseline | fp16-equiv. "
+        "vs fp16 | tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        pk = r.get("passkey")
+        speed = r.get("tokens_per_s")
+        lines.append(
+            f"| {r['method']} | {r['perplexity']:.3f} | {r.get('ppl_change', 0) * 100:+.2f} % "
+            f"| {'-' if pk is None else format(pk['accuracy'], '.0%')} "
+            f"| {r['kv_bytes'] / 1e6:.2f} MB | {r.get('bytes_vs_dynamic', 1):.3f} "
+            f"| {r.get('bytes_vs_fp16', 1):.3f} | {'-' if speed is None else f'{speed:.1f}'} |"
+        )
+    for note in result["skipped"]:
+        lines.append(f"\nskipped {note}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvtier eval cache",
+        description="Perplexity, passkey retrieval, KV bytes and tokens/s of DynamicCache, "
+        "QuantizedCache and kvtier's TieredCache on SmolLM2-135M and WikiText-2.",
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"comma-separated (default: {','.join(DEFAULT_METHODS)})",
+    )
+    parser.add_argument("--windows", type=int, default=WINDOWS, help="WikiText-2 windows")
+    parser.add_argument("--tokens", type=int, default=WINDOW_TOKENS, help="tokens per window")
+    parser.add_argument("--chunk", type=int, default=CHUNK, help="tokens per teacher-forced step")
+    parser.add_argument(
+        "--passkey-lengths",
+        default=",".join(map(str, PASSKEY_LENGTHS)),
+        help="prompt lengths in tokens ('' to skip the passkey test)",
+    )
+    parser.add_argument("--speed-tokens", type=int, default=SPEED_NEW, help="0 skips the speed run")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    lengths = tuple(int(x) for x in args.passkey_lengths.split(",") if x.strip())
+    result = run(
+        names,
+        windows=args.windows,
+        tokens=args.tokens,
+        chunk=args.chunk,
+        lengths=lengths,
+        speed_new=args.speed_tokens,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(json.dumps(result, indent=2) if args.json else table(result))
+    return 0

@@ -1,0 +1,371 @@
+"""Hugging Face transformers: :class:`TieredCache`, a ``Cache`` whose K/V live in a BlockManager.
+
+::
+
+    cache = TieredCache(model)          # kvtier settings from KVTIER_* variables
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+
+Each batch row is one manager sequence. Every attention layer's ``update`` appends the new K/V
+(after RoPE, exactly as the model computed them) and returns the row's whole K/V gathered back,
+older blocks decoded from whatever level the scheduler put them at. After the last layer of every
+``step_every``-th forward pass, ``step()`` lets the scheduler demote, offload and promote. The
+cache implements transformers 5's ``Cache`` API: one :class:`TieredLayer` (a ``CacheLayerMixin``)
+per decoder layer, ``crop``, ``reorder_cache`` (beam search), ``batch_repeat_interleave`` and
+``batch_select_indices`` (sequences are forked, so beams share their common blocks).
+
+Attention feedback: with ``attn_implementation="eager"`` the attention modules return their
+weights. :func:`attention_feedback` registers a forward hook on each of them (PyTorch's own
+``register_forward_hook``; transformers' source is untouched) that hands the weights, summed over
+heads per block, to the scheduler when the module ran with a ``TieredCache``. ``TieredCache(model)``
+installs it by itself for an eager model. With sdpa or flash attention no weights exist; key
+magnitude (always measured) and learned scores carry the importance.
+
+Models it cannot serve correctly are refused when the cache is built (:func:`check_supported`):
+sliding-window, chunked, linear-attention and hybrid layers, encoder-decoder models, and keys and
+values of different head sizes (MLA).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..config import KvtierConfig
+from ..errors import ConfigError, InvalidArgumentError
+from ..manager import BlockManager
+
+__all__ = ["TieredCache", "TieredLayer", "attention_feedback", "check_supported"]
+
+#: Layer types (transformers' ``config.layer_types``) whose cache is plain full attention.
+_FULL_ATTENTION = "full_attention"
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def check_supported(config: Any) -> None:
+    """Raises :class:`ConfigError` naming why a model of ``config`` cannot use a TieredCache: the
+    manager holds one full-attention K/V sequence per layer and nothing else."""
+    text = _text_config(config)
+    name = getattr(text, "model_type", type(text).__name__)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"TieredCache: {name} is an encoder-decoder model; expected a decoder-only one")
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != _FULL_ATTENTION})
+        if other:
+            raise ConfigError(
+                f"TieredCache: {name} has {', '.join(other)} layers; only full-attention layers "
+                "are supported (a sliding window or a recurrent state would be served wrong K/V)"
+            )
+    else:
+        for field in ("sliding_window", "attention_chunk_size"):
+            if getattr(text, field, None) is not None and getattr(text, "use_sliding_window", True):
+                raise ConfigError(
+                    f"TieredCache: {name} sets {field}={getattr(text, field)}; only "
+                    "full-attention layers are supported"
+                )
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise ConfigError(f"TieredCache: {name} shares K/V between layers; not supported")
+    for field in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
+        if getattr(text, field, None) is not None:
+            raise ConfigError(
+                f"TieredCache: {name} sets {field} (latent or unequal K and V heads, e.g. MLA); "
+                "expected keys and values of one head size"
+            )
+
+
+def _kv_shape(config: Any) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a decoder config."""
+    text = _text_config(config)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return int(text.num_hidden_layers), int(kv_heads), int(head_dim)
+
+
+class TieredLayer(CacheLayerMixin):
+    """One decoder layer's view of a :class:`TieredCache`; the K/V are in the cache's manager."""
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, cache: TieredCache, layer_idx: int) -> None:
+        super().__init__()
+        # A weak reference: the cache owns its layers, not the other way round.
+        self._cache = weakref.ref(cache)
+        self.layer_idx = layer_idx
+
+    @property
+    def cache(self) -> TieredCache:
+        cache = self._cache()
+        if cache is None:
+            raise InvalidArgumentError("this TieredLayer's TieredCache no longer exists")
+        return cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.cache._update(self.layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache._length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # The manager's sequences span every layer: the cache crops them all at once.
+        raise InvalidArgumentError("crop a TieredCache as a whole: cache.crop(-n)")
+
+
+class TieredCache(Cache):
+    """A transformers ``Cache`` backed by a kvtier :class:`BlockManager`.
+
+    ``model``: the model it serves (its config gives the K/V shape, its dtype and device the
+    manager's), or just its ``PretrainedConfig`` (the manager is then built at the first update,
+    from the tensors it receives). ``config``: kvtier's settings (default
+    :meth:`KvtierConfig.from_env`). ``manager``: an existing manager to store into instead
+    (shared between caches, e.g. one per request); the cache then never closes it.
+    ``step_every``: forward passes between scheduler steps (0 = never; call :meth:`step`).
+    ``feedback``: install :func:`attention_feedback` on ``model`` when it runs eager attention.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        config: KvtierConfig | None = None,
+        *,
+        manager: BlockManager | None = None,
+        step_every: int = 1,
+        feedback: bool = True,
+    ) -> None:
+        model_config = getattr(model, "config", model)
+        check_supported(model_config)
+        if isinstance(step_every, bool) or not isinstance(step_every, int) or step_every < 0:
+            raise InvalidArgumentError(f"step_every: expected an int >= 0, got {step_every!r}")
+        self.num_layers, self.num_kv_heads, self.head_dim = _kv_shape(model_config)
+        self.kvtier_config = config if config is not None else (
+            manager.config if manager is not None else KvtierConfig.from_env()
+        )
+        self.step_every = step_every
+        self._owns_manager = manager is None
+        self.manager: BlockManager | None = manager
+        if manager is not None:
+            want = (self.num_layers, self.num_kv_heads, self.head_dim)
+            have = (manager.shape.layers, manager.shape.kv_heads, manager.shape.head_dim)
+            if have != want:
+                raise ConfigError(
+                    f"manager: holds K/V of (layers, kv_heads, head_dim) = {have}, the model "
+                    f"needs {want}"
+                )
+        elif hasattr(model, "dtype") and hasattr(model, "device"):
+            self.manager = self._new_manager(model.dtype, model.device)
+        if feedback and _attn_implementation(model) == "eager":
+            attention_feedback(model)
+        #: manager sequence of each batch row (empty until the first update)
+        self.sequences: list[int] = []
+        self.forwards = 0
+        #: move counts summed over this cache's steps
+        self.moves: dict[str, int] = {}
+        super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
+
+    def _new_manager(self, dtype: Any, device: Any) -> BlockManager:
+        return BlockManager(
+            self.kvtier_config,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    # -- what attention calls --------------------------------------------------------------------
+
+    def _update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        want = (self.num_kv_heads, self.head_dim)
+        if keys.dim() != 4 or keys.shape != values.shape or tuple(keys.shape[1::2]) != want:
+            raise InvalidArgumentError(
+                f"layer {layer}: expected key and value states [batch, {want[0]} kv_heads, "
+                f"tokens, {want[1]} head_dim], got {list(keys.shape)} and {list(values.shape)}"
+            )
+        if self.manager is None:
+            self.manager = self._new_manager(keys.dtype, keys.device)
+        bm = self.manager
+        batch = keys.shape[0]
+        if not self.sequences:
+            self.sequences = [bm.add_sequence() for _ in range(batch)]
+        elif batch != len(self.sequences):
+            raise InvalidArgumentError(
+                f"layer {layer}: batch of {batch} rows, but this cache holds {len(self.sequences)} "
+                "sequences; reset() it (or use a new cache) for another batch"
+            )
+        out_k, out_v = [], []
+        for row, seq in enumerate(self.sequences):
+            bm.append(seq, layer, keys[row].transpose(0, 1), values[row].transpose(0, 1))
+            k, v = bm.gather(seq, layer)
+            out_k.append(k.transpose(0, 1))
+            out_v.append(v.transpose(0, 1))
+        if layer == self.num_layers - 1:
+            self.forwards += 1
+            if self.step_every and self.forwards % self.step_every == 0:
+                self.step()
+        return torch.stack(out_k), torch.stack(out_v)
+
+    def _length(self, layer: int) -> int:
+        if not self.sequences or self.manager is None:
+            return 0
+        return self.manager.num_tokens(self.sequences[0], layer)
+
+    def record_attention(self, layer: int, weights: torch.Tensor) -> None:
+        """Attention weights ``[batch, heads, queries, tokens]`` of ``layer`` for the scheduler
+        (what :func:`attention_feedback`'s hook calls)."""
+        if self.manager is None or weights.dim() != 4 or weights.shape[0] != len(self.sequences):
+            raise InvalidArgumentError(
+                f"weights: expected [{len(self.sequences)} batch rows, heads, queries, tokens], "
+                f"got {list(weights.shape)}"
+            )
+        for row, seq in enumerate(self.sequences):
+            self.manager.record_attention(seq, layer, weights[row])
+
+    def step(self) -> dict[str, int]:
+        """One scheduler step on the manager; returns its summary (also added to :attr:`moves`)."""
+        if self.manager is None:
+            return {}
+        summary = self.manager.step()
+        for name, n in summary.items():
+            self.moves[name] = self.moves.get(name, 0) + int(n)
+        return summary
+
+    # -- the Cache API ---------------------------------------------------------------------------
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._length(layer_idx) if layer_idx < self.num_layers else 0
+
+    def reset(self) -> None:
+        """Frees every sequence (their complete blocks stay cached in the manager for reuse)."""
+        if self.manager is not None:
+            for seq in self.sequences:
+                self.manager.free(seq)
+        self.sequences = []
+        self.forwards = 0
+        for layer in self.layers:
+            layer.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last ``-tokens_to_remove`` tokens (a positive value is the length to keep,
+        transformers' older convention). Each row is rebuilt from the K/V attention saw up to
+        there, so what attention sees of the kept tokens does not change."""
+        length = self.get_seq_length()
+        keep = tokens_to_remove if tokens_to_remove > 0 else length + tokens_to_remove
+        if keep >= length or self.manager is None:
+            return
+        bm, keep = self.manager, max(keep, 0)
+        for row, seq in enumerate(self.sequences):
+            kept = bm.add_sequence()
+            for layer in range(self.num_layers):
+                k, v = bm.gather(seq, layer)
+                bm.append(kept, layer, k[:keep], v[:keep])
+            bm.free(seq)
+            self.sequences[row] = kept
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select([row for row in range(len(self.sequences)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(torch.as_tensor(indices).reshape(-1).tolist())
+
+    def _select(self, rows: list[int]) -> None:
+        """Row ``i`` becomes a fork of old row ``rows[i]`` (full blocks shared, not copied)."""
+        if not self.sequences or self.manager is None:
+            return
+        old = self.sequences
+        if any(not 0 <= r < len(old) for r in rows):
+            raise InvalidArgumentError(f"expected rows in [0, {len(old)}), got {rows}")
+        self.sequences = [self.manager.fork(old[r]) for r in rows]
+        for seq in old:
+            self.manager.free(seq)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.sequences) if self.sequences else -1
+
+    # -- what it holds ---------------------------------------------------------------------------
+
+    def kv_bytes(self) -> dict[str, Any]:
+        """K/V bytes this cache's sequences hold, from the pools: ``held`` (each block at its
+        level), ``level0`` (the same blocks uncompressed) and ``blocks`` per level. A block shared
+        by two rows counts once; a partly filled block counts whole, as it occupies a slot."""
+        levels = len(self.manager.ladder) if self.manager is not None else 1
+        if self.manager is None or not self.sequences:
+            return {"held": 0, "level0": 0, "blocks": [0] * levels}
+        bm = self.manager
+        blocks = np.unique(np.concatenate([bm.core.sequence_blocks(s) for s in self.sequences]))
+        counts = np.bincount(bm.core.block_info(blocks)["level"], minlength=levels)
+        return {
+            "held": int(sum(int(n) * b for n, b in zip(counts, bm.level_bytes, strict=True))),
+            "level0": len(blocks) * bm.level_bytes[0],
+            "blocks": [int(n) for n in counts],
+        }
+
+    def close(self) -> None:
+        """Frees the sequences, and closes the manager if this cache built it."""
+        self.reset()
+        if self._owns_manager and self.manager is not None:
+            self.manager.close()
+            self.manager = None
+
+
+def _attn_implementation(model: Any) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) if config is not None else None
+
+
+def attention_feedback(model: Any) -> list[Any]:
+    """Registers (once per model) a forward hook on every attention module that has a
+    ``layer_idx``: when the module ran with a :class:`TieredCache` and returned attention weights
+    (eager attention), they go to :meth:`TieredCache.record_attention`. Returns the hook handles
+    (``handle.remove()`` undoes it)."""
+    handles: list[Any] | None = getattr(model, "_kvtier_feedback_handles", None)
+    if handles is not None:
+        return handles
+
+    def hook(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, TieredCache) or not isinstance(output, tuple) or len(output) < 2:
+            return
+        weights = output[1]
+        if isinstance(weights, torch.Tensor) and weights.dim() == 4:
+            cache.record_attention(module.layer_idx, weights.detach())
+
+    handles = [
+        module.register_forward_hook(hook, with_kwargs=True)
+        for name, module in model.named_modules()
+        if name.endswith("self_attn") and isinstance(getattr(module, "layer_idx", None), int)
+    ]
+    model._kvtier_feedback_handles = handles
+    return handles

@@ -1,0 +1,220 @@
+"""TieredCache in transformers: SmolLM2-135M with HF's own ``generate`` and forward loops.
+
+Marked ``hf``. DynamicCache is the oracle: at level 0 a TieredCache must give the same tokens,
+for greedy, sampled, batched (left-padded) and beam-search decoding and for ``crop``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvtier import KvtierConfig  # noqa: E402
+from kvtier.errors import ConfigError, InvalidArgumentError, MissingDependencyError  # noqa: E402
+from kvtier.eval import cache as quality  # noqa: E402
+from kvtier.eval import model as real  # noqa: E402
+from kvtier.integrations.hf import TieredCache, check_supported  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+PROMPT = "The history of the printing press begins in China, where"
+#: Small blocks and window, so a short generation already demotes blocks.
+COMPRESSED = KvtierConfig(block_size=8, recent_window=16, device_blocks=512)
+EXACT = COMPRESSED.replace(enable_compression=False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # See test_custom_engine.py: intra-op threads only wait on a busy 2-core runner.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[Any, Any]:
+    try:
+        real.smollm2_dir()
+    except MissingDependencyError as exc:
+        pytest.skip(f"SmolLM2 not installed: {exc}")
+    return real.load_smollm2()
+
+
+def generate(model: Any, ids: Any, cache: Any, **kw: Any) -> Any:
+    kw.setdefault("do_sample", False)
+    kw.setdefault("max_new_tokens", 24)
+    return model.generate(
+        ids,
+        attention_mask=kw.pop("attention_mask", torch.ones_like(ids)),
+        past_key_values=cache,
+        pad_token_id=model.generation_config.eos_token_id,
+        **kw,
+    )
+
+
+def prompt_ids(tokenizer: Any, text: str = PROMPT) -> Any:
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def test_level0_generate_is_dynamic_cache_token_for_token(smollm2):
+    model, tok = smollm2
+    ids = prompt_ids(tok)
+    reference = generate(model, ids, DynamicCache(config=model.config), max_new_tokens=40)
+    cache = TieredCache(model, EXACT)
+    out = generate(model, ids, cache, max_new_tokens=40)
+    assert out.tolist() == reference.tolist()
+    # The cache holds every token but the last generated one (it is never fed back).
+    assert cache.get_seq_length() == out.shape[1] - 1
+    assert cache.kv_bytes()["held"] == cache.kv_bytes()["level0"] > 0
+
+
+def test_compressed_cache_demotes_and_greedy_text_holds(smollm2):
+    model, tok = smollm2
+    ids = prompt_ids(tok)
+    reference = generate(model, ids, DynamicCache(config=model.config), max_new_tokens=40)
+    cache = TieredCache(model, COMPRESSED)
+    out = generate(model, ids, cache, max_new_tokens=40)
+    held = cache.kv_bytes()
+    assert cache.moves.get("demote", 0) > 0
+    assert sum(held["blocks"][1:]) > 0 and held["held"] < held["level0"]
+    # int8/int4 blocks perturb attention a little; the text must still start as HF's does.
+    start = ids.shape[1]
+    assert out[0, start : start + 12].tolist() == reference[0, start : start + 12].tolist()
+
+
+def test_batch_with_left_padding_matches_dynamic_cache(smollm2):
+    model, tok = smollm2
+    tok.padding_side = "left"
+    tok.pad_token = tok.pad_token or tok.eos_token
+    enc = tok(["Hello, my name is", "The capital of France is a city that"], return_tensors="pt", padding=True)
+    ref = generate(model, enc.input_ids, DynamicCache(config=model.config), attention_mask=enc.attention_mask)
+    cache = TieredCache(model, EXACT)
+    out = generate(model, enc.input_ids, cache, attention_mask=enc.attention_mask)
+    assert out.tolist() == ref.tolist()
+    assert cache.batch_size == 2
+
+
+def test_sampling_with_several_return_sequences_matches(smollm2):
+    model, tok = smollm2
+    ids = prompt_ids(tok)
+    kw = {"do_sample": True, "num_return_sequences": 3, "max_new_tokens": 16}
+    torch.manual_seed(7)
+    ref = generate(model, ids, DynamicCache(config=model.config), **kw)
+    torch.manual_seed(7)
+    cache = TieredCache(model, EXACT)
+    out = generate(model, ids, cache, **kw)
+    assert out.tolist() == ref.tolist()
+
+
+def test_beam_search_reorders_by_forking(smollm2):
+    model, tok = smollm2
+    ids = prompt_ids(tok)
+    kw = {"num_beams": 3, "max_new_tokens": 16}
+    ref = generate(model, ids, DynamicCache(config=model.config), **kw)
+    cache = TieredCache(model, EXACT)
+    out = generate(model, ids, cache, **kw)
+    assert out.tolist() == ref.tolist()
+    # Beams are forks: the prompt's full block is one block shared by all three.
+    blocks = [cache.manager.core.sequence_blocks(s)[0] for s in cache.sequences]
+    assert len({int(b) for b in blocks}) == 1
+
+
+@torch.no_grad()
+def test_forward_loop_and_crop_match_dynamic_cache(smollm2):
+    model, tok = smollm2
+    ids = prompt_ids(tok)
+    caches = [DynamicCache(config=model.config), TieredCache(model, EXACT)]
+    logits = []
+    for cache in caches:
+        out = model(ids, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(5):
+            nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        cache.crop(-3)  # what assisted decoding does after rejecting candidates
+        assert cache.get_seq_length() == ids.shape[1] + 5 - 3
+        logits.append(model(nxt, past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_eager_attention_feedback_reaches_the_scheduler(smollm2):
+    _, tok = smollm2
+    model, _ = real.load_smollm2("eager")
+    ids = prompt_ids(tok, PROMPT + " " + PROMPT)
+    config = COMPRESSED.replace(policy="h2o")
+    scores = {}
+    for feedback in (False, True):
+        cache = TieredCache(model, config, feedback=feedback)
+        with torch.no_grad():
+            model(ids, past_key_values=cache, use_cache=True)
+        bm = cache.manager
+        scores[feedback] = bm.core.block_info(bm.core.sequence_blocks(cache.sequences[0]))["score"]
+    assert len(model._kvtier_feedback_handles) == model.config.num_hidden_layers
+    # h2o ranks by accumulated attention: nothing without the hook; with it, the first block
+    # (the attention sink) is the heaviest hitter.
+    assert not scores[False].any()
+    assert scores[True].argmax() == 0 and scores[True].min() < scores[True].max()
+
+
+@torch.no_grad()
+def test_int8_perplexity_within_half_a_percent_and_passkey_found(smollm2):
+    model, tok = smollm2
+    windows = real.windows(tok, 2, 512)
+    table = quality.methods()
+    base = quality.perplexity(model, table["dynamic"], windows)
+    int8 = quality.perplexity(model, table["kvtier-int8"], windows)
+    assert int8["perplexity"] <= base["perplexity"] * 1.005
+    assert int8["kv_bytes"] < 0.6 * base["kv_bytes"]
+    found = quality.passkey(model, tok, table["kvtier-default"], lengths=(1024,), depths=(0.5,))
+    assert found["accuracy"] == 1.0
+
+
+def test_models_it_cannot_serve_are_refused_when_built():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, T5Config
+
+    check_supported(LlamaConfig(num_hidden_layers=2))
+    cases = {
+        "sliding_window": MistralConfig(num_hidden_layers=2, sliding_window=64),
+        "sliding_attention": Qwen2Config(
+            num_hidden_layers=2, use_sliding_window=True, sliding_window=64, max_window_layers=1
+        ),
+        "encoder-decoder": T5Config(num_layers=2),
+    }
+    for expected, config in cases.items():
+        with pytest.raises(ConfigError, match=expected):
+            TieredCache(config, EXACT)
+    mla = LlamaConfig(num_hidden_layers=2)
+    mla.kv_lora_rank = 64
+    with pytest.raises(ConfigError, match="kv_lora_rank"):
+        TieredCache(mla, EXACT)
+
+
+def test_bad_use_gets_clear_errors(smollm2):
+    model, tok = smollm2
+    with pytest.raises(InvalidArgumentError, match="step_every"):
+        TieredCache(model, EXACT, step_every=-1)
+    from kvtier import BlockManager
+
+    wrong = BlockManager(EXACT, num_layers=2, num_kv_heads=3, head_dim=64, dtype="fp32", device="cpu")
+    with pytest.raises(ConfigError, match="layers, kv_heads, head_dim"):
+        TieredCache(model, manager=wrong)
+    cache = TieredCache(model, EXACT)
+    with torch.no_grad():
+        model(prompt_ids(tok), past_key_values=cache, use_cache=True)
+        with pytest.raises(InvalidArgumentError, match="batch of 2 rows"):
+            model(prompt_ids(tok).repeat(2, 1), past_key_values=cache, use_cache=True)
+    with pytest.raises(InvalidArgumentError, match="kv_heads"):
+        cache.layers[0].update(torch.zeros(1, 9, 2, 64), torch.zeros(1, 9, 2, 64))
+    # After reset the cache takes a new batch.
+    cache.reset()
+    with torch.no_grad():
+        model(prompt_ids(tok).repeat(2, 1), past_key_values=cache, use_cache=True)
+    assert cache.batch_size == 2
