@@ -68,8 +68,9 @@ bench: develop ## run the core and codec benchmarks (print JSON figures, never p
 	$(BIN)/python benchmarks/bench_core.py
 	$(BIN)/kvtier bench codecs
 
-eval: develop ## measure every codec on real SmolLM2-135M K/V (WikiText-2)
+eval: develop ## codec and whole-cache quality on real SmolLM2-135M and WikiText-2 (~30 min)
 	$(BIN)/kvtier eval codecs
+	$(BIN)/kvtier eval cache
 
 wheel: venv ## build a release wheel into dist/
 	$(BIN)/maturin build --release --out dist

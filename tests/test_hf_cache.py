@@ -6,6 +6,7 @@ for greedy, sampled, batched (left-padded) and beam-search decoding and for ``cr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,8 +96,14 @@ def test_batch_with_left_padding_matches_dynamic_cache(smollm2):
     model, tok = smollm2
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.eos_token
-    enc = tok(["Hello, my name is", "The capital of France is a city that"], return_tensors="pt", padding=True)
-    ref = generate(model, enc.input_ids, DynamicCache(config=model.config), attention_mask=enc.attention_mask)
+    enc = tok(
+        ["Hello, my name is", "The capital of France is a city that"],
+        return_tensors="pt",
+        padding=True,
+    )
+    ref = generate(
+        model, enc.input_ids, DynamicCache(config=model.config), attention_mask=enc.attention_mask
+    )
     cache = TieredCache(model, EXACT)
     out = generate(model, enc.input_ids, cache, attention_mask=enc.attention_mask)
     assert out.tolist() == ref.tolist()
@@ -203,7 +210,9 @@ def test_bad_use_gets_clear_errors(smollm2):
         TieredCache(model, EXACT, step_every=-1)
     from kvtier import BlockManager
 
-    wrong = BlockManager(EXACT, num_layers=2, num_kv_heads=3, head_dim=64, dtype="fp32", device="cpu")
+    wrong = BlockManager(
+        EXACT, num_layers=2, num_kv_heads=3, head_dim=64, dtype="fp32", device="cpu"
+    )
     with pytest.raises(ConfigError, match="layers, kv_heads, head_dim"):
         TieredCache(model, manager=wrong)
     cache = TieredCache(model, EXACT)
@@ -218,3 +227,39 @@ def test_bad_use_gets_clear_errors(smollm2):
     with torch.no_grad():
         model(prompt_ids(tok).repeat(2, 1), past_key_values=cache, use_cache=True)
     assert cache.batch_size == 2
+
+
+def test_a_user_trained_compressor_serves_as_a_level(smollm2, monkeypatch):
+    """examples/hf_learned_level.py: a trained linear compressor as the last level of a
+    TieredCache, in generate and in perplexity; it must run and save bytes (its quality is
+    reported, not asserted: a low-rank projection is a weak codec for SmolLM2's values)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    example = importlib.import_module("hf_learned_level")
+    try:
+        result = example.main(["--steps", "2", "--windows", "1", "--tokens", "512"])
+    finally:
+        from kvtier.codecs import unregister_codec
+
+        unregister_codec("learned:rank32")
+        sys.modules.pop("hf_learned_level", None)
+        sys.modules.pop("learned_codec", None)
+    assert result["saved"] > 0.3
+    assert result["ppl_change"] < 0.5
+
+
+def test_kvtier_eval_cache_command_prints_its_table_as_json(smollm2, capsys):
+    from kvtier.cli import main
+
+    argv = ["eval", "cache", "--methods", "dynamic,kvtier-int8", "--windows", "1"]
+    argv += ["--tokens", "256", "--passkey-lengths", "", "--speed-tokens", "4", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    base, int8 = result["rows"]
+    assert (base["method"], int8["method"]) == ("dynamic", "kvtier-int8")
+    assert base["ppl_change"] == 0 and base["bytes_vs_dynamic"] == 1
+    assert int8["scored_tokens"] == 128 and int8["tokens_per_s"] > 0
+    assert 0.2 < int8["bytes_vs_dynamic"] < 0.9 and abs(int8["ppl_change"]) < 0.01

@@ -41,7 +41,7 @@ from ..config import KvtierConfig
 from ..integrations.hf import TieredCache
 from . import model as real
 
-WINDOWS = 16
+WINDOWS = 8
 WINDOW_TOKENS = 1024
 CHUNK = 16
 PASSKEY_LENGTHS = (1024, 2048)
@@ -88,15 +88,37 @@ def methods() -> dict[str, Method]:
 
     ladder = ("fp32", "int8", "int4")
     rows = [
-        Method("dynamic", "transformers DynamicCache (baseline)", lambda m: DynamicCache(config=m.config)),
+        Method(
+            "dynamic",
+            "transformers DynamicCache (baseline)",
+            lambda m: DynamicCache(config=m.config),
+        ),
         _quantized("quanto"),
         _quantized("hqq"),
-        _kvtier("kvtier-exact", "TieredCache, level 0 only (must equal the baseline)", enable_compression=False),
-        _kvtier("kvtier-int8", "TieredCache, int8 beyond the recent window", ladder=("fp32", "int8")),
-        _kvtier("kvtier-int4", "TieredCache, int4 beyond the recent window", ladder=("fp32", "int4")),
-        _kvtier("kvtier-default", "default ladder fp32,int8,int4, ratio 0.5, importance", ladder=ladder),
+        _kvtier(
+            "kvtier-exact",
+            "TieredCache, level 0 only (must equal the baseline)",
+            enable_compression=False,
+        ),
+        _kvtier(
+            "kvtier-int8", "TieredCache, int8 beyond the recent window", ladder=("fp32", "int8")
+        ),
+        _kvtier(
+            "kvtier-int4", "TieredCache, int4 beyond the recent window", ladder=("fp32", "int4")
+        ),
+        _kvtier(
+            "kvtier-default", "default ladder fp32,int8,int4, ratio 0.5, importance", ladder=ladder
+        ),
         _kvtier("kvtier-h2o", "default ladder, h2o policy", ladder=ladder, policy="h2o"),
         _kvtier("kvtier-lru", "default ladder, lru policy", ladder=ladder, policy="lru"),
+        _kvtier(
+            "kvtier-int4-lean",
+            "ladder fp32,int4-g64, blocks of 64, no recent window or sink (quanto's bytes or fewer)",
+            ladder=("fp32", "int4-g64"),
+            block_size=64,
+            recent_window=0,
+            sink_blocks=0,
+        ),
         _kvtier(
             "kvtier-aggressive",
             "ladder fp32,int8,int4, ratio 0 (all to int4), recent window 32",
@@ -115,6 +137,7 @@ DEFAULT_METHODS = (
     "kvtier-exact",
     "kvtier-int8",
     "kvtier-int4",
+    "kvtier-int4-lean",
     "kvtier-default",
     "kvtier-h2o",
     "kvtier-lru",
@@ -165,7 +188,9 @@ def _release(cache: Any) -> None:
 
 
 @torch.no_grad()
-def perplexity(model: Any, method: Method, windows: torch.Tensor, chunk: int = CHUNK) -> dict[str, Any]:
+def perplexity(
+    model: Any, method: Method, windows: torch.Tensor, chunk: int = CHUNK
+) -> dict[str, Any]:
     """Perplexity of the second half of each window given the first (see the module doc)."""
     nll, count, real_bytes, fp16_bytes = 0.0, 0, 0, 0
     start = time.perf_counter()
@@ -173,7 +198,9 @@ def perplexity(model: Any, method: Method, windows: torch.Tensor, chunk: int = C
         context = len(ids) // 2
         cache = method.make(model)
         try:
-            logits = model(ids[None, :context], past_key_values=cache, use_cache=True).logits[0, -1:]
+            logits = model(ids[None, :context], past_key_values=cache, use_cache=True).logits[
+                0, -1:
+            ]
             for s in range(context, len(ids) - 1, chunk):
                 part = ids[s : min(s + chunk, len(ids) - 1)]
                 out = model(part[None], past_key_values=cache, use_cache=True).logits[0]
@@ -201,7 +228,9 @@ _INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
     "it. I will quiz you about the important information there.\n"
 )
-_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+_FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
 _QUESTION = "\nWhat is the pass key? The pass key is"
 
 
@@ -247,8 +276,10 @@ def passkey(
                 _release(cache)
             answer = tokenizer.decode(out[0, ids.shape[1] :])
             found = "".join(c for c in answer.strip()[:8] if c.isdigit())[:5]
-            trials.append({"tokens": ids.shape[1], "depth": depth, "key": key, "found": found == key})
-    return {"accuracy": sum(t["found"] for t in trials) / len(trials), "trials": trials}
+            trials.append(
+                {"tokens": ids.shape[1], "depth": depth, "key": key, "found": found == key}
+            )
+    return {"accuracy": sum(bool(t["found"]) for t in trials) / len(trials), "trials": trials}
 
 
 # -- speed -----------------------------------------------------------------------------------------
@@ -285,7 +316,9 @@ def available(names: list[str]) -> tuple[list[Method], list[str]]:
     table = methods()
     unknown = [n for n in names if n not in table]
     if unknown:
-        raise SystemExit(f"unknown method(s) {', '.join(unknown)}: expected some of {', '.join(table)}")
+        raise SystemExit(
+            f"unknown method(s) {', '.join(unknown)}: expected some of {', '.join(table)}"
+        )
     chosen, skipped = [], []
     needs = {"quanto-int4": "optimum.quanto", "hqq-int4": "hqq"}
     for name in names:

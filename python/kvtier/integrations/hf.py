@@ -55,7 +55,9 @@ def check_supported(config: Any) -> None:
     text = _text_config(config)
     name = getattr(text, "model_type", type(text).__name__)
     if getattr(config, "is_encoder_decoder", False):
-        raise ConfigError(f"TieredCache: {name} is an encoder-decoder model; expected a decoder-only one")
+        raise ConfigError(
+            f"TieredCache: {name} is an encoder-decoder model; expected a decoder-only one"
+        )
     layer_types = getattr(text, "layer_types", None)
     if layer_types is not None:
         other = sorted({t for t in layer_types if t != _FULL_ATTENTION})
@@ -90,7 +92,7 @@ def _kv_shape(config: Any) -> tuple[int, int, int]:
     return int(text.num_hidden_layers), int(kv_heads), int(head_dim)
 
 
-class TieredLayer(CacheLayerMixin):
+class TieredLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     """One decoder layer's view of a :class:`TieredCache`; the K/V are in the cache's manager."""
 
     is_sliding = False
@@ -98,7 +100,7 @@ class TieredLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, cache: TieredCache, layer_idx: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         # A weak reference: the cache owns its layers, not the other way round.
         self._cache = weakref.ref(cache)
         self.layer_idx = layer_idx
@@ -164,8 +166,10 @@ class TieredCache(Cache):
         if isinstance(step_every, bool) or not isinstance(step_every, int) or step_every < 0:
             raise InvalidArgumentError(f"step_every: expected an int >= 0, got {step_every!r}")
         self.num_layers, self.num_kv_heads, self.head_dim = _kv_shape(model_config)
-        self.kvtier_config = config if config is not None else (
-            manager.config if manager is not None else KvtierConfig.from_env()
+        self.kvtier_config = (
+            config
+            if config is not None
+            else (manager.config if manager is not None else KvtierConfig.from_env())
         )
         self.step_every = step_every
         self._owns_manager = manager is None
