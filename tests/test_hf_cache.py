@@ -66,10 +66,17 @@ def prompt_ids(tokenizer: Any, text: str = PROMPT) -> Any:
     return tokenizer(text, return_tensors="pt").input_ids
 
 
-def test_level0_generate_is_dynamic_cache_token_for_token(smollm2):
+@pytest.fixture(scope="module")
+def greedy(smollm2: tuple[Any, Any]) -> tuple[Any, Any]:
+    """The prompt's ids and DynamicCache's greedy 40-token continuation: the oracle."""
     model, tok = smollm2
     ids = prompt_ids(tok)
-    reference = generate(model, ids, DynamicCache(config=model.config), max_new_tokens=40)
+    return ids, generate(model, ids, DynamicCache(config=model.config), max_new_tokens=40)
+
+
+def test_level0_generate_is_dynamic_cache_token_for_token(smollm2, greedy):
+    model, _ = smollm2
+    ids, reference = greedy
     cache = TieredCache(model, EXACT)
     out = generate(model, ids, cache, max_new_tokens=40)
     assert out.tolist() == reference.tolist()
@@ -78,10 +85,9 @@ def test_level0_generate_is_dynamic_cache_token_for_token(smollm2):
     assert cache.kv_bytes()["held"] == cache.kv_bytes()["level0"] > 0
 
 
-def test_compressed_cache_demotes_and_greedy_text_holds(smollm2):
-    model, tok = smollm2
-    ids = prompt_ids(tok)
-    reference = generate(model, ids, DynamicCache(config=model.config), max_new_tokens=40)
+def test_compressed_cache_demotes_and_greedy_text_holds(smollm2, greedy):
+    model, _ = smollm2
+    ids, reference = greedy
     cache = TieredCache(model, COMPRESSED)
     out = generate(model, ids, cache, max_new_tokens=40)
     held = cache.kv_bytes()
@@ -90,6 +96,16 @@ def test_compressed_cache_demotes_and_greedy_text_holds(smollm2):
     # int8/int4 blocks perturb attention a little; the text must still start as HF's does.
     start = ids.shape[1]
     assert out[0, start : start + 12].tolist() == reference[0, start : start + 12].tolist()
+
+
+def test_step_cadence_is_the_users_choice(smollm2, greedy):
+    model, _ = smollm2
+    ids, _ = greedy
+    cache = TieredCache(model, COMPRESSED, step_every=0)
+    generate(model, ids, cache, max_new_tokens=30)
+    assert cache.moves == {} and cache.kv_bytes()["held"] == cache.kv_bytes()["level0"]
+    summary = cache.step()  # the scheduler runs when the user says so
+    assert summary["demote"] > 0 and cache.kv_bytes()["held"] < cache.kv_bytes()["level0"]
 
 
 def test_batch_with_left_padding_matches_dynamic_cache(smollm2):

@@ -45,7 +45,7 @@ WINDOWS = 8
 WINDOW_TOKENS = 1024
 CHUNK = 16
 PASSKEY_LENGTHS = (1024, 2048)
-PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
 SPEED_PROMPT = 512
 SPEED_NEW = 64
 
@@ -421,17 +421,24 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(map(str, PASSKEY_LENGTHS)),
         help="prompt lengths in tokens ('' to skip the passkey test)",
     )
+    parser.add_argument(
+        "--passkey-depths",
+        default=",".join(map(str, PASSKEY_DEPTHS)),
+        help="where the key sits in the filler, 0 = start, 1 = end",
+    )
     parser.add_argument("--speed-tokens", type=int, default=SPEED_NEW, help="0 skips the speed run")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
     lengths = tuple(int(x) for x in args.passkey_lengths.split(",") if x.strip())
+    depths = tuple(float(x) for x in args.passkey_depths.split(",") if x.strip())
     result = run(
         names,
         windows=args.windows,
         tokens=args.tokens,
         chunk=args.chunk,
         lengths=lengths,
+        depths=depths,
         speed_new=args.speed_tokens,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
