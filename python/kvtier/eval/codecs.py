@@ -166,7 +166,6 @@ def named(spec: str) -> Codec:
     """A codec from a name on the command line, including the measured variants below."""
     variants: dict[str, tuple[str, dict[str, Any]]] = {
         "int8-asym": ("int8", {"asymmetric": True}),
-        "int4-g64": ("int4", {"group_size": 64}),
         "int4-g16": ("int4", {"group_size": 16}),
         "int4-tok": ("int4", {"key_per_channel": False}),
         "int4-sym": ("int4", {"asymmetric": False}),
