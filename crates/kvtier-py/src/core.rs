@@ -370,8 +370,8 @@ impl PyCore {
 
     /// Plans moves and holds them pending until `commit(plan.id)` or `abort(plan.id)`.
     fn plan(&self, py: Python<'_>) -> PyResult<PyPlan> {
-        let plan = self.with(py, |c| c.plan().cloned()).py_err()?;
-        Ok(PyPlan::from(&plan))
+        // Columns are built from the pending plan in place: no copy of the move list.
+        self.with(py, |c| c.plan().map(PyPlan::from)).py_err()
     }
 
     fn commit(&self, py: Python<'_>, plan_id: u64) -> PyResult<()> {

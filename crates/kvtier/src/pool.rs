@@ -32,6 +32,10 @@ impl SlotPool {
         }
     }
 
+    pub fn level(&self) -> u8 {
+        self.level
+    }
+
     pub fn capacity(&self) -> u32 {
         self.capacity
     }

@@ -83,8 +83,11 @@ impl PrefixIndex {
 
     /// Removes `hash` if it maps to `block`.
     pub fn remove(&mut self, hash: u64, block: u32) {
-        if self.map.get(&hash) == Some(&block) {
-            self.map.remove(&hash);
+        use std::collections::hash_map::Entry;
+        if let Entry::Occupied(e) = self.map.entry(hash) {
+            if *e.get() == block {
+                e.remove();
+            }
         }
     }
 

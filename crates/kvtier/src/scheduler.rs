@@ -116,7 +116,11 @@ impl Core {
             noop_promotions: 0,
             deferred: 0,
         };
-        let wishes = self.level_wishes();
+        let wishes = if self.idle() {
+            Vec::new()
+        } else {
+            self.level_wishes()
+        };
         self.move_live_blocks(&mut pass, &wishes);
         let mut unmet = 0;
         for t in 0..self.cfg.tiers.len() {
@@ -144,70 +148,118 @@ impl Core {
         self.pending.as_ref()
     }
 
+    /// Whether pass 1 ranks live blocks into levels (else it only wants them at level 0).
+    fn ranks_live(&self) -> bool {
+        self.cfg.enable_compression && !self.cfg.pressure_only && self.cfg.last_kept_level() > 0
+    }
+
+    /// Bytes above which a tier's pressure pass demotes and offloads to keep its headroom.
+    fn soft_budget(&self, budget: u64) -> u64 {
+        (budget as f64 * (1.0 - f64::from(self.cfg.headroom))) as u64
+    }
+
+    /// Bytes above which tier `t`'s pressure pass acts: its soft budget, or the budget itself
+    /// where nothing can be demoted or offloaded and only eviction above the budget applies.
+    fn pressure_threshold(&self, t: usize, budget: u64) -> u64 {
+        let demotable = self.cfg.enable_compression && self.cfg.last_kept_level() > 0;
+        if demotable || t + 1 < self.cfg.tiers.len() {
+            self.soft_budget(budget)
+        } else {
+            budget
+        }
+    }
+
+    /// Whether a plan now can only be empty: live blocks are not ranked, every block is at
+    /// level 0 on the device (so nothing wants promoting or fetching), no pool keeps its own
+    /// headroom and every tier is within its headroom. Trace replay plans after each request;
+    /// this check makes those plans O(tiers) instead of O(live blocks). Not under the
+    /// importance policy: pass 1 also refreshes the normalised importance cached blocks keep.
+    fn idle(&self) -> bool {
+        // Pools are tier-major and the device tier is first: pool 0 is (device, level 0).
+        self.cfg.policy != crate::PolicyKind::Importance
+            && !self.ranks_live()
+            && !self.cfg.pool_headroom
+            && self.cfg.drop_level().is_none()
+            && self.pools[1..].iter().all(|p| p.used() == 0)
+            && (0..self.cfg.tiers.len()).all(|t| {
+                self.budget(t)
+                    .is_none_or(|b| self.tier_bytes[t] <= self.pressure_threshold(t, b))
+            })
+    }
+
     /// Pass 1: the level each referenced block should have, and whether it is protected (sink
-    /// or recent window of some sequence). One entry per block, sorted by block id; a shared
-    /// block takes the most precise wish of its owners.
+    /// or recent window of some sequence). One entry per block; a shared block takes the most
+    /// precise wish of its owners. One pass over each sequence's blocks computes their keys and
+    /// sorts them into protected, eligible for level 1 and already below it.
     fn level_wishes(&mut self) -> Vec<Wish> {
         let bs = u64::from(self.cfg.block_size);
         let window = u64::from(self.cfg.recent_window);
         let sinks = self.cfg.sink_blocks as usize;
-        let compress = self.cfg.enable_compression
-            && !self.cfg.pressure_only
-            && self.cfg.last_kept_level() > 0;
+        let compress = self.ranks_live();
         let low = self.cfg.last_kept_level().min(2);
         let ratio = f64::from(self.cfg.compression_ratio);
         let hyst = f64::from(self.cfg.hysteresis);
-        let mut wishes: Vec<Wish> = Vec::new();
-        let mut ranked: Vec<(Key, u32)> = Vec::new();
-        let seq_ids: Vec<u32> = self.seqs.keys().copied().collect();
-        for sid in seq_ids {
-            let s = &self.seqs[&sid];
-            let blocks = s.blocks.clone();
+        // Sequences are only read here; taking them out lets the loop update statistics.
+        let seqs = std::mem::take(&mut self.seqs);
+        let mut wishes: Vec<Wish> = Vec::with_capacity(seqs.values().map(|s| s.blocks.len()).sum());
+        let (mut eligible, mut rest): (Ranked, Ranked) = (Vec::new(), Vec::new());
+        let mut any_shared = false;
+        for s in seqs.values() {
+            let blocks = &s.blocks;
             let recent_from = (s.tokens.saturating_sub(window) / bs) as usize;
             if self.cfg.policy == crate::PolicyKind::Importance {
-                self.normalise_importance(&blocks);
+                self.normalise_importance(blocks);
             }
-            ranked.clear();
+            eligible.clear();
+            rest.clear();
             for (i, &b) in blocks.iter().enumerate() {
-                let dropped = self.blocks.rows[b as usize].loc.slot == NO_SLOT;
-                if i < sinks || i >= recent_from {
-                    wishes.push(Wish {
-                        block: b,
-                        level: 0,
-                        protected: true,
-                    });
-                } else if !dropped {
-                    ranked.push((self.key(b as usize), b));
+                let row = &self.blocks.rows[b as usize];
+                any_shared |= row.refcount > 1;
+                let protected = i < sinks || i >= recent_from;
+                if protected || !compress {
+                    // Uncompressed ladders want everything unranked at level 0; dropped blocks
+                    // (no slot) are never ranked back in.
+                    if protected || row.loc.slot != NO_SLOT {
+                        wishes.push(Wish {
+                            block: b,
+                            level: 0,
+                            protected,
+                        });
+                    }
+                } else if row.loc.slot == NO_SLOT {
+                    continue;
+                } else if row.loc.level <= 1 {
+                    eligible.push((self.key(b as usize), b));
+                } else {
+                    rest.push((self.key(b as usize), b));
                 }
             }
             if !compress {
-                wishes.extend(ranked.iter().map(|&(_, b)| Wish {
-                    block: b,
-                    level: 0,
-                    protected: false,
-                }));
                 continue;
             }
             // The level-1 quota is `ratio` of the ranked blocks. A lossy level cannot give
             // precision back, so the quota is filled from the blocks still eligible (at level
             // 0 or 1), most important first; a block already at level 1 keeps it within the
-            // hysteresis band. Boundaries by selection (O(m)), not a sort.
-            let m = ranked.len() as f64;
+            // hysteresis band. Boundaries by selection (O(m)), not a sort: the second bound
+            // lies at or after the first, so it is selected from the tail the first left.
+            let m = (eligible.len() + rest.len()) as f64;
             let quota = (ratio * m).round();
-            let (mut eligible, rest): (Ranked, Ranked) = ranked
-                .iter()
-                .partition(|&&(_, b)| self.blocks.rows[b as usize].loc.level <= 1);
-            // Key of the block at rank `n - 1` (the n-th most important), if n >= 1.
-            let nth = |n: f64, v: &mut Vec<(Key, u32)>| -> Option<Key> {
-                let n = (n.ceil() as usize).min(v.len());
-                if n == 0 {
-                    return None;
+            let rank = |n: f64| (n.ceil() as usize).min(eligible.len());
+            let (n_reach, n_keep) = (rank(quota), rank(quota + hyst * m));
+            let mut reach = None;
+            if n_reach > 0 {
+                eligible.select_nth_unstable_by(n_reach - 1, |a, b| b.cmp(a));
+                reach = Some(eligible[n_reach - 1].0);
+            }
+            let keep = match n_keep {
+                0 => None,
+                n if n == n_reach => reach,
+                n => {
+                    let tail = &mut eligible[n_reach..];
+                    tail.select_nth_unstable_by(n - n_reach - 1, |a, b| b.cmp(a));
+                    Some(tail[n - n_reach - 1].0)
                 }
-                v.select_nth_unstable_by(n - 1, |a, b| b.cmp(a));
-                Some(v[n - 1].0)
             };
-            let reach = nth(quota, &mut eligible);
-            let keep = nth(quota + hyst * m, &mut eligible);
             for &(key, b) in &eligible {
                 let within = |bound: Option<Key>| bound.is_some_and(|k| key >= k);
                 let cur = self.blocks.rows[b as usize].loc.level;
@@ -233,7 +285,12 @@ impl Core {
                 });
             }
         }
-        self.merge_shared(wishes)
+        self.seqs = seqs;
+        if any_shared {
+            self.merge_shared(wishes)
+        } else {
+            wishes
+        }
     }
 
     /// One wish per block: a block shared by several sequences takes the most precise level
@@ -269,39 +326,42 @@ impl Core {
     fn normalise_importance(&mut self, blocks: &[u32]) {
         use crate::stats::{KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
         let s = &mut self.stats;
-        let signals: [(&[f32], u8); 3] = [
-            (&s.magnitude, KNOWN_MAGNITUDE),
-            (&s.learned, KNOWN_LEARNED),
-            (&s.attn_ema, KNOWN_ATTENTION),
-        ];
+        const BITS: [u8; 3] = [KNOWN_MAGNITUDE, KNOWN_LEARNED, KNOWN_ATTENTION];
         let mut range = [(f32::INFINITY, f32::NEG_INFINITY); 3];
+        let mut known_any = 0u8;
         for &b in blocks {
-            for (k, (values, bit)) in signals.iter().enumerate() {
-                if s.known[b as usize] & bit != 0 {
-                    let v = values[b as usize];
+            let (i, known) = (b as usize, s.known[b as usize]);
+            known_any |= known;
+            for (k, v) in [s.magnitude[i], s.learned[i], s.attn_ema[i]]
+                .into_iter()
+                .enumerate()
+            {
+                if known & BITS[k] != 0 {
                     range[k] = (range[k].0.min(v), range[k].1.max(v));
                 }
             }
         }
-        let mut out = Vec::with_capacity(blocks.len());
+        if known_any == 0 {
+            for &b in blocks {
+                s.importance[b as usize] = 0.0;
+            }
+            return;
+        }
         for &b in blocks {
+            let (i, known) = (b as usize, s.known[b as usize]);
             let (mut sum, mut weight) = (0.0f32, 0.0f32);
-            for (k, (values, bit)) in signals.iter().enumerate() {
-                if s.known[b as usize] & bit != 0 {
+            for (k, v) in [s.magnitude[i], s.learned[i], s.attn_ema[i]]
+                .into_iter()
+                .enumerate()
+            {
+                if known & BITS[k] != 0 {
                     let (lo, hi) = range[k];
-                    let x = if hi > lo {
-                        (values[b as usize] - lo) / (hi - lo)
-                    } else {
-                        0.5
-                    };
+                    let x = if hi > lo { (v - lo) / (hi - lo) } else { 0.5 };
                     sum += self.cfg.weights[k] * x;
                     weight += self.cfg.weights[k];
                 }
             }
-            out.push(if weight > 0.0 { sum / weight } else { 0.0 });
-        }
-        for (&b, v) in blocks.iter().zip(out) {
-            s.importance[b as usize] = v;
+            s.importance[i] = if weight > 0.0 { sum / weight } else { 0.0 };
         }
     }
 
@@ -380,10 +440,10 @@ impl Core {
         let mut up: Vec<(Key, u32, u8)> = Vec::new();
         for w in wishes {
             let (b, i) = (w.block, w.block as usize);
-            if !self.movable(b) {
-                continue;
-            }
             let loc = self.blocks.rows[i].loc;
+            if (loc.tier == Tier::Device && loc.level == w.level) || !self.movable(b) {
+                continue; // where it should be (the common case), or held in place
+            }
             if loc.slot == NO_SLOT && self.blocks.copy[i].is_none() {
                 continue;
             }
@@ -444,18 +504,15 @@ impl Core {
         let Some(budget) = self.budget(t) else {
             return 0;
         };
-        let soft = (budget as f64 * (1.0 - f64::from(self.cfg.headroom))) as u64;
-        if pass.projected[t] <= soft {
+        if pass.projected[t] <= self.pressure_threshold(t, budget) {
             return 0;
         }
+        let soft = self.soft_budget(budget);
         let tier = self.cfg.tiers[t].tier;
         let next = self.cfg.tiers.get(t + 1).map(|c| c.tier);
         let levels = self.cfg.num_levels();
         let last_kept = self.cfg.last_kept_level();
         let demotable = self.cfg.enable_compression && last_kept > 0;
-        if !demotable && next.is_none() && pass.projected[t] <= budget {
-            return 0; // nothing can move here, and only eviction above the budget applies
-        }
         // Live blocks of this tier that may be moved, least important first.
         let mut live: Vec<(Key, u32)> = wishes
             .iter()
@@ -486,7 +543,7 @@ impl Core {
                 let level = (p % levels) as u8;
                 hard || next_room || (demotable && level < last_kept)
             }));
-            let cached = self.lowest_evictable(&pools);
+            let cached = self.lowest_evictable(pools.iter().copied());
             let from_live = live.last().copied();
             let (b, is_live) = match (cached, from_live) {
                 (Some(c), Some(l)) if l < c => (l.1, true),
@@ -575,7 +632,7 @@ impl Core {
         let demotable = self.cfg.enable_compression && level < self.cfg.last_kept_level();
         let next = self.cfg.tiers.get(t + 1).map(|c| c.tier);
         while used > soft {
-            let cached = self.lowest_evictable(&[p]);
+            let cached = self.lowest_evictable([p]);
             let (b, is_live) = match (cached, live.last().copied()) {
                 (Some(c), Some(l)) if l < c => (l.1, true),
                 (Some(c), _) => (c.1, false),

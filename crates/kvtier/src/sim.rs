@@ -134,47 +134,50 @@ impl Simulator {
     }
 
     fn replay(&mut self, i: usize) -> Result<()> {
-        let bs = u64::from(self.core.config().block_size);
-        let hashes = self.trace.request(i).to_vec();
-        let input = self.trace.input_tokens[i];
-        let tokens_of = |k: usize| -> u64 {
+        let Simulator {
+            core, trace, stats, ..
+        } = self;
+        let bs = u64::from(core.config().block_size);
+        let hashes = trace.request(i);
+        let input = trace.input_tokens[i];
+        stats.requests += 1;
+        stats.ref_blocks += hashes.len() as u64;
+        stats.ref_tokens += input;
+        let seq = core.add_sequence();
+        // The append shares every indexed block and takes references before it evicts
+        // anything, so the hits are the leading shared blocks, where they were found.
+        let hits = match core.append_blocks(seq, hashes) {
+            Ok(appended) => {
+                core.record_reads(&appended.blocks)?;
+                let n = appended.shared.iter().take_while(|&&s| s).count();
+                appended.blocks[..n].to_vec()
+            }
+            Err(Error::OutOfCapacity { .. } | Error::OutOfSlots { .. }) => {
+                stats.rejected += 1;
+                core.lookup(hashes)
+            }
+            Err(e) => return Err(e),
+        };
+        for (k, &b) in hits.iter().enumerate() {
+            let loc = core.block_loc(b)?;
+            let (t, l) = (loc.tier as usize, usize::from(loc.level));
             // Every block is full but the request's last, which holds what is left.
-            if k + 1 < hashes.len() {
+            let tokens = if k + 1 < hashes.len() {
                 bs
             } else {
                 input.saturating_sub(bs * k as u64).min(bs)
-            }
-        };
-        let st = &mut self.stats;
-        st.requests += 1;
-        st.ref_blocks += hashes.len() as u64;
-        st.ref_tokens += input;
-        for (k, b) in self.core.lookup(&hashes).into_iter().enumerate() {
-            let loc = self.core.block_loc(b)?;
-            let (t, l) = (loc.tier as usize, usize::from(loc.level));
-            st.hit_blocks += 1;
-            st.hit_blocks_at[t][l] += 1;
-            let tokens = tokens_of(k);
-            st.hit_tokens += tokens;
-            st.hit_tokens_at[t][l] += tokens;
-        }
-        let seq = self.core.add_sequence();
-        match self.core.append_blocks(seq, &hashes) {
-            Ok(appended) => self.core.record_reads(&appended.blocks)?,
-            Err(Error::OutOfCapacity { .. } | Error::OutOfSlots { .. }) => self.stats.rejected += 1,
-            Err(e) => return Err(e),
+            };
+            stats.hit_blocks += 1;
+            stats.hit_blocks_at[t][l] += 1;
+            stats.hit_tokens += tokens;
+            stats.hit_tokens_at[t][l] += tokens;
         }
         if (i as u64 + 1).is_multiple_of(self.step_every) {
-            let id = self.core.plan()?.id;
-            self.core.commit(id)?;
+            let id = core.plan()?.id;
+            core.commit(id)?;
         }
-        self.core.free_sequence(seq)?;
-        for (peak, &now) in self
-            .stats
-            .peak_tier_bytes
-            .iter_mut()
-            .zip(self.core.tier_bytes())
-        {
+        core.free_sequence(seq)?;
+        for (peak, &now) in stats.peak_tier_bytes.iter_mut().zip(core.tier_bytes()) {
             *peak = (*peak).max(now);
         }
         Ok(())
