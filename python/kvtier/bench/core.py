@@ -8,7 +8,9 @@
   (hit rates must agree); and the full tier model (int8/int4 ladder, host tier) with the
   importance policy.
 
-Prints a table on stderr and JSON on stdout (``--json``: JSON only).
+Prints a table on stderr and JSON on stdout (``--json``: JSON only). The Rust loops alone, without
+Python: ``cargo run --release -p kvtier --example plan`` (plan and read updates) and ``--example
+replay TRACE.jsonl`` (the LRU replay).
 """
 
 from __future__ import annotations
@@ -217,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         f"stats     {s['rust_updates_per_s'] / 1e6:8.1f} M updates/s  (plain Python {s['python_updates_per_s'] / 1e6:.2f} M/s, x{s['speedup']:.0f}; target >= 20 M/s)"
     )
     log(
-        f"plan      {p['rust_plan_ms']:8.1f} ms over {p['blocks']:,} blocks ({p['moves']:,} moves)"
+        f"plan      {p['rust_steady_plan_ms']:8.1f} ms over {p['blocks']:,} blocks (steady; target <= 50 ms); "
+        f"first plan {p['rust_plan_ms']:.1f} ms ({p['moves']:,} moves)"
         + (
-            f"  (plain Python {p['python_plan_ms']:.0f} ms, x{p['speedup']:.0f}; target <= 50 ms)"
+            f"  (plain Python {p['python_plan_ms']:.0f} ms, x{p['speedup']:.0f})"
             if "speedup" in p
             else ""
         )
