@@ -22,14 +22,15 @@ def torch_cuda() -> Any:
     return torch
 
 
-def local_redis(nodes: int = 1) -> Any:
-    """A started :class:`LocalRedis`; skips when redis-server is not installed, except under CI
-    (CI installs it, so a missing server there is a failure, not a skip)."""
+def local_redis(nodes: int = 1, *, tls: bool = False) -> Any:
+    """A started :class:`LocalRedis` (``tls``: serving ``rediss://`` only, client certificate
+    required); skips when redis-server is not installed, except under CI (CI installs it, so a
+    missing server there is a failure, not a skip)."""
     from kvtier.stores.local_redis import LocalRedis, RedisUnavailableError
 
     pytest.importorskip("redis")
     try:
-        server = LocalRedis(nodes)
+        server = LocalRedis(nodes, tls=tls)
     except RedisUnavailableError as exc:
         if os.environ.get("CI"):
             raise

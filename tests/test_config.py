@@ -210,6 +210,7 @@ def test_parse_bytes_rejects_with_the_expected_form(text: str) -> None:
         ("enable_compression", "yes"),
         ("write_through", 2),
         ("namespace", ""),
+        ("remote_tls_ca", "/no/such/ca.crt"),
     ],
 )
 def test_each_invalid_value_is_a_config_error_naming_the_field(field: str, value: object) -> None:
@@ -281,3 +282,28 @@ def test_readme_env_table_lists_exactly_the_config_variables() -> None:
 def test_readme_env_table_is_the_generated_one() -> None:
     # Regenerate with: python -c "from kvtier.config import env_table_markdown as t; print(t())"
     assert env_table_markdown() in README.read_text(encoding="utf-8")
+
+
+def test_remote_tls_files_come_from_the_environment_and_are_checked(tmp_path: Path) -> None:
+    files = {}
+    for name in ("ca", "cert", "key"):
+        files[name] = tmp_path / f"{name}.pem"
+        files[name].write_text("-----BEGIN-----")
+    env = {
+        "KVTIER_REMOTE_URL": "rediss://cache.internal:6380",
+        "KVTIER_REMOTE_TLS_CA": str(files["ca"]),
+        "KVTIER_REMOTE_TLS_CERT": str(files["cert"]),
+        "KVTIER_REMOTE_TLS_KEY": str(files["key"]),
+    }
+    cfg = KvtierConfig.from_env(environ=env)
+    assert (cfg.remote_tls_ca, cfg.remote_tls_cert, cfg.remote_tls_key) == tuple(
+        str(files[n]) for n in ("ca", "cert", "key")
+    )
+    with pytest.raises(
+        ConfigError, match="remote_tls_ca, remote_tls_cert, remote_tls_key: expected a TLS"
+    ):
+        KvtierConfig.from_env(environ={**env, "KVTIER_REMOTE_URL": "redis://cache.internal:6379"})
+    with pytest.raises(ConfigError, match="expected both"):
+        KvtierConfig.from_env(environ={**env, "KVTIER_REMOTE_TLS_KEY": ""})
+    with pytest.raises(ConfigError, match="remote_tls_cert: expected a readable file"):
+        KvtierConfig.from_env(environ={**env, "KVTIER_REMOTE_TLS_CERT": str(tmp_path)})

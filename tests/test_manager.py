@@ -581,6 +581,25 @@ def test_remote_tier_serves_exactly_what_a_host_tier_would(redis_server: Any) ->
 
 
 @pytest.mark.redis
+def test_remote_tier_over_tls() -> None:
+    from conftest import local_redis
+
+    server = local_redis(tls=True)
+    try:
+        bm = store_tier_matches_host_tier(
+            remote_budget=4 << 20,
+            remote_url=server.url,
+            remote_tls_ca=server.tls_ca,
+            remote_tls_cert=server.tls_cert,
+            remote_tls_key=server.tls_key,
+        )
+        assert bm.stats().counters["fetches"] > 0
+        bm.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.redis
 def test_the_engine_keeps_running_when_redis_dies() -> None:
     from conftest import local_redis
 

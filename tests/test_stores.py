@@ -338,6 +338,34 @@ def test_redis_killed_mid_run_then_back() -> None:
 
 
 @pytest.mark.redis
+def test_redis_over_tls_needs_the_ca_and_a_client_certificate() -> None:
+    from conftest import local_redis
+
+    server = local_redis(tls=True)
+    try:
+        client = {"tls_ca": server.tls_ca, "tls_cert": server.tls_cert, "tls_key": server.tls_key}
+        store = RedisStore(server.url, NS, timeout=0.5, **client)
+        assert server.url.startswith("rediss://") and store.put(1, b"secret")
+        assert bytes(store.get(1)) == b"secret"
+        # A client the server refuses (no certificate), one that cannot verify the server (no
+        # CA) and a plain-text one: misses and failed puts, never an exception.
+        plain_url = server.url.replace("rediss://", "redis://")
+        for url, tls in [
+            (server.url, {"tls_ca": server.tls_ca}),
+            (server.url, {"tls_cert": server.tls_cert, "tls_key": server.tls_key}),
+            (plain_url, {}),
+        ]:
+            other = RedisStore(url, NS, timeout=0.5, **tls)
+            assert other.get(1) is None and not other.put(2, b"x")
+            assert other.stats.errors >= 1
+        assert bytes(store.get(1)) == b"secret" and store.get(2) is None
+        with pytest.raises(InvalidArgumentError, match="rediss://"):
+            RedisStore(plain_url, NS, tls_ca=server.tls_ca)
+    finally:
+        server.stop()
+
+
+@pytest.mark.redis
 def test_redis_cluster(redis_cluster: Any) -> None:
     store = RedisStore(redis_cluster.url, NS)
     assert store.cluster

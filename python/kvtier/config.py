@@ -243,6 +243,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "is detected",
     ),
     _var("remote_timeout", "float", "seconds to wait for the remote server to connect or reply"),
+    _var("remote_tls_ca", "str", "CA certificate file that signed the server's (`rediss://` only)"),
+    _var(
+        "remote_tls_cert",
+        "str",
+        "client certificate file, for servers that require one (`rediss://` only)",
+    ),
+    _var("remote_tls_key", "str", "private key file of `remote_tls_cert` (`rediss://` only)"),
     _var("max_move_bytes", "size", "cap on bytes moved per `step()`; unset = no cap"),
     _var(
         "headroom",
@@ -308,6 +315,9 @@ class KvtierConfig:
     remote_budget: int | None = None
     remote_url: str | None = None
     remote_timeout: float = 1.0
+    remote_tls_ca: str | None = None
+    remote_tls_cert: str | None = None
+    remote_tls_key: str | None = None
     max_move_bytes: int | None = None
     headroom: float = 0.1
     hysteresis: float = 0.1
@@ -379,6 +389,30 @@ class KvtierConfig:
 
     # -- validation -----------------------------------------------------------------------------
 
+    def _check_tls(self) -> None:
+        """TLS files only with a ``rediss://`` server, each an existing file, key with cert."""
+        given = {
+            name: getattr(self, name)
+            for name in ("remote_tls_ca", "remote_tls_cert", "remote_tls_key")
+            if getattr(self, name) is not None
+        }
+        if not given:
+            return
+        url = self.remote_url
+        if not isinstance(url, str) or not url.startswith("rediss://"):
+            raise ConfigError(
+                f"{', '.join(given)}: expected a TLS server (remote_url=rediss://host:port) "
+                f"with TLS files, got remote_url={url!r}"
+            )
+        for name, path in given.items():
+            if not isinstance(path, str) or not os.path.isfile(path):
+                raise ConfigError(f"{name}: expected a readable file, got {path!r}")
+        if ("remote_tls_cert" in given) != ("remote_tls_key" in given):
+            raise ConfigError(
+                "remote_tls_cert and remote_tls_key: expected both (a client certificate and "
+                "its key) or neither"
+            )
+
     def __post_init__(self) -> None:
         set_ = self._set
         set_("enable_compression", _bool(self, "enable_compression"))
@@ -416,6 +450,7 @@ class KvtierConfig:
                     )
         if self.pool_shares is not None:
             set_("pool_shares", _shares(self.pool_shares))
+        self._check_tls()
 
         if not isinstance(self.policy, str) or self.policy.strip().lower() not in POLICIES:
             raise ConfigError(

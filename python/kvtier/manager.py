@@ -367,7 +367,13 @@ class BlockManager:
                         "remote_budget: the remote tier needs a server: set remote_url"
                     )
                 store = RedisStore(
-                    cfg.remote_url, base_ns, timeout=cfg.remote_timeout, retry_after=STORE_RETRY_S
+                    cfg.remote_url,
+                    base_ns,
+                    timeout=cfg.remote_timeout,
+                    retry_after=STORE_RETRY_S,
+                    tls_ca=cfg.remote_tls_ca,
+                    tls_cert=cfg.remote_tls_cert,
+                    tls_key=cfg.remote_tls_key,
                 )
             for level, codec in enumerate(self.ladder):
                 stores[tier, level] = store.with_namespace(

@@ -4,6 +4,10 @@ so none of them needs a server set up by hand.
 
     with LocalRedis() as server:
         store = RedisStore(server.url, ns)
+
+``LocalRedis(tls=True)`` serves TLS only (``rediss://``), with certificates made by the
+``openssl`` CLI for the run: a CA, the server's (for 127.0.0.1) and a client's, which the server
+requires. ``tls_ca`` / ``tls_cert`` / ``tls_key`` name the files a client needs.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import random
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -46,22 +51,47 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def _ping(port: int) -> bool:
+def _ping(port: int, tls: ssl.SSLContext | None = None) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as raw:
+            s = raw if tls is None else tls.wrap_socket(raw, server_hostname="127.0.0.1")
             s.sendall(b"PING\r\n")
             return s.recv(16).startswith(b"+PONG")
-    except OSError:
+    except OSError:  # ssl.SSLError is one
         return False
+
+
+def _openssl(*args: str, cwd: str) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_certificates(directory: str) -> None:
+    """``ca.crt``, ``server.crt``/``.key`` (for 127.0.0.1 and localhost) and ``client.crt``/
+    ``.key`` in ``directory``, on P-256 keys, valid for two days."""
+    if shutil.which("openssl") is None:
+        raise RedisUnavailableError("openssl is not on PATH: it makes the TLS test certificates")
+    key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *key, "-days", "2", "-subj", "/CN=kvtier test CA",
+             "-keyout", "ca.key", "-out", "ca.crt", cwd=directory)  # fmt: skip
+    san = Path(directory) / "san.ext"
+    san.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        _openssl("req", *key, "-subj", f"/CN=kvtier test {name}",
+                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=directory)  # fmt: skip
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-days", "2", "-extfile", str(san),
+                 "-out", f"{name}.crt", cwd=directory)  # fmt: skip
 
 
 class LocalRedis:
     """``nodes=1``: one server; ``nodes>=3``: a Redis Cluster of that many primaries (no
     replicas). ``url`` points at the first node (cluster clients discover the rest)."""
 
-    def __init__(self, nodes: int = 1, *, binary: str = "redis-server") -> None:
+    def __init__(self, nodes: int = 1, *, binary: str = "redis-server", tls: bool = False) -> None:
         if nodes != 1 and nodes < 3:
             raise ValueError(f"nodes: 1 (a server) or >= 3 (a cluster), got {nodes}")
+        if tls and nodes != 1:
+            raise ValueError("tls: only a single server, not a cluster")
         found = shutil.which(binary)
         if found is None:
             raise RedisUnavailableError(
@@ -72,18 +102,51 @@ class LocalRedis:
         self.ports = [free_port(cluster=self.cluster) for _ in range(nodes)]
         self._dir = tempfile.TemporaryDirectory(prefix="kvtier-redis-")
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.tls = tls
+        self._tls_context: ssl.SSLContext | None = None
+        if tls:
+            try:
+                make_certificates(self._dir.name)
+            except BaseException:
+                self._dir.cleanup()
+                raise
+            self._tls_context = ssl.create_default_context(cafile=self.tls_ca)
+            self._tls_context.load_cert_chain(str(self.tls_cert), str(self.tls_key))
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.ports[0]}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.ports[0]}"
+
+    def _file(self, name: str) -> str | None:
+        return str(Path(self._dir.name) / name) if self.tls else None
+
+    @property
+    def tls_ca(self) -> str | None:
+        """The CA file a client verifies the server with (None without TLS)."""
+        return self._file("ca.crt")
+
+    @property
+    def tls_cert(self) -> str | None:
+        """A client certificate the server accepts (None without TLS)."""
+        return self._file("client.crt")
+
+    @property
+    def tls_key(self) -> str | None:
+        return self._file("client.key")
 
     def start(self, port: int | None = None) -> None:
         """Starts every node (or just ``port``: a restart after :meth:`kill`)."""
         for p in self.ports if port is None else [port]:
+            listen = ["--port", str(p)]
+            if self.tls:
+                d = Path(self._dir.name)
+                listen = ["--port", "0", "--tls-port", str(p), "--tls-auth-clients", "yes",
+                          "--tls-cert-file", str(d / "server.crt"),
+                          "--tls-key-file", str(d / "server.key"),
+                          "--tls-ca-cert-file", str(d / "ca.crt")]  # fmt: skip
             args = [
                 self.binary,
-                "--port",
-                str(p),
+                *listen,
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -107,7 +170,10 @@ class LocalRedis:
             with open(Path(self._dir.name) / f"redis-{p}.log", "ab") as log:
                 self._procs[p] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         for p in self.ports if port is None else [port]:
-            self._wait(lambda p=p: _ping(p), f"redis-server on port {p} did not answer PING")
+            self._wait(
+                lambda p=p: _ping(p, self._tls_context),
+                f"redis-server on port {p} did not answer PING",
+            )
         if self.cluster and port is None:
             self._create_cluster()
 

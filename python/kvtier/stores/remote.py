@@ -58,8 +58,14 @@ class RedisStore(KVStore):
         self._ttl_ms = None if ttl is None else int(ttl * 1000)
         self._errors = redis.exceptions.RedisError
         options: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+        tls = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
         if url.startswith("rediss://"):
             options.update(ssl_ca_certs=tls_ca, ssl_certfile=tls_cert, ssl_keyfile=tls_key)
+        elif any(v is not None for v in tls.values()):
+            given = ", ".join(k for k, v in tls.items() if v is not None)
+            raise InvalidArgumentError(
+                f"{given}: TLS files need a TLS URL (rediss://host:port), got {url!r}"
+            )
         if cluster is None:
             cluster = self._is_cluster(redis, url, options)
         self.cluster = cluster
