@@ -122,6 +122,26 @@ def sealed(ns: Namespace = NS, key: str = NS.key(5), data: bytes = b"payload" * 
     return b"".join(fmt.seal(ns, key, memoryview(data)))
 
 
+def test_one_pass_copy_and_checksum_equals_the_two_pass_seal() -> None:
+    from kvtier._core import checksum, copy_checksum
+
+    parts = [RNG.integers(0, 256, n, dtype=np.uint8) for n in (0, 5, 200_003)]
+    joined = np.concatenate(parts)
+    out = np.zeros(len(joined) + 7, np.uint8)
+    assert copy_checksum(out, *parts, seed=7) == checksum(joined, seed=7)
+    assert bytes(out[: len(joined)]) == joined.tobytes() and not out[len(joined) :].any()
+    payload = memoryview(parts[2].tobytes())
+    assert bytes(fmt.seal_joined(NS, NS.key(9), payload)) == b"".join(
+        fmt.seal(NS, NS.key(9), payload)
+    )
+    with pytest.raises(InvalidArgumentError, match="expected at least"):
+        copy_checksum(np.zeros(3, np.uint8), parts[2])
+    frozen = np.zeros(10, np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(InvalidArgumentError, match="writable"):
+        copy_checksum(frozen, parts[1])
+
+
 def test_every_flipped_bit_is_caught() -> None:
     blob = sealed()
     assert bytes(fmt.unseal(NS, NS.key(5), blob)) == b"payload" * 100

@@ -9,6 +9,7 @@ __all__ = [
     "Plan",
     "Simulator",
     "checksum",
+    "copy_checksum",
     "kernel_sources",
     "namespace_seed",
     "prefix_hashes",
@@ -146,3 +147,4 @@ def kernel_sources() -> dict[str, str]:
     """The CUDA sources of kvtier's kernels (kernels/*.cu), by file name."""
 
 def checksum(*parts: npt.ArrayLike, seed: int = 0) -> int: ...
+def copy_checksum(out: npt.NDArray[np.uint8], *parts: npt.ArrayLike, seed: int = 0) -> int: ...

@@ -60,6 +60,60 @@ fn checksum(py: Python<'_>, parts: Vec<Bound<'_, PyAny>>, seed: u64) -> PyResult
     }))
 }
 
+/// Copies `parts` (uint8 arrays) one after another into the start of `out` (a writable,
+/// contiguous uint8 array at least as long) and returns the xxh3-64 of the copied bytes, with
+/// `seed`. One pass without the GIL: each chunk is hashed right after it is copied, while it is
+/// still in cache, so sealing a value costs about what copying it does.
+#[pyfunction]
+#[pyo3(signature = (out, *parts, seed = 0))]
+fn copy_checksum(
+    py: Python<'_>,
+    out: &Bound<'_, PyAny>,
+    parts: Vec<Bound<'_, PyAny>>,
+    seed: u64,
+) -> PyResult<u64> {
+    const CHUNK: usize = 64 << 10;
+    let mut out = out
+        .extract::<numpy::PyReadwriteArray1<'_, u8>>()
+        .ok()
+        .filter(|a| a.as_slice().is_ok())
+        .ok_or_else(|| {
+            errors::to_py(kvtier::Error::InvalidArgument {
+                what: "out",
+                reason: "expected a writable, contiguous uint8 numpy array".into(),
+            })
+        })?;
+    let arrays = parts
+        .iter()
+        .map(|p| arrays::array::<u8>(p, "parts", "uint8"))
+        .collect::<PyResult<Vec<_>>>()?;
+    let slices = arrays
+        .iter()
+        .map(|a| a.as_slice())
+        .collect::<Result<Vec<_>, _>>()?;
+    let dst = out.as_slice_mut()?;
+    let total: usize = slices.iter().map(|s| s.len()).sum();
+    if dst.len() < total {
+        return Err(errors::to_py(kvtier::Error::InvalidArgument {
+            what: "out",
+            reason: format!("{} bytes, expected at least the {total} of the parts", dst.len()),
+        }));
+    }
+    Ok(py.detach(|| {
+        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
+        let mut at = 0;
+        for s in &slices {
+            for chunk in s.chunks(CHUNK) {
+                let copied = &mut dst[at..at + chunk.len()];
+                copied.copy_from_slice(chunk);
+                h.update(copied);
+                at += chunk.len();
+            }
+        }
+        h.digest()
+    }))
+}
+
 /// The CUDA sources of kvtier's kernels (kernels/*.cu), by file name. Compiled into the
 /// extension so that every installed copy of kvtier carries the kernels it was built with.
 #[pyfunction]
@@ -78,6 +132,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prefix_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(namespace_seed, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(checksum, m)?)?;
     Ok(())
 }

@@ -21,7 +21,9 @@ from .format import Namespace, payload_view, seal, unseal
 
 log = logging.getLogger("kvtier.stores")
 
-Parts = tuple[bytes, memoryview, bytes]
+#: A sealed value as buffers to write one after another: (header, payload, checksum) from
+#: ``format.seal``, or one joined buffer from ``format.seal_joined``.
+Parts = tuple[Any, ...]
 
 
 class StoreClosedError(KvtierError):
@@ -55,6 +57,9 @@ class KVStore(ABC):
     batch forms (the normal path). A miss is ``None``; a value that fails any check is a miss."""
 
     kind: str = "store"
+    #: Whether ``get`` recomputes the checksum. Off only where values never leave this process's
+    #: memory (the host store): nothing can flip their bits between put and get there.
+    verify_checksum: bool = True
 
     def __init__(self, namespace: Namespace) -> None:
         if not isinstance(namespace, Namespace):
@@ -92,14 +97,13 @@ class KVStore(ABC):
                 f"put_many: {len(keys)} keys but {len(values)} values; expected one value per key"
             )
         full = [self.namespace.key(k) for k in keys]
-        sealed = [
-            seal(self.namespace, k, payload_view(v)) for k, v in zip(full, values, strict=True)
-        ]
+        payloads = [payload_view(v) for v in values]
+        sealed = [self._seal(k, p) for k, p in zip(full, payloads, strict=True)]
         done = self._put(full, sealed)
         ok = sum(done)
         with self._stats_lock:
             self.stats.puts += ok
-            self.stats.put_bytes += sum(len(p[1]) for p, d in zip(sealed, done, strict=True) if d)
+            self.stats.put_bytes += sum(len(p) for p, d in zip(payloads, done, strict=True) if d)
             self.stats.put_failures += len(done) - ok
         return done
 
@@ -162,6 +166,11 @@ class KVStore(ABC):
 
     # -- for subclasses -------------------------------------------------------------------------
 
+    def _seal(self, key: str, payload: memoryview) -> Parts:
+        """The value to store: header, payload and checksum as separate buffers (a store that
+        keeps or sends one buffer overrides this with ``format.seal_joined``)."""
+        return seal(self.namespace, key, payload)
+
     @abstractmethod
     def _put(self, keys: list[str], values: list[Parts]) -> list[bool]: ...
 
@@ -212,7 +221,7 @@ class KVStore(ABC):
                 out.append(None)
                 continue
             try:
-                payload = unseal(self.namespace, key, blob)
+                payload = unseal(self.namespace, key, blob, verify=self.verify_checksum)
             except PayloadError as exc:
                 corrupt += 1
                 log.warning("%s: %s is not served: %s", self.describe(), key, exc)

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from .._core import checksum
+from .._core import checksum, copy_checksum
 from ..errors import InvalidArgumentError, PayloadError
 
 MAGIC = b"KVTR"
@@ -107,6 +108,10 @@ class Namespace:
         return Namespace(self.model, self.tenant, codec, dtype, shape)
 
 
+def _empty(size: int) -> np.ndarray:
+    return np.empty(size, np.uint8)
+
+
 def _pack_text(s: str) -> bytes:
     b = s.encode()
     return _TEXT_LEN.pack(len(b)) + b
@@ -150,9 +155,23 @@ def seal(ns: Namespace, key: str, payload: memoryview) -> tuple[bytes, memoryvie
     return head, payload, _SUM.pack(digest)
 
 
-def unseal(ns: Namespace, key: str, blob: Any) -> memoryview:
+def seal_joined(
+    ns: Namespace, key: str, payload: memoryview, alloc: Callable[[int], np.ndarray] = _empty
+) -> np.ndarray:
+    """The whole stored value in one buffer from ``alloc(size)``: the header and the payload are
+    copied and checksummed in one pass (for stores that keep or send one buffer)."""
+    head = header(ns, key, len(payload))
+    size = len(head) + len(payload) + _SUM.size
+    out = alloc(size)
+    digest = copy_checksum(out, np.frombuffer(head, np.uint8), np.frombuffer(payload, np.uint8))
+    out[size - _SUM.size : size] = np.frombuffer(_SUM.pack(digest), np.uint8)
+    return out[:size]
+
+
+def unseal(ns: Namespace, key: str, blob: Any, *, verify: bool = True) -> memoryview:
     """The payload of a stored value as a read-only view, after checking everything; raises
-    :class:`PayloadError` saying which check failed."""
+    :class:`PayloadError` saying which check failed. ``verify=False`` skips only the checksum,
+    for values that never left this process's memory."""
     view = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
@@ -184,10 +203,11 @@ def unseal(ns: Namespace, key: str, blob: Any) -> memoryview:
     for name, got, expected in zip(("key", "codec", "dtype", "shape"), texts, want, strict=True):
         if got != expected:
             raise PayloadError(f"written as {name} {got!r}, read as {expected!r}")
-    body = np.frombuffer(view, np.uint8)
-    (stored,) = _SUM.unpack_from(view, len(view) - _SUM.size)
-    if checksum(body[: len(view) - _SUM.size]) != stored:
-        raise PayloadError("checksum mismatch: the value is corrupt")
+    if verify:
+        body = np.frombuffer(view, np.uint8)
+        (stored,) = _SUM.unpack_from(view, len(view) - _SUM.size)
+        if checksum(body[: len(view) - _SUM.size]) != stored:
+            raise PayloadError("checksum mismatch: the value is corrupt")
     return view[size : size + length].toreadonly()
 
 
