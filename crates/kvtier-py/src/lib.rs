@@ -96,7 +96,10 @@ fn copy_checksum(
     if dst.len() < total {
         return Err(errors::to_py(kvtier::Error::InvalidArgument {
             what: "out",
-            reason: format!("{} bytes, expected at least the {total} of the parts", dst.len()),
+            reason: format!(
+                "{} bytes, expected at least the {total} of the parts",
+                dst.len()
+            ),
         }));
     }
     Ok(py.detach(|| {

@@ -404,7 +404,7 @@ def _table(result: dict[str, Any]) -> str:
         "GB/s: payload bytes (1e9) per second, headers and checksums not counted",
         f"overhead = store time / baseline time - 1 (target <= {TARGET_OVERHEAD_PCT:g} %); "
         "dict and files have no batch call: their batch-64 baseline is the same loop; a dict get "
-        "touches no bytes, so the host get overhead is the store's whole check of the value",
+        "touches no bytes, so the host get overhead is the store's header check and accounting",
         "",
         f"{'store':6s} {'op':4s} {'size':>9s} {'batch':>5s} {'values':>6s} {'GB/s':>8s} "
         f"{'values/s':>10s} {'base GB/s':>10s} {'overhead':>10s}",

@@ -9,9 +9,9 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import InvalidArgumentError
 import numpy as np
 
+from ..errors import InvalidArgumentError
 from .base import KVStore, Parts
 from .format import Namespace, seal_joined
 
