@@ -7,6 +7,7 @@ mod errors;
 mod plan;
 mod sim;
 
+use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
 
 /// Chained 64-bit hashes of each full `block_size` block of `tokens` in a namespace — the
@@ -38,19 +39,25 @@ fn namespace_seed(namespace: &str) -> u64 {
     kvtier::namespace_seed(namespace)
 }
 
+/// `parts` as contiguous uint8 arrays (converted where they are not already).
+fn byte_arrays<'py>(parts: &[Bound<'py, PyAny>]) -> PyResult<Vec<PyReadonlyArray1<'py, u8>>> {
+    parts
+        .iter()
+        .map(|p| arrays::array::<u8>(p, "parts", "uint8"))
+        .collect()
+}
+
+fn byte_slices<'a>(arrays: &'a [PyReadonlyArray1<'_, u8>]) -> PyResult<Vec<&'a [u8]>> {
+    arrays.iter().map(|a| Ok(a.as_slice()?)).collect()
+}
+
 /// xxh3-64 of the concatenation of `parts` (uint8 arrays), read without the GIL: the checksum
 /// of stored values (`kvtier.stores`). Streaming, so a header and a payload need no joining copy.
 #[pyfunction]
 #[pyo3(signature = (*parts, seed = 0))]
 fn checksum(py: Python<'_>, parts: Vec<Bound<'_, PyAny>>, seed: u64) -> PyResult<u64> {
-    let arrays = parts
-        .iter()
-        .map(|p| arrays::array::<u8>(p, "parts", "uint8"))
-        .collect::<PyResult<Vec<_>>>()?;
-    let slices = arrays
-        .iter()
-        .map(|a| a.as_slice())
-        .collect::<Result<Vec<_>, _>>()?;
+    let arrays = byte_arrays(&parts)?;
+    let slices = byte_slices(&arrays)?;
     Ok(py.detach(|| {
         let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
         for s in &slices {
@@ -83,14 +90,8 @@ fn copy_checksum(
                 reason: "expected a writable, contiguous uint8 numpy array".into(),
             })
         })?;
-    let arrays = parts
-        .iter()
-        .map(|p| arrays::array::<u8>(p, "parts", "uint8"))
-        .collect::<PyResult<Vec<_>>>()?;
-    let slices = arrays
-        .iter()
-        .map(|a| a.as_slice())
-        .collect::<Result<Vec<_>, _>>()?;
+    let arrays = byte_arrays(&parts)?;
+    let slices = byte_slices(&arrays)?;
     let dst = out.as_slice_mut()?;
     let total: usize = slices.iter().map(|s| s.len()).sum();
     if dst.len() < total {
