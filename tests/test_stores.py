@@ -316,6 +316,56 @@ def test_host_budget_evicts_least_recently_used() -> None:
     assert not store.put(4, payload(3 * one)) and store.contains(1)
 
 
+def _budgeted(kind: str, tmp_path: Path, budget: int, policy: str) -> KVStore:
+    if kind == "host":
+        return HostStore(NS, budget, policy=policy)
+    return DiskStore(tmp_path, NS, budget, policy=policy)
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_budgeted_stores_evict_by_the_cores_policy(kind: str, tmp_path: Path) -> None:
+    one = len(sealed(data=payload(1000)))
+    survivors = {}
+    for policy in ("lru", "lfu", "importance"):
+        store = _budgeted(kind, tmp_path / policy, 3 * one, policy)
+        assert store.policy == policy
+        store.put_many([1, 2, 3], [payload(1000)] * 3)
+        for _ in range(3):
+            store.get(1)  # 1: read often, but longest ago
+        store.get_many([2, 3])
+        store.set_scores([1, 2, 3], [0.1, 0.2, 0.9])  # 3 matters most, 1 least
+        store.set_scores([99], [1.0])  # unknown keys are skipped
+        assert store.put(4, payload(1000)) and store.stats.evictions == 1
+        survivors[policy] = [k for k in (1, 2, 3) if store.contains(k)]
+        assert store.used_bytes == 3 * one
+    assert survivors == {"lru": [2, 3], "lfu": [1, 3], "importance": [2, 3]}
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_bad_policy_or_scores_are_refused(kind: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown policy 'fifo'|unknown policy \"fifo\""):
+        _budgeted(kind, tmp_path, 1000, "fifo")
+    store = _budgeted(kind, tmp_path, 10_000, "importance")
+    store.put(1, payload(100))
+    with pytest.raises(InvalidArgumentError, match="one per key"):
+        store.set_scores([1, 2], [1.0])
+    with pytest.raises(InvalidArgumentError, match="finite"):
+        store.set_scores([1], [float("nan")])
+    assert store.get(1) is not None
+
+
+def test_disk_reopened_under_a_smaller_budget_keeps_the_newest(tmp_path: Path) -> None:
+    one = len(sealed(data=payload(1000)))
+    store = DiskStore(tmp_path, NS, 10 * one)
+    for i in range(5):
+        store.put(i, payload(1000))
+        later = time.time() + i  # distinct mtimes, oldest first
+        os.utime(store._path(NS.key(i)), (later, later))
+    reopened = DiskStore(tmp_path, NS, 2 * one)
+    assert [reopened.contains(i) for i in range(5)] == [False, False, False, True, True]
+    assert reopened.used_bytes == 2 * one and reopened.stats.evictions == 3
+
+
 # -- redis -----------------------------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ mod core;
 mod errors;
 mod plan;
 mod sim;
+mod store_index;
 
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
@@ -133,6 +134,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<core::PyCore>()?;
     m.add_class::<plan::PyPlan>()?;
     m.add_class::<sim::PySimulator>()?;
+    m.add_class::<store_index::PyStoreIndex>()?;
     m.add_function(wrap_pyfunction!(prefix_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(namespace_seed, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;

@@ -571,15 +571,7 @@ impl Core {
         let s = &self.stats;
         let row = &self.blocks.rows[b];
         let recency = row.last_access;
-        // log of the decayed read count, shifted to a step-invariant scale so keys computed at
-        // different steps compare correctly: ln(c * d^(now-t)) + now*ln(1/d) = ln c + t*ln(1/d).
-        let freq = || {
-            if row.reads > 0.0 {
-                f64::from(row.reads).ln() + f64::from(row.reads_step) * self.decay.log_inv()
-            } else {
-                f64::NEG_INFINITY
-            }
-        };
+        let freq = || self.decay.log_count(row.reads, row.reads_step);
         match self.cfg.policy {
             PolicyKind::Lru => Key::new(0.0, 0.0, recency),
             PolicyKind::Lfu => Key::new(freq(), 0.0, recency),

@@ -3,7 +3,8 @@
 //!
 //! - [`Core`] — block table, sequences, slot pools, prefix index, statistics ([`core`]);
 //! - [`Plan`] — the scheduler's moves, two-phase ([`scheduler`]);
-//! - [`sim`] — replays a request trace through a real `Core`.
+//! - [`sim`] — replays a request trace through a real `Core`;
+//! - [`StoreIndex`] — what a host or disk store evicts, under the same policies.
 #![forbid(unsafe_code)]
 
 pub mod config;
@@ -15,9 +16,11 @@ pub mod prefix;
 pub mod scheduler;
 pub mod sim;
 pub mod stats;
+pub mod store_index;
 
 pub use crate::config::{Config, PolicyKind, Tier, TierConfig};
 pub use crate::core::{Appended, Core, Counters, Forked, Key, Loc, PoolUsage, NO_SLOT};
 pub use crate::error::{Error, Result};
 pub use crate::prefix::{chain_hash, namespace_seed, prefix_hashes, PrefixIndex};
 pub use crate::scheduler::{Move, MoveKind, Plan};
+pub use crate::store_index::StoreIndex;

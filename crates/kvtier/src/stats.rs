@@ -75,4 +75,15 @@ impl DecayTable {
     pub fn log_inv(&self) -> f64 {
         -f64::from(self.decay).ln()
     }
+
+    /// The log of a decayed count last updated at `step`, on a step-invariant scale, so values
+    /// computed at different steps compare: ln(c * d^(now-t)) + now*ln(1/d) = ln c + t*ln(1/d).
+    /// A count of zero is -inf.
+    pub fn log_count(&self, count: f32, step: u32) -> f64 {
+        if count > 0.0 {
+            f64::from(count).ln() + f64::from(step) * self.log_inv()
+        } else {
+            f64::NEG_INFINITY
+        }
+    }
 }

@@ -135,6 +135,19 @@ class KVStore(ABC):
             self.stats.deletes += sum(done)
         return done
 
+    def set_scores(self, keys: Sequence[str | int], scores: Sequence[float]) -> None:
+        """Reports how much the values under ``keys`` matter (importance, accumulated attention,
+        persistence: what the store's policy ranks by). A store that evicts under a policy that
+        ranks by such a signal (host and disk stores with ``importance``, ``h2o`` or
+        ``scissorhands``) keeps the highest-scored values longest; other stores (a Redis
+        server evicts under its own ``maxmemory-policy``) ignore it. Unknown keys are skipped."""
+        self._check_open()
+        if len(keys) != len(scores):
+            raise InvalidArgumentError(
+                f"set_scores: {len(keys)} keys but {len(scores)} scores; expected one per key"
+            )
+        self._rank([self.namespace.key(k) for k in keys], [float(s) for s in scores])
+
     def keys(self) -> Iterator[str]:
         """The keys of this namespace (as given to ``put``; hashes as 16 hex digits)."""
         self._check_open()
@@ -173,6 +186,9 @@ class KVStore(ABC):
 
     @abstractmethod
     def _put(self, keys: list[str], values: list[Parts]) -> list[bool]: ...
+
+    def _rank(self, keys: list[str], scores: list[float]) -> None:
+        """Scores of full keys for a store whose policy ranks by them; others ignore them."""
 
     @abstractmethod
     def _get(self, keys: list[str]) -> list[Any]:

@@ -18,14 +18,13 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._core import checksum
+from .._core import StoreIndex, checksum
 from ..errors import InvalidArgumentError
 from .base import KVStore, Parts
 from .format import Namespace, read_key
@@ -35,12 +34,14 @@ _TMP = ".tmp-"
 
 
 class DiskStore(KVStore):
-    """Files under ``root`` within a byte budget (least recently used files are deleted to make
-    room; a value larger than the budget is refused). ``fsync=True`` also makes a value
-    survive a power loss, at the cost of a sync per write.
+    """Files under ``root`` within a byte budget: the files ``policy`` ranks lowest are deleted
+    to make room (the core's policies, see :class:`kvtier._core.StoreIndex`; a value larger
+    than the budget is refused). ``fsync=True`` also makes a value survive a power loss, at
+    the cost of a sync per write.
 
-    The budget is kept by this process's index of the directory (built when it opens):
-    several processes sharing a directory each keep their own view of it.
+    The budget is kept by this process's index of the directory, built when it opens, with the
+    files in the order they were last written: several processes sharing a directory each keep
+    their own view of it.
     """
 
     kind = "disk"
@@ -51,6 +52,7 @@ class DiskStore(KVStore):
         namespace: Namespace,
         budget: int,
         *,
+        policy: str = "lru",
         fsync: bool = False,
     ) -> None:
         super().__init__(namespace)
@@ -65,18 +67,21 @@ class DiskStore(KVStore):
         self.fsync = fsync
         self._lock = threading.Lock()
         self._counter = itertools.count()
-        # path -> size, least recently used first; one index for every namespace under root.
-        self._files: OrderedDict[str, int] = OrderedDict()
-        self._bytes = 0
+        # Paths and sizes, ranked by the policy; one index for every namespace under root.
+        self._index = StoreIndex(policy, budget)
         self._dirs: set[str] = set()  # directories known to exist (saves a makedirs per put)
-        self._index()
+        self._load_directory()
+
+    @property
+    def policy(self) -> str:
+        return self._index.policy
 
     @property
     def used_bytes(self) -> int:
-        return self._bytes
+        return self._index.used_bytes
 
     def describe(self) -> str:
-        return f"disk store {self.root} ({self._bytes}/{self.budget} B)"
+        return f"disk store {self.root} ({self.used_bytes}/{self.budget} B, {self.policy})"
 
     # -- paths ----------------------------------------------------------------------------------
 
@@ -87,7 +92,7 @@ class DiskStore(KVStore):
             name = f"~{digest:016x}"
         return os.path.join(self.root, ns, f"{digest & 0xFF:02x}", name)
 
-    def _index(self) -> None:
+    def _load_directory(self) -> None:
         found = []
         for dirpath, _, names in os.walk(self.root):
             for name in names:
@@ -103,23 +108,29 @@ class DiskStore(KVStore):
                 found.append((st.st_mtime_ns, path, st.st_size))
         found.sort()
         for _, path, size in found:
-            self._files[path] = size
-            self._bytes += size
+            self._admit(path, size)  # over the budget (it was lowered): the oldest go
+
+    def _admit(self, path: str, size: int) -> bool:
+        """Counts ``size`` bytes under ``path`` and deletes the files evicted for them."""
+        with self._lock:
+            victims = self._index.admit(path, size)
+        for v in victims or ():
+            _unlink(v)
+        if victims:
+            self._evicted(len(victims))
+        return victims is not None
 
     def _recount(self, path: str) -> None:
         try:
             size = os.stat(path).st_size
         except OSError:
             return
-        with self._lock:
-            if path not in self._files:
-                self._files[path] = size
-                self._bytes += size
+        if path not in self._index:
+            self._admit(path, size)
 
     def _forget(self, path: str) -> None:
-        size = self._files.pop(path, None)
-        if size is not None:
-            self._bytes -= size
+        with self._lock:
+            self._index.remove(path)
 
     # -- KVStore --------------------------------------------------------------------------------
 
@@ -137,7 +148,7 @@ class DiskStore(KVStore):
             return False
         path = self._path(key)
         directory = os.path.dirname(path)
-        self._make_room(path, size)
+        self._admit(path, size)  # room first, so the budget holds while the file is written
         tmp = self._tmp(directory)
         try:
             if directory not in self._dirs:
@@ -157,46 +168,34 @@ class DiskStore(KVStore):
         except OSError as exc:
             _unlink(tmp)
             self._error(f"writing {path}", exc)
+            self._forget(path)
             self._recount(path)  # the old value is still there
             self._dirs.discard(directory)  # in case someone removed it: made again next time
             return False
-        with self._lock:
-            self._forget(path)
-            self._files[path] = size
-            self._bytes += size
         return True
-
-    def _make_room(self, path: str, size: int) -> None:
-        victims = []
-        with self._lock:
-            self._forget(path)  # the value it replaces frees its bytes
-            while self._files and self._bytes + size > self.budget:
-                victim, vsize = self._files.popitem(last=False)
-                self._bytes -= vsize
-                victims.append(victim)
-        for v in victims:
-            _unlink(v)
-        if victims:
-            self._evicted(len(victims))
 
     def _read(self, path: str) -> bytes | None:
         try:
             with open(path, "rb", buffering=0) as f:
                 data = f.read()
         except FileNotFoundError:
-            with self._lock:
-                self._forget(path)
+            self._forget(path)
             return None
         except OSError as exc:
             self._error(f"reading {path}", exc)
             return None
-        with self._lock:
-            if path in self._files:
-                self._files.move_to_end(path)
         return data
 
     def _get(self, keys: list[str]) -> list[Any]:
-        return [self._read(self._path(k)) for k in keys]
+        paths = [self._path(k) for k in keys]
+        out = [self._read(p) for p in paths]
+        with self._lock:
+            self._index.touch([p for p, d in zip(paths, out, strict=True) if d is not None])
+        return out
+
+    def _rank(self, keys: list[str], scores: list[float]) -> None:
+        with self._lock:
+            self._index.set_scores([self._path(k) for k in keys], scores)
 
     def _pop(self, key: str) -> Any:
         path = self._path(key)
@@ -208,8 +207,7 @@ class DiskStore(KVStore):
         except OSError as exc:
             self._error(f"claiming {path}", exc)
             return None
-        with self._lock:
-            self._forget(path)
+        self._forget(path)
         data = self._read(claimed)
         _unlink(claimed)
         return data
@@ -221,8 +219,7 @@ class DiskStore(KVStore):
         done = []
         for key in keys:
             path = self._path(key)
-            with self._lock:
-                self._forget(path)
+            self._forget(path)
             done.append(_unlink(path))
         return done
 

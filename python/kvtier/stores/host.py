@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
+from .._core import StoreIndex
 from ..errors import InvalidArgumentError
 from .base import KVStore, Parts
 from .format import Namespace, seal_joined
@@ -22,8 +22,9 @@ def _cuda_in_use() -> bool:
 
 
 class HostStore(KVStore):
-    """A byte budget of host memory. When a put does not fit, the least recently used values
-    are evicted (a value larger than the whole budget is refused). Thread-safe.
+    """A byte budget of host memory. When a put does not fit, the values ``policy`` ranks
+    lowest are evicted (the core's policies, see :class:`kvtier._core.StoreIndex`; a value
+    larger than the whole budget is refused). Thread-safe.
 
     ``pin``: keep values in pinned memory (default: when torch is imported and sees CUDA).
     """
@@ -33,22 +34,34 @@ class HostStore(KVStore):
     # checked on every get (namespace, key, codec, shape), the payload checksum is not.
     verify_checksum = False
 
-    def __init__(self, namespace: Namespace, budget: int, *, pin: bool | None = None) -> None:
+    def __init__(
+        self,
+        namespace: Namespace,
+        budget: int,
+        *,
+        policy: str = "lru",
+        pin: bool | None = None,
+    ) -> None:
         super().__init__(namespace)
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise InvalidArgumentError(f"budget: expected bytes >= 0, got {budget!r}")
         self.budget = budget
         self.pin = _cuda_in_use() if pin is None else bool(pin)
-        self._values: OrderedDict[str, Any] = OrderedDict()
-        self._bytes = 0
+        self._index = StoreIndex(policy, budget)
+        self._values: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     @property
+    def policy(self) -> str:
+        return self._index.policy
+
+    @property
     def used_bytes(self) -> int:
-        return self._bytes
+        return self._index.used_bytes
 
     def describe(self) -> str:
-        return f"host store ({self._bytes}/{self.budget} B{', pinned' if self.pin else ''})"
+        pinned = ", pinned" if self.pin else ""
+        return f"host store ({self.used_bytes}/{self.budget} B, {self.policy}{pinned})"
 
     @staticmethod
     def _pinned(size: int) -> np.ndarray:
@@ -64,43 +77,36 @@ class HostStore(KVStore):
 
     def _put(self, keys: list[str], values: list[Parts]) -> list[bool]:
         done = []
-        for key, (buf,) in zip(keys, values, strict=True):
-            size = len(buf)
-            if size > self.budget:
-                done.append(False)
-                continue
-            evicted = 0
-            with self._lock:
-                old = self._values.pop(key, None)
-                if old is not None:
-                    self._bytes -= len(old)
-                while self._bytes + size > self.budget:
-                    _, gone = self._values.popitem(last=False)
-                    self._bytes -= len(gone)
-                    evicted += 1
+        evicted = 0
+        with self._lock:
+            for key, (buf,) in zip(keys, values, strict=True):
+                victims = self._index.admit(key, len(buf))
+                if victims is None:
+                    done.append(False)  # larger than the whole budget
+                    continue
+                for v in victims:
+                    del self._values[v]
+                evicted += len(victims)
                 self._values[key] = buf
-                self._bytes += size
-            if evicted:
-                self._evicted(evicted)
-            done.append(True)
+                done.append(True)
+        if evicted:
+            self._evicted(evicted)
         return done
 
     def _get(self, keys: list[str]) -> list[Any]:
-        out = []
         with self._lock:
-            for key in keys:
-                blob = self._values.get(key)
-                if blob is not None:
-                    self._values.move_to_end(key)
-                out.append(blob)
+            out = [self._values.get(key) for key in keys]
+            self._index.touch([k for k, v in zip(keys, out, strict=True) if v is not None])
         return out
+
+    def _rank(self, keys: list[str], scores: list[float]) -> None:
+        with self._lock:
+            self._index.set_scores(keys, scores)
 
     def _pop(self, key: str) -> Any:
         with self._lock:
-            blob = self._values.pop(key, None)
-            if blob is not None:
-                self._bytes -= len(blob)
-        return blob
+            self._index.remove(key)
+            return self._values.pop(key, None)
 
     def _contains(self, key: str) -> bool:
         with self._lock:
@@ -118,5 +124,6 @@ class HostStore(KVStore):
 
     def _close(self) -> None:
         with self._lock:
+            for key in self._values:
+                self._index.remove(key)
             self._values.clear()
-            self._bytes = 0
