@@ -186,11 +186,7 @@ impl StoreIndex {
 
     /// The keys in eviction order, lowest first (what `admit` would evict next).
     pub fn eviction_order(&self) -> Vec<String> {
-        let mut ranked: Vec<(Key, u32)> = self
-            .by_key
-            .values()
-            .map(|&r| (self.key(r), r))
-            .collect();
+        let mut ranked: Vec<(Key, u32)> = self.by_key.values().map(|&r| (self.key(r), r)).collect();
         ranked.sort_unstable();
         ranked
             .into_iter()
@@ -268,7 +264,10 @@ mod tests {
         ix.touch(&["a", "a", "b"]);
         ix.touch(&["a"]);
         // c was read least (only its put); then b (older than a's reads, fewer of them).
-        assert_eq!(ix.admit("d", 20), Some(vec!["c".to_string(), "b".to_string()]));
+        assert_eq!(
+            ix.admit("d", 20),
+            Some(vec!["c".to_string(), "b".to_string()])
+        );
         assert!(ix.contains("a") && ix.contains("d"));
     }
 
@@ -317,7 +316,9 @@ mod tests {
         let mut ix = index(PolicyKind::Lfu, 1000);
         let mut state = 7u64;
         for i in 0..20_000u64 {
-            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1);
             let key = format!("k{}", (state >> 33) % 300);
             if i % 3 == 0 {
                 ix.touch(&[key.as_str()]);

@@ -187,7 +187,7 @@ class KVStore(ABC):
     @abstractmethod
     def _put(self, keys: list[str], values: list[Parts]) -> list[bool]: ...
 
-    def _rank(self, keys: list[str], scores: list[float]) -> None:
+    def _rank(self, keys: list[str], scores: list[float]) -> None:  # noqa: B027 (optional)
         """Scores of full keys for a store whose policy ranks by them; others ignore them."""
 
     @abstractmethod

@@ -7,7 +7,8 @@ so none of them needs a server set up by hand.
 
 ``LocalRedis(tls=True)`` serves TLS only (``rediss://``), with certificates made by the
 ``openssl`` CLI for the run: a CA, the server's (for 127.0.0.1) and a client's, which the server
-requires. ``tls_ca`` / ``tls_cert`` / ``tls_key`` name the files a client needs.
+requires. ``tls_ca`` / ``tls_cert`` / ``tls_key`` name the files a client needs. A TLS cluster
+also runs its cluster bus over TLS.
 """
 
 from __future__ import annotations
@@ -90,8 +91,6 @@ class LocalRedis:
     def __init__(self, nodes: int = 1, *, binary: str = "redis-server", tls: bool = False) -> None:
         if nodes != 1 and nodes < 3:
             raise ValueError(f"nodes: 1 (a server) or >= 3 (a cluster), got {nodes}")
-        if tls and nodes != 1:
-            raise ValueError("tls: only a single server, not a cluster")
         found = shutil.which(binary)
         if found is None:
             raise RedisUnavailableError(
@@ -144,6 +143,8 @@ class LocalRedis:
                           "--tls-cert-file", str(d / "server.crt"),
                           "--tls-key-file", str(d / "server.key"),
                           "--tls-ca-cert-file", str(d / "ca.crt")]  # fmt: skip
+                if self.cluster:
+                    listen += ["--tls-cluster", "yes"]
             args = [
                 self.binary,
                 *listen,
@@ -177,13 +178,21 @@ class LocalRedis:
         if self.cluster and port is None:
             self._create_cluster()
 
-    def _create_cluster(self) -> None:
+    def _cli(self) -> list[str]:
+        """redis-cli, with the client's certificates when the nodes speak TLS."""
         cli = shutil.which("redis-cli")
         if cli is None:
             raise RedisUnavailableError("redis-cli is not on PATH (it ships with redis-server)")
+        if not self.tls:
+            return [cli]
+        return [cli, "--tls", "--cacert", str(self.tls_ca), "--cert", str(self.tls_cert),
+                "--key", str(self.tls_key)]  # fmt: skip
+
+    def _create_cluster(self) -> None:
+        cli = self._cli()
         nodes = [f"127.0.0.1:{p}" for p in self.ports]
         subprocess.run(
-            [cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+            [*cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
             check=True,
             capture_output=True,
             timeout=60,
@@ -191,7 +200,7 @@ class LocalRedis:
 
         def ok() -> bool:
             out = subprocess.run(
-                [cli, "-p", str(self.ports[0]), "cluster", "info"],
+                [*cli, "-p", str(self.ports[0]), "cluster", "info"],
                 capture_output=True,
                 text=True,
                 timeout=5,

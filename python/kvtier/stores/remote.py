@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import InvalidArgumentError, require
@@ -56,7 +56,8 @@ class RedisStore(KVStore):
         self.url = url
         self.retry_after = retry_after
         self._ttl_ms = None if ttl is None else int(ttl * 1000)
-        self._errors = redis.exceptions.RedisError
+        # A cluster client raises RedisClusterException (not a RedisError) when no node answers.
+        self._errors = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
         options: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
         tls = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
         if url.startswith("rediss://"):
@@ -69,10 +70,11 @@ class RedisStore(KVStore):
         if cluster is None:
             cluster = self._is_cluster(redis, url, options)
         self.cluster = cluster
-        if cluster:
-            self._client = redis.cluster.RedisCluster.from_url(url, **options)
-        else:
-            self._client = redis.Redis.from_url(url, **options)
+        client_class = redis.cluster.RedisCluster if cluster else redis.Redis
+        self._connect: Callable[[], Any] = lambda: client_class.from_url(url, **options)
+        # The client, made on first use and shared by every namespace view: a cluster client
+        # connects as it is made, and a cluster that is away then is an outage like any other.
+        self._clients: list[Any] = [None]
         self._down_until = [0.0]  # shared by every namespace view
         self._down_lock = threading.Lock()
 
@@ -95,6 +97,12 @@ class RedisStore(KVStore):
 
     # -- failure handling -------------------------------------------------------------------------
 
+    def _client(self) -> Any:
+        with self._down_lock:
+            if self._clients[0] is None:
+                self._clients[0] = self._connect()
+            return self._clients[0]
+
     def _available(self) -> bool:
         return time.monotonic() >= self._down_until[0]
 
@@ -114,7 +122,7 @@ class RedisStore(KVStore):
         if not self._available():
             return [default] * n
         try:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._client().pipeline(transaction=False)
             fill(pipe)
             return list(pipe.execute())
         except self._errors as exc:
@@ -159,11 +167,12 @@ class RedisStore(KVStore):
         try:
             return [
                 k.decode() if isinstance(k, bytes) else k
-                for k in self._client.scan_iter(match=prefix + "*", count=1000)
+                for k in self._client().scan_iter(match=prefix + "*", count=1000)
             ]
         except self._errors as exc:
             self._failed("scan", exc)
             return []
 
     def _close(self) -> None:
-        self._client.close()
+        if self._clients[0] is not None:
+            self._clients[0].close()
