@@ -185,12 +185,19 @@ pub(crate) struct Blocks {
 }
 
 impl Blocks {
+    /// A new id's row (and its word of the live bitmap).
+    fn push_row(&mut self) -> u32 {
+        let b = self.rows.len() as u32;
+        self.rows.push(BlockRow::default());
+        self.copy.push(None);
+        self.live_bits.resize(self.rows.len().div_ceil(64), 0);
+        b
+    }
+
+    #[inline]
     fn set_live(&mut self, b: u32, live: bool) {
         self.rows[b as usize].live = live;
         let (word, bit) = ((b / 64) as usize, b % 64);
-        if word >= self.live_bits.len() {
-            self.live_bits.resize(word + 1, 0);
-        }
         if live {
             self.live_bits[word] |= 1 << bit;
         } else {
@@ -299,12 +306,14 @@ impl Core {
 
     // ---- pools and bytes -------------------------------------------------------------------
 
+    #[inline]
     pub(crate) fn tier_pos(&self, tier: Tier) -> usize {
         let pos = self.tier_at[tier as usize];
         debug_assert!(pos != usize::MAX, "tier validated against the config");
         pos
     }
 
+    #[inline]
     pub(crate) fn pool_index(&self, tier: Tier, level: u8) -> usize {
         self.tier_pos(tier) * self.cfg.num_levels() + usize::from(level)
     }
@@ -318,6 +327,7 @@ impl Core {
     }
 
     /// Takes a slot at (tier, level) and counts its bytes; `None` if the pool is full.
+    #[inline]
     pub(crate) fn take_slot(&mut self, tier: Tier, level: u8) -> Option<Loc> {
         let p = self.pool_index(tier, level);
         let slot = self.pools[p].alloc_one()?;
@@ -326,6 +336,7 @@ impl Core {
         Some(Loc { tier, level, slot })
     }
 
+    #[inline]
     pub(crate) fn give_slot(&mut self, loc: Loc) {
         if loc.slot == NO_SLOT {
             return;
@@ -410,9 +421,7 @@ impl Core {
         let b = match self.blocks.free_ids.pop() {
             Some(b) => b,
             None => {
-                let b = self.blocks.rows.len() as u32;
-                self.blocks.rows.push(BlockRow::default());
-                self.blocks.copy.push(None);
+                let b = self.blocks.push_row();
                 self.stats.grow(b as usize + 1);
                 b
             }
@@ -443,7 +452,7 @@ impl Core {
                 && !self.blocks.rows[i].moving
         );
         self.blocks.set_live(b, false);
-        self.refresh_evictable(b);
+        self.unindex(b);
         let loc = self.blocks.rows[i].loc;
         self.give_slot(loc);
         if let Some(copy) = self.blocks.copy[i].take() {
@@ -511,6 +520,17 @@ impl Core {
             self.compact_heap(p);
         }
         self.blocks.rows[i].evictable_in = now;
+    }
+
+    /// Takes a block that can no longer be evicted out of the eviction index.
+    fn unindex(&mut self, b: u32) {
+        let row = &mut self.blocks.rows[b as usize];
+        if row.evictable_in != NOT_EVICTABLE {
+            let p = row.evictable_in as usize;
+            row.evictable_in = NOT_EVICTABLE;
+            self.evictable_count[p] -= 1;
+            self.evictable_bytes[p] -= self.slot_bytes[p];
+        }
     }
 
     /// `refresh_evictable` for a change that can only make a block non-evictable.
@@ -922,9 +942,13 @@ impl Core {
             .remove(&seq)
             .ok_or(Error::UnknownSequence { seq })?;
         for &b in &s.blocks {
-            self.blocks.rows[b as usize].refcount -= 1;
-            self.refresh_evictable(b);
-            self.release_if_orphan(b);
+            let row = &mut self.blocks.rows[b as usize];
+            row.refcount -= 1;
+            // Still referenced: it was not evictable and is not now.
+            if row.refcount == 0 {
+                self.refresh_evictable(b);
+                self.release_if_orphan(b);
+            }
         }
         Ok(())
     }
