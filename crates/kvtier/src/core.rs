@@ -327,7 +327,7 @@ impl Core {
     }
 
     /// Takes a slot at (tier, level) and counts its bytes; `None` if the pool is full.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn take_slot(&mut self, tier: Tier, level: u8) -> Option<Loc> {
         let p = self.pool_index(tier, level);
         let slot = self.pools[p].alloc_one()?;
@@ -336,7 +336,7 @@ impl Core {
         Some(Loc { tier, level, slot })
     }
 
-    #[inline]
+    #[inline(always)]
     pub(crate) fn give_slot(&mut self, loc: Loc) {
         if loc.slot == NO_SLOT {
             return;
@@ -483,6 +483,7 @@ impl Core {
 
     // ---- the eviction index ------------------------------------------------------------------
 
+    #[inline]
     fn is_evictable(&self, b: usize) -> bool {
         let row = &self.blocks.rows[b];
         row.live && row.refcount == 0 && row.pins == 0 && !row.moving && row.loc.slot != NO_SLOT
@@ -490,6 +491,7 @@ impl Core {
 
     /// Re-derives whether `b` is evictable (and where) after any change to its refcount, pins,
     /// moving flag, location or ranking key; keeps the per-pool counts and heaps in step.
+    #[inline]
     pub(crate) fn refresh_evictable(&mut self, b: u32) {
         let i = b as usize;
         let now = if self.is_evictable(i) {
@@ -555,6 +557,7 @@ impl Core {
     }
 
     /// The lowest-ranked evictable block of a pool, left in place.
+    #[inline]
     pub(crate) fn peek_evictable(&mut self, pool: usize) -> Option<(Key, u32)> {
         let rows = &self.blocks.rows;
         let top = self.heaps[pool].peek_valid(|e| Self::entry_valid(rows, pool, e));
@@ -562,6 +565,7 @@ impl Core {
     }
 
     /// The lowest-ranked evictable block among `pools`.
+    #[inline]
     pub(crate) fn lowest_evictable(
         &mut self,
         pools: impl IntoIterator<Item = usize>,
@@ -587,6 +591,7 @@ impl Core {
     // ---- ranking -------------------------------------------------------------------------------
 
     /// The policy's ranking key of a block. Lower is demoted, offloaded, evicted first.
+    #[inline]
     pub(crate) fn key(&self, b: usize) -> Key {
         let s = &self.stats;
         let row = &self.blocks.rows[b];

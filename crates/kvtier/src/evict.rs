@@ -25,6 +25,7 @@ pub(crate) struct EvictionQueue {
 }
 
 impl EvictionQueue {
+    #[inline]
     pub fn push(&mut self, e: Entry) {
         if self.run.back().is_none_or(|last| *last <= e) {
             self.run.push_back(e);
@@ -38,6 +39,7 @@ impl EvictionQueue {
     }
 
     /// The lowest valid entry, dropping stale ones on the way; it stays in the queue.
+    #[inline]
     pub fn peek_valid(&mut self, valid: impl Fn(&Entry) -> bool) -> Option<Entry> {
         while self.run.front().is_some_and(|e| !valid(e)) {
             self.run.pop_front();

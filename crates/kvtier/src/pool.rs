@@ -58,6 +58,7 @@ impl SlotPool {
     }
 
     /// Hands out one slot, or `None` when the pool is full.
+    #[inline]
     pub fn alloc_one(&mut self) -> Option<u32> {
         let slot = match self.free.pop() {
             Some(s) => s,
@@ -107,6 +108,7 @@ impl SlotPool {
     }
 
     /// Takes one slot back; the caller guarantees it is in use.
+    #[inline]
     pub(crate) fn release(&mut self, slot: u32) {
         debug_assert!(self.is_in_use(slot), "freeing a free slot");
         self.in_use[slot as usize] = false;
