@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .._core import StoreIndex
 from ..errors import InvalidArgumentError, KvtierError, PayloadError
 from .format import Namespace, payload_view, seal, unseal
 
@@ -253,3 +254,33 @@ class KVStore(ABC):
             self.stats.misses += len(keys) - hits
             self.stats.corrupt += corrupt
         return out
+
+
+class BudgetedStore(KVStore):
+    """A store within a byte budget (the host and disk stores): the core's
+    :class:`kvtier._core.StoreIndex` counts its values and ranks them under ``policy`` for
+    eviction, and ``set_scores`` feeds the policies that rank by a signal."""
+
+    def __init__(self, namespace: Namespace, budget: int, policy: str) -> None:
+        super().__init__(namespace)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise InvalidArgumentError(f"budget: expected bytes >= 0, got {budget!r}")
+        self.budget = budget
+        self._index = StoreIndex(policy, budget)
+        self._lock = threading.Lock()
+
+    @property
+    def policy(self) -> str:
+        return self._index.policy
+
+    @property
+    def used_bytes(self) -> int:
+        return self._index.used_bytes
+
+    def _index_key(self, key: str) -> str:
+        """What the index knows a full key by."""
+        return key
+
+    def _rank(self, keys: list[str], scores: list[float]) -> None:
+        with self._lock:
+            self._index.set_scores([self._index_key(k) for k in keys], scores)

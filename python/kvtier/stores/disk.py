@@ -24,16 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from .._core import StoreIndex, checksum
+from .._core import checksum
 from ..errors import InvalidArgumentError
-from .base import KVStore, Parts
+from .base import BudgetedStore, Parts
 from .format import Namespace, read_key
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.=-]{1,120}")
 _TMP = ".tmp-"
 
 
-class DiskStore(KVStore):
+class DiskStore(BudgetedStore):
     """Files under ``root`` within a byte budget: the files ``policy`` ranks lowest are deleted
     to make room (the core's policies, see :class:`kvtier._core.StoreIndex`; a value larger
     than the budget is refused). ``fsync=True`` also makes a value survive a power loss, at
@@ -55,30 +55,17 @@ class DiskStore(KVStore):
         policy: str = "lru",
         fsync: bool = False,
     ) -> None:
-        super().__init__(namespace)
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise InvalidArgumentError(f"budget: expected bytes >= 0, got {budget!r}")
+        # One index of paths for every namespace under root.
+        super().__init__(namespace, budget, policy)
         self.root = Path(root)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise InvalidArgumentError(f"root: cannot use {self.root} as a store: {exc}") from exc
-        self.budget = budget
         self.fsync = fsync
-        self._lock = threading.Lock()
         self._counter = itertools.count()
-        # Paths and sizes, ranked by the policy; one index for every namespace under root.
-        self._index = StoreIndex(policy, budget)
         self._dirs: set[str] = set()  # directories known to exist (saves a makedirs per put)
         self._load_directory()
-
-    @property
-    def policy(self) -> str:
-        return self._index.policy
-
-    @property
-    def used_bytes(self) -> int:
-        return self._index.used_bytes
 
     def describe(self) -> str:
         return f"disk store {self.root} ({self.used_bytes}/{self.budget} B, {self.policy})"
@@ -193,9 +180,8 @@ class DiskStore(KVStore):
             self._index.touch([p for p, d in zip(paths, out, strict=True) if d is not None])
         return out
 
-    def _rank(self, keys: list[str], scores: list[float]) -> None:
-        with self._lock:
-            self._index.set_scores([self._path(k) for k in keys], scores)
+    def _index_key(self, key: str) -> str:
+        return self._path(key)
 
     def _pop(self, key: str) -> Any:
         path = self._path(key)

@@ -4,15 +4,12 @@ device copy from them runs as DMA, else plain bytes."""
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from .._core import StoreIndex
-from ..errors import InvalidArgumentError
-from .base import KVStore, Parts
+from .base import BudgetedStore, Parts
 from .format import Namespace, seal_joined
 
 
@@ -21,7 +18,7 @@ def _cuda_in_use() -> bool:
     return bool(torch is not None and torch.cuda.is_available())
 
 
-class HostStore(KVStore):
+class HostStore(BudgetedStore):
     """A byte budget of host memory. When a put does not fit, the values ``policy`` ranks
     lowest are evicted (the core's policies, see :class:`kvtier._core.StoreIndex`; a value
     larger than the whole budget is refused). Thread-safe.
@@ -42,22 +39,9 @@ class HostStore(KVStore):
         policy: str = "lru",
         pin: bool | None = None,
     ) -> None:
-        super().__init__(namespace)
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise InvalidArgumentError(f"budget: expected bytes >= 0, got {budget!r}")
-        self.budget = budget
+        super().__init__(namespace, budget, policy)
         self.pin = _cuda_in_use() if pin is None else bool(pin)
-        self._index = StoreIndex(policy, budget)
         self._values: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def policy(self) -> str:
-        return self._index.policy
-
-    @property
-    def used_bytes(self) -> int:
-        return self._index.used_bytes
 
     def describe(self) -> str:
         pinned = ", pinned" if self.pin else ""
@@ -98,10 +82,6 @@ class HostStore(KVStore):
             out = [self._values.get(key) for key in keys]
             self._index.touch([k for k, v in zip(keys, out, strict=True) if v is not None])
         return out
-
-    def _rank(self, keys: list[str], scores: list[float]) -> None:
-        with self._lock:
-            self._index.set_scores(keys, scores)
 
     def _pop(self, key: str) -> Any:
         with self._lock:
