@@ -10,6 +10,7 @@ mod store_index;
 
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
+use std::hash::Hasher as _;
 
 /// Chained 64-bit hashes of each full `block_size` block of `tokens` in a namespace — the
 /// same hashes `Core.append_tokens` indexes. Stable across processes and machines.
@@ -60,11 +61,11 @@ fn checksum(py: Python<'_>, parts: Vec<Bound<'_, PyAny>>, seed: u64) -> PyResult
     let arrays = byte_arrays(&parts)?;
     let slices = byte_slices(&arrays)?;
     Ok(py.detach(|| {
-        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
+        let mut h = twox_hash::XxHash3_64::with_seed(seed);
         for s in &slices {
-            h.update(s);
+            h.write(s);
         }
-        h.digest()
+        h.finish()
     }))
 }
 
@@ -105,17 +106,17 @@ fn copy_checksum(
         }));
     }
     Ok(py.detach(|| {
-        let mut h = xxhash_rust::xxh3::Xxh3::with_seed(seed);
+        let mut h = twox_hash::XxHash3_64::with_seed(seed);
         let mut at = 0;
         for s in &slices {
             for chunk in s.chunks(CHUNK) {
                 let copied = &mut dst[at..at + chunk.len()];
                 copied.copy_from_slice(chunk);
-                h.update(copied);
+                h.write(copied);
                 at += chunk.len();
             }
         }
-        h.digest()
+        h.finish()
     }))
 }
 

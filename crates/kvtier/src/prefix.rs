@@ -8,11 +8,11 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use twox_hash::XxHash3_64;
 
 /// Seed of the hash chain for a namespace (model, codec, tenant...).
 pub fn namespace_seed(namespace: &str) -> u64 {
-    xxh3_64(namespace.as_bytes())
+    XxHash3_64::oneshot(namespace.as_bytes())
 }
 
 /// Hash of one block of token ids given its parent's hash.
@@ -21,7 +21,7 @@ pub fn chain_hash(parent: u64, tokens: &[u32]) -> u64 {
     for t in tokens {
         bytes.extend_from_slice(&t.to_le_bytes());
     }
-    xxh3_64_with_seed(&bytes, parent)
+    XxHash3_64::oneshot_with_seed(parent, &bytes)
 }
 
 /// Chained hashes of every full block of `tokens`; a trailing partial block has none.

@@ -58,9 +58,10 @@ class KVStore(ABC):
     batch forms (the normal path). A miss is ``None``; a value that fails any check is a miss."""
 
     kind: str = "store"
-    #: Whether ``get`` recomputes the checksum. Off only where values never leave this process's
-    #: memory (the host store): nothing can flip their bits between put and get there.
-    verify_checksum: bool = True
+    #: Whether values carry a checksum that ``get`` verifies. Off only where values never leave
+    #: this process's memory (the host store): nothing can flip their bits between put and get
+    #: there, so hashing them would be work no reader uses.
+    checksummed: bool = True
 
     def __init__(self, namespace: Namespace) -> None:
         if not isinstance(namespace, Namespace):
@@ -238,7 +239,7 @@ class KVStore(ABC):
                 out.append(None)
                 continue
             try:
-                payload = unseal(self.namespace, key, blob, verify=self.verify_checksum)
+                payload = unseal(self.namespace, key, blob, verify=self.checksummed)
             except PayloadError as exc:
                 corrupt += 1
                 log.warning("%s: %s is not served: %s", self.describe(), key, exc)

@@ -62,6 +62,7 @@ class DiskStore(BudgetedStore):
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise InvalidArgumentError(f"root: cannot use {self.root} as a store: {exc}") from exc
+        self._root = os.fspath(self.root)
         self.fsync = fsync
         self._counter = itertools.count()
         self._dirs: set[str] = set()  # directories known to exist (saves a makedirs per put)
@@ -77,7 +78,7 @@ class DiskStore(BudgetedStore):
         digest = checksum(np.frombuffer(key.encode(), np.uint8))
         if not _SAFE_NAME.fullmatch(name):
             name = f"~{digest:016x}"
-        return os.path.join(self.root, ns, f"{digest & 0xFF:02x}", name)
+        return f"{self._root}{os.sep}{ns}{os.sep}{digest & 0xFF:02x}{os.sep}{name}"  # join: 3 µs
 
     def _load_directory(self) -> None:
         found = []

@@ -10,7 +10,8 @@ Layout of a value (little-endian)::
     ns      u64      digest of the namespace (model, tenant, codec, dtype, shape)
     key, codec, dtype, shape   each a u16 length + UTF-8 text
     payload
-    xxh3-64 of everything before it (u64)
+    xxh3-64 of everything before it (u64; 0 in the host store, whose values never leave the
+            process and are never verified)
 
 The header names the key it was written under, so a value copied or renamed to another key is a
 miss too. Reading checks every field against what the reader expects: a value from another
@@ -92,6 +93,11 @@ class Namespace:
         return checksum(np.frombuffer(text.encode(), np.uint8))
 
     @cached_property
+    def packed_texts(self) -> bytes:
+        """The header texts after the key (codec, dtype, shape), as stored."""
+        return b"".join(_pack_text(s) for s in (self.codec, self.dtype, self.shape))
+
+    @cached_property
     def prefix(self) -> str:
         """What every stored key of this namespace starts with."""
         return f"kvtier:{self.digest:016x}:"
@@ -117,8 +123,12 @@ def _pack_text(s: str) -> bytes:
     return _TEXT_LEN.pack(len(b)) + b
 
 
+def _header_texts(ns: Namespace, key: str) -> bytes:
+    return _pack_text(key) + ns.packed_texts
+
+
 def header(ns: Namespace, key: str, length: int) -> bytes:
-    texts = b"".join(_pack_text(s) for s in (key, ns.codec, ns.dtype, ns.shape))
+    texts = _header_texts(ns, key)
     size = _FIXED.size + len(texts)
     return _FIXED.pack(MAGIC, FORMAT_VERSION, size, length, ns.digest) + texts
 
@@ -156,16 +166,31 @@ def seal(ns: Namespace, key: str, payload: memoryview) -> tuple[bytes, memoryvie
 
 
 def seal_joined(
-    ns: Namespace, key: str, payload: memoryview, alloc: Callable[[int], np.ndarray] = _empty
+    ns: Namespace,
+    key: str,
+    payload: memoryview,
+    alloc: Callable[[int], np.ndarray] | None = None,
+    *,
+    checksummed: bool = True,
 ) -> np.ndarray:
-    """The whole stored value in one buffer from ``alloc(size)``: the header and the payload are
-    copied and checksummed in one pass (for stores that keep or send one buffer)."""
-    head = header(ns, key, len(payload))
-    size = len(head) + len(payload) + _SUM.size
-    out = alloc(size)
-    digest = copy_checksum(out, np.frombuffer(head, np.uint8), np.frombuffer(payload, np.uint8))
-    out[size - _SUM.size : size] = np.frombuffer(_SUM.pack(digest), np.uint8)
-    return out[:size]
+    """The whole stored value in one buffer from ``alloc(size)`` (default: a numpy array): the
+    header and the payload are copied and checksummed in one pass (for stores that keep or send
+    one buffer).
+
+    ``checksummed=False`` copies without hashing and leaves the checksum field 0, for values
+    that never leave this process's memory and so are never verified (the host store)."""
+    head = np.frombuffer(header(ns, key, len(payload)), np.uint8)
+    body = np.frombuffer(payload, np.uint8)
+    end = len(head) + len(body)
+    out = (alloc or _empty)(end + _SUM.size)[: end + _SUM.size]
+    if checksummed:
+        digest = copy_checksum(out, head, body)
+    else:
+        out[: len(head)] = head
+        out[len(head) : end] = body
+        digest = 0
+    out[end:] = np.frombuffer(_SUM.pack(digest), np.uint8)
+    return out
 
 
 def unseal(ns: Namespace, key: str, blob: Any, *, verify: bool = True) -> memoryview:
@@ -189,6 +214,18 @@ def unseal(ns: Namespace, key: str, blob: Any, *, verify: bool = True) -> memory
         )
     if digest != ns.digest:
         raise PayloadError("written under another namespace (model, tenant, codec or shape)")
+    if view[_FIXED.size : size].tobytes() != _header_texts(ns, key):
+        _explain_texts(view, size, (key, ns.codec, ns.dtype, ns.shape))
+    if verify:
+        body = np.frombuffer(view, np.uint8)
+        (stored,) = _SUM.unpack_from(view, len(view) - _SUM.size)
+        if checksum(body[: len(view) - _SUM.size]) != stored:
+            raise PayloadError("checksum mismatch: the value is corrupt")
+    return view[size : size + length].toreadonly()
+
+
+def _explain_texts(view: memoryview, size: int, want: tuple[str, str, str, str]) -> None:
+    """Raises the PayloadError that says which header text differs from ``want``."""
     texts, pos = [], _FIXED.size
     for _ in range(4):
         if pos + _TEXT_LEN.size > size:
@@ -199,16 +236,10 @@ def unseal(ns: Namespace, key: str, blob: Any, *, verify: bool = True) -> memory
         pos += n
     if pos != size:
         raise PayloadError("header length does not match its texts")
-    want = [key, ns.codec, ns.dtype, ns.shape]
     for name, got, expected in zip(("key", "codec", "dtype", "shape"), texts, want, strict=True):
         if got != expected:
             raise PayloadError(f"written as {name} {got!r}, read as {expected!r}")
-    if verify:
-        body = np.frombuffer(view, np.uint8)
-        (stored,) = _SUM.unpack_from(view, len(view) - _SUM.size)
-        if checksum(body[: len(view) - _SUM.size]) != stored:
-            raise PayloadError("checksum mismatch: the value is corrupt")
-    return view[size : size + length].toreadonly()
+    raise PayloadError("header texts are not valid UTF-8")
 
 
 def read_key(blob: Any) -> str | None:

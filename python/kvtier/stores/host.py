@@ -28,8 +28,8 @@ class HostStore(BudgetedStore):
 
     kind = "host"
     # Values are private buffers of this process, handed out read-only: the header is still
-    # checked on every get (namespace, key, codec, shape), the payload checksum is not.
-    verify_checksum = False
+    # checked on every get (namespace, key, codec, shape); no checksum is computed or verified.
+    checksummed = False
 
     def __init__(
         self,
@@ -54,10 +54,9 @@ class HostStore(BudgetedStore):
         return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
 
     def _seal(self, key: str, payload: memoryview) -> Parts:
-        # One copy, checksummed on the way, straight into the buffer the store keeps.
-        if self.pin:
-            return (seal_joined(self.namespace, key, payload, alloc=self._pinned),)
-        return (seal_joined(self.namespace, key, payload),)
+        # One copy, straight into the buffer the store keeps.
+        alloc = self._pinned if self.pin else None
+        return (seal_joined(self.namespace, key, payload, alloc, checksummed=False),)
 
     def _put(self, keys: list[str], values: list[Parts]) -> list[bool]:
         done = []
