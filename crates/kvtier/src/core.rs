@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::evict::{Entry, EvictionQueue};
 use crate::pool::SlotPool;
 use crate::prefix::{chain_hash, PrefixIndex};
-use crate::stats::{DecayTable, Stats, KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
+use crate::stats::{BlockStats, DecayTable, KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
 
 pub const NO_SLOT: u32 = u32::MAX;
 
@@ -212,25 +212,47 @@ impl Blocks {
     }
 }
 
+/// The evictable blocks of one pool: how many and their bytes, and their queue in key order
+/// (which may also hold stale entries).
+#[derive(Debug, Clone)]
+struct Evictable {
+    queue: EvictionQueue,
+    count: u64,
+    bytes: u64,
+    slot_bytes: u64,
+}
+
+impl Evictable {
+    #[inline]
+    fn count_in(&mut self) {
+        self.count += 1;
+        self.bytes += self.slot_bytes;
+    }
+
+    #[inline]
+    fn count_out(&mut self) {
+        self.count -= 1;
+        self.bytes -= self.slot_bytes;
+    }
+}
+
 pub struct Core {
     pub(crate) cfg: Config,
     pub(crate) pools: Vec<SlotPool>,
     pub(crate) tier_bytes: Vec<u64>,
     pub(crate) blocks: Blocks,
-    pub(crate) stats: Stats,
+    /// Statistics by block id.
+    pub(crate) stats: Vec<BlockStats>,
     pub(crate) decay: DecayTable,
     pub(crate) index: PrefixIndex,
     pub(crate) seqs: BTreeMap<u32, Sequence>,
     next_seq: u32,
     pub(crate) step: u32,
     clock: u64,
-    heaps: Vec<EvictionQueue>,
+    /// The eviction index of each pool, by pool index.
+    evictable: Vec<Evictable>,
     /// Position of each tier in the config (`usize::MAX` if absent), by `Tier as usize`.
     tier_at: [usize; 4],
-    /// Bytes of one slot of each pool, by pool index.
-    slot_bytes: Vec<u64>,
-    evictable_count: Vec<u64>,
-    pub(crate) evictable_bytes: Vec<u64>,
     pub(crate) pending: Option<crate::Plan>,
     pub(crate) next_plan: u64,
     pub(crate) counters: Counters,
@@ -260,30 +282,31 @@ impl Core {
                 pools.push(SlotPool::new(t.tier, level, capacity));
             }
         }
-        let n_pools = pools.len();
         let mut tier_at = [usize::MAX; 4];
         for (pos, t) in cfg.tiers.iter().enumerate() {
             tier_at[t.tier as usize] = pos;
         }
         Ok(Core {
             tier_at,
-            slot_bytes: pools
+            evictable: pools
                 .iter()
-                .map(|p| cfg.level_bytes[usize::from(p.level())])
+                .map(|p| Evictable {
+                    queue: EvictionQueue::default(),
+                    count: 0,
+                    bytes: 0,
+                    slot_bytes: cfg.level_bytes[usize::from(p.level())],
+                })
                 .collect(),
             decay: DecayTable::new(cfg.decay),
             tier_bytes: vec![0; cfg.tiers.len()],
             pools,
             blocks: Blocks::default(),
-            stats: Stats::default(),
+            stats: Vec::new(),
             index: PrefixIndex::default(),
             seqs: BTreeMap::new(),
             next_seq: 0,
             step: 0,
             clock: 0,
-            heaps: vec![EvictionQueue::default(); n_pools],
-            evictable_count: vec![0; n_pools],
-            evictable_bytes: vec![0; n_pools],
             pending: None,
             next_plan: 1,
             counters: Counters::default(),
@@ -422,7 +445,7 @@ impl Core {
             Some(b) => b,
             None => {
                 let b = self.blocks.push_row();
-                self.stats.grow(b as usize + 1);
+                self.stats.push(BlockStats::default());
                 b
             }
         };
@@ -438,7 +461,7 @@ impl Core {
         };
         self.blocks.set_live(b, true);
         self.blocks.copy[i] = None;
-        self.stats.reset(i);
+        self.stats[i] = BlockStats::default();
         self.counters.allocated += 1;
         b
     }
@@ -490,48 +513,49 @@ impl Core {
     }
 
     /// Re-derives whether `b` is evictable (and where) after any change to its refcount, pins,
-    /// moving flag, location or ranking key; keeps the per-pool counts and heaps in step.
+    /// moving flag, location or ranking key; keeps the per-pool counts and queues in step.
     #[inline]
     pub(crate) fn refresh_evictable(&mut self, b: u32) {
-        let i = b as usize;
-        let now = if self.is_evictable(i) {
-            let loc = self.blocks.rows[i].loc;
-            self.pool_index(loc.tier, loc.level) as u32
-        } else {
-            NOT_EVICTABLE
-        };
-        let before = self.blocks.rows[i].evictable_in;
-        if before != NOT_EVICTABLE {
-            let p = before as usize;
-            self.evictable_count[p] -= 1;
-            self.evictable_bytes[p] -= self.slot_bytes[p];
-        }
-        if now != NOT_EVICTABLE {
-            let p = now as usize;
-            self.evictable_count[p] += 1;
-            self.evictable_bytes[p] += self.slot_bytes[p];
-            let key = self.key(i);
-            let row = &mut self.blocks.rows[i];
-            row.version = row.version.wrapping_add(1);
-            let version = row.version;
-            self.heaps[p].push(Entry {
-                key,
-                block: b,
-                version,
-            });
-            self.compact_heap(p);
-        }
-        self.blocks.rows[i].evictable_in = now;
+        self.unindex(b);
+        self.index_if_evictable(b);
     }
 
-    /// Takes a block that can no longer be evicted out of the eviction index.
+    /// Enters a block that is in no eviction index into its pool's, if it is evictable now.
+    #[inline]
+    fn index_if_evictable(&mut self, b: u32) {
+        let i = b as usize;
+        debug_assert_eq!(self.blocks.rows[i].evictable_in, NOT_EVICTABLE);
+        if !self.is_evictable(i) {
+            return;
+        }
+        let loc = self.blocks.rows[i].loc;
+        let p = self.pool_index(loc.tier, loc.level);
+        let key = self.key(i);
+        let row = &mut self.blocks.rows[i];
+        row.version = row.version.wrapping_add(1);
+        row.evictable_in = p as u32;
+        let entry = Entry {
+            key,
+            block: b,
+            version: row.version,
+        };
+        let pool = &mut self.evictable[p];
+        pool.count_in();
+        pool.queue.push(entry);
+        // Stale entries pile up as keys change; drop them once they outnumber live ones.
+        if pool.queue.len() as u64 > 2 * pool.count + 1024 {
+            let rows = &self.blocks.rows;
+            pool.queue.retain(|e| Self::entry_valid(rows, p, e));
+        }
+    }
+
+    /// Takes a block out of the eviction index (its entry goes stale).
+    #[inline]
     fn unindex(&mut self, b: u32) {
         let row = &mut self.blocks.rows[b as usize];
         if row.evictable_in != NOT_EVICTABLE {
-            let p = row.evictable_in as usize;
+            self.evictable[row.evictable_in as usize].count_out();
             row.evictable_in = NOT_EVICTABLE;
-            self.evictable_count[p] -= 1;
-            self.evictable_bytes[p] -= self.slot_bytes[p];
         }
     }
 
@@ -548,19 +572,13 @@ impl Core {
         row.evictable_in as usize == pool && row.version == e.version
     }
 
-    /// Stale entries pile up as keys change; drop them once they outnumber live ones.
-    fn compact_heap(&mut self, pool: usize) {
-        if self.heaps[pool].len() as u64 > 2 * self.evictable_count[pool] + 1024 {
-            let rows = &self.blocks.rows;
-            self.heaps[pool].retain(|e| Self::entry_valid(rows, pool, e));
-        }
-    }
-
     /// The lowest-ranked evictable block of a pool, left in place.
     #[inline]
     pub(crate) fn peek_evictable(&mut self, pool: usize) -> Option<(Key, u32)> {
         let rows = &self.blocks.rows;
-        let top = self.heaps[pool].peek_valid(|e| Self::entry_valid(rows, pool, e));
+        let top = self.evictable[pool]
+            .queue
+            .peek_valid(|e| Self::entry_valid(rows, pool, e));
         top.map(|e| (e.key, e.block))
     }
 
@@ -591,22 +609,22 @@ impl Core {
     // ---- ranking -------------------------------------------------------------------------------
 
     /// The policy's ranking key of a block. Lower is demoted, offloaded, evicted first.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn key(&self, b: usize) -> Key {
-        let s = &self.stats;
+        let s = &self.stats[b];
         let row = &self.blocks.rows[b];
         let recency = row.last_access;
         let freq = || self.decay.log_count(row.reads, row.reads_step);
         match self.cfg.policy {
             PolicyKind::Lru => Key::new(0.0, 0.0, recency),
             PolicyKind::Lfu => Key::new(freq(), 0.0, recency),
-            PolicyKind::H2o => Key::new(f64::from(s.attn_sum[b]), 0.0, recency),
+            PolicyKind::H2o => Key::new(f64::from(s.attn_sum), 0.0, recency),
             PolicyKind::Scissorhands => {
                 let mask = u32::MAX >> (32 - self.cfg.scissorhands_window);
-                let persistence = (s.attn_history[b] & mask).count_ones();
-                Key::new(f64::from(persistence), f64::from(s.attn_ema[b]), recency)
+                let persistence = (s.attn_history & mask).count_ones();
+                Key::new(f64::from(persistence), f64::from(s.attn_ema), recency)
             }
-            PolicyKind::Importance => Key::new(f64::from(s.importance[b]), freq(), recency),
+            PolicyKind::Importance => Key::new(f64::from(s.importance), freq(), recency),
         }
     }
 
@@ -662,11 +680,11 @@ impl Core {
         // anything: a failed append evicts nothing. Evicting level-0 blocks frees level-0
         // slots; evicting any block frees bytes.
         let levels = self.cfg.num_levels();
-        let reclaimable: u64 = self.evictable_bytes[..levels].iter().sum();
+        let reclaimable: u64 = self.evictable[..levels].iter().map(|e| e.bytes).sum();
         let bytes_ok = u128::from(self.tier_bytes[0]) + u128::from(need)
             <= u128::from(budget) + u128::from(reclaimable);
         let free_slots = u64::from(self.pools[pool0].free_count());
-        let slots_ok = n <= free_slots + self.evictable_count[pool0];
+        let slots_ok = n <= free_slots + self.evictable[pool0].count;
         if !self.cfg.evict_on_full || !bytes_ok || !slots_ok {
             let free = budget.saturating_sub(self.tier_bytes[0]);
             return Err(if slots_ok || free < need {
@@ -718,10 +736,9 @@ impl Core {
     }
 
     fn share(&mut self, b: u32) {
-        let i = b as usize;
-        self.blocks.rows[i].refcount += 1;
+        self.blocks.rows[b as usize].refcount += 1;
         self.counters.shared_hits += 1;
-        self.refresh_evictable(b);
+        self.unindex(b); // referenced: not evictable
     }
 
     /// Appends full blocks given by their (already chained) hashes — how a trace replays. A hash
@@ -949,9 +966,10 @@ impl Core {
         for &b in &s.blocks {
             let row = &mut self.blocks.rows[b as usize];
             row.refcount -= 1;
-            // Still referenced: it was not evictable and is not now.
+            // Still referenced: it was not evictable and is not now. Unreferenced now: it was
+            // not evictable before (referenced), so it is in no index yet.
             if row.refcount == 0 {
-                self.refresh_evictable(b);
+                self.index_if_evictable(b);
                 self.release_if_orphan(b);
             }
         }
@@ -1016,15 +1034,15 @@ impl Core {
         let alpha = self.cfg.attention_ema;
         for (&b, &m) in ids.iter().zip(mass) {
             let i = b as usize;
-            let s = &mut self.stats;
-            s.attn_ema[i] = if s.known[i] & KNOWN_ATTENTION != 0 {
-                alpha * m + (1.0 - alpha) * s.attn_ema[i]
+            let s = &mut self.stats[i];
+            s.attn_ema = if s.known & KNOWN_ATTENTION != 0 {
+                alpha * m + (1.0 - alpha) * s.attn_ema
             } else {
                 m
             };
-            s.attn_sum[i] += m;
-            s.attn_history[i] = (s.attn_history[i] << 1) | u32::from(f64::from(m) >= mean);
-            s.known[i] |= KNOWN_ATTENTION;
+            s.attn_sum += m;
+            s.attn_history = (s.attn_history << 1) | u32::from(f64::from(m) >= mean);
+            s.known |= KNOWN_ATTENTION;
             if self.blocks.rows[i].evictable_in != NOT_EVICTABLE {
                 self.refresh_evictable(b);
             }
@@ -1036,8 +1054,9 @@ impl Core {
     pub fn set_magnitude(&mut self, ids: &[u32], values: &[f32]) -> Result<()> {
         self.check_values("magnitude", ids, values)?;
         for (&b, &v) in ids.iter().zip(values) {
-            self.stats.magnitude[b as usize] = v;
-            self.stats.known[b as usize] |= KNOWN_MAGNITUDE;
+            let s = &mut self.stats[b as usize];
+            s.magnitude = v;
+            s.known |= KNOWN_MAGNITUDE;
         }
         Ok(())
     }
@@ -1046,8 +1065,9 @@ impl Core {
     pub fn set_learned(&mut self, ids: &[u32], values: &[f32]) -> Result<()> {
         self.check_values("learned score", ids, values)?;
         for (&b, &v) in ids.iter().zip(values) {
-            self.stats.learned[b as usize] = v;
-            self.stats.known[b as usize] |= KNOWN_LEARNED;
+            let s = &mut self.stats[b as usize];
+            s.learned = v;
+            s.known |= KNOWN_LEARNED;
         }
         Ok(())
     }
@@ -1143,6 +1163,6 @@ impl Core {
     }
 
     pub fn cached_blocks(&self) -> u64 {
-        self.evictable_count.iter().sum()
+        self.evictable.iter().map(|e| e.count).sum()
     }
 }

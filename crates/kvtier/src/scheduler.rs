@@ -330,38 +330,38 @@ impl Core {
         let mut range = [(f32::INFINITY, f32::NEG_INFINITY); 3];
         let mut known_any = 0u8;
         for &b in blocks {
-            let (i, known) = (b as usize, s.known[b as usize]);
-            known_any |= known;
-            for (k, v) in [s.magnitude[i], s.learned[i], s.attn_ema[i]]
+            let st = &s[b as usize];
+            known_any |= st.known;
+            for (k, v) in [st.magnitude, st.learned, st.attn_ema]
                 .into_iter()
                 .enumerate()
             {
-                if known & BITS[k] != 0 {
+                if st.known & BITS[k] != 0 {
                     range[k] = (range[k].0.min(v), range[k].1.max(v));
                 }
             }
         }
         if known_any == 0 {
             for &b in blocks {
-                s.importance[b as usize] = 0.0;
+                s[b as usize].importance = 0.0;
             }
             return;
         }
         for &b in blocks {
-            let (i, known) = (b as usize, s.known[b as usize]);
+            let st = &mut s[b as usize];
             let (mut sum, mut weight) = (0.0f32, 0.0f32);
-            for (k, v) in [s.magnitude[i], s.learned[i], s.attn_ema[i]]
+            for (k, v) in [st.magnitude, st.learned, st.attn_ema]
                 .into_iter()
                 .enumerate()
             {
-                if known & BITS[k] != 0 {
+                if st.known & BITS[k] != 0 {
                     let (lo, hi) = range[k];
                     let x = if hi > lo { (v - lo) / (hi - lo) } else { 0.5 };
                     sum += self.cfg.weights[k] * x;
                     weight += self.cfg.weights[k];
                 }
             }
-            s.importance[i] = if weight > 0.0 { sum / weight } else { 0.0 };
+            st.importance = if weight > 0.0 { sum / weight } else { 0.0 };
         }
     }
 

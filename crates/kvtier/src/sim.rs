@@ -146,19 +146,21 @@ impl Simulator {
         let seq = core.add_sequence();
         // The append shares every indexed block and takes references before it evicts
         // anything, so the hits are the leading shared blocks, where they were found.
-        let hits = match core.append_blocks(seq, hashes) {
+        let (blocks, n_hits) = match core.append_blocks(seq, hashes) {
             Ok(appended) => {
                 core.record_reads(&appended.blocks)?;
                 let n = appended.shared.iter().take_while(|&&s| s).count();
-                appended.blocks[..n].to_vec()
+                (appended.blocks, n)
             }
             Err(Error::OutOfCapacity { .. } | Error::OutOfSlots { .. }) => {
                 stats.rejected += 1;
-                core.lookup(hashes)
+                let found = core.lookup(hashes);
+                let n = found.len();
+                (found, n)
             }
             Err(e) => return Err(e),
         };
-        for (k, &b) in hits.iter().enumerate() {
+        for (k, &b) in blocks[..n_hits].iter().enumerate() {
             let loc = core.block_loc(b)?;
             let (t, l) = (loc.tier as usize, usize::from(loc.level));
             // Every block is full but the request's last, which holds what is left.

@@ -4,48 +4,27 @@
 //! Decay is lazy: a counter stores its value as of the step it was last touched, so a batch
 //! update costs O(batch) and `step()` costs nothing per block.
 
-/// Structure-of-arrays, indexed by block id. The read counters (a decayed count on the step
-/// clock and the access clock of the last read) live in the block's hot row instead
-/// (`core::BlockRow`): every request touches them. Rows are reset when a block id is reused.
-#[derive(Debug, Default, Clone)]
-pub struct Stats {
-    pub attn_ema: Vec<f32>,
-    pub attn_sum: Vec<f32>,
+/// The statistics of one block, kept in `Core::stats` by block id. The read counters (a decayed
+/// count on the step clock and the access clock of the last read) live in the block's hot row
+/// instead (`core::BlockRow`): every request touches them. One struct per block, so a new block
+/// resets one cache line and the scheduler reads one per block; reset when a block id is reused.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct BlockStats {
+    pub attn_ema: f32,
+    pub attn_sum: f32,
     /// Bit i set: the block was above its report's mean attention i reports ago.
-    pub attn_history: Vec<u32>,
-    pub magnitude: Vec<f32>,
-    pub learned: Vec<f32>,
-    /// Bit 0: magnitude known, bit 1: learned known, bit 2: attention known.
-    pub known: Vec<u8>,
+    pub attn_history: u32,
+    pub magnitude: f32,
+    pub learned: f32,
     /// Last normalised importance the scheduler computed (kept for cached blocks).
-    pub importance: Vec<f32>,
+    pub importance: f32,
+    /// Bit 0: magnitude known, bit 1: learned known, bit 2: attention known.
+    pub known: u8,
 }
 
 pub const KNOWN_MAGNITUDE: u8 = 1;
 pub const KNOWN_LEARNED: u8 = 2;
 pub const KNOWN_ATTENTION: u8 = 4;
-
-impl Stats {
-    pub fn grow(&mut self, len: usize) {
-        self.attn_ema.resize(len, 0.0);
-        self.attn_sum.resize(len, 0.0);
-        self.attn_history.resize(len, 0);
-        self.magnitude.resize(len, 0.0);
-        self.learned.resize(len, 0.0);
-        self.known.resize(len, 0);
-        self.importance.resize(len, 0.0);
-    }
-
-    pub fn reset(&mut self, b: usize) {
-        self.attn_ema[b] = 0.0;
-        self.attn_sum[b] = 0.0;
-        self.attn_history[b] = 0;
-        self.magnitude[b] = 0.0;
-        self.learned[b] = 0.0;
-        self.known[b] = 0;
-        self.importance[b] = 0.0;
-    }
-}
 
 /// `decay^k` for small k from a table, else computed: most reads are a few steps apart.
 #[derive(Debug, Clone)]
