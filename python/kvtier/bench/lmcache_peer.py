@@ -102,12 +102,24 @@ def _lmcache_version() -> str:
         return "unknown"
 
 
+def lmcache_events(trace: Trace, *, full_chunks_only: bool = False) -> list[Any]:
+    """``trace`` as LMCache's simulator reads it: written in its JSONL format and loaded back
+    with its own loader. Pass the result to :func:`run_lmcache` to replay it several times."""
+    sim = load_simulator()
+    with tempfile.TemporaryDirectory(prefix="kvtier-lmcache-") as tmp:
+        to_lmcache_format(
+            trace, Path(tmp) / "lookup_hashes_0.jsonl", full_chunks_only=full_chunks_only
+        )
+        return list(sim.load_lookup_events([Path(tmp)]))
+
+
 def run_lmcache(
     trace: Trace,
     capacity_blocks: int | None,
     *,
     fast: bool = True,
     full_chunks_only: bool = False,
+    events: list[Any] | None = None,
 ) -> dict[str, Any]:
     """Replay ``trace`` through LMCache's simulator with room for ``capacity_blocks`` blocks.
 
@@ -123,11 +135,8 @@ def run_lmcache(
     B = trace.block_tokens
 
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kvtier-lmcache-") as tmp:
-        to_lmcache_format(
-            trace, Path(tmp) / "lookup_hashes_0.jsonl", full_chunks_only=full_chunks_only
-        )
-        events = sim.load_lookup_events([Path(tmp)])
+    if events is None:
+        events = lmcache_events(trace, full_chunks_only=full_chunks_only)
     convert_s = time.perf_counter() - t0
     ref_blocks = sum(len(e["chunk_hashes"]) for e in events)
 
