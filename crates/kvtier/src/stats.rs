@@ -31,6 +31,8 @@ pub const KNOWN_ATTENTION: u8 = 4;
 pub struct DecayTable {
     decay: f32,
     table: [f32; 64],
+    /// `ln(1/decay)`, computed once: every ranking key under `lfu` and `importance` uses it.
+    log_inv: f64,
 }
 
 impl DecayTable {
@@ -39,7 +41,11 @@ impl DecayTable {
         for k in 1..64 {
             table[k] = table[k - 1] * decay;
         }
-        DecayTable { decay, table }
+        DecayTable {
+            decay,
+            table,
+            log_inv: -f64::from(decay).ln(),
+        }
     }
 
     #[inline]
@@ -52,7 +58,7 @@ impl DecayTable {
 
     /// `ln(1/decay)`, the slope of the step-invariant log key of a decayed counter.
     pub fn log_inv(&self) -> f64 {
-        -f64::from(self.decay).ln()
+        self.log_inv
     }
 
     /// The log of a decayed count last updated at `step`, on a step-invariant scale, so values
