@@ -142,6 +142,17 @@ def test_one_pass_copy_and_checksum_equals_the_two_pass_seal() -> None:
         copy_checksum(frozen, parts[1])
 
 
+def test_an_unchecked_seal_differs_only_in_its_zero_checksum() -> None:
+    """The host store's values: same header and payload, checksum field 0, never verified."""
+    payload = memoryview(b"payload" * 100)
+    checked = bytes(fmt.seal_joined(NS, NS.key(5), payload))
+    unchecked = bytes(fmt.seal_joined(NS, NS.key(5), payload, checksummed=False))
+    assert unchecked[:-8] == checked[:-8] and unchecked[-8:] == bytes(8)
+    assert bytes(fmt.unseal(NS, NS.key(5), unchecked, verify=False)) == bytes(payload)
+    with pytest.raises(PayloadError, match="checksum"):
+        fmt.unseal(NS, NS.key(5), unchecked)
+
+
 def test_every_flipped_bit_is_caught() -> None:
     blob = sealed()
     assert bytes(fmt.unseal(NS, NS.key(5), blob)) == b"payload" * 100
