@@ -142,6 +142,20 @@ def test_one_pass_copy_and_checksum_equals_the_two_pass_seal() -> None:
         copy_checksum(frozen, parts[1])
 
 
+def test_checksum_parts_may_be_any_bytes_like() -> None:
+    from kvtier._core import checksum
+
+    data = RNG.integers(0, 256, 70_001, dtype=np.uint8)
+    want = checksum(data)
+    for part in (data.tobytes(), bytearray(data.tobytes()), memoryview(data.tobytes())):
+        assert checksum(part) == want
+    assert checksum(b"ab", b"c") == checksum(np.frombuffer(b"abc", np.uint8))
+    with pytest.raises(InvalidArgumentError, match="uint8"):
+        checksum(np.array([1, 256]))  # would wrap
+    with pytest.raises(InvalidArgumentError, match="uint8"):
+        checksum(np.array([-1], np.int8))
+
+
 def test_an_unchecked_seal_differs_only_in_its_zero_checksum() -> None:
     """The host store's values: same header and payload, checksum field 0, never verified."""
     payload = memoryview(b"payload" * 100)
@@ -393,6 +407,73 @@ def test_redis_corrupt_and_foreign_values_are_misses(redis_server: Any) -> None:
     raw.set(NS.key(12), b"written by something else")
     assert store.get_many([11, 12]) == [None, None]
     assert store.stats.corrupt == 2 and raw.exists(NS.key(11), NS.key(12)) == 0
+
+
+@pytest.mark.redis
+def test_redis_values_are_the_sealed_bytes_with_their_ttl(redis_server: Any) -> None:
+    """A put writes its own SET commands around the caller's payload: what the server holds
+    must be exactly the joined sealed value, with the TTL asked for."""
+    import redis
+
+    raw = redis.Redis.from_url(redis_server.url)
+    values = [payload(n) for n in (0, 1, 7000, 300_000)]
+    for ttl in (None, 60.0):
+        store = RedisStore(redis_server.url, NS, ttl=ttl)
+        keys = [f"ttl-{ttl}-{n}" for n in range(len(values))]
+        assert store.put_many(keys, values) == [True] * len(values)
+        for key, value in zip(keys, values, strict=True):
+            held = raw.get(NS.key(key))
+            assert held == bytes(fmt.seal_joined(NS, NS.key(key), memoryview(value)))
+            assert bytes(store.get(key)) == value
+            remaining_ms = raw.pttl(NS.key(key))
+            assert remaining_ms == -1 if ttl is None else 0 < remaining_ms <= 60_000
+        store.close()
+
+
+@pytest.mark.redis
+def test_redis_refusing_one_value_fails_that_put_only(redis_server: Any) -> None:
+    import redis
+
+    raw = redis.Redis.from_url(redis_server.url)
+    store = RedisStore(redis_server.url, NS)
+    before = raw.config_get("maxmemory")["maxmemory"]
+    try:
+        # Room for a few of the values: the server refuses the rest (OOM), each refusal a
+        # failed put of that value only, and the replies after it are still read in step.
+        raw.config_set("maxmemory-policy", "noeviction")
+        raw.config_set("maxmemory", str(raw.info("memory")["used_memory"] + 3_000_000))
+        keys, values = [f"fill-{i}" for i in range(8)], [payload(1_000_000 + i) for i in range(8)]
+        stored = store.put_many(keys, values)
+        assert True in stored and False in stored and stored == sorted(stored, reverse=True)
+        raw.config_set("maxmemory", before)
+        assert store.put("later", values[0])
+        for key, value, ok in zip(keys, values, stored, strict=True):
+            assert (bytes(store.get(key)) == value) if ok else store.get(key) is None
+        assert store.stats.put_failures == stored.count(False)
+    finally:
+        raw.config_set("maxmemory", before)
+        store.delete_many([f"fill-{i}" for i in range(8)] + ["later"])
+
+
+@pytest.mark.redis
+def test_redis_put_to_a_killed_server_fails_then_reconnects() -> None:
+    from conftest import local_redis
+
+    server = local_redis()
+    try:
+        store = RedisStore(server.url, NS, timeout=0.5, retry_after=0.3)
+        assert store.put(1, b"before")
+        server.kill()
+        start = time.monotonic()
+        assert store.put_many([2, 3], [b"x", b"y"]) == [False, False]  # the first call to see it
+        assert store.put(4, b"z") is False and time.monotonic() - start < 2.0
+        assert store.stats.errors >= 1 and store.stats.put_failures == 3
+        server.start(server.ports[0])
+        time.sleep(0.35)  # retry_after
+        assert store.put_many([5, 6], [b"after", b""]) == [True, True]
+        assert [bytes(v) for v in store.get_many([5, 6])] == [b"after", b""]
+    finally:
+        server.stop()
 
 
 @pytest.mark.redis

@@ -18,6 +18,8 @@ def as_array(obj: Any, name: str, dtype: str) -> np.ndarray:
     Integers must fit the target without wrapping (no negative block ids); floats are only
     accepted for float targets. Lists and tuples are fine; 2-D arrays and strings are not.
     """
+    if isinstance(obj, (bytes, bytearray)):
+        obj = np.frombuffer(obj, np.uint8)  # asarray would make one 0-d string of them
     try:
         arr = np.asarray(obj)
     except (TypeError, ValueError) as e:
@@ -34,6 +36,8 @@ def as_array(obj: Any, name: str, dtype: str) -> np.ndarray:
     if target.kind == "u":
         if arr.dtype.kind not in "iub":
             raise InvalidArgumentError(f"{name}: expected integers ({dtype}), got {arr.dtype}")
+        if np.can_cast(arr.dtype, target, "safe"):  # nothing to wrap: skip two passes over it
+            return np.ascontiguousarray(arr, dtype=target)
         lo, hi = _INTEGER_RANGES[dtype]
         if int(arr.min()) < lo or int(arr.max()) > hi:
             raise InvalidArgumentError(

@@ -752,38 +752,41 @@ impl Core {
                 reason: format!("sequence {seq} ends in a partial block; append tokens instead"),
             });
         }
-        let mut start = s.blocks.len() as u32;
-        let present: Vec<Option<u32>> = hashes.iter().map(|&h| self.index.get(h)).collect();
-        // Reference the shared blocks first so that making room cannot evict them.
-        for b in present.iter().flatten() {
-            self.share(*b);
-        }
-        let missing = present.iter().filter(|p| p.is_none()).count() as u64;
-        if let Err(e) = self.ensure_device_room(missing) {
-            for b in present.iter().flatten() {
-                self.unshare(*b);
-            }
-            return Err(e);
-        }
+        let start = s.blocks.len() as u32;
+        // One lookup per hash. The shared blocks are referenced first so that making room
+        // cannot evict them; the new ones are filled in after.
         let mut out = Appended {
             blocks: Vec::with_capacity(hashes.len()),
             shared: Vec::with_capacity(hashes.len()),
         };
-        for (&h, p) in hashes.iter().zip(&present) {
-            let b = match p {
-                Some(b) => *b,
-                None => {
-                    let b = self.new_device_block(start);
-                    let i = b as usize;
-                    self.blocks.rows[i].hash = h;
-                    self.blocks.rows[i].fill = self.cfg.block_size;
-                    self.blocks.rows[i].indexed = self.index.insert(h, b);
-                    b
+        let mut missing = 0;
+        for &h in hashes {
+            let found = self.index.get(h);
+            if let Some(b) = found {
+                self.share(b);
+            } else {
+                missing += 1;
+            }
+            out.blocks.push(found.unwrap_or(NO_SLOT));
+            out.shared.push(found.is_some());
+        }
+        if let Err(e) = self.ensure_device_room(missing) {
+            for (&b, _) in out.blocks.iter().zip(&out.shared).filter(|p| *p.1) {
+                self.unshare(b);
+            }
+            return Err(e);
+        }
+        if missing > 0 {
+            for (k, &h) in hashes.iter().enumerate() {
+                if !out.shared[k] {
+                    let b = self.new_device_block(start + k as u32);
+                    let row = &mut self.blocks.rows[b as usize];
+                    row.hash = h;
+                    row.fill = self.cfg.block_size;
+                    row.indexed = self.index.insert(h, b);
+                    out.blocks[k] = b;
                 }
-            };
-            start += 1;
-            out.blocks.push(b);
-            out.shared.push(p.is_some());
+            }
         }
         let s = self.seqs.get_mut(&seq).expect("checked above");
         s.blocks.extend_from_slice(&out.blocks);

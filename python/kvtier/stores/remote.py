@@ -1,7 +1,10 @@
 """Values on a Redis or Valkey server (or a Redis Cluster), shared by every engine that can
 reach it: the tier that lets a decode instance read what a prefill instance wrote.
 
-Batches go out as one pipeline (one round trip per node). When the server cannot be reached,
+Batches go out as one pipeline (one round trip per node). A put to a single server sends the
+sealed value's payload from the caller's buffer, as redis-py sends a plain value: the store
+writes its SET commands itself (RESP, the protocol's framing of the same command) so that the
+header and checksum go around the payload instead of being joined to it by a copy. When the server cannot be reached,
 ``get`` is a miss and ``put`` reports failure at once, without waiting on the network again
 for ``retry_after`` seconds; after that the next call reconnects. The engine keeps running
 either way. The server's own ``maxmemory`` and eviction policy bound what it holds (set
@@ -17,7 +20,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, require
 from .base import KVStore, Parts
-from .format import Namespace, seal_joined
+from .format import Namespace, seal, seal_joined
 
 
 class RedisStore(KVStore):
@@ -58,6 +61,7 @@ class RedisStore(KVStore):
         self._ttl_ms = None if ttl is None else int(ttl * 1000)
         # A cluster client raises RedisClusterException (not a RedisError) when no node answers.
         self._errors = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
+        self._refused = redis.exceptions.ResponseError
         options: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
         tls = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
         if url.startswith("rediss://"):
@@ -79,8 +83,11 @@ class RedisStore(KVStore):
         self._down_lock = threading.Lock()
 
     def _seal(self, key: str, payload: memoryview) -> Parts:
-        # One buffer for redis-py to send, copied and checksummed in one pass.
-        return (seal_joined(self.namespace, key, payload),)
+        if self.cluster:
+            # One buffer for the cluster client to route and send, copied and checksummed in
+            # one pass.
+            return (seal_joined(self.namespace, key, payload),)
+        return seal(self.namespace, key, payload)
 
     @staticmethod
     def _is_cluster(redis: Any, url: str, options: dict[str, Any]) -> bool:
@@ -132,11 +139,41 @@ class RedisStore(KVStore):
     # -- KVStore --------------------------------------------------------------------------------
 
     def _put(self, keys: list[str], values: list[Parts]) -> list[bool]:
-        def fill(pipe: Any) -> None:
-            for key, parts in zip(keys, values, strict=True):
-                pipe.set(key, memoryview(parts[0]), px=self._ttl_ms)
+        if self.cluster:
 
-        return [bool(r) for r in self._run("put", fill, len(keys), False)]
+            def fill(pipe: Any) -> None:
+                for key, parts in zip(keys, values, strict=True):
+                    pipe.set(key, memoryview(parts[0]), px=self._ttl_ms)
+
+            return [bool(r) for r in self._run("put", fill, len(keys), False)]
+        if not self._available():
+            return [False] * len(keys)
+        frames = _set_commands(keys, values, self._ttl_ms)
+        pool = self._client().connection_pool
+        conn = None
+        try:
+            conn = pool.get_connection()
+            # Retried as redis-py retries a pipeline: SET is idempotent.
+            stored: list[bool] = conn.retry.call_with_retry(
+                lambda: self._send_sets(conn, frames, len(keys)), lambda _: conn.disconnect()
+            )
+            return stored
+        except self._errors as exc:
+            self._failed("put", exc)
+            return [False] * len(keys)
+        finally:
+            if conn is not None:
+                pool.release(conn)
+
+    def _send_sets(self, conn: Any, frames: list[Any], n: int) -> list[bool]:
+        conn.send_packed_command(frames)
+        stored = []
+        for _ in range(n):
+            try:
+                stored.append(conn.read_response() in (b"OK", "OK"))
+            except self._refused:  # this value only (e.g. over maxmemory); read on
+                stored.append(False)
+        return stored
 
     def _get(self, keys: list[str]) -> list[Any]:
         def fill(pipe: Any) -> None:
@@ -176,3 +213,24 @@ class RedisStore(KVStore):
     def _close(self) -> None:
         if self._clients[0] is not None:
             self._clients[0].close()
+
+
+def _bulk(arg: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def _set_commands(keys: list[str], values: list[Parts], ttl_ms: int | None) -> list[Any]:
+    """``SET key value [PX ttl]`` for each sealed (header, payload, checksum) value, in RESP,
+    as buffers to send one after another. Each payload is its own buffer, sent as it is; the
+    small pieces between two payloads are joined into one."""
+    args = b"*3\r\n$3\r\nSET\r\n" if ttl_ms is None else b"*5\r\n$3\r\nSET\r\n"
+    px = b"" if ttl_ms is None else _bulk(b"PX") + _bulk(b"%d" % ttl_ms)
+    frames: list[Any] = []
+    between = b""
+    for key, (head, payload, digest) in zip(keys, values, strict=True):
+        size = len(head) + len(payload) + len(digest)
+        frames.append(b"".join((between, args, _bulk(key.encode()), b"$%d\r\n" % size, head)))
+        frames.append(payload)
+        between = digest + b"\r\n" + px
+    frames.append(between)
+    return frames
