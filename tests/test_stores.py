@@ -143,17 +143,36 @@ def test_one_pass_copy_and_checksum_equals_the_two_pass_seal() -> None:
 
 
 def test_checksum_parts_may_be_any_bytes_like() -> None:
-    from kvtier._core import checksum
+    from kvtier._core import StreamingChecksum, checksum
 
     data = RNG.integers(0, 256, 70_001, dtype=np.uint8)
     want = checksum(data)
     for part in (data.tobytes(), bytearray(data.tobytes()), memoryview(data.tobytes())):
         assert checksum(part) == want
     assert checksum(b"ab", b"c") == checksum(np.frombuffer(b"abc", np.uint8))
+    streamed = StreamingChecksum(seed=7)
+    for at in range(0, len(data), 30_000):  # pieces of any size, in order
+        streamed.update(data[at : at + 30_000])
+        assert streamed.digest() == checksum(data[: at + 30_000], seed=7)
+    streamed.update(b"", bytearray(b"x"))
+    assert streamed.digest() == checksum(data, b"x", seed=7) != want
     with pytest.raises(InvalidArgumentError, match="uint8"):
         checksum(np.array([1, 256]))  # would wrap
     with pytest.raises(InvalidArgumentError, match="uint8"):
         checksum(np.array([-1], np.int8))
+
+
+@pytest.mark.parametrize("n", [0, 1, fmt.CHUNK - 1, fmt.CHUNK, 3 * fmt.CHUNK + 5])
+def test_a_value_sealed_as_it_is_written_is_the_joined_seal(n: int) -> None:
+    payload = memoryview(RNG.integers(0, 256, n, dtype=np.uint8).tobytes())
+    sealed = fmt.Sealed(NS, NS.key(3), payload)
+    chunks = list(sealed.chunks())
+    assert len(chunks) == 2 + sealed.payload_chunks
+    assert all(len(c) <= fmt.CHUNK for c in chunks[1:-1])
+    joined = b"".join(bytes(c) for c in chunks)
+    assert joined == bytes(fmt.seal_joined(NS, NS.key(3), payload)) and len(joined) == sealed.size
+    assert b"".join(bytes(c) for c in sealed.chunks()) == joined  # a retry writes it again
+    assert bytes(fmt.unseal(NS, NS.key(3), joined)) == bytes(payload)
 
 
 def test_an_unchecked_seal_differs_only_in_its_zero_checksum() -> None:
@@ -416,7 +435,7 @@ def test_redis_values_are_the_sealed_bytes_with_their_ttl(redis_server: Any) -> 
     import redis
 
     raw = redis.Redis.from_url(redis_server.url)
-    values = [payload(n) for n in (0, 1, 7000, 300_000)]
+    values = [payload(n) for n in (0, 1, 7000, 300_000, 3 * fmt.CHUNK + 5)]
     for ttl in (None, 60.0):
         store = RedisStore(redis_server.url, NS, ttl=ttl)
         keys = [f"ttl-{ttl}-{n}" for n in range(len(values))]

@@ -9,6 +9,7 @@ __all__ = [
     "Plan",
     "Simulator",
     "StoreIndex",
+    "StreamingChecksum",
     "checksum",
     "copy_checksum",
     "kernel_sources",
@@ -167,4 +168,13 @@ def kernel_sources() -> dict[str, str]:
     """The CUDA sources of kvtier's kernels (kernels/*.cu), by file name."""
 
 def checksum(*parts: npt.ArrayLike, seed: int = 0) -> int: ...
+
+@final
+class StreamingChecksum:
+    """xxh3-64 of bytes given in pieces: the value ``checksum`` gives for them joined."""
+
+    def __new__(cls, seed: int = 0) -> StreamingChecksum: ...
+    def update(self, *parts: npt.ArrayLike) -> None: ...
+    def digest(self) -> int: ...
+
 def copy_checksum(out: npt.NDArray[np.uint8], *parts: npt.ArrayLike, seed: int = 0) -> int: ...

@@ -18,13 +18,14 @@ from typing import Any
 
 from .._core import StoreIndex
 from ..errors import InvalidArgumentError, KvtierError, PayloadError
-from .format import Namespace, payload_view, seal, unseal
+from .format import Namespace, Sealed, payload_view, unseal
 
 log = logging.getLogger("kvtier.stores")
 
-#: A sealed value as buffers to write one after another: (header, payload, checksum) from
-#: ``format.seal``, or one joined buffer from ``format.seal_joined``.
-Parts = tuple[Any, ...]
+#: A value in the form a store's ``_put`` takes, as its ``_seal`` made it: a
+#: :class:`~.format.Sealed` (written a chunk at a time) by default, or one buffer from
+#: ``format.seal_joined`` for a store that keeps or sends one.
+StoredForm = Any
 
 
 class StoreClosedError(KvtierError):
@@ -181,13 +182,13 @@ class KVStore(ABC):
 
     # -- for subclasses -------------------------------------------------------------------------
 
-    def _seal(self, key: str, payload: memoryview) -> Parts:
-        """The value to store: header, payload and checksum as separate buffers (a store that
-        keeps or sends one buffer overrides this with ``format.seal_joined``)."""
-        return seal(self.namespace, key, payload)
+    def _seal(self, key: str, payload: memoryview) -> StoredForm:
+        """The value to store, sealed as it is written (a store that keeps or sends one buffer
+        overrides this with ``format.seal_joined``)."""
+        return Sealed(self.namespace, key, payload)
 
     @abstractmethod
-    def _put(self, keys: list[str], values: list[Parts]) -> list[bool]: ...
+    def _put(self, keys: list[str], values: list[StoredForm]) -> list[bool]: ...
 
     def _rank(self, keys: list[str], scores: list[float]) -> None:  # noqa: B027 (optional)
         """Scores of full keys for a store whose policy ranks by them; others ignore them."""

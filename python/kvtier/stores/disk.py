@@ -26,8 +26,8 @@ import numpy as np
 
 from .._core import checksum
 from ..errors import InvalidArgumentError
-from .base import BudgetedStore, Parts
-from .format import Namespace, read_key
+from .base import BudgetedStore
+from .format import Namespace, Sealed, read_key
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.=-]{1,120}")
 _TMP = ".tmp-"
@@ -127,16 +127,15 @@ class DiskStore(BudgetedStore):
             directory, f"{_TMP}{os.getpid()}-{threading.get_ident()}-{next(self._counter)}"
         )
 
-    def _put(self, keys: list[str], values: list[Parts]) -> list[bool]:
+    def _put(self, keys: list[str], values: list[Sealed]) -> list[bool]:
         return [self._put_one(k, v) for k, v in zip(keys, values, strict=True)]
 
-    def _put_one(self, key: str, parts: Parts) -> bool:
-        size = sum(len(p) for p in parts)
-        if size > self.budget:
+    def _put_one(self, key: str, value: Sealed) -> bool:
+        if value.size > self.budget:
             return False
         path = self._path(key)
         directory = os.path.dirname(path)
-        self._admit(path, size)  # room first, so the budget holds while the file is written
+        self._admit(path, value.size)  # room first, so the budget holds while the file is written
         tmp = self._tmp(directory)
         try:
             if directory not in self._dirs:
@@ -144,10 +143,10 @@ class DiskStore(BudgetedStore):
                 self._dirs.add(directory)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                written = os.writev(fd, parts)
-                while written < size:  # writev may stop short (signals, huge values)
-                    rest = b"".join(parts)[written:]
-                    written += os.write(fd, rest)
+                for chunk in value.chunks():
+                    view = memoryview(chunk)
+                    while view:  # a write may stop short (signals, huge chunks)
+                        view = view[os.write(fd, view) :]
                 if self.fsync:
                     os.fsync(fd)
             finally:

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from .._core import checksum, copy_checksum
+from .._core import StreamingChecksum, checksum, copy_checksum
 from ..errors import InvalidArgumentError, PayloadError
 
 MAGIC = b"KVTR"
@@ -40,6 +40,10 @@ _TEXT_LEN = struct.Struct("<H")
 _SUM = struct.Struct("<Q")
 #: Bytes a value adds to its payload beyond the texts of its header.
 OVERHEAD = _FIXED.size + 4 * _TEXT_LEN.size + _SUM.size
+
+#: Payload bytes hashed and handed to the writer at a time (``Sealed.chunks``): small enough to
+#: still be in cache when the writer reads them.
+CHUNK = 512 * 1024
 
 _KEY_TEXT = re.compile(r"[\x21-\x7e]{1,200}")
 
@@ -157,9 +161,41 @@ def payload_view(value: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+class Sealed:
+    """A value on its way out: its header, its payload and (once written) its checksum.
+
+    ``chunks()`` gives the value as buffers to write one after another, hashing each payload
+    chunk just before handing it out, so the writer reads bytes the hash has just brought into
+    cache: sealing costs a pass over cached bytes instead of one more pass over memory. A
+    writer that retries calls ``chunks()`` again. ``size`` is known before anything is hashed.
+    """
+
+    __slots__ = ("head", "payload", "size")
+
+    def __init__(self, ns: Namespace, key: str, payload: memoryview) -> None:
+        self.head = header(ns, key, len(payload))
+        self.payload = payload
+        self.size = len(self.head) + len(payload) + _SUM.size
+
+    @property
+    def payload_chunks(self) -> int:
+        """How many payload buffers ``chunks()`` gives between the header and the checksum."""
+        return -(-len(self.payload) // CHUNK)
+
+    def chunks(self) -> Iterator[Any]:
+        digest = StreamingChecksum()
+        digest.update(np.frombuffer(self.head, np.uint8))
+        yield self.head
+        body = np.frombuffer(self.payload, np.uint8)
+        for at in range(0, len(body), CHUNK):
+            chunk = body[at : at + CHUNK]
+            digest.update(chunk)
+            yield chunk
+        yield _SUM.pack(digest.digest())
+
+
 def seal(ns: Namespace, key: str, payload: memoryview) -> tuple[bytes, memoryview, bytes]:
-    """The three parts of a stored value (header, payload, checksum), not joined: disk writes
-    them with one ``writev``, the others join them into the buffer they keep."""
+    """The three parts of a stored value (header, payload, checksum), not joined."""
     head = header(ns, key, len(payload))
     digest = checksum(np.frombuffer(head, np.uint8), np.frombuffer(payload, np.uint8))
     return head, payload, _SUM.pack(digest)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import BudgetedStore, Parts
+from .base import BudgetedStore, StoredForm
 from .format import Namespace, seal_joined
 
 
@@ -53,12 +53,12 @@ class HostStore(BudgetedStore):
 
         return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
 
-    def _seal(self, key: str, payload: memoryview) -> Parts:
+    def _seal(self, key: str, payload: memoryview) -> StoredForm:
         # One copy, straight into the buffer the store keeps.
         alloc = self._pinned if self.pin else None
         return (seal_joined(self.namespace, key, payload, alloc, checksummed=False),)
 
-    def _put(self, keys: list[str], values: list[Parts]) -> list[bool]:
+    def _put(self, keys: list[str], values: list[StoredForm]) -> list[bool]:
         done = []
         evicted = 0
         with self._lock:

@@ -13,14 +13,15 @@ either way. The server's own ``maxmemory`` and eviction policy bound what it hol
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..errors import InvalidArgumentError, require
-from .base import KVStore, Parts
-from .format import Namespace, seal, seal_joined
+from .base import KVStore, StoredForm
+from .format import Namespace, Sealed, seal_joined
 
 
 class RedisStore(KVStore):
@@ -82,12 +83,12 @@ class RedisStore(KVStore):
         self._down_until = [0.0]  # shared by every namespace view
         self._down_lock = threading.Lock()
 
-    def _seal(self, key: str, payload: memoryview) -> Parts:
+    def _seal(self, key: str, payload: memoryview) -> StoredForm:
         if self.cluster:
             # One buffer for the cluster client to route and send, copied and checksummed in
             # one pass.
             return (seal_joined(self.namespace, key, payload),)
-        return seal(self.namespace, key, payload)
+        return Sealed(self.namespace, key, payload)
 
     @staticmethod
     def _is_cluster(redis: Any, url: str, options: dict[str, Any]) -> bool:
@@ -138,7 +139,7 @@ class RedisStore(KVStore):
 
     # -- KVStore --------------------------------------------------------------------------------
 
-    def _put(self, keys: list[str], values: list[Parts]) -> list[bool]:
+    def _put(self, keys: list[str], values: list[StoredForm]) -> list[bool]:
         if self.cluster:
 
             def fill(pipe: Any) -> None:
@@ -148,14 +149,13 @@ class RedisStore(KVStore):
             return [bool(r) for r in self._run("put", fill, len(keys), False)]
         if not self._available():
             return [False] * len(keys)
-        frames = _set_commands(keys, values, self._ttl_ms)
         pool = self._client().connection_pool
         conn = None
         try:
             conn = pool.get_connection()
             # Retried as redis-py retries a pipeline: SET is idempotent.
             stored: list[bool] = conn.retry.call_with_retry(
-                lambda: self._send_sets(conn, frames, len(keys)), lambda _: conn.disconnect()
+                lambda: self._send_sets(conn, keys, values), lambda _: conn.disconnect()
             )
             return stored
         except self._errors as exc:
@@ -165,10 +165,10 @@ class RedisStore(KVStore):
             if conn is not None:
                 pool.release(conn)
 
-    def _send_sets(self, conn: Any, frames: list[Any], n: int) -> list[bool]:
-        conn.send_packed_command(frames)
+    def _send_sets(self, conn: Any, keys: list[str], values: list[Sealed]) -> list[bool]:
+        conn.send_packed_command(_set_commands(keys, values, self._ttl_ms))
         stored = []
-        for _ in range(n):
+        for _ in keys:
             try:
                 stored.append(conn.read_response() in (b"OK", "OK"))
             except self._refused:  # this value only (e.g. over maxmemory); read on
@@ -219,18 +219,17 @@ def _bulk(arg: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(arg), arg)
 
 
-def _set_commands(keys: list[str], values: list[Parts], ttl_ms: int | None) -> list[Any]:
-    """``SET key value [PX ttl]`` for each sealed (header, payload, checksum) value, in RESP,
-    as buffers to send one after another. Each payload is its own buffer, sent as it is; the
+def _set_commands(keys: list[str], values: list[Sealed], ttl_ms: int | None) -> Iterator[Any]:
+    """``SET key value [PX ttl]`` for each value, in RESP, as buffers to send one after another.
+    The value's chunks go out as they are, each hashed just before (``Sealed.chunks``); the
     small pieces between two payloads are joined into one."""
     args = b"*3\r\n$3\r\nSET\r\n" if ttl_ms is None else b"*5\r\n$3\r\nSET\r\n"
     px = b"" if ttl_ms is None else _bulk(b"PX") + _bulk(b"%d" % ttl_ms)
-    frames: list[Any] = []
     between = b""
-    for key, (head, payload, digest) in zip(keys, values, strict=True):
-        size = len(head) + len(payload) + len(digest)
-        frames.append(b"".join((between, args, _bulk(key.encode()), b"$%d\r\n" % size, head)))
-        frames.append(payload)
-        between = digest + b"\r\n" + px
-    frames.append(between)
-    return frames
+    for key, value in zip(keys, values, strict=True):
+        chunks = value.chunks()
+        head = next(chunks)
+        yield b"".join((between, args, _bulk(key.encode()), b"$%d\r\n" % value.size, head))
+        yield from itertools.islice(chunks, value.payload_chunks)
+        between = next(chunks) + b"\r\n" + px
+    yield between
