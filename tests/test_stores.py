@@ -175,6 +175,28 @@ def test_a_value_sealed_as_it_is_written_is_the_joined_seal(n: int) -> None:
     assert bytes(fmt.unseal(NS, NS.key(3), joined)) == bytes(payload)
 
 
+@pytest.mark.parametrize("n", [0, 100, 2 * fmt.CHUNK + 3])
+def test_a_value_checksummed_as_it_is_read_is_verified_like_any(n: int) -> None:
+    import io
+
+    value = payload(n)
+    blob = bytes(fmt.seal_joined(NS, NS.key(4), memoryview(value)))
+    got = fmt.read_checksummed(io.BytesIO(blob), len(blob))
+    assert bytes(got.data) == blob and got.digest == int.from_bytes(blob[-8:], "little")
+    assert bytes(fmt.unseal(NS, NS.key(4), got)) == value
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 4
+    with pytest.raises(PayloadError):
+        fmt.unseal(NS, NS.key(4), fmt.read_checksummed(io.BytesIO(flipped), len(blob)))
+    short = fmt.read_checksummed(io.BytesIO(blob[:-3]), len(blob))  # shrank while read
+    assert short.digest is None and len(short.data) == len(blob) - 3
+    with pytest.raises(PayloadError, match="truncated"):
+        fmt.unseal(NS, NS.key(4), short)
+    tiny = fmt.read_checksummed(io.BytesIO(b"KVTR"), 4)
+    with pytest.raises(PayloadError, match="shorter than any header"):
+        fmt.unseal(NS, NS.key(4), tiny)
+
+
 def test_an_unchecked_seal_differs_only_in_its_zero_checksum() -> None:
     """The host store's values: same header and payload, checksum field 0, never verified."""
     payload = memoryview(b"payload" * 100)

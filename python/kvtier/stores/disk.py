@@ -27,7 +27,7 @@ import numpy as np
 from .._core import checksum
 from ..errors import InvalidArgumentError
 from .base import BudgetedStore
-from .format import Namespace, Sealed, read_key
+from .format import Namespace, Received, Sealed, read_checksummed, read_key
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.=-]{1,120}")
 _TMP = ".tmp-"
@@ -161,10 +161,10 @@ class DiskStore(BudgetedStore):
             return False
         return True
 
-    def _read(self, path: str) -> bytes | None:
+    def _read(self, path: str) -> Received | None:
         try:
             with open(path, "rb", buffering=0) as f:
-                data = f.read()
+                data = read_checksummed(f, os.fstat(f.fileno()).st_size)
         except FileNotFoundError:
             self._forget(path)
             return None

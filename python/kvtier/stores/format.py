@@ -26,7 +26,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -194,6 +194,40 @@ class Sealed:
         yield _SUM.pack(digest.digest())
 
 
+@dataclass(frozen=True)
+class Received:
+    """A stored value read in together with the checksum of what it holds before its own
+    checksum field (``read_checksummed``; None if it could not be read whole): ``unseal``
+    compares with it instead of hashing the value once more."""
+
+    data: np.ndarray
+    digest: int | None
+
+
+class Readable(Protocol):
+    """A binary file or stream: ``readinto`` is all ``read_checksummed`` needs."""
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
+
+
+def read_checksummed(f: Readable, size: int) -> Received:
+    """Reads a stored value of ``size`` bytes from ``f``, hashing each chunk right after it is
+    read, while it is in cache. A file that ends early gives what it holds (``unseal`` then
+    refuses it as truncated)."""
+    data = np.empty(size, np.uint8)
+    view = memoryview(data.data)
+    digest = StreamingChecksum()
+    hashed_end = max(size - _SUM.size, 0)  # the checksum field itself is not hashed
+    got = 0
+    while got < size:
+        n = f.readinto(view[got : got + CHUNK])
+        if not n:
+            return Received(data[:got], None)
+        digest.update(data[got : min(got + n, hashed_end)])
+        got += n
+    return Received(data, digest.digest())
+
+
 def seal(ns: Namespace, key: str, payload: memoryview) -> tuple[bytes, memoryview, bytes]:
     """The three parts of a stored value (header, payload, checksum), not joined."""
     head = header(ns, key, len(payload))
@@ -233,6 +267,9 @@ def unseal(ns: Namespace, key: str, blob: Any, *, verify: bool = True) -> memory
     """The payload of a stored value as a read-only view, after checking everything; raises
     :class:`PayloadError` saying which check failed. ``verify=False`` skips only the checksum,
     for values that never left this process's memory."""
+    received = None
+    if isinstance(blob, Received):
+        blob, received = blob.data, blob.digest
     view = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
@@ -253,9 +290,10 @@ def unseal(ns: Namespace, key: str, blob: Any, *, verify: bool = True) -> memory
     if view[_FIXED.size : size].tobytes() != _header_texts(ns, key):
         _explain_texts(view, size, (key, ns.codec, ns.dtype, ns.shape))
     if verify:
-        body = np.frombuffer(view, np.uint8)
         (stored,) = _SUM.unpack_from(view, len(view) - _SUM.size)
-        if checksum(body[: len(view) - _SUM.size]) != stored:
+        if received is None:
+            received = checksum(np.frombuffer(view, np.uint8)[: len(view) - _SUM.size])
+        if received != stored:
             raise PayloadError("checksum mismatch: the value is corrupt")
     return view[size : size + length].toreadonly()
 
