@@ -38,6 +38,7 @@ FORMAT_VERSION = 1
 _FIXED = struct.Struct("<4sHHQQ")
 _TEXT_LEN = struct.Struct("<H")
 _SUM = struct.Struct("<Q")
+_ZERO_SUM = bytes(_SUM.size)
 #: Bytes a value adds to its payload beyond the texts of its header.
 OVERHEAD = _FIXED.size + 4 * _TEXT_LEN.size + _SUM.size
 
@@ -242,13 +243,16 @@ def seal_joined(
     alloc: Callable[[int], np.ndarray] | None = None,
     *,
     checksummed: bool = True,
-) -> np.ndarray:
+) -> np.ndarray | bytes:
     """The whole stored value in one buffer from ``alloc(size)`` (default: a numpy array): the
     header and the payload are copied and checksummed in one pass (for stores that keep or send
     one buffer).
 
     ``checksummed=False`` copies without hashing and leaves the checksum field 0, for values
-    that never leave this process's memory and so are never verified (the host store)."""
+    that never leave this process's memory and so are never verified (the host store); without
+    ``alloc`` that value is ``bytes``, joined in one copy."""
+    if not checksummed and alloc is None:
+        return b"".join((header(ns, key, len(payload)), payload, _ZERO_SUM))
     head = np.frombuffer(header(ns, key, len(payload)), np.uint8)
     body = np.frombuffer(payload, np.uint8)
     end = len(head) + len(body)
