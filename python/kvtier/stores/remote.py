@@ -168,11 +168,15 @@ class RedisStore(KVStore):
     def _send_sets(self, conn: Any, keys: list[str], values: list[Sealed]) -> list[bool]:
         conn.send_packed_command(_set_commands(keys, values, self._ttl_ms))
         stored = []
+        refusal = None
         for _ in keys:
             try:
                 stored.append(conn.read_response() in (b"OK", "OK"))
-            except self._refused:  # this value only (e.g. over maxmemory); read on
+            except self._refused as exc:  # this value only (e.g. over maxmemory); read on
                 stored.append(False)
+                refusal = exc
+        if refusal is not None:  # one line per batch
+            self._error(f"put of {stored.count(False)} of {len(keys)} values", refusal)
         return stored
 
     def _get(self, keys: list[str]) -> list[Any]:
