@@ -1,14 +1,15 @@
 """Values on a Redis or Valkey server (or a Redis Cluster), shared by every engine that can
 reach it: the tier that lets a decode instance read what a prefill instance wrote.
 
-Batches go out as one pipeline (one round trip per node). A put to a single server sends the
-sealed value's payload from the caller's buffer, as redis-py sends a plain value: the store
-writes its SET commands itself (RESP, the protocol's framing of the same command) so that the
-header and checksum go around the payload instead of being joined to it by a copy. When the server cannot be reached,
-``get`` is a miss and ``put`` reports failure at once, without waiting on the network again
-for ``retry_after`` seconds; after that the next call reconnects. The engine keeps running
-either way. The server's own ``maxmemory`` and eviction policy bound what it holds (set
-``ttl`` to let values expire).
+Batches go out as one pipeline (one round trip per node). A put to a single server writes its
+own ``SET`` commands (RESP, the protocol's framing of the same command) so that the header and
+the checksum go around the caller's payload, sent from its buffer a hashed chunk at a time,
+instead of being joined to it by a copy. When the server cannot be reached, ``get`` is a miss
+and ``put`` reports failure at once, without waiting on the network again for
+``retry_after`` seconds; after that the next call reconnects. A value the server refuses
+(e.g. over its ``maxmemory``) fails that put only. The engine keeps running either way. The
+server's own ``maxmemory`` and eviction policy bound what it holds (set ``ttl`` to let values
+expire).
 """
 
 from __future__ import annotations
