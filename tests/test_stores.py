@@ -497,7 +497,9 @@ def test_redis_refusing_one_value_fails_that_put_only(redis_server: Any) -> None
 
 
 @pytest.mark.redis
-def test_redis_put_to_a_killed_server_fails_then_reconnects() -> None:
+@pytest.mark.parametrize("first_call", ["get", "put"])
+def test_redis_killed_mid_run_then_back(first_call: str) -> None:
+    """Whichever call meets the dead server first: misses and failed puts, at once."""
     from conftest import local_redis
 
     server = local_redis()
@@ -506,28 +508,8 @@ def test_redis_put_to_a_killed_server_fails_then_reconnects() -> None:
         assert store.put(1, b"before")
         server.kill()
         start = time.monotonic()
-        assert store.put_many([2, 3], [b"x", b"y"]) == [False, False]  # the first call to see it
-        assert store.put(4, b"z") is False and time.monotonic() - start < 2.0
-        assert store.stats.errors >= 1 and store.stats.put_failures == 3
-        server.start(server.ports[0])
-        time.sleep(0.35)  # retry_after
-        assert store.put_many([5, 6], [b"after", b""]) == [True, True]
-        assert [bytes(v) for v in store.get_many([5, 6])] == [b"after", b""]
-    finally:
-        server.stop()
-
-
-@pytest.mark.redis
-def test_redis_killed_mid_run_then_back() -> None:
-    from conftest import local_redis
-
-    server = local_redis()
-    try:
-        store = RedisStore(server.url, NS, timeout=0.5, retry_after=0.3)
-        assert store.put(1, b"before")
-        server.kill()
-        start = time.monotonic()
-        assert store.get(1) is None  # a miss, not an exception
+        if first_call == "get":
+            assert store.get(1) is None  # a miss, not an exception
         assert store.put_many([2, 3], [b"x", b"y"]) == [False, False]
         assert store.get_many([1, 2]) == [None, None] and not store.contains(1)
         assert time.monotonic() - start < 2.0  # no waiting on a dead server per call
