@@ -175,26 +175,31 @@ def test_a_value_sealed_as_it_is_written_is_the_joined_seal(n: int) -> None:
     assert bytes(fmt.unseal(NS, NS.key(3), joined)) == bytes(payload)
 
 
-@pytest.mark.parametrize("n", [0, 100, 2 * fmt.CHUNK + 3])
-def test_a_value_checksummed_as_it_is_read_is_verified_like_any(n: int) -> None:
-    import io
+def test_values_checksummed_as_they_are_read_are_verified_like_any(tmp_path: Path) -> None:
+    from kvtier._core import read_checksummed
 
-    value = payload(n)
-    blob = bytes(fmt.seal_joined(NS, NS.key(4), memoryview(value)))
-    got = fmt.read_checksummed(io.BytesIO(blob), len(blob))
-    assert bytes(got.data) == blob and got.digest == int.from_bytes(blob[-8:], "little")
-    assert bytes(fmt.unseal(NS, NS.key(4), got)) == value
-    flipped = bytearray(blob)
-    flipped[len(blob) // 2] ^= 4
-    with pytest.raises(PayloadError):
-        fmt.unseal(NS, NS.key(4), fmt.read_checksummed(io.BytesIO(flipped), len(blob)))
-    short = fmt.read_checksummed(io.BytesIO(blob[:-3]), len(blob))  # shrank while read
-    assert short.digest is None and len(short.data) == len(blob) - 3
-    with pytest.raises(PayloadError, match="truncated"):
-        fmt.unseal(NS, NS.key(4), short)
-    tiny = fmt.read_checksummed(io.BytesIO(b"KVTR"), 4)
+    values = [payload(n) for n in (0, 100, 2 * fmt.CHUNK + 3)]
+    blobs = [bytes(fmt.seal_joined(NS, NS.key(4), memoryview(v))) for v in values]
+    flipped = bytearray(blobs[2])
+    flipped[len(flipped) // 2] ^= 4
+    files = {"a": blobs[0], "b": blobs[1], "c": blobs[2], "flipped": flipped, "tiny": b"KVTR"}
+    files["short"] = blobs[2][:-3]  # a value cut short
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    paths = [str(tmp_path / n) for n in [*files, "missing"]]
+    (tmp_path / "dir").mkdir()
+    read = read_checksummed([*paths, str(tmp_path / "dir")])
+    assert isinstance(read[-2], FileNotFoundError) and isinstance(read[-1], IsADirectoryError)
+    got = [fmt.Received(*r) for r in read[:-2]]  # type: ignore[misc]
+    for r, blob, value in zip(got[:3], blobs, values, strict=True):
+        assert bytes(r.data) == blob and r.digest == int.from_bytes(blob[-8:], "little")
+        assert bytes(fmt.unseal(NS, NS.key(4), r)) == value
+    with pytest.raises(PayloadError, match="checksum"):
+        fmt.unseal(NS, NS.key(4), got[3])
     with pytest.raises(PayloadError, match="shorter than any header"):
-        fmt.unseal(NS, NS.key(4), tiny)
+        fmt.unseal(NS, NS.key(4), got[4])
+    with pytest.raises(PayloadError, match="truncated"):
+        fmt.unseal(NS, NS.key(4), got[5])
 
 
 def test_an_unchecked_seal_differs_only_in_its_zero_checksum() -> None:

@@ -15,6 +15,7 @@ __all__ = [
     "kernel_sources",
     "namespace_seed",
     "prefix_hashes",
+    "read_checksummed",
 ]
 
 _Ids = npt.ArrayLike
@@ -178,3 +179,4 @@ class StreamingChecksum:
     def digest(self) -> int: ...
 
 def copy_checksum(out: npt.NDArray[np.uint8], *parts: npt.ArrayLike, seed: int = 0) -> int: ...
+def read_checksummed(paths: list[str]) -> list[tuple[npt.NDArray[np.uint8], int] | OSError]: ...

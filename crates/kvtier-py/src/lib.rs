@@ -62,5 +62,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(checksum::copy_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(checksum::checksum, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum::read_checksummed, m)?)?;
     Ok(())
 }

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from .._core import checksum
+from .._core import checksum, read_checksummed
 from ..errors import InvalidArgumentError
 from .base import BudgetedStore
-from .format import Namespace, Received, Sealed, read_checksummed, read_key
+from .format import Namespace, Received, Sealed, read_key
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.=-]{1,120}")
 _TMP = ".tmp-"
@@ -161,21 +161,24 @@ class DiskStore(BudgetedStore):
             return False
         return True
 
-    def _read(self, path: str) -> Received | None:
-        try:
-            with open(path, "rb", buffering=0) as f:
-                data = read_checksummed(f, os.fstat(f.fileno()).st_size)
-        except FileNotFoundError:
-            self._forget(path)
-            return None
-        except OSError as exc:
-            self._error(f"reading {path}", exc)
-            return None
-        return data
+    def _read(self, paths: list[str]) -> list[Received | None]:
+        """The values at ``paths``, read and hashed in one call without the GIL; a missing
+        file is a miss (and leaves the index), any other failure a miss and a counted error."""
+        out: list[Received | None] = []
+        for path, read in zip(paths, read_checksummed(paths), strict=True):
+            if isinstance(read, FileNotFoundError):
+                self._forget(path)
+                out.append(None)
+            elif isinstance(read, OSError):
+                self._error(f"reading {path}", read)
+                out.append(None)
+            else:
+                out.append(Received(*read))
+        return out
 
     def _get(self, keys: list[str]) -> list[Any]:
         paths = [self._path(k) for k in keys]
-        out = [self._read(p) for p in paths]
+        out = self._read(paths)
         with self._lock:
             self._index.touch([p for p, d in zip(paths, out, strict=True) if d is not None])
         return out
@@ -194,7 +197,7 @@ class DiskStore(BudgetedStore):
             self._error(f"claiming {path}", exc)
             return None
         self._forget(path)
-        data = self._read(claimed)
+        (data,) = self._read([claimed])
         _unlink(claimed)
         return data
 

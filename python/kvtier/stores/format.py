@@ -26,7 +26,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -195,38 +195,13 @@ class Sealed:
         yield _SUM.pack(digest.digest())
 
 
-@dataclass(frozen=True)
-class Received:
+class Received(NamedTuple):
     """A stored value read in together with the checksum of what it holds before its own
-    checksum field (``read_checksummed``; None if it could not be read whole): ``unseal``
+    checksum field (``_core.read_checksummed`` hashes each chunk as it reads it): ``unseal``
     compares with it instead of hashing the value once more."""
 
     data: np.ndarray
-    digest: int | None
-
-
-class Readable(Protocol):
-    """A binary file or stream: ``readinto`` is all ``read_checksummed`` needs."""
-
-    def readinto(self, buffer: memoryview, /) -> int | None: ...
-
-
-def read_checksummed(f: Readable, size: int) -> Received:
-    """Reads a stored value of ``size`` bytes from ``f``, hashing each chunk right after it is
-    read, while it is in cache. A file that ends early gives what it holds (``unseal`` then
-    refuses it as truncated)."""
-    data = np.empty(size, np.uint8)
-    view = memoryview(data.data)
-    digest = StreamingChecksum()
-    hashed_end = max(size - _SUM.size, 0)  # the checksum field itself is not hashed
-    got = 0
-    while got < size:
-        n = f.readinto(view[got : got + CHUNK])
-        if not n:
-            return Received(data[:got], None)
-        digest.update(data[got : min(got + n, hashed_end)])
-        got += n
-    return Received(data, digest.digest())
+    digest: int
 
 
 def seal(ns: Namespace, key: str, payload: memoryview) -> tuple[bytes, memoryview, bytes]:
