@@ -119,7 +119,7 @@ def test_a_namespace_checks_its_fields() -> None:
 
 
 def sealed(ns: Namespace = NS, key: str = NS.key(5), data: bytes = b"payload" * 100) -> bytes:
-    return b"".join(fmt.seal(ns, key, memoryview(data)))
+    return b"".join(bytes(c) for c in fmt.Sealed(ns, key, memoryview(data)).chunks())
 
 
 def test_one_pass_copy_and_checksum_equals_the_two_pass_seal() -> None:
@@ -132,7 +132,7 @@ def test_one_pass_copy_and_checksum_equals_the_two_pass_seal() -> None:
     assert bytes(out[: len(joined)]) == joined.tobytes() and not out[len(joined) :].any()
     payload = memoryview(parts[2].tobytes())
     assert bytes(fmt.seal_joined(NS, NS.key(9), payload)) == b"".join(
-        fmt.seal(NS, NS.key(9), payload)
+        bytes(c) for c in fmt.Sealed(NS, NS.key(9), payload).chunks()
     )
     with pytest.raises(InvalidArgumentError, match="expected at least"):
         copy_checksum(np.zeros(3, np.uint8), parts[2])

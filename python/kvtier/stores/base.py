@@ -2,7 +2,7 @@
 
 A :class:`KVStore` is bound to a :class:`Namespace`; :meth:`KVStore.with_namespace` gives another
 view of the same backend (same memory, directory or connection, same budget). Subclasses move
-sealed values (``format.seal``) under full keys; this class does the sealing, the checks and the
+sealed values (``format.Sealed``) under full keys; this class does the sealing, the checks and the
 counting, so every store treats a bad value the same way: a miss, logged and counted.
 """
 

@@ -204,13 +204,6 @@ class Received(NamedTuple):
     digest: int
 
 
-def seal(ns: Namespace, key: str, payload: memoryview) -> tuple[bytes, memoryview, bytes]:
-    """The three parts of a stored value (header, payload, checksum), not joined."""
-    head = header(ns, key, len(payload))
-    digest = checksum(np.frombuffer(head, np.uint8), np.frombuffer(payload, np.uint8))
-    return head, payload, _SUM.pack(digest)
-
-
 def seal_joined(
     ns: Namespace,
     key: str,
