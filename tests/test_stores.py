@@ -175,20 +175,25 @@ def test_a_value_sealed_as_it_is_written_is_the_joined_seal(n: int) -> None:
     assert bytes(fmt.unseal(NS, NS.key(3), joined)) == bytes(payload)
 
 
-def test_values_checksummed_as_they_are_read_are_verified_like_any(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 3, 16])
+def test_values_checksummed_as_they_are_read_are_verified_like_any(
+    tmp_path: Path, threads: int
+) -> None:
+    """On one thread, or on several that take the batch's files as they come (more threads
+    than files too): the same bytes and checksums, in the order of the paths."""
     from kvtier._core import read_checksummed
 
-    values = [payload(n) for n in (0, 100, 2 * fmt.CHUNK + 3)]
+    values = [payload(n) for n in (0, 100, 4 * fmt.CHUNK + 3)]
     blobs = [bytes(fmt.seal_joined(NS, NS.key(4), memoryview(v))) for v in values]
     flipped = bytearray(blobs[2])
-    flipped[len(flipped) // 2] ^= 4
+    flipped[-fmt.CHUNK] ^= 4  # in the value's last part
     files = {"a": blobs[0], "b": blobs[1], "c": blobs[2], "flipped": flipped, "tiny": b"KVTR"}
     files["short"] = blobs[2][:-3]  # a value cut short
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     paths = [str(tmp_path / n) for n in [*files, "missing"]]
     (tmp_path / "dir").mkdir()
-    read = read_checksummed([*paths, str(tmp_path / "dir")])
+    read = read_checksummed([*paths, str(tmp_path / "dir")], threads)
     assert isinstance(read[-2], FileNotFoundError) and isinstance(read[-1], IsADirectoryError)
     got = [fmt.Received(*r) for r in read[:-2]]  # type: ignore[misc]
     for r, blob, value in zip(got[:3], blobs, values, strict=True):
@@ -276,6 +281,46 @@ def test_disk_survives_a_restart(tmp_path: Path) -> None:
     reopened = DiskStore(tmp_path, NS, 1 << 20)
     assert reopened.used_bytes == store.used_bytes
     assert [bytes(v) for v in reopened.get_many(list(values))] == list(values.values())
+
+
+def test_a_disk_batch_written_on_threads_ends_as_if_written_in_order(tmp_path: Path) -> None:
+    """A batch is written on several threads at once, yet it ends as puts in order would: a
+    key given twice holds its last value, and a value evicted by a later one of the same batch
+    leaves no file behind (the budget holds on disk, not only in the index)."""
+    one = len(sealed(data=payload(10_000)))
+    store = DiskStore(tmp_path, NS, 4 * one + 10, io_threads=4)
+    keys = [0, 1, 2, 0, 3, 4, 5, 1]
+    values = [payload(10_000) for _ in keys]
+    assert store.put_many(keys, values) == [True] * len(keys)
+    assert sorted(store.keys()) == [f"{k:016x}" for k in (1, 3, 4, 5)]
+    assert [bytes(v) for v in store.get_many([1, 3, 4, 5])] == [values[i] for i in (7, 4, 5, 6)]
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) == 4 and sum(p.stat().st_size for p in files) == store.used_bytes
+    with pytest.raises(InvalidArgumentError, match="io_threads"):
+        DiskStore(tmp_path, NS, 1 << 20, io_threads=0)
+
+
+def test_a_file_written_checksummed_is_the_joined_seal_or_nothing(tmp_path: Path) -> None:
+    """``_core.write_checksummed``: each file holds exactly ``seal_joined``'s bytes; a write that
+    fails leaves the old file as it was and no temporary file."""
+    from kvtier._core import write_checksummed
+
+    values = [payload(n) for n in (0, 100, 4 * fmt.CHUNK + 3)]
+    heads = [fmt.header(NS, NS.key(i), len(v)) for i, v in enumerate(values)]
+    paths = [str(tmp_path / f"v{i}") for i in range(3)]
+    tmps = [p + ".tmp" for p in paths]
+    for threads in (1, 2, 8):  # in order, or the files shared among threads
+        assert write_checksummed(tmps, paths, heads, values, threads=threads) == [None] * 3
+        for i, v in enumerate(values):
+            joined = bytes(fmt.seal_joined(NS, NS.key(i), memoryview(v)))
+            assert Path(paths[i]).read_bytes() == joined
+    (err,) = write_checksummed(
+        [str(tmp_path / "gone" / "t")], [paths[1]], [heads[0]], [b"new"], fsync=True
+    )
+    assert isinstance(err, FileNotFoundError) and Path(paths[1]).read_bytes()[-108:-8] == values[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v0", "v1", "v2"]
+    with pytest.raises(InvalidArgumentError, match="payloads"):
+        write_checksummed(tmps, paths, heads, values[:2])
 
 
 def test_disk_corruption_is_a_miss_and_the_file_is_removed(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ __all__ = [
     "namespace_seed",
     "prefix_hashes",
     "read_checksummed",
+    "write_checksummed",
 ]
 
 _Ids = npt.ArrayLike
@@ -179,4 +180,15 @@ class StreamingChecksum:
     def digest(self) -> int: ...
 
 def copy_checksum(out: npt.NDArray[np.uint8], *parts: npt.ArrayLike, seed: int = 0) -> int: ...
-def read_checksummed(paths: list[str]) -> list[tuple[npt.NDArray[np.uint8], int] | OSError]: ...
+def read_checksummed(
+    paths: list[str], threads: int = 1
+) -> list[tuple[npt.NDArray[np.uint8], int] | OSError]: ...
+def write_checksummed(
+    tmp_paths: list[str],
+    paths: list[str],
+    heads: list[bytes],
+    payloads: list[npt.ArrayLike],
+    *,
+    fsync: bool = False,
+    threads: int = 1,
+) -> list[OSError | None]: ...

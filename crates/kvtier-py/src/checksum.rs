@@ -1,5 +1,5 @@
 //! The stored-value checksum (xxh3-64, `kvtier.stores`): in one call, fused with a copy, or a
-//! piece at a time (`StreamingChecksum`).
+//! piece at a time (`StreamingChecksum`). Files hashed as they are read or written: `files.rs`.
 
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
@@ -7,14 +7,16 @@ use std::hash::Hasher as _;
 use twox_hash::XxHash3_64;
 
 /// `parts` as contiguous uint8 arrays (converted where they are not already).
-fn byte_arrays<'py>(parts: &[Bound<'py, PyAny>]) -> PyResult<Vec<PyReadonlyArray1<'py, u8>>> {
+pub(crate) fn byte_arrays<'py>(
+    parts: &[Bound<'py, PyAny>],
+) -> PyResult<Vec<PyReadonlyArray1<'py, u8>>> {
     parts
         .iter()
         .map(|p| crate::arrays::array::<u8>(p, "parts", "uint8"))
         .collect()
 }
 
-fn byte_slices<'a>(arrays: &'a [PyReadonlyArray1<'_, u8>]) -> PyResult<Vec<&'a [u8]>> {
+pub(crate) fn byte_slices<'a>(arrays: &'a [PyReadonlyArray1<'_, u8>]) -> PyResult<Vec<&'a [u8]>> {
     arrays.iter().map(|a| Ok(a.as_slice()?)).collect()
 }
 
@@ -121,48 +123,4 @@ impl PyStreamingChecksum {
     fn digest(&self) -> u64 {
         self.hasher.finish()
     }
-}
-
-/// Bytes of a stored value read from its file at a time, each hashed right after it is read,
-/// while it is in cache.
-const READ_CHUNK: u64 = 512 << 10;
-
-/// Reads one stored value whole: its bytes and the xxh3-64 of all but the last 8 (its own
-/// checksum field). A file shorter than its size said when opened is read as far as it goes.
-fn read_one(path: &str) -> std::io::Result<(Vec<u8>, u64)> {
-    use std::io::Read as _;
-    let mut file = std::fs::File::open(path)?;
-    let size = file.metadata()?.len();
-    let hashed = size.saturating_sub(8) as usize;
-    let mut data = Vec::with_capacity(size as usize);
-    let mut hasher = XxHash3_64::with_seed(0);
-    loop {
-        let at = data.len();
-        // `read_to_end` fills the spare capacity without zeroing it first.
-        let n = (&mut file).take(READ_CHUNK).read_to_end(&mut data)?;
-        hasher.write(&data[at.min(hashed)..data.len().min(hashed)]);
-        if n == 0 || data.len() as u64 >= size {
-            break;
-        }
-    }
-    Ok((data, hasher.finish()))
-}
-
-/// Reads stored values from `paths`, without the GIL: for each path in order, a tuple of its
-/// bytes (a uint8 array) and the checksum of all but its last 8 bytes (the stored checksum
-/// field, which `format.unseal` compares with it), or the `OSError` reading it raised (say
-/// `FileNotFoundError`) — one missing file does not stop the others.
-#[pyfunction]
-pub fn read_checksummed(py: Python<'_>, paths: Vec<String>) -> Vec<Py<PyAny>> {
-    let read: Vec<_> = py.detach(|| paths.iter().map(|p| read_one(p)).collect());
-    read.into_iter()
-        .map(|r| match r {
-            Ok((data, digest)) => (numpy::PyArray1::from_vec(py, data), digest)
-                .into_pyobject(py)
-                .expect("a tuple of an array and an int")
-                .into_any()
-                .unbind(),
-            Err(e) => PyErr::from(e).into_value(py).into_any(),
-        })
-        .collect()
 }

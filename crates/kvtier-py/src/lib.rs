@@ -5,6 +5,7 @@ mod arrays;
 mod checksum;
 mod core;
 mod errors;
+mod files;
 mod plan;
 mod sim;
 mod store_index;
@@ -62,6 +63,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(checksum::copy_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(checksum::checksum, m)?)?;
-    m.add_function(wrap_pyfunction!(checksum::read_checksummed, m)?)?;
+    m.add_function(wrap_pyfunction!(files::read_checksummed, m)?)?;
+    m.add_function(wrap_pyfunction!(files::write_checksummed, m)?)?;
     Ok(())
 }

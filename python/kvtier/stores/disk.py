@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core import checksum, read_checksummed
+from .._core import checksum, read_checksummed, write_checksummed
 from ..errors import InvalidArgumentError
 from .base import BudgetedStore
 from .format import Namespace, Received, Sealed, read_key
@@ -37,7 +37,8 @@ class DiskStore(BudgetedStore):
     """Files under ``root`` within a byte budget: the files ``policy`` ranks lowest are deleted
     to make room (the core's policies, see :class:`kvtier._core.StoreIndex`; a value larger
     than the budget is refused). ``fsync=True`` also makes a value survive a power loss, at
-    the cost of a sync per write.
+    the cost of a sync per write. A batch is read or written on up to ``io_threads`` threads
+    (default: the CPUs, at most 8), each value hashed as it is read or written.
 
     The budget is kept by this process's index of the directory, built when it opens, with the
     files in the order they were last written: several processes sharing a directory each keep
@@ -54,6 +55,7 @@ class DiskStore(BudgetedStore):
         *,
         policy: str = "lru",
         fsync: bool = False,
+        io_threads: int | None = None,
     ) -> None:
         # One index of paths for every namespace under root.
         super().__init__(namespace, budget, policy)
@@ -64,6 +66,11 @@ class DiskStore(BudgetedStore):
             raise InvalidArgumentError(f"root: cannot use {self.root} as a store: {exc}") from exc
         self._root = os.fspath(self.root)
         self.fsync = fsync
+        if io_threads is None:
+            io_threads = min(8, os.cpu_count() or 1)
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
+            raise InvalidArgumentError(f"io_threads: expected a count >= 1, got {io_threads!r}")
+        self.io_threads = io_threads
         self._counter = itertools.count()
         self._dirs: set[str] = set()  # directories known to exist (saves a makedirs per put)
         self._load_directory()
@@ -128,44 +135,60 @@ class DiskStore(BudgetedStore):
         )
 
     def _put(self, keys: list[str], values: list[Sealed]) -> list[bool]:
-        return [self._put_one(k, v) for k, v in zip(keys, values, strict=True)]
-
-    def _put_one(self, key: str, value: Sealed) -> bool:
-        if value.size > self.budget:
-            return False
-        path = self._path(key)
-        directory = os.path.dirname(path)
-        self._admit(path, value.size)  # room first, so the budget holds while the file is written
-        tmp = self._tmp(directory)
-        try:
+        """Writes the batch in one call (``_core.write_checksummed``). A key given twice is
+        written once, with its last value that fits the budget, as if written in order; every
+        occurrence reports how that write went."""
+        done = [False] * len(keys)
+        fits = [v.size <= self.budget for v in values]
+        last = {key: i for i, key in enumerate(keys) if fits[i]}
+        todo: list[tuple[int, str, str]] = []  # index, path, temporary path
+        for i, key in enumerate(keys):
+            if not fits[i] or last[key] != i:
+                continue
+            value = values[i]
+            path = self._path(key)
+            directory = os.path.dirname(path)
+            self._admit(path, value.size)  # room first: the budget holds while it is written
             if directory not in self._dirs:
-                os.makedirs(directory, exist_ok=True)
+                try:
+                    os.makedirs(directory, exist_ok=True)
+                except OSError as error:
+                    self._failed(f"writing {path}", error, path)
+                    continue
                 self._dirs.add(directory)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                for chunk in value.chunks():
-                    view = memoryview(chunk)
-                    while view:  # a write may stop short (signals, huge chunks)
-                        view = view[os.write(fd, view) :]
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError as exc:
-            _unlink(tmp)
-            self._error(f"writing {path}", exc)
-            self._forget(path)
-            self._recount(path)  # the old value is still there
-            self._dirs.discard(directory)  # in case someone removed it: made again next time
-            return False
-        return True
+            todo.append((i, path, self._tmp(directory)))
+        errors = write_checksummed(
+            [tmp for _, _, tmp in todo],
+            [path for _, path, _ in todo],
+            [values[i].head for i, _, _ in todo],
+            [values[i].payload for i, _, _ in todo],
+            fsync=self.fsync,
+            threads=self.io_threads,
+        )
+        for (i, path, _), failure in zip(todo, errors, strict=True):
+            if failure is not None:
+                self._failed(f"writing {path}", failure, path)
+                continue
+            done[i] = True
+            with self._lock:
+                evicted = path not in self._index
+            if evicted:  # by a later value of this batch: as if written, then evicted
+                _unlink(path)
+        return [fit and done[last[key]] for key, fit in zip(keys, fits, strict=True)]
+
+    def _failed(self, what: str, exc: OSError, path: str) -> None:
+        """A write that failed: the old value, if any, is still there and counted again."""
+        self._error(what, exc)
+        self._forget(path)
+        self._recount(path)
+        self._dirs.discard(os.path.dirname(path))  # in case someone removed it: made again
 
     def _read(self, paths: list[str]) -> list[Received | None]:
         """The values at ``paths``, read and hashed in one call without the GIL; a missing
         file is a miss (and leaves the index), any other failure a miss and a counted error."""
         out: list[Received | None] = []
-        for path, read in zip(paths, read_checksummed(paths), strict=True):
+        read_all = read_checksummed(paths, self.io_threads)
+        for path, read in zip(paths, read_all, strict=True):
             if isinstance(read, FileNotFoundError):
                 self._forget(path)
                 out.append(None)
