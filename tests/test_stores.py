@@ -496,8 +496,26 @@ def test_redis_corrupt_and_foreign_values_are_misses(redis_server: Any) -> None:
     blob[100] ^= 1
     raw.set(NS.key(11), bytes(blob))
     raw.set(NS.key(12), b"written by something else")
-    assert store.get_many([11, 12]) == [None, None]
-    assert store.stats.corrupt == 2 and raw.exists(NS.key(11), NS.key(12)) == 0
+    raw.set(NS.key(13), b"tiny")  # shorter than its own checksum field
+    assert store.get_many([11, 12, 13]) == [None, None, None]
+    assert store.stats.corrupt == 3 and raw.exists(NS.key(11), NS.key(12), NS.key(13)) == 0
+
+
+@pytest.mark.redis
+def test_redis_refusing_one_get_misses_that_value_only(redis_server: Any) -> None:
+    """A key that holds no string (the server answers WRONGTYPE) is a miss, counted once; the
+    other values of the batch are read in step, and the server is not taken for gone."""
+    import redis
+
+    raw = redis.Redis.from_url(redis_server.url)
+    store = RedisStore(redis_server.url, NS)
+    values = [payload(70_000 + i) for i in range(3)]
+    store.put_many([21, 23, 24], values)
+    raw.rpush(NS.key(22), b"a list, not a value")
+    got = store.get_many([21, 22, 23, 24])
+    assert got[1] is None and [bytes(g) for g in got if g is not None] == values
+    assert store.stats.errors == 1 and store.stats.hits == 3
+    assert store.put(25, b"at once") and bytes(store.get(25)) == b"at once"
 
 
 @pytest.mark.redis

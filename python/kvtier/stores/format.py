@@ -204,6 +204,12 @@ class Received(NamedTuple):
     digest: int
 
 
+def received(blob: bytes) -> Received:
+    """A stored value just read in whole, hashed now, while it is still in cache."""
+    data = np.frombuffer(blob, np.uint8)
+    return Received(data, checksum(data[: max(0, len(data) - _SUM.size)]))
+
+
 def seal_joined(
     ns: Namespace,
     key: str,

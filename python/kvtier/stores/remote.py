@@ -1,13 +1,15 @@
 """Values on a Redis or Valkey server (or a Redis Cluster), shared by every engine that can
 reach it: the tier that lets a decode instance read what a prefill instance wrote.
 
-Batches go out as one pipeline (one round trip per node). A put to a single server writes its
-own ``SET`` commands (RESP, the protocol's framing of the same command) so that the header and
-the checksum go around the caller's payload, sent from its buffer a hashed chunk at a time,
-instead of being joined to it by a copy. When the server cannot be reached, ``get`` is a miss
-and ``put`` reports failure at once, without waiting on the network again for
-``retry_after`` seconds; after that the next call reconnects. A value the server refuses
-(e.g. over its ``maxmemory``) fails that put only. The engine keeps running either way. The
+Batches go out as one pipeline (one round trip per node). To a single server, kvtier writes
+its own ``SET`` and ``GET`` commands (RESP, the protocol's framing of the same commands) on a
+connection of redis-py's pool: a put sends the header and the checksum around the caller's
+payload, from its buffer a hashed chunk at a time, instead of joining them by a copy; a get
+hashes each value as soon as its reply is in, while it is in cache. When the server cannot be
+reached, ``get`` is a miss and ``put`` reports failure at once, without waiting on the network
+again for ``retry_after`` seconds; after that the next call reconnects. A command the server
+refuses (a put over its ``maxmemory``, a get of a key that holds no string) fails for that
+value only. The engine keeps running either way. The
 server's own ``maxmemory`` and eviction policy bound what it holds (set ``ttl`` to let values
 expire).
 """
@@ -22,7 +24,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, require
 from .base import KVStore, StoredForm
-from .format import Namespace, Sealed, seal_joined
+from .format import Namespace, Sealed, received, seal_joined
 
 
 class RedisStore(KVStore):
@@ -140,6 +142,43 @@ class RedisStore(KVStore):
 
     # -- KVStore --------------------------------------------------------------------------------
 
+    def _on_connection(
+        self, what: str, work: Callable[[Any], list[Any]], n: int, default: Any
+    ) -> list[Any]:
+        """``work(connection)`` on a connection of the single server's pool, retried as
+        redis-py retries a pipeline (every command sent this way is idempotent); on a server
+        error, ``default`` for each of the ``n`` commands."""
+        if not self._available():
+            return [default] * n
+        pool = self._client().connection_pool
+        conn = None
+        try:
+            conn = pool.get_connection()
+            done: list[Any] = conn.retry.call_with_retry(
+                lambda: work(conn), lambda _: conn.disconnect()
+            )
+            return done
+        except self._errors as exc:
+            self._failed(what, exc)
+            return [default] * n
+        finally:
+            if conn is not None:
+                pool.release(conn)
+
+    def _replies(self, conn: Any, what: str, n: int, default: Any) -> Iterator[Any]:
+        """The next ``n`` replies on ``conn``, in order. A reply that is the server's refusal
+        of that command (e.g. over maxmemory) is ``default``, logged once for all of them,
+        and the replies after it are still read in step."""
+        refused, refusal = 0, None
+        for _ in range(n):
+            try:
+                yield conn.read_response()
+            except self._refused as exc:  # this command only; read on
+                refused, refusal = refused + 1, exc
+                yield default
+        if refusal is not None:  # one line per batch
+            self._error(f"{what} of {refused} of {n} values", refusal)
+
     def _put(self, keys: list[str], values: list[StoredForm]) -> list[bool]:
         if self.cluster:
 
@@ -148,44 +187,33 @@ class RedisStore(KVStore):
                     pipe.set(key, memoryview(parts[0]), px=self._ttl_ms)
 
             return [bool(r) for r in self._run("put", fill, len(keys), False)]
-        if not self._available():
-            return [False] * len(keys)
-        pool = self._client().connection_pool
-        conn = None
-        try:
-            conn = pool.get_connection()
-            # Retried as redis-py retries a pipeline: SET is idempotent.
-            stored: list[bool] = conn.retry.call_with_retry(
-                lambda: self._send_sets(conn, keys, values), lambda _: conn.disconnect()
-            )
-            return stored
-        except self._errors as exc:
-            self._failed("put", exc)
-            return [False] * len(keys)
-        finally:
-            if conn is not None:
-                pool.release(conn)
 
-    def _send_sets(self, conn: Any, keys: list[str], values: list[Sealed]) -> list[bool]:
-        conn.send_packed_command(_set_commands(keys, values, self._ttl_ms))
-        stored = []
-        refusal = None
-        for _ in keys:
-            try:
-                stored.append(conn.read_response() in (b"OK", "OK"))
-            except self._refused as exc:  # this value only (e.g. over maxmemory); read on
-                stored.append(False)
-                refusal = exc
-        if refusal is not None:  # one line per batch
-            self._error(f"put of {stored.count(False)} of {len(keys)} values", refusal)
-        return stored
+        def send_sets(conn: Any) -> list[bool]:
+            conn.send_packed_command(_set_commands(keys, values, self._ttl_ms))
+            return [r in (b"OK", "OK") for r in self._replies(conn, "put", len(keys), False)]
+
+        return self._on_connection("put", send_sets, len(keys), False)
 
     def _get(self, keys: list[str]) -> list[Any]:
-        def fill(pipe: Any) -> None:
-            for key in keys:
-                pipe.get(key)
+        if self.cluster:
 
-        return self._run("get", fill, len(keys), None)
+            def fill(pipe: Any) -> None:
+                for key in keys:
+                    pipe.get(key)
+
+            return self._run("get", fill, len(keys), None)
+
+        def send_gets(conn: Any) -> list[Any]:
+            get = b"*2\r\n$3\r\nGET\r\n"
+            conn.send_packed_command([b"".join(get + _bulk(k.encode()) for k in keys)])
+            # Each value is hashed as soon as it is in, while it is in cache, not after the
+            # whole batch has pushed it out.
+            return [
+                None if blob is None else received(blob)
+                for blob in self._replies(conn, "get", len(keys), None)
+            ]
+
+        return self._on_connection("get", send_gets, len(keys), None)
 
     def _pop(self, key: str) -> Any:
         return self._run("pop", lambda pipe: pipe.getdel(key), 1, None)[0]
