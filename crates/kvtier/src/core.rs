@@ -611,20 +611,21 @@ impl Core {
     /// The policy's ranking key of a block. Lower is demoted, offloaded, evicted first.
     #[inline(always)]
     pub(crate) fn key(&self, b: usize) -> Key {
-        let s = &self.stats[b];
         let row = &self.blocks.rows[b];
         let recency = row.last_access;
         let freq = || self.decay.log_count(row.reads, row.reads_step);
+        let stats = || &self.stats[b]; // only where the policy ranks by them
         match self.cfg.policy {
             PolicyKind::Lru => Key::new(0.0, 0.0, recency),
             PolicyKind::Lfu => Key::new(freq(), 0.0, recency),
-            PolicyKind::H2o => Key::new(f64::from(s.attn_sum), 0.0, recency),
+            PolicyKind::H2o => Key::new(f64::from(stats().attn_sum), 0.0, recency),
             PolicyKind::Scissorhands => {
+                let s = stats();
                 let mask = u32::MAX >> (32 - self.cfg.scissorhands_window);
                 let persistence = (s.attn_history & mask).count_ones();
                 Key::new(f64::from(persistence), f64::from(s.attn_ema), recency)
             }
-            PolicyKind::Importance => Key::new(f64::from(s.importance), freq(), recency),
+            PolicyKind::Importance => Key::new(f64::from(stats().importance), freq(), recency),
         }
     }
 

@@ -161,7 +161,7 @@ impl Simulator {
             Err(e) => return Err(e),
         };
         for (k, &b) in blocks[..n_hits].iter().enumerate() {
-            let loc = core.block_loc(b)?;
+            let loc = core.blocks.rows[b as usize].loc; // live: the append just returned it
             let (t, l) = (loc.tier as usize, usize::from(loc.level));
             // Every block is full but the request's last, which holds what is left.
             let tokens = if k + 1 < hashes.len() {
