@@ -179,8 +179,9 @@ def test_a_value_sealed_as_it_is_written_is_the_joined_seal(n: int) -> None:
 def test_values_checksummed_as_they_are_read_are_verified_like_any(
     tmp_path: Path, threads: int
 ) -> None:
-    """On one thread, or on several that take the batch's files as they come (more threads
-    than files too): the same bytes and checksums, in the order of the paths."""
+    """On one thread, or on several that take the batch's files as they come once the large
+    one has kept the first busy (more threads than files too): the same bytes and checksums,
+    in the order of the paths."""
     from kvtier._core import read_checksummed
 
     values = [payload(n) for n in (0, 100, 4 * fmt.CHUNK + 3)]
@@ -305,7 +306,8 @@ def test_a_file_written_checksummed_is_the_joined_seal_or_nothing(tmp_path: Path
     fails leaves the old file as it was and no temporary file."""
     from kvtier._core import write_checksummed
 
-    values = [payload(n) for n in (0, 100, 4 * fmt.CHUNK + 3)]
+    # The large value first: it takes long enough for the batch to call helper threads.
+    values = [payload(n) for n in (4 * fmt.CHUNK + 3, 0, 100)]
     heads = [fmt.header(NS, NS.key(i), len(v)) for i, v in enumerate(values)]
     paths = [str(tmp_path / f"v{i}") for i in range(3)]
     tmps = [p + ".tmp" for p in paths]
@@ -315,9 +317,9 @@ def test_a_file_written_checksummed_is_the_joined_seal_or_nothing(tmp_path: Path
             joined = bytes(fmt.seal_joined(NS, NS.key(i), memoryview(v)))
             assert Path(paths[i]).read_bytes() == joined
     (err,) = write_checksummed(
-        [str(tmp_path / "gone" / "t")], [paths[1]], [heads[0]], [b"new"], fsync=True
+        [str(tmp_path / "gone" / "t")], [paths[2]], [heads[0]], [b"new"], fsync=True
     )
-    assert isinstance(err, FileNotFoundError) and Path(paths[1]).read_bytes()[-108:-8] == values[1]
+    assert isinstance(err, FileNotFoundError) and Path(paths[2]).read_bytes()[-108:-8] == values[2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v0", "v1", "v2"]
     with pytest.raises(InvalidArgumentError, match="payloads"):
         write_checksummed(tmps, paths, heads, values[:2])

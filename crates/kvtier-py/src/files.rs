@@ -6,6 +6,7 @@ use std::fs::File;
 use std::hash::Hasher as _;
 use std::io::{self, IoSlice, Read as _, Write as _};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
@@ -15,38 +16,41 @@ use twox_hash::XxHash3_64;
 /// between the hash and the copy.
 const CHUNK: usize = 512 << 10;
 
-/// `f` of every item, in item order, computed on up to `threads` threads (this one among them).
-/// Each thread takes the next item nobody has taken, so one large file does not hold up the
-/// others.
+/// How long this thread works through a batch alone before it calls helpers: a few times what
+/// starting a thread costs (25-30 us on a 2-CPU VM), so a batch of a few small files, which
+/// threads would slow down, never starts one.
+const HELP_AFTER: Duration = Duration::from_micros(100);
+
+/// `f` of every item, in item order, computed on up to `threads` threads (this one among them,
+/// which calls the others only once the batch has taken `HELP_AFTER`). Each thread takes the
+/// next item nobody has taken, so one large file does not hold up the others.
 fn parallel_map<T: Sync, R: Send>(
     items: &[T],
     threads: usize,
     f: impl Fn(&T) -> R + Sync,
 ) -> Vec<R> {
-    let threads = threads.min(items.len());
-    if threads <= 1 {
-        return items.iter().map(f).collect();
-    }
     let next = AtomicUsize::new(0);
-    let work = || {
-        let mut done = Vec::new();
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(item) = items.get(i) else {
-                return done;
-            };
-            done.push((i, f(item)));
-        }
+    let take = || {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        items.get(i).map(|item| (i, f(item)))
     };
+    let left = || items.len().saturating_sub(next.load(Ordering::Relaxed));
     let mut out: Vec<Option<R>> = std::iter::repeat_with(|| None).take(items.len()).collect();
+    let start = Instant::now();
     std::thread::scope(|s| {
-        let helpers: Vec<_> = (1..threads).map(|_| s.spawn(work)).collect();
-        let mine = work();
-        let theirs = helpers
-            .into_iter()
-            .flat_map(|h| h.join().expect("a file I/O thread panicked"));
-        for (i, r) in mine.into_iter().chain(theirs) {
+        let mut helpers = Vec::new();
+        while let Some((i, r)) = take() {
             out[i] = Some(r);
+            if helpers.is_empty() && left() > 0 && threads > 1 && start.elapsed() >= HELP_AFTER {
+                helpers = (1..threads.min(left() + 1))
+                    .map(|_| s.spawn(|| std::iter::from_fn(take).collect::<Vec<_>>()))
+                    .collect();
+            }
+        }
+        for helper in helpers {
+            for (i, r) in helper.join().expect("a file I/O thread panicked") {
+                out[i] = Some(r);
+            }
         }
     });
     out.into_iter()
