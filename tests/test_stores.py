@@ -5,6 +5,7 @@ in a real file, a server killed with SIGKILL, a write past a real file-size limi
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -376,6 +377,45 @@ def test_a_full_disk_refuses_without_corrupting(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "small", "value", "1", "1", "True"]
     assert [p.name for p in tmp_path.rglob("*") if p.is_file() and p.name.startswith(".tmp")] == []
+
+
+FSYNC_WRITER = textwrap.dedent(
+    """
+    import sys
+    from kvtier.stores import DiskStore, Namespace
+    store = DiskStore(sys.argv[1], Namespace("m"), 1 << 30, fsync=True)
+    assert store.put_many([1, 2, 3], [b"a" * 100, b"b" * 200_000, b"c"]) == [True] * 3
+    print("\\n".join(store._path(store.namespace.key(k)) for k in (1, 2, 3)))
+    """
+)
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_fsync_syncs_each_file_and_then_its_directory(tmp_path: Path) -> None:
+    """``fsync=True`` promises a value survives a power loss: its file is synced before the
+    rename, and the directory holding the new name after it (the file's sync does not cover
+    its name), as are the directories a first write creates. Seen in the real system calls."""
+    trace = tmp_path / "strace.log"
+    root = tmp_path / "store"
+    strace = ["strace", "-f", "-y", "-e", "trace=fsync", "-o", str(trace)]
+    out = subprocess.run(
+        [*strace, sys.executable, "-c", FSYNC_WRITER, str(root)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    # One line per call, as it starts ("fsync(5</path>) = 0", or "<unfinished ...>" when
+    # another thread's call is logged before it returns).
+    lines = trace.read_text().splitlines()
+    calls = [line.split("fsync(", 1)[1] for line in lines if "fsync(" in line]
+    synced = [call.split("<", 1)[1].split(">", 1)[0] for call in calls if call[:1].isdigit()]
+    paths = out.stdout.split()
+    tmp_files = [p for p in synced if ".tmp-" in p]
+    assert len(tmp_files) == 3  # each value's file, before its rename
+    for path in paths:
+        assert os.path.dirname(path) in synced[synced.index(tmp_files[-1]) :]
+    namespace_dir = os.path.dirname(os.path.dirname(paths[0]))
+    assert namespace_dir in synced and str(root) in synced
 
 
 WRITER = textwrap.dedent(

@@ -140,6 +140,37 @@ fn write_one(tmp: &str, path: &str, head: &[u8], payload: &[u8], fsync: bool) ->
     done
 }
 
+/// After an fsync'd batch: syncs each directory a value was renamed into, once, so that the
+/// renames survive a power loss too (a file's own fsync does not cover its name). A value whose
+/// directory could not be synced is reported as failed: it is readable, but not durable.
+fn sync_directories(paths: &[String], written: &mut [io::Result<()>], threads: usize) {
+    use std::collections::BTreeSet;
+    let parent = |p: &str| {
+        let dir = std::path::Path::new(p).parent().map(|d| d.as_os_str());
+        dir.filter(|d| !d.is_empty())
+            .unwrap_or(".".as_ref())
+            .to_owned()
+    };
+    let dirs: Vec<_> = paths
+        .iter()
+        .zip(written.iter())
+        .filter(|(_, w)| w.is_ok())
+        .map(|(p, _)| parent(p))
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let synced = parallel_map(&dirs, threads, |d| File::open(d)?.sync_all());
+    for (path, w) in paths.iter().zip(written.iter_mut()) {
+        let dir = parent(path);
+        if let (Ok(()), Ok(at)) = (&w, dirs.binary_search(&dir)) {
+            if let Err(e) = &synced[at] {
+                let what = format!("syncing directory {}: {e}", dir.to_string_lossy());
+                *w = Err(io::Error::new(e.kind(), what));
+            }
+        }
+    }
+}
+
 /// Reads stored values from `paths` on up to `threads` threads, without the GIL: for each path
 /// in order, a tuple of its bytes (a uint8 array) and the checksum of all but its last 8 bytes
 /// (the stored checksum field, which `format.unseal` compares with it), or the `OSError`
@@ -162,9 +193,10 @@ pub fn read_checksummed(py: Python<'_>, paths: Vec<String>, threads: usize) -> V
 
 /// Writes stored values on up to `threads` threads, without the GIL: value `i` is `heads[i]`,
 /// then `payloads[i]` (bytes-like), then the xxh3-64 of both, written to the new file
-/// `tmp_paths[i]` and renamed over `paths[i]` (after an fsync when `fsync`). For each value in
-/// order, None when it was written or the `OSError` writing it raised (its temporary file is
-/// removed; what `paths[i]` held before is untouched).
+/// `tmp_paths[i]` and renamed over `paths[i]` (with `fsync`, the file is synced before and its
+/// directory after the rename, so the value survives a power loss). For each value in order,
+/// None when it was written or the `OSError` writing it raised (its temporary file is removed;
+/// what `paths[i]` held before is untouched), or syncing its directory raised.
 #[pyfunction]
 #[pyo3(signature = (tmp_paths, paths, heads, payloads, *, fsync = false, threads = 1))]
 pub fn write_checksummed(
@@ -194,9 +226,13 @@ pub fn write_checksummed(
     let bodies = crate::checksum::byte_slices(&arrays)?;
     let items: Vec<usize> = (0..n).collect();
     let written = py.detach(|| {
-        parallel_map(&items, threads, |&i| {
+        let mut written = parallel_map(&items, threads, |&i| {
             write_one(&tmp_paths[i], &paths[i], &heads[i], bodies[i], fsync)
-        })
+        });
+        if fsync {
+            sync_directories(&paths, &mut written, threads);
+        }
+        written
     });
     Ok(written
         .into_iter()

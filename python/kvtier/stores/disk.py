@@ -37,7 +37,7 @@ class DiskStore(BudgetedStore):
     """Files under ``root`` within a byte budget: the files ``policy`` ranks lowest are deleted
     to make room (the core's policies, see :class:`kvtier._core.StoreIndex`; a value larger
     than the budget is refused). ``fsync=True`` also makes a value survive a power loss, at
-    the cost of a sync per write. A batch is read or written on up to ``io_threads`` threads
+    the cost of syncing each file and, once per batch, each directory a file was renamed into. A batch is read or written on up to ``io_threads`` threads
     (default: the CPUs, at most 8), each value hashed as it is read or written.
 
     The budget is kept by this process's index of the directory, built when it opens, with the
@@ -152,6 +152,10 @@ class DiskStore(BudgetedStore):
             if directory not in self._dirs:
                 try:
                     os.makedirs(directory, exist_ok=True)
+                    if self.fsync:  # the new directories' names must survive a power loss too
+                        namespace_dir = os.path.dirname(directory)
+                        _sync_dir(namespace_dir)
+                        _sync_dir(os.path.dirname(namespace_dir))
                 except OSError as error:
                     self._failed(f"writing {path}", error, path)
                     continue
@@ -273,6 +277,14 @@ def _abandoned(tmp_name: str, mtime: float) -> bool:
     except PermissionError:
         pass  # alive, someone else's
     return time.time() - mtime > 3600
+
+
+def _sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> bool:
