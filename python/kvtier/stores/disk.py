@@ -37,8 +37,9 @@ class DiskStore(BudgetedStore):
     """Files under ``root`` within a byte budget: the files ``policy`` ranks lowest are deleted
     to make room (the core's policies, see :class:`kvtier._core.StoreIndex`; a value larger
     than the budget is refused). ``fsync=True`` also makes a value survive a power loss, at
-    the cost of syncing each file and, once per batch, each directory a file was renamed into. A batch is read or written on up to ``io_threads`` threads
-    (default: the CPUs, at most 8), each value hashed as it is read or written.
+    the cost of syncing each file and, once per batch, each directory a file was renamed into.
+    A batch is read or written on up to ``io_threads`` threads (default: the CPUs, at most 8),
+    each value hashed as it is read or written.
 
     The budget is kept by this process's index of the directory, built when it opens, with the
     files in the order they were last written: several processes sharing a directory each keep

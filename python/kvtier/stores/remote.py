@@ -9,9 +9,8 @@ hashes each value as soon as its reply is in, while it is in cache. When the ser
 reached, ``get`` is a miss and ``put`` reports failure at once, without waiting on the network
 again for ``retry_after`` seconds; after that the next call reconnects. A command the server
 refuses (a put over its ``maxmemory``, a get of a key that holds no string) fails for that
-value only. The engine keeps running either way. The
-server's own ``maxmemory`` and eviction policy bound what it holds (set ``ttl`` to let values
-expire).
+value only. The engine keeps running either way. The server's own ``maxmemory`` and eviction
+policy bound what it holds (set ``ttl`` to let values expire).
 """
 
 from __future__ import annotations
