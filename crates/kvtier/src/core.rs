@@ -241,8 +241,11 @@ pub struct Core {
     pub(crate) pools: Vec<SlotPool>,
     pub(crate) tier_bytes: Vec<u64>,
     pub(crate) blocks: Blocks,
-    /// Statistics by block id.
-    pub(crate) stats: Vec<BlockStats>,
+    /// Statistics by block id: read through `stats`, written through `stats_mut`.
+    stats: Vec<BlockStats>,
+    /// Some statistic was ever written: until then every row is the default, and a reused
+    /// block id needs no reset (a trace replay under `lru` never writes one).
+    stats_written: bool,
     pub(crate) decay: DecayTable,
     pub(crate) index: PrefixIndex,
     pub(crate) seqs: BTreeMap<u32, Sequence>,
@@ -302,6 +305,7 @@ impl Core {
             pools,
             blocks: Blocks::default(),
             stats: Vec::new(),
+            stats_written: false,
             index: PrefixIndex::default(),
             seqs: BTreeMap::new(),
             next_seq: 0,
@@ -460,8 +464,13 @@ impl Core {
             ..BlockRow::default()
         };
         self.blocks.set_live(b, true);
-        self.blocks.copy[i] = None;
-        self.stats[i] = BlockStats::default();
+        debug_assert!(
+            self.blocks.copy[i].is_none(),
+            "a released block keeps no copy"
+        );
+        if self.stats_written {
+            self.stats[i] = BlockStats::default();
+        }
         self.counters.allocated += 1;
         b
     }
@@ -478,8 +487,11 @@ impl Core {
         self.unindex(b);
         let loc = self.blocks.rows[i].loc;
         self.give_slot(loc);
-        if let Some(copy) = self.blocks.copy[i].take() {
-            self.give_slot(copy);
+        // Copies live in a lower tier: with one tier there are none to look up.
+        if self.cfg.tiers.len() > 1 {
+            if let Some(copy) = self.blocks.copy[i].take() {
+                self.give_slot(copy);
+            }
         }
         if self.blocks.rows[i].indexed {
             self.index.remove(self.blocks.rows[i].hash, b);
@@ -604,6 +616,11 @@ impl Core {
         debug_assert!(self.is_evictable(b as usize));
         self.counters.evictions += 1;
         self.release_block(b);
+    }
+
+    pub(crate) fn stats_mut(&mut self) -> &mut [BlockStats] {
+        self.stats_written = true;
+        &mut self.stats
     }
 
     // ---- ranking -------------------------------------------------------------------------------
@@ -1038,7 +1055,7 @@ impl Core {
         let alpha = self.cfg.attention_ema;
         for (&b, &m) in ids.iter().zip(mass) {
             let i = b as usize;
-            let s = &mut self.stats[i];
+            let s = &mut self.stats_mut()[i];
             s.attn_ema = if s.known & KNOWN_ATTENTION != 0 {
                 alpha * m + (1.0 - alpha) * s.attn_ema
             } else {
@@ -1058,7 +1075,7 @@ impl Core {
     pub fn set_magnitude(&mut self, ids: &[u32], values: &[f32]) -> Result<()> {
         self.check_values("magnitude", ids, values)?;
         for (&b, &v) in ids.iter().zip(values) {
-            let s = &mut self.stats[b as usize];
+            let s = &mut self.stats_mut()[b as usize];
             s.magnitude = v;
             s.known |= KNOWN_MAGNITUDE;
         }
@@ -1069,7 +1086,7 @@ impl Core {
     pub fn set_learned(&mut self, ids: &[u32], values: &[f32]) -> Result<()> {
         self.check_values("learned score", ids, values)?;
         for (&b, &v) in ids.iter().zip(values) {
-            let s = &mut self.stats[b as usize];
+            let s = &mut self.stats_mut()[b as usize];
             s.learned = v;
             s.known |= KNOWN_LEARNED;
         }

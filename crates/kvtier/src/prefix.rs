@@ -6,8 +6,6 @@
 //! hashes until the first one the index lacks. xxh3 is specified bit-for-bit, so hashes are
 //! stable across processes, machines and runs (unlike Python's `hash`).
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use twox_hash::XxHash3_64;
 
 /// Seed of the hash chain for a namespace (model, codec, tenant...).
@@ -36,59 +34,128 @@ pub fn prefix_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
         .collect()
 }
 
-/// The index's keys are already uniformly distributed 64-bit hashes (or trace ids): one
-/// multiply spreads them over the table; SipHash would only add cost.
-#[derive(Default, Clone, Copy)]
-pub struct PrehashedHasher(u64);
-
-impl Hasher for PrehashedHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (x ^ (x >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    }
-}
-
-pub(crate) type FastMap<V> = HashMap<u64, V, BuildHasherDefault<PrehashedHasher>>;
-
 /// Hash → the block that holds that prefix. One block per hash: inserting a hash that is
 /// already present shares the existing block instead of storing it twice.
-#[derive(Debug, Default, Clone)]
+///
+/// Every block reference of a request costs a lookup here, and every new or evicted block an
+/// insert or a removal, so this is a plain open-addressing table tuned for that: keys are
+/// already well mixed 64-bit hashes (or small trace ids, which one Fibonacci multiply spreads),
+/// a slot is the key and its block in 16 bytes, probing is linear (the next slot is in the
+/// same cache line) and at most half the slots are full, so a miss ends within a slot or two.
+/// Removal shifts the rest of the run back, so there are no tombstones to clean up.
+#[derive(Debug, Clone)]
 pub struct PrefixIndex {
-    map: FastMap<u32>,
+    slots: Vec<Slot>,
+    len: usize,
+    /// `64 - log2(slots.len())`: the home slot is the top bits of the multiplied key.
+    shift: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    hash: u64,
+    block: u32,
+}
+
+/// Block id of an empty slot (no block has this id: ids stay below the number of blocks).
+const EMPTY: u32 = u32::MAX;
+const EMPTY_SLOT: Slot = Slot {
+    hash: 0,
+    block: EMPTY,
+};
+const MIN_SLOTS: usize = 16;
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        PrefixIndex {
+            slots: vec![EMPTY_SLOT; MIN_SLOTS],
+            len: 0,
+            shift: 64 - MIN_SLOTS.trailing_zeros(),
+        }
+    }
 }
 
 impl PrefixIndex {
+    #[inline]
+    fn home(&self, hash: u64) -> usize {
+        (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    }
+
+    #[inline]
+    fn next(&self, i: usize) -> usize {
+        (i + 1) & (self.slots.len() - 1)
+    }
+
+    /// The slot holding `hash`, or the empty slot where it would go.
+    #[inline]
+    fn find(&self, hash: u64) -> usize {
+        let mut i = self.home(hash);
+        loop {
+            let s = self.slots[i];
+            if s.block == EMPTY || s.hash == hash {
+                return i;
+            }
+            i = self.next(i);
+        }
+    }
+
+    #[inline]
     pub fn get(&self, hash: u64) -> Option<u32> {
-        self.map.get(&hash).copied()
+        let s = self.slots[self.find(hash)];
+        (s.block != EMPTY).then_some(s.block)
     }
 
     /// Registers `block` under `hash` unless the hash is taken; returns whether it was.
+    #[inline]
     pub fn insert(&mut self, hash: u64, block: u32) -> bool {
-        use std::collections::hash_map::Entry;
-        match self.map.entry(hash) {
-            Entry::Occupied(_) => false,
-            Entry::Vacant(v) => {
-                v.insert(block);
-                true
-            }
+        assert!(block != EMPTY, "block id {block} is reserved");
+        if 2 * (self.len + 1) > self.slots.len() {
+            self.grow();
+        }
+        let i = self.find(hash);
+        if self.slots[i].block != EMPTY {
+            return false;
+        }
+        self.slots[i] = Slot { hash, block };
+        self.len += 1;
+        true
+    }
+
+    fn grow(&mut self) {
+        let doubled = vec![EMPTY_SLOT; 2 * self.slots.len()];
+        let old = std::mem::replace(&mut self.slots, doubled);
+        self.shift -= 1;
+        for s in old.into_iter().filter(|s| s.block != EMPTY) {
+            let i = self.find(s.hash);
+            self.slots[i] = s;
         }
     }
 
     /// Removes `hash` if it maps to `block`.
+    #[inline]
     pub fn remove(&mut self, hash: u64, block: u32) {
-        use std::collections::hash_map::Entry;
-        if let Entry::Occupied(e) = self.map.entry(hash) {
-            if *e.get() == block {
-                e.remove();
+        let mut hole = self.find(hash);
+        if self.slots[hole].block != block || block == EMPTY {
+            return;
+        }
+        self.len -= 1;
+        // Backward shift: move each later entry of the run into the hole unless its home lies
+        // cyclically after the hole (it would then sit before its home, where no probe looks).
+        let mut i = hole;
+        loop {
+            i = self.next(i);
+            let s = self.slots[i];
+            if s.block == EMPTY {
+                break;
+            }
+            let home = self.home(s.hash);
+            let mask = self.slots.len() - 1;
+            if (i.wrapping_sub(home) & mask) >= (i.wrapping_sub(hole) & mask) {
+                self.slots[hole] = s;
+                hole = i;
             }
         }
+        self.slots[hole] = EMPTY_SLOT;
     }
 
     /// Number of leading hashes present, and their blocks.
@@ -97,10 +164,10 @@ impl PrefixIndex {
     }
 
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.len == 0
     }
 }

@@ -325,7 +325,8 @@ impl Core {
     /// them with the configured weights; a signal a block lacks gives its weight to the others.
     fn normalise_importance(&mut self, blocks: &[u32]) {
         use crate::stats::{KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
-        let s = &mut self.stats;
+        let weights = self.cfg.weights;
+        let s = self.stats_mut();
         const BITS: [u8; 3] = [KNOWN_MAGNITUDE, KNOWN_LEARNED, KNOWN_ATTENTION];
         let mut range = [(f32::INFINITY, f32::NEG_INFINITY); 3];
         let mut known_any = 0u8;
@@ -357,8 +358,8 @@ impl Core {
                 if st.known & BITS[k] != 0 {
                     let (lo, hi) = range[k];
                     let x = if hi > lo { (v - lo) / (hi - lo) } else { 0.5 };
-                    sum += self.cfg.weights[k] * x;
-                    weight += self.cfg.weights[k];
+                    sum += weights[k] * x;
+                    weight += weights[k];
                 }
             }
             st.importance = if weight > 0.0 { sum / weight } else { 0.0 };
