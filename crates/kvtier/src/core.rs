@@ -762,6 +762,19 @@ impl Core {
     /// Appends full blocks given by their (already chained) hashes — how a trace replays. A hash
     /// already in the index shares that block; the others get new level-0 device blocks.
     pub fn append_blocks(&mut self, seq: u32, hashes: &[u64]) -> Result<Appended> {
+        let mut out = Appended::default();
+        self.append_blocks_into(seq, hashes, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Core::append_blocks`] into the caller's buffers (cleared first), so that a replay
+    /// allocates none per request.
+    pub(crate) fn append_blocks_into(
+        &mut self,
+        seq: u32,
+        hashes: &[u64],
+        out: &mut Appended,
+    ) -> Result<()> {
         let bs = u64::from(self.cfg.block_size);
         let s = self.seq(seq)?;
         if s.tokens % bs != 0 {
@@ -773,10 +786,8 @@ impl Core {
         let start = s.blocks.len() as u32;
         // One lookup per hash. The shared blocks are referenced first so that making room
         // cannot evict them; the new ones are filled in after.
-        let mut out = Appended {
-            blocks: Vec::with_capacity(hashes.len()),
-            shared: Vec::with_capacity(hashes.len()),
-        };
+        out.blocks.clear();
+        out.shared.clear();
         let mut missing = 0;
         for &h in hashes {
             let found = self.index.get(h);
@@ -812,7 +823,7 @@ impl Core {
         if let Some(&h) = hashes.last() {
             s.chain = h;
         }
-        Ok(out)
+        Ok(())
     }
 
     fn unshare(&mut self, b: u32) {
@@ -1032,6 +1043,12 @@ impl Core {
     /// Counts a read of each listed block (a block listed twice is read twice).
     pub fn record_reads(&mut self, ids: &[u32]) -> Result<()> {
         self.check_blocks(ids)?;
+        self.read_blocks(ids);
+        Ok(())
+    }
+
+    /// [`Core::record_reads`] of blocks known to be live.
+    pub(crate) fn read_blocks(&mut self, ids: &[u32]) {
         let step = self.step;
         for &b in ids {
             let i = b as usize;
@@ -1044,7 +1061,6 @@ impl Core {
                 self.refresh_evictable(b);
             }
         }
-        Ok(())
     }
 
     /// Attention mass each block received in one report (summed over layers and heads by the

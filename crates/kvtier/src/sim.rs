@@ -14,7 +14,7 @@
 //! live blocks plus the cache.
 
 use crate::config::{Config, Tier};
-use crate::core::Core;
+use crate::core::{Appended, Core};
 use crate::error::{Error, Result};
 
 /// Requests in CSR form: the hashes of request `i` are `hashes[offsets[i]..offsets[i+1]]`.
@@ -87,6 +87,8 @@ pub struct Simulator {
     step_every: u64,
     next: usize,
     pub stats: SimStats,
+    /// Reused by every request's append.
+    appended: Appended,
 }
 
 impl Simulator {
@@ -105,6 +107,7 @@ impl Simulator {
             trace,
             step_every,
             next: 0,
+            appended: Appended::default(),
             stats: SimStats {
                 hit_blocks_at: vec![vec![0; levels]; Tier::ALL.len()],
                 hit_tokens_at: vec![vec![0; levels]; Tier::ALL.len()],
@@ -135,7 +138,11 @@ impl Simulator {
 
     fn replay(&mut self, i: usize) -> Result<()> {
         let Simulator {
-            core, trace, stats, ..
+            core,
+            trace,
+            stats,
+            appended,
+            ..
         } = self;
         let bs = u64::from(core.config().block_size);
         let hashes = trace.request(i);
@@ -146,21 +153,19 @@ impl Simulator {
         let seq = core.add_sequence();
         // The append shares every indexed block and takes references before it evicts
         // anything, so the hits are the leading shared blocks, where they were found.
-        let (blocks, n_hits) = match core.append_blocks(seq, hashes) {
-            Ok(appended) => {
-                core.record_reads(&appended.blocks)?;
-                let n = appended.shared.iter().take_while(|&&s| s).count();
-                (appended.blocks, n)
+        let n_hits = match core.append_blocks_into(seq, hashes, appended) {
+            Ok(()) => {
+                core.read_blocks(&appended.blocks);
+                appended.shared.iter().take_while(|&&s| s).count()
             }
             Err(Error::OutOfCapacity { .. } | Error::OutOfSlots { .. }) => {
                 stats.rejected += 1;
-                let found = core.lookup(hashes);
-                let n = found.len();
-                (found, n)
+                appended.blocks = core.lookup(hashes);
+                appended.blocks.len()
             }
             Err(e) => return Err(e),
         };
-        for (k, &b) in blocks[..n_hits].iter().enumerate() {
+        for (k, &b) in appended.blocks[..n_hits].iter().enumerate() {
             let loc = core.blocks.rows[b as usize].loc; // live: the append just returned it
             let (t, l) = (loc.tier as usize, usize::from(loc.level));
             // Every block is full but the request's last, which holds what is left.
