@@ -27,6 +27,9 @@ def test_bench_core_quick_prints_figures_beside_baselines() -> None:
     assert result["plan"]["moves"] == result["plan"]["python_moves"], "same work on both sides"
     sim = result["simulate"]
     assert sim["kvtier_lru"]["block_hit_rate"] == sim["python_lru"]["block_hit_rate"]
+    model = sim["python_model"]
+    assert model["requests"] == 200 and model["wall_s"] > 0 and model["kvtier_wall_s"] > 0
+    assert model["block_hit_rate"] == model["kvtier_block_hit_rate"], "same work on both sides"
 
 
 def test_bench_codecs_quick_prints_figures_beside_baselines() -> None:

@@ -435,6 +435,21 @@ def test_two_batch_calls_on_two_cores_run_while_python_runs() -> None:
 # ---- the simulator ------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("capacity", [20, 300])
+def test_simulated_replay_equals_the_model_replaying_call_for_call(capacity: int) -> None:
+    # 20 blocks: some requests do not fit at all (rejected, their hits still counted).
+    trace = load_trace(bundled_trace_path()).head(400)
+    cfg = SimulationConfig(device_blocks=capacity, ladder=("fp16",))
+    result = run(trace, cfg, policies=["lru"])["results"][0]
+    expected = pymodel.model_replay(trace, capacity)
+    assert (capacity == 20) == (expected["rejected"] > 0)
+    assert (result["hit_blocks"], result["ref_blocks"], result["rejected_requests"]) == (
+        expected["hit_blocks"],
+        expected["ref_blocks"],
+        expected["rejected"],
+    )
+
+
 @pytest.mark.parametrize("capacity", [300, 3000])
 def test_simulated_lru_equals_the_plain_python_lru(capacity: int) -> None:
     trace = load_trace(bundled_trace_path())

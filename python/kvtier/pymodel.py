@@ -41,6 +41,7 @@ __all__ = [
     "lru_replay",
     "model_plan",
     "model_record_reads",
+    "model_replay",
     "namespace_seed",
     "populate",
     "prefix_hashes",
@@ -1353,3 +1354,44 @@ def model_plan(model: ModelCore) -> ModelPlan:
     """A scheduler pass in plain Python, as ``Core.plan()``: ranks every live block, splits
     levels, relieves budget pressure. The plan stays pending: ``commit`` or ``abort`` it."""
     return model.plan()
+
+
+def model_replay(trace: Trace, capacity_blocks: int) -> dict[str, int | float]:
+    """What ``kvtier simulate`` does for a full-precision LRU replay of ``trace`` on a device of
+    ``capacity_blocks`` blocks, through :class:`ModelCore` instead of the core: per request a
+    sequence appends the request's blocks (the hits are its leading shared ones), records a read
+    of each, plans and commits, and is freed. The same work as the core's replay, call for call.
+
+    The model is the test oracle, written to be obviously right rather than fast: it sorts the
+    cached blocks at each eviction, so its time grows with the cache. Time it on a short trace.
+    """
+    m = ModelCore(
+        [1],
+        tiers=(("device", capacity_blocks),),
+        block_size=trace.block_tokens,
+        policy="lru",
+        evict_on_full=True,
+        pressure_only=True,
+    )
+    offsets: list[int] = trace.hash_offsets.tolist()
+    ids: list[int] = trace.hash_ids.tolist()
+    hit_blocks = rejected = 0
+    for r in range(len(trace)):
+        hashes = ids[offsets[r] : offsets[r + 1]]
+        seq = m.add_sequence()
+        try:
+            blocks, shared = m.append_blocks(seq, hashes)
+            m.record_reads(blocks)
+            hit_blocks += next((k for k, s in enumerate(shared) if not s), len(shared))
+        except OutOfCapacityError:
+            rejected += 1
+            hit_blocks += len(m.lookup(hashes))
+        m.commit(m.plan().id)
+        m.free_sequence(seq)
+    return {
+        "requests": len(trace),
+        "hit_blocks": hit_blocks,
+        "ref_blocks": len(ids),
+        "block_hit_rate": hit_blocks / len(ids) if ids else 0.0,
+        "rejected": rejected,
+    }
