@@ -241,7 +241,7 @@ pub struct Core {
     pub(crate) pools: Vec<SlotPool>,
     pub(crate) tier_bytes: Vec<u64>,
     pub(crate) blocks: Blocks,
-    /// Statistics by block id: read through `stats`, written through `stats_mut`.
+    /// Statistics by block id; written only through `stats_mut`, which sets `stats_written`.
     stats: Vec<BlockStats>,
     /// Some statistic was ever written: until then every row is the default, and a reused
     /// block id needs no reset (a trace replay under `lru` never writes one).
