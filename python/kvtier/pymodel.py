@@ -314,6 +314,8 @@ POLICIES = ("importance", "lru", "lfu", "h2o", "scissorhands")
 _KNOWN_MAGNITUDE, _KNOWN_LEARNED, _KNOWN_ATTENTION = 1, 2, 4
 _U64_MAX = (1 << 64) - 1
 _U32_MAX = (1 << 32) - 1
+#: Steps covered by the decay table (the core's `stats::DECAY_TABLE_LEN`): beyond it, powi.
+DECAY_TABLE_LEN = 1024
 
 #: One move: (block, kind, src_level, dst_level); dst_level is None for an eviction.
 Move = tuple[int, int, int, "int | None"]
@@ -495,7 +497,7 @@ class ModelCore:
 
         # decay^k as the core computes it: a table of repeated f32 products, else powi.
         table = [1.0]
-        for _ in range(63):
+        for _ in range(DECAY_TABLE_LEN - 1):
             table.append(f(table[-1] * decay))
         self._decay = decay
         self._decay_table = table
@@ -568,7 +570,7 @@ class ModelCore:
         return float(self._key(b)[0])
 
     def _decay_pow(self, k: int) -> float:
-        if k < 64:
+        if k < DECAY_TABLE_LEN:
             return self._decay_table[k]
         # f32::powi: square-and-multiply in f32 (compiler-rt's __powisf2).
         a, r = self._decay, 1.0
@@ -927,7 +929,7 @@ class ModelCore:
         clock = self.clock
         for b in ids:
             age = step - rstep[b]
-            d = table[age] if age < 64 else self._decay_pow(age)
+            d = table[age] if age < DECAY_TABLE_LEN else self._decay_pow(age)
             r = unpack(pack(reads[b] * d))[0]
             reads[b] = unpack(pack(r + 1.0))[0]
             rstep[b] = step

@@ -249,6 +249,9 @@ pub struct Core {
     pub(crate) decay: DecayTable,
     pub(crate) index: PrefixIndex,
     pub(crate) seqs: BTreeMap<u32, Sequence>,
+    /// Block lists of freed sequences, emptied, for new ones: a request-per-sequence workload
+    /// then allocates none. Never more than the peak number of live sequences.
+    spare_block_lists: Vec<Vec<u32>>,
     next_seq: u32,
     pub(crate) step: u32,
     clock: u64,
@@ -308,6 +311,7 @@ impl Core {
             stats_written: false,
             index: PrefixIndex::default(),
             seqs: BTreeMap::new(),
+            spare_block_lists: Vec::new(),
             next_seq: 0,
             step: 0,
             clock: 0,
@@ -478,14 +482,13 @@ impl Core {
     /// Frees a block whose last reference is gone: its slots, its index entry, its id.
     pub(crate) fn release_block(&mut self, b: u32) {
         let i = b as usize;
-        debug_assert!(
-            self.blocks.rows[i].live
-                && self.blocks.rows[i].refcount == 0
-                && !self.blocks.rows[i].moving
-        );
-        self.blocks.set_live(b, false);
         self.unindex(b);
-        let loc = self.blocks.rows[i].loc;
+        // One borrow of the row for all it gives up: the hot path of every eviction.
+        let row = &mut self.blocks.rows[i];
+        debug_assert!(row.live && row.refcount == 0 && !row.moving);
+        let (loc, indexed) = (row.loc, row.indexed);
+        row.indexed = false;
+        self.blocks.set_live(b, false);
         self.give_slot(loc);
         // Copies live in a lower tier: with one tier there are none to look up.
         if self.cfg.tiers.len() > 1 {
@@ -493,9 +496,8 @@ impl Core {
                 self.give_slot(copy);
             }
         }
-        if self.blocks.rows[i].indexed {
+        if indexed {
             self.index.remove(self.blocks.rows[i].hash, b);
-            self.blocks.rows[i].indexed = false;
         }
         self.blocks.free_ids.push(b);
         self.counters.released += 1;
@@ -506,12 +508,9 @@ impl Core {
     pub(crate) fn release_if_orphan(&mut self, b: u32) {
         let i = b as usize;
         let bl = &self.blocks;
-        if bl.rows[i].live
-            && bl.rows[i].refcount == 0
-            && bl.rows[i].pins == 0
-            && !bl.rows[i].moving
-            && !bl.rows[i].indexed
-        {
+        let row = &bl.rows[i];
+        // `indexed` first: a freed request's blocks are mostly cached.
+        if !row.indexed && row.live && row.refcount == 0 && row.pins == 0 && !row.moving {
             self.release_block(b);
         }
     }
@@ -611,6 +610,18 @@ impl Core {
         best
     }
 
+    /// Evicts the `k` lowest-ranked evictable blocks of `pool`; the caller checked there are.
+    fn evict_lowest(&mut self, pool: usize, k: u64) {
+        for _ in 0..k {
+            let rows = &self.blocks.rows;
+            let e = self.evictable[pool]
+                .queue
+                .pop_valid(|e| Self::entry_valid(rows, pool, e))
+                .expect("room was checked before evicting");
+            self.evict_now(e.block);
+        }
+    }
+
     /// Removes a cached block from the cache entirely (no copy needed: nobody reads it).
     pub(crate) fn evict_now(&mut self, b: u32) {
         debug_assert!(self.is_evictable(b as usize));
@@ -651,9 +662,11 @@ impl Core {
     pub fn add_sequence(&mut self) -> u32 {
         let id = self.next_seq;
         self.next_seq = self.next_seq.wrapping_add(1);
+        let blocks = self.spare_block_lists.pop().unwrap_or_default();
         self.seqs.insert(
             id,
             Sequence {
+                blocks,
                 chain: self.cfg.namespace,
                 ..Sequence::default()
             },
@@ -723,17 +736,20 @@ impl Core {
             });
         }
         while !fits(self) {
-            let bytes_fit = u128::from(self.tier_bytes[0]) + u128::from(need) <= u128::from(budget);
-            // Short of level-0 slots only: evict from that pool.
-            let pools = if bytes_fit {
-                pool0..pool0 + 1
+            let over = self.tier_bytes[0]
+                .saturating_add(need)
+                .saturating_sub(budget);
+            if over == 0 || levels == 1 {
+                // Every eviction from the level-0 pool frees one slot and one level-0 block's
+                // bytes: evict the shortfall in one sweep.
+                let short_slots = n.saturating_sub(u64::from(self.pools[pool0].free_count()));
+                self.evict_lowest(pool0, short_slots.max(over.div_ceil(bytes)));
             } else {
-                0..levels
-            };
-            let (_, b) = self
-                .lowest_evictable(pools)
-                .expect("room was checked before evicting");
-            self.evict_now(b);
+                let (_, b) = self
+                    .lowest_evictable(0..levels)
+                    .expect("room was checked before evicting");
+                self.evict_now(b);
+            }
         }
         Ok(())
     }
@@ -1005,6 +1021,9 @@ impl Core {
                 self.release_if_orphan(b);
             }
         }
+        let mut blocks = s.blocks;
+        blocks.clear();
+        self.spare_block_lists.push(blocks);
         Ok(())
     }
 

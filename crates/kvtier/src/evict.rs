@@ -55,6 +55,17 @@ impl EvictionQueue {
         }
     }
 
+    /// Removes and returns the lowest valid entry, dropping stale ones on the way.
+    #[inline]
+    pub fn pop_valid(&mut self, valid: impl Fn(&Entry) -> bool) -> Option<Entry> {
+        let top = self.peek_valid(valid)?;
+        match self.spill.peek() {
+            Some(Reverse(b)) if *b == top => self.spill.pop(),
+            _ => return self.run.pop_front(),
+        };
+        Some(top)
+    }
+
     pub fn retain(&mut self, valid: impl Fn(&Entry) -> bool) {
         self.run.retain(&valid);
         self.spill.retain(|Reverse(e)| valid(e));

@@ -26,19 +26,23 @@ pub const KNOWN_MAGNITUDE: u8 = 1;
 pub const KNOWN_LEARNED: u8 = 2;
 pub const KNOWN_ATTENTION: u8 = 4;
 
-/// `decay^k` for small k from a table, else computed: most reads are a few steps apart.
+/// Steps covered by the decay table: a block read again within this many steps (a few
+/// thousand requests of a busy engine) decays by a lookup, not a `powi`.
+pub const DECAY_TABLE_LEN: usize = 1024;
+
+/// `decay^k` for k below [`DECAY_TABLE_LEN`] from a table of repeated products, else computed.
 #[derive(Debug, Clone)]
 pub struct DecayTable {
     decay: f32,
-    table: [f32; 64],
+    table: Box<[f32; DECAY_TABLE_LEN]>,
     /// `ln(1/decay)`, computed once: every ranking key under `lfu` and `importance` uses it.
     log_inv: f64,
 }
 
 impl DecayTable {
     pub fn new(decay: f32) -> Self {
-        let mut table = [1.0f32; 64];
-        for k in 1..64 {
+        let mut table = Box::new([1.0f32; DECAY_TABLE_LEN]);
+        for k in 1..DECAY_TABLE_LEN {
             table[k] = table[k - 1] * decay;
         }
         DecayTable {
