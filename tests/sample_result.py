@@ -24,6 +24,7 @@ def _policy(policy: str, hit_blocks: int, by_place: list[tuple[str, str, int]]) 
         "hit_tokens": hit_tokens,
         "block_hit_rate": hit_blocks / ref_blocks,
         "token_hit_rate": hit_tokens / ref_tokens,
+        "rejected_requests": 0,
         "hits_by_place": [
             {"tier": t, "level": lv, "blocks": n, "tokens": n * 512} for t, lv, n in by_place
         ],

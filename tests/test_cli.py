@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import types
@@ -16,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bad_traces import BAD_TRACES
 from sample_result import sample_result
 
 from kvtier.cli import DEFAULT_DEVICE_BYTES, main
 from kvtier.config import ENV_VARS
+from kvtier.shapes import model_shape
 
 GiB = 2**30
 
@@ -258,3 +261,81 @@ def test_simulate_plot(
     assert main(["simulate", str(trace_file), "--no-progress", "--plot", str(png)]) == 0
     assert png.read_bytes().startswith(b"\x89PNG")
     assert str(png) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["directory", "truncated gzip", "not UTF-8", "hash id >= 2**64"])
+def test_a_bad_trace_file_is_one_error_line_naming_it(
+    fake_sim: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    write, message = BAD_TRACES[case]
+    path = write(tmp_path)
+    assert main(["simulate", str(path), "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "Traceback" not in err
+    error, _ = _error_lines(err)
+    assert re.search(re.escape(str(path)) + ".*" + message, error), error
+    assert not fake_sim  # nothing was replayed
+
+
+def test_simulate_blocks_come_from_the_environment(
+    fake_sim: dict[str, Any], trace_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTIER_DEVICE_BLOCKS", "100")
+    monkeypatch.setenv("KVTIER_HOST_BLOCKS", "10")
+    assert main(["simulate", str(trace_file), "--no-progress"]) == 0
+    cfg = fake_sim["config"]
+    assert (cfg.device_bytes, cfg.device_blocks) == (None, 100)
+    # A simulated block is one of the trace's 512-token blocks at level 0 (bf16 for llama3-8b).
+    assert cfg.host_bytes == 10 * model_shape("llama3-8b").block_bytes("bf16", 512)
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "expected"),
+    [
+        ({"KVTIER_DEVICE_BLOCKS": "100"}, ["--device-bytes", "8GiB"], (8 * GiB, None, None)),
+        ({"KVTIER_DEVICE_BUDGET": "8GiB"}, ["--device-blocks", "50"], (None, 50, None)),
+        ({"KVTIER_HOST_BLOCKS": "10"}, ["--host-bytes", "1GiB"], (DEFAULT_DEVICE_BYTES, None, GiB)),
+    ],
+)
+def test_a_budget_flag_outranks_the_variable_in_the_other_unit(
+    fake_sim: dict[str, Any],
+    trace_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    argv: list[str],
+    expected: tuple[int | None, int | None, int | None],
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["simulate", str(trace_file), "--no-progress", *argv]) == 0
+    cfg = fake_sim["config"]
+    assert (cfg.device_bytes, cfg.device_blocks, cfg.host_bytes) == expected
+
+
+@pytest.mark.parametrize("plot_path", ["missing/out.png", "out.xyz", "."])
+def test_a_bad_plot_path_fails_before_the_replay(
+    fake_sim: dict[str, Any],
+    trace_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    plot_path: str,
+) -> None:
+    pytest.importorskip("matplotlib", reason="plotting needs the plot extra")
+    bad = tmp_path / plot_path
+    assert main(["simulate", str(trace_file), "--no-progress", "--plot", str(bad)]) == 2
+    error, hint = _error_lines(capsys.readouterr().err)
+    assert str(bad) in error
+    assert "plot" in hint and "bundled" not in hint
+    assert not fake_sim  # nothing was replayed
+
+
+def test_simulate_plot_without_a_suffix_reports_the_png_it_wrote(
+    fake_sim: dict[str, Any], trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib", reason="plotting needs the plot extra")
+    argv = ["simulate", str(trace_file), "--no-progress", "--plot", str(tmp_path / "sim")]
+    assert main(argv) == 0
+    assert (tmp_path / "sim.png").read_bytes().startswith(b"\x89PNG")
+    assert not (tmp_path / "sim").exists()
+    assert f"wrote {tmp_path / 'sim.png'}\n" in capsys.readouterr().err

@@ -97,6 +97,22 @@ def test_none_override_and_empty_variable_count_as_not_given() -> None:
     assert cfg.block_size == 16
 
 
+@pytest.mark.parametrize(
+    ("env", "explicit", "expected"),
+    [
+        ({"KVTIER_DEVICE_BLOCKS": "100"}, {"device_budget": 2**33}, (2**33, None, None, None)),
+        ({"KVTIER_DEVICE_BUDGET": "8GiB"}, {"device_blocks": 50}, (None, 50, None, None)),
+        ({"KVTIER_HOST_BLOCKS": "10"}, {"host_budget": 2**30}, (None, None, 2**30, None)),
+        ({"KVTIER_HOST_BUDGET": "1GiB"}, {"host_blocks": 10}, (None, None, None, 10)),
+    ],
+)
+def test_an_explicit_budget_outranks_the_variable_in_the_other_unit(
+    env: dict[str, str], explicit: dict[str, int], expected: tuple[int | None, ...]
+) -> None:
+    cfg = KvtierConfig.from_env(environ=env, **explicit)
+    assert (cfg.device_budget, cfg.device_blocks, cfg.host_budget, cfg.host_blocks) == expected
+
+
 def test_environment_values_are_parsed_by_type() -> None:
     env = {
         "KVTIER_ENABLE_COMPRESSION": "off",

@@ -450,6 +450,21 @@ def test_simulated_replay_equals_the_model_replaying_call_for_call(capacity: int
     )
 
 
+def test_a_full_device_offloads_to_a_host_with_room_and_evicts_nothing() -> None:
+    # The device holds one request and a block more: each request's new blocks need room made
+    # first. With a host tier behind it, room is made by offloading, so every block ever seen
+    # stays cached: the hits are exactly the references to blocks seen before.
+    trace = load_trace(bundled_trace_path()).head(1000)
+    device = int(np.diff(trace.hash_offsets).max()) + 1
+    tiered = SimulationConfig(device_blocks=device, host_bytes=10**15, ladder=("fp16",))
+    result = run(trace, tiered, policies=["lru"])["results"][0]
+    assert result["moves"]["evictions"] == 0
+    assert result["moves"]["offloads"] > 0
+    assert result["hit_blocks"] == len(trace.hash_ids) - len(np.unique(trace.hash_ids))
+    alone = SimulationConfig(device_blocks=device, ladder=("fp16",))
+    assert run(trace, alone, policies=["lru"])["results"][0]["hit_blocks"] < result["hit_blocks"]
+
+
 @pytest.mark.parametrize("capacity", [300, 3000])
 def test_simulated_lru_equals_the_plain_python_lru(capacity: int) -> None:
     trace = load_trace(bundled_trace_path())

@@ -327,6 +327,25 @@ def test_a_full_device_offloads_to_the_host_instead_of_failing() -> None:
     assert_gathers(bm, seq, x)
 
 
+def test_a_prefill_beyond_the_headroom_offloads_cached_blocks_instead_of_failing() -> None:
+    bm = manager(device_blocks=8, host_blocks=64, recent_window=16, enable_compression=False)
+    ids = np.arange(8 * BS)
+    a = bm.add_sequence(ids)
+    x = kv(8 * BS, seed=15)
+    append_all(bm, a, x)
+    bm.free(a)  # eight cached blocks fill the device
+    b = bm.add_sequence()
+    y = kv(6 * BS, seed=16)
+    append_all(bm, b, y)  # one prefill of six blocks: far more than the headroom frees
+    stats = bm.get_compression_stats()
+    assert stats["offloads"] >= 6
+    assert stats["evictions"] == 0
+    assert_gathers(bm, b, y)
+    c = bm.add_sequence(ids)  # the old prompt is still cached, on the host
+    assert bm.num_tokens(c, 0) == 8 * BS
+    assert_gathers(bm, c, x)
+
+
 def test_evict_on_full_makes_room_from_cached_blocks() -> None:
     bm = manager(device_blocks=4, enable_compression=False, evict_on_full=True)
     ids = np.arange(4 * BS)

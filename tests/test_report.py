@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from sample_result import sample_result
 
-from kvtier.errors import MissingDependencyError
-from kvtier.report import Progress, human_bytes, plot, render_table
+from kvtier.errors import InvalidArgumentError, MissingDependencyError
+from kvtier.report import Progress, human_bytes, plot, render_table, resolve_plot_path
 
 ANSI = re.compile(r"\033\[[0-9;]*[A-Za-z]")
 
@@ -59,6 +59,16 @@ def test_table_compares_policies_side_by_side() -> None:
     assert "prefill cost model:" in text
 
 
+def test_table_shows_rejected_requests_only_when_there_are_some() -> None:
+    result = sample_result()
+    assert "rejected" not in render_table(result, color=False)
+    result["results"][1]["rejected_requests"] = 10
+    lines = render_table(result, color=False).splitlines()
+    row = next(line for line in lines if line.startswith("rejected requests"))
+    assert re.split(r"\s{2,}", row)[1:] == ["0 (0.0 %)", "10 (25.0 %)"]
+    assert any("did not fit on the device" in line for line in lines)
+
+
 def test_table_columns_line_up() -> None:
     text = render_table(sample_result(), color=False)
     lines = text.splitlines()
@@ -90,6 +100,27 @@ def test_plot_one_policy(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="plotting needs the plot extra")
     out = plot(sample_result(policies=1), tmp_path / "one.png")
     assert out.stat().st_size > 0
+
+
+def test_plot_without_a_suffix_writes_and_returns_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plotting needs the plot extra")
+    out = plot(sample_result(), tmp_path / "sim")
+    assert out == tmp_path / "sim.png"
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("sim.xyz", "no '.xyz' files"), ("missing/sim.png", "does not exist"), (".", "directory")],
+)
+def test_plot_path_is_checked_before_drawing(tmp_path: Path, name: str, message: str) -> None:
+    pytest.importorskip("matplotlib", reason="plotting needs the plot extra")
+    with pytest.raises(InvalidArgumentError, match=message) as info:
+        resolve_plot_path(tmp_path / name)
+    assert info.value.hint
+    with pytest.raises(InvalidArgumentError, match=message):
+        plot(sample_result(), tmp_path / name)
+    assert not (tmp_path / name).is_file()
 
 
 def test_plot_without_matplotlib_names_the_extra(

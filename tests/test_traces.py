@@ -4,11 +4,14 @@ import gzip
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bad_traces import BAD_TRACES
 
+from kvtier.errors import TraceError
 from kvtier.traces import (
     BUNDLED_TRACE_REQUESTS,
     Trace,
@@ -242,3 +245,23 @@ def test_plain_csv_and_format_detection(tmp_path: Path) -> None:
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,12x,3\n")
     with pytest.raises(ValueError, match=r"line 2.*ContextTokens"):
         load_trace(bad)
+
+
+@pytest.mark.parametrize("case", list(BAD_TRACES))
+def test_a_bad_trace_file_raises_trace_error_naming_file_and_line(
+    tmp_path: Path, case: str
+) -> None:
+    write, message = BAD_TRACES[case]
+    path = write(tmp_path)
+    with pytest.raises(TraceError, match=re.escape(str(path)) + r".*" + message) as info:
+        load_trace(path)
+    assert isinstance(info.value, ValueError)  # what callers caught before TraceError existed
+    assert info.value.hint
+
+
+def test_equal_timestamps_are_in_arrival_order(tmp_path: Path) -> None:
+    path = tmp_path / "ties.csv"
+    path.write_text("timestamp,input_length,output_length\n0,512,1\n7,512,1\n7,512,1\n")
+    trace = load_trace(path)
+    assert trace.timestamps_ms.tolist() == [0.0, 7.0, 7.0]
+    assert trace.duration_s == 0.007

@@ -22,6 +22,7 @@ from .errors import (
     MissingDependencyError,
     OutOfCapacityError,
     PlanError,
+    TraceError,
 )
 from .manager import BlockManager, ManagerStats
 
@@ -46,6 +47,7 @@ __all__ = [
     "OutOfCapacityError",
     "Plan",
     "PlanError",
+    "TraceError",
     "__version__",
     "parse_bytes",
     "prefix_hashes",

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from .config import POLICIES, KvtierConfig, normalize_dtype, parse_bytes
 from .errors import ConfigError, KvtierError, require
-from .shapes import MODELS
+from .shapes import MODELS, model_shape
 
 __all__ = ["main"]
 
@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Replay a request trace through kvtier's core and report hit rates by tier and "
             "level, memory by level, the scheduler's moves and an estimated prefill saving. "
             "No GPU and no server needed. Sizes accept 8GiB, 512MB, 1e9 or plain bytes; "
-            "budgets not given on the command line come from KVTIER_*_BUDGET when set."
+            "budgets not given on the command line come from KVTIER_*_BUDGET (or "
+            "KVTIER_DEVICE_BLOCKS, KVTIER_HOST_BLOCKS) when set."
         ),
     )
     sim.add_argument(
@@ -274,7 +275,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     base = KvtierConfig.from_env(
         policy=policies[0].partition(":")[0] if policies else args.policy,
         ladder=args.ladder,
+        # Either budget form on the command line outranks both KVTIER_DEVICE_* variables.
         device_budget=args.device_bytes,
+        device_blocks=args.device_blocks,
         host_budget=args.host_bytes,
         disk_budget=args.disk_bytes,
         remote_budget=args.remote_bytes,
@@ -290,18 +293,23 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         )
 
     device_bytes = base.device_budget
-    if device_bytes is None and args.device_blocks is None:
+    if device_bytes is None and base.device_blocks is None:
         device_bytes = DEFAULT_DEVICE_BYTES
 
+    plot_path = None
     if args.plot:
         require("matplotlib", "plot", purpose="--plot needs matplotlib")
+        from .report import resolve_plot_path
+
+        # Checked now, so that a bad path fails before the replay rather than after it.
+        plot_path = resolve_plot_path(args.plot)
 
     traces = importlib.import_module("kvtier.traces")
     if args.trace is None:
         trace_path = Path(traces.bundled_trace_path())
     else:
         trace_path = Path(args.trace)
-        if not trace_path.is_file():
+        if not trace_path.exists():  # a directory is the loader's to report
             raise FileNotFoundError(f"trace file not found: {trace_path}")
     load_kwargs: dict[str, Any] = {"limit": args.limit}
     if args.format != "auto":
@@ -310,13 +318,19 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         load_kwargs["block_tokens"] = args.block_tokens
     trace = traces.load_trace(trace_path, **load_kwargs)
 
+    host_bytes = base.host_budget
+    if base.host_blocks is not None:
+        # A simulated block is one of the trace's blocks (block_tokens tokens) at level 0.
+        block_bytes = model_shape(args.model).block_bytes(dtype, int(trace.block_tokens))
+        host_bytes = base.host_blocks * block_bytes
+
     simulate = importlib.import_module("kvtier.simulate")
     config = simulate.SimulationConfig(
         model=args.model,
         dtype=dtype,
-        device_bytes=None if args.device_blocks is not None else device_bytes,
-        device_blocks=args.device_blocks,
-        host_bytes=base.host_budget,
+        device_bytes=device_bytes,
+        device_blocks=base.device_blocks,
+        host_bytes=host_bytes,
         disk_bytes=base.disk_budget,
         remote_bytes=base.remote_budget,
         host_gbps=args.host_gbps,
@@ -345,8 +359,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         sys.stdout.write(render_table(result, color=color))
     sys.stdout.flush()
-    if args.plot:
-        written = plot(result, args.plot)
+    if plot_path is not None:
+        written = plot(result, plot_path)
         print(f"kvtier simulate: wrote {written}", file=sys.stderr)
     return 0
 

@@ -209,13 +209,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var(
         "device_budget",
         "size",
-        "device tier budget in bytes (`8GiB`, `512MB`, `1e9`); unset: no limit in the "
-        "simulator, half the free CUDA memory (1 GiB on a CPU) in a `BlockManager`",
+        "device tier budget in bytes (`8GiB`, `512MB`, `1e9`); unset: 64 GiB in `kvtier "
+        "simulate`, half the free CUDA memory (1 GiB on a CPU) in a `BlockManager`",
     ),
     _var(
         "device_blocks",
         "int",
-        "device tier budget in blocks at level 0 (instead of bytes); unset = `device_budget`",
+        "device tier budget in blocks at level 0 (instead of bytes; in `kvtier simulate` a "
+        "block is one trace block, 512 tokens); unset = `device_budget`",
     ),
     _var("host_budget", "size", "host (pinned DRAM) tier budget in bytes; unset = no host tier"),
     _var("host_blocks", "int", "host tier budget in blocks at level 0 (instead of bytes)"),
@@ -283,6 +284,15 @@ ENV_VARS: tuple[EnvVar, ...] = (
 
 _ENV_BY_FIELD = {var.field: var for var in ENV_VARS}
 
+#: Fields that state the same budget two ways (bytes or blocks). An explicit value for either
+#: outranks the variables of both, or a variable for the other form would clash with it.
+_SAME_BUDGET = {
+    "device_budget": "device_blocks",
+    "device_blocks": "device_budget",
+    "host_budget": "host_blocks",
+    "host_blocks": "host_budget",
+}
+
 
 # ---------------------------------------------------------------------------------------------
 # The config
@@ -337,7 +347,9 @@ class KvtierConfig:
         """Build a config: explicit ``overrides`` > ``KVTIER_*`` > ``VLLM_*`` aliases > defaults.
 
         An override whose value is ``None`` counts as not given (so CLI options that were not
-        passed can be forwarded as they are). Empty variables count as unset. ``environ``
+        passed can be forwarded as they are). Empty variables count as unset. A budget given in
+        bytes outranks the variable in blocks, and the other way round (``device_budget`` and
+        ``KVTIER_DEVICE_BLOCKS``, ``host_blocks`` and ``KVTIER_HOST_BUDGET``). ``environ``
         defaults to ``os.environ``.
         """
         env = os.environ if environ is None else environ
@@ -351,7 +363,8 @@ class KvtierConfig:
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         for var in ENV_VARS:
-            if overrides.get(var.field) is not None:
+            same = (var.field, _SAME_BUDGET.get(var.field, var.field))
+            if any(overrides.get(name) is not None for name in same):
                 continue
             for name in (var.name, var.alias):
                 if name is None or not env.get(name, "").strip():

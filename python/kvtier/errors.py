@@ -28,6 +28,7 @@ __all__ = [
     "OutOfCapacityError",
     "PayloadError",
     "PlanError",
+    "TraceError",
     "require",
 ]
 
@@ -80,6 +81,17 @@ class BlockBusyError(KvtierError):
 class PayloadError(KvtierError, ValueError):
     """Packed bytes do not match the codec, block shape or format version reading them, or
     are truncated or corrupt. Nothing is decoded from them."""
+
+
+class TraceError(KvtierError, ValueError):
+    """A trace file can't be read as a request trace: a directory, not UTF-8, truncated gzip,
+    a row with a missing, malformed or out-of-range value, or a timestamp that is not finite or
+    goes backwards. The message names the file, and the line where there is one."""
+
+    hint = (
+        "a trace is Mooncake JSON lines (.jsonl, optionally .gz), an Azure CSV or a CSV with "
+        "timestamp,input_length,output_length, in arrival order; see 'kvtier simulate --help'"
+    )
 
 
 class BlockLostError(KvtierError):

@@ -424,7 +424,7 @@ class BlockManager:
             self._seqs[seq] = state
             if tokens is not None and len(tokens):
                 try:
-                    self._grow(seq, lambda: self.core.append_tokens(seq, tokens))
+                    self._grow(seq, lambda: self.core.append_tokens(seq, tokens), len(tokens))
                 except BaseException:
                     del self._seqs[seq]
                     self.core.free_sequence(seq)
@@ -439,7 +439,7 @@ class BlockManager:
         tokens = _token_array(token_ids)
         with self._lock:
             self._seq(seq)
-            self._grow(seq, lambda: self.core.append_tokens(seq, tokens))
+            self._grow(seq, lambda: self.core.append_tokens(seq, tokens), len(tokens))
 
     def num_tokens(self, seq: int, layer: int = 0) -> int:
         """Tokens whose K/V ``layer`` holds for ``seq``."""
@@ -513,7 +513,7 @@ class BlockManager:
                 return
             have = self.core.sequence_tokens(seq)
             if end > have:
-                self._grow(seq, lambda: self.core.extend(seq, end - have))
+                self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
             self._write(seq, layer, start, end, k, v)
             state.lengths[layer] = end
 
@@ -585,16 +585,17 @@ class BlockManager:
 
     # -- scheduling -----------------------------------------------------------------------------
 
-    def step(self) -> dict[str, int]:
+    def step(self, room_bytes: int = 0) -> dict[str, int]:
         """Lets the core plan moves and executes them: one batched codec call or copy per kind of
         move and pair of pools, then commit. If a copy fails, the plan is aborted (every block
         stays where it was) and the error raised; a store tier that refuses or loses blocks is
         handled instead (see the module doc) and the summary says so. Returns the plan's
-        summary."""
+        summary. ``room_bytes``: also free that much of the device budget for blocks about to be
+        allocated."""
         with self._step_lock:
             with self._lock:
                 self._resume_stores()
-                plan = self.core.plan()
+                plan = self.core.plan(room_bytes)
             try:
                 self._execute(plan)
             except (_StoreRefused, _Lost) as exc:
@@ -798,15 +799,21 @@ class BlockManager:
             )
         return t
 
-    def _grow(self, seq: int, call: Any) -> None:
-        """Runs a core call that allocates blocks; when the device is full, lets ``step()`` make
-        room (demote, offload) once and retries. New blocks are pinned until complete."""
+    def _grow(self, seq: int, call: Any, tokens: int) -> None:
+        """Runs a core call that allocates blocks for ``tokens`` more tokens; when the device is
+        full, lets ``step()`` make room for them (demote, offload) once and retries. New blocks
+        are pinned until complete."""
         try:
             added, shared = call()
         except OutOfCapacityError:
+            # Room for the blocks the tokens add beyond the sequence's last one (at most: some
+            # may be shared).
+            have = len(self.core.sequence_blocks(seq))
+            total = -(-(self.core.sequence_tokens(seq) + tokens) // self.block_size)
+            room = max(0, total - have) * self.level_bytes[0]
             self._lock.release()  # step() takes the step lock, then this one: never hold both
             try:
-                self.step()
+                self.step(room)
             finally:
                 self._lock.acquire()
             try:

@@ -17,9 +17,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
-from .errors import MissingDependencyError
+from .errors import InvalidArgumentError, MissingDependencyError
 
-__all__ = ["Progress", "human_bytes", "plot", "render_table"]
+__all__ = ["Progress", "human_bytes", "plot", "render_table", "resolve_plot_path"]
 
 TIER_ORDER = ("device", "host", "disk", "remote")
 
@@ -160,6 +160,12 @@ def render_table(result: Mapping[str, Any], *, color: bool) -> str:
     ladders = [",".join(r.get("ladder", [])) for r in results]
     row("ladder", ladders)
     row("requests", [_count(r.get("requests")) for r in results])
+    rejected = [r.get("rejected_requests") or 0 for r in results]
+    if any(rejected):
+        row(
+            "rejected requests",
+            [_share(n, r.get("requests") or 0) for n, r in zip(rejected, results, strict=True)],
+        )
     row(
         "block hit rate",
         [_pct(r.get("block_hit_rate")) for r in results],
@@ -267,6 +273,12 @@ def render_table(result: Mapping[str, Any], *, color: bool) -> str:
             cells.append("  " + cell)
         out.append(label.ljust(label_w) + "".join(cells))
 
+    if any(rejected):
+        out.append("")
+        out.append(
+            "rejected: did not fit on the device even after evicting every cached block; "
+            "hits counted, new blocks not cached"
+        )
     cost_models = {str(p["cost_model"]) for p in prefill if p.get("cost_model")}
     for cm in sorted(cost_models):
         out.append("")
@@ -278,8 +290,38 @@ def render_table(result: Mapping[str, Any], *, color: bool) -> str:
 # The plot
 
 
+def resolve_plot_path(path: str | os.PathLike[str]) -> Path:
+    """The file :func:`plot` writes for ``path``: ``path`` itself, or ``path.png`` when it has
+    no suffix (as matplotlib would). Raises :class:`InvalidArgumentError` when matplotlib can't
+    write that format, the directory does not exist or ``path`` is one. Needs matplotlib."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    hint = (
+        "give the plot a file name ending in .png, .svg or .pdf (no suffix: .png) "
+        "in a directory that exists"
+    )
+    out = Path(path)
+    if out.is_dir():
+        raise InvalidArgumentError(f"cannot write a plot to {out}: it is a directory", hint=hint)
+    if not out.suffix:
+        out = out.with_name(out.name.rstrip(".") + ".png")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        raise InvalidArgumentError(
+            f"cannot write a plot to {out}: matplotlib writes no '{out.suffix}' files, "
+            f"only {', '.join(sorted(formats))}",
+            hint=hint,
+        )
+    if not out.parent.is_dir():
+        raise InvalidArgumentError(
+            f"cannot write a plot to {out}: directory {out.parent} does not exist", hint=hint
+        )
+    return out
+
+
 def plot(result: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write a PNG (or any format matplotlib infers from ``path``) with two panels.
+    """Write a PNG (or any format matplotlib infers from ``path``) with two panels; returns
+    the file written (see :func:`resolve_plot_path`).
 
     Top: cumulative block hit rate over requests, one line per policy. Below: bytes held by
     level (all tiers) over requests, stacked, one panel per policy. Needs ``kvtier[plot]``.
@@ -293,6 +335,7 @@ def plot(result: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
             hint="pip install 'kvtier[plot]'",
         ) from exc
 
+    out = resolve_plot_path(path)
     results = list(result.get("results") or [])
     ncols = max(1, min(3, len(results)))
     nrows = 1 + max(1, math.ceil(len(results) / ncols))
@@ -338,7 +381,6 @@ def plot(result: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
         sub.set_ylabel("GiB")
         sub.grid(alpha=0.3)
 
-    out = Path(path)
     fig.savefig(out, dpi=110)
     return out
 

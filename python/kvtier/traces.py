@@ -20,6 +20,9 @@ Supported inputs (``load_trace`` detects the format from the name and the first 
 ``csv``
     A plain CSV with header ``timestamp,input_length,output_length`` (timestamp in ms).
 
+Every format is UTF-8 text, plain or gzip-compressed, with rows in arrival order: timestamps
+must be finite and never decrease (ties are fine; the Mooncake traces have many).
+
 The CSV traces carry no content hashes, so :func:`synthesize_hashes` adds them with the
 prefix-sharing model below. Its parameters are assumptions, not measurements; they are keyword
 arguments of ``load_trace`` so that a user can state their own.
@@ -51,21 +54,26 @@ request; the default ``followup_prob`` of 0.4 is in that range, the other defaul
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import io
 import itertools
 import json
+import math
 import os
+import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
+
+from .errors import TraceError
 
 __all__ = [
     "BUNDLED_TRACE_REQUESTS",
@@ -195,24 +203,44 @@ class Trace:
 # ---------------------------------------------------------------------------------------------
 
 
-def _open_text(path: Path) -> IO[str]:
-    # Sniff the gzip magic rather than trusting the suffix.
-    with open(path, "rb") as fh:
-        magic = fh.read(2)
-    if magic == b"\x1f\x8b":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")
+#: Bounds of the columns: lengths are stored as int64, block ids as uint64.
+_LENGTH_LIMIT = 2**63
+_HASH_ID_LIMIT = 2**64
+
+
+def _lines(path: Path) -> Generator[tuple[int, str], None, None]:
+    """The file's lines, numbered from 1, as text. Gzip is sniffed from the magic bytes rather
+    than trusted to the suffix; each line is decoded on its own so that a bad byte names its line.
+    """
+    with open(path, "rb") as raw:
+        is_gzip = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        stream: io.BufferedIOBase = gzip.GzipFile(fileobj=raw) if is_gzip else raw
+        lineno = 0
+        try:
+            for lineno, data in enumerate(stream, start=1):
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise TraceError(
+                        f"{path}: line {lineno}: not UTF-8 text "
+                        f"(byte {data[exc.start]:#04x} at position {exc.start})",
+                        hint="a trace is UTF-8 text, optionally gzip-compressed: "
+                        "check that this is the trace file",
+                    ) from None
+                yield lineno, text
+        except (EOFError, gzip.BadGzipFile, zlib.error):
+            raise TraceError(
+                f"{path}: truncated or corrupt gzip data after line {lineno}",
+                hint="the compressed file is cut short or damaged: copy or download it again",
+            ) from None
 
 
 def _detect_format(path: Path) -> TraceFormat:
     name = path.name.lower()
     name = name.removesuffix(".gz")
-    with _open_text(path) as fh:
-        first = ""
-        for line in fh:
-            if line.strip():
-                first = line.strip()
-                break
+    with contextlib.closing(_lines(path)) as lines:
+        first = next((text.strip() for _, text in lines if text.strip()), "")
     if first.startswith("{"):
         return "mooncake"
     header = [c.strip() for c in first.split(",")]
@@ -222,14 +250,41 @@ def _detect_format(path: Path) -> TraceFormat:
         return "csv"
     if name.endswith((".jsonl", ".json")):
         return "mooncake"
-    raise ValueError(
+    raise TraceError(
         f"{path}: cannot tell the trace format; expected Mooncake JSON lines, an Azure CSV "
-        f"({','.join(_AZURE_COLUMNS)}) or a CSV with {','.join(_CSV_COLUMNS)}"
+        f"({','.join(_AZURE_COLUMNS)}) or a CSV with {','.join(_CSV_COLUMNS)}",
+        hint="check the file's first line, or name the format (kvtier simulate --format, "
+        "load_trace(format=...))",
     )
 
 
 def _is_int(x: object) -> bool:
     return type(x) is int  # bool is an int subclass; reject it and floats alike
+
+
+def _is_count(x: object) -> bool:
+    return type(x) is int and 0 <= x < _LENGTH_LIMIT  # bool and float are not counts
+
+
+def _is_finite(x: float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _check_arrival_order(path: Path, ts: np.ndarray, linenos: list[int]) -> None:
+    # The replay takes requests in file order (so does the hash synthesis, and --limit keeps
+    # the first lines); a time that goes backwards means that order is not the arrival order.
+    back = np.flatnonzero(np.diff(ts) < 0)
+    if len(back):
+        k = int(back[0]) + 1
+        raise TraceError(
+            f"{path}: line {linenos[k]}: timestamp is earlier than the one on line "
+            f"{linenos[k - 1]}; requests must be in arrival order",
+            hint="sort the rows by timestamp, keeping ties in file order "
+            "(for JSON lines: jq -c -s 'sort_by(.timestamp)[]')",
+        )
 
 
 def _load_mooncake(path: Path, block_tokens: int, limit: int | None) -> Trace:
@@ -238,9 +293,10 @@ def _load_mooncake(path: Path, block_tokens: int, limit: int | None) -> Trace:
     outs: list[int] = []
     counts: list[int] = []
     chunks: list[list[int]] = []
+    linenos: list[int] = []
     loads = json.loads
-    with _open_text(path) as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with contextlib.closing(_lines(path)) as lines:
+        for lineno, line in lines:
             if limit is not None and len(ts) >= limit:
                 break
             if not line.strip():
@@ -249,25 +305,28 @@ def _load_mooncake(path: Path, block_tokens: int, limit: int | None) -> Trace:
             try:
                 row = loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: malformed JSON ({exc.msg})") from None
+                raise TraceError(f"{where}: malformed JSON ({exc.msg})") from None
             try:
                 t = row["timestamp"]
                 n_in = row["input_length"]
                 n_out = row["output_length"]
                 h = row["hash_ids"]
             except KeyError as exc:
-                raise ValueError(f"{where}: missing field {exc.args[0]!r}") from None
+                raise TraceError(f"{where}: missing field {exc.args[0]!r}") from None
             except TypeError:
-                raise ValueError(f"{where}: expected a JSON object") from None
-            if not (_is_int(n_in) and n_in >= 0 and _is_int(n_out) and n_out >= 0):
-                raise ValueError(f"{where}: input_length/output_length must be integers >= 0")
-            if type(t) not in (int, float):
-                raise ValueError(f"{where}: timestamp must be a number")
-            if type(h) is not list or not all(_is_int(x) and x >= 0 for x in h):
-                raise ValueError(f"{where}: hash_ids must be a list of integers >= 0")
+                raise TraceError(f"{where}: expected a JSON object") from None
+            if not (_is_count(n_in) and _is_count(n_out)):
+                raise TraceError(
+                    f"{where}: input_length/output_length must be integers in [0, 2**63)"
+                )
+            # json.loads reads NaN and Infinity as floats.
+            if type(t) not in (int, float) or not _is_finite(t):
+                raise TraceError(f"{where}: timestamp must be a finite number, got {t!r}")
+            if type(h) is not list or not all(_is_int(x) and 0 <= x < _HASH_ID_LIMIT for x in h):
+                raise TraceError(f"{where}: hash_ids must be a list of integers in [0, 2**64)")
             expected = -(-n_in // block_tokens)
             if len(h) != expected:
-                raise ValueError(
+                raise TraceError(
                     f"{where}: {len(h)} hash_ids for input_length {n_in}, expected "
                     f"ceil({n_in}/{block_tokens}) = {expected}"
                 )
@@ -276,13 +335,16 @@ def _load_mooncake(path: Path, block_tokens: int, limit: int | None) -> Trace:
             outs.append(n_out)
             counts.append(len(h))
             chunks.append(h)
+            linenos.append(lineno)
+    timestamps = np.array(ts, dtype=np.float64)
+    _check_arrival_order(path, timestamps, linenos)
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(np.fromiter(counts, dtype=np.int64, count=len(counts)), out=offsets[1:])
     hash_ids = np.fromiter(
         itertools.chain.from_iterable(chunks), dtype=np.uint64, count=int(offsets[-1])
     )
     return Trace(
-        timestamps_ms=np.array(ts, dtype=np.float64),
+        timestamps_ms=timestamps,
         input_lengths=np.array(ins, dtype=np.int64),
         output_lengths=np.array(outs, dtype=np.int64),
         hash_offsets=offsets,
@@ -296,37 +358,80 @@ def _load_mooncake(path: Path, block_tokens: int, limit: int | None) -> Trace:
 def _csv_rows(
     path: Path, columns: tuple[str, str, str], limit: int | None
 ) -> Iterator[tuple[int, list[str]]]:
-    with _open_text(path) as fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        if header is None:
-            return
-        header = [c.strip() for c in header]
+    with contextlib.closing(_lines(path)) as lines:
+        reader = csv.reader(text for _, text in lines)
         try:
-            idx = [header.index(c) for c in columns]
-        except ValueError:
-            raise ValueError(f"{path}: line 1: header must contain {','.join(columns)}") from None
-        width = max(idx) + 1
-        emitted = 0
-        for lineno, row in enumerate(reader, start=2):
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue
-            if limit is not None and emitted >= limit:
+            header = next(reader, None)
+            if header is None:
                 return
-            if len(row) < width:
-                raise ValueError(f"{path}: line {lineno}: expected {width} columns, got {len(row)}")
-            emitted += 1
-            yield lineno, [row[i].strip() for i in idx]
+            header = [c.strip() for c in header]
+            try:
+                idx = [header.index(c) for c in columns]
+            except ValueError:
+                raise TraceError(
+                    f"{path}: line 1: header must contain {','.join(columns)}"
+                ) from None
+            width = max(idx) + 1
+            emitted = 0
+            for row in reader:
+                if not row or (len(row) == 1 and not row[0].strip()):
+                    continue
+                if limit is not None and emitted >= limit:
+                    return
+                if len(row) < width:
+                    raise TraceError(
+                        f"{path}: line {reader.line_num}: expected {width} columns, got {len(row)}"
+                    )
+                emitted += 1
+                yield reader.line_num, [row[i].strip() for i in idx]
+        except csv.Error as exc:  # e.g. a NUL byte
+            raise TraceError(f"{path}: line {reader.line_num}: {exc}") from None
 
 
-def _parse_int(s: str, where: str, what: str) -> int:
+def _parse_count(s: str, where: str, what: str) -> int:
     try:
         v = int(s)
     except ValueError:
-        raise ValueError(f"{where}: {what} {s!r} is not an integer") from None
-    if v < 0:
-        raise ValueError(f"{where}: {what} must be >= 0, got {v}")
+        raise TraceError(f"{where}: {what} {s!r} is not an integer") from None
+    if not 0 <= v < _LENGTH_LIMIT:
+        raise TraceError(f"{where}: {what} must be in [0, 2**63), got {v}")
     return v
+
+
+def _parse_ms(s: str, where: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise TraceError(f"{where}: timestamp {s!r} is not a number") from None
+    if not math.isfinite(v):  # float() reads "nan", "inf" and overflows to inf
+        raise TraceError(f"{where}: timestamp must be a finite number, got {s!r}")
+    return v
+
+
+def _datetime_or_nat(s: str) -> np.datetime64:
+    try:
+        return np.datetime64(s, "ns")
+    except (ValueError, OverflowError):
+        return np.datetime64("NaT", "ns")
+
+
+def _azure_ms(path: Path, stamps: list[str], linenos: list[int]) -> np.ndarray:
+    """Milliseconds since the first row of Azure's wall-clock TIMESTAMPs."""
+    try:
+        # numpy parses "2023-11-16 18:15:46.6805900" (100 ns digits) in one vectorised call.
+        abs_ns = np.array(stamps, dtype="datetime64[ns]")
+    except (ValueError, OverflowError):
+        abs_ns = np.array([_datetime_or_nat(s) for s in stamps], dtype="datetime64[ns]")
+    bad = np.flatnonzero(np.isnat(abs_ns))  # also what "NaT" and "" parse to
+    if len(bad):
+        k = int(bad[0])
+        raise TraceError(
+            f"{path}: line {linenos[k]}: bad TIMESTAMP {stamps[k]!r}",
+            hint="Azure trace times look like 2023-11-16 18:15:46.6805900",
+        )
+    ns = abs_ns.astype(np.int64)
+    rel = ns - ns[0] if len(ns) else ns
+    return rel.astype(np.float64) / 1e6
 
 
 def _load_csv_lengths(
@@ -340,32 +445,17 @@ def _load_csv_lengths(
     for lineno, (t, n_in, n_out) in _csv_rows(path, columns, limit):
         where = f"{path}: line {lineno}"
         stamps.append(t)
-        ins.append(_parse_int(n_in, where, columns[1]))
-        outs.append(_parse_int(n_out, where, columns[2]))
+        ins.append(_parse_count(n_in, where, columns[1]))
+        outs.append(_parse_count(n_out, where, columns[2]))
         linenos.append(lineno)
     if fmt == "azure":
-        try:
-            # numpy parses "2023-11-16 18:15:46.6805900" (100 ns digits) in one vectorised call.
-            abs_ns = np.array(stamps, dtype="datetime64[ns]").astype(np.int64)
-        except ValueError:
-            for s, lineno in zip(stamps, linenos, strict=True):
-                try:
-                    np.datetime64(s, "ns")
-                except ValueError:
-                    raise ValueError(f"{path}: line {lineno}: bad TIMESTAMP {s!r}") from None
-            raise
-        rel = abs_ns - abs_ns[0] if len(abs_ns) else abs_ns
-        ts = rel.astype(np.float64) / 1e6
+        ts = _azure_ms(path, stamps, linenos)
     else:
-        out = np.empty(len(stamps), dtype=np.float64)
-        for k, (s, lineno) in enumerate(zip(stamps, linenos, strict=True)):
-            try:
-                out[k] = float(s)
-            except ValueError:
-                raise ValueError(
-                    f"{path}: line {lineno}: timestamp {s!r} is not a number"
-                ) from None
-        ts = out
+        ts = np.array(
+            [_parse_ms(s, f"{path}: line {n}") for s, n in zip(stamps, linenos, strict=True)],
+            dtype=np.float64,
+        )
+    _check_arrival_order(path, ts, linenos)
     return ts, np.array(ins, dtype=np.int64), np.array(outs, dtype=np.int64)
 
 
@@ -390,9 +480,18 @@ def load_trace(
     keyword arguments parametrise the prefix-sharing model used for traces without hashes and
     are ignored for Mooncake traces.
 
-    Raises ``ValueError`` naming the file and line for malformed input.
+    Raises :class:`kvtier.TraceError` (a ``ValueError``) naming the file, and the line where
+    there is one, for a file that is not a trace: a directory, bytes that are not UTF-8, a
+    truncated gzip stream, a malformed or out-of-range value, a timestamp that is not finite or
+    earlier than the one before it (requests are replayed in file order, which must be the
+    arrival order).
     """
     p = Path(path)
+    if p.is_dir():
+        raise TraceError(
+            f"{p} is a directory, not a trace file",
+            hint="give the path of a trace file (e.g. one inside that directory)",
+        )
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     fmt = format or _detect_format(p)

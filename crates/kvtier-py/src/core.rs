@@ -369,9 +369,13 @@ impl PyCore {
     }
 
     /// Plans moves and holds them pending until `commit(plan.id)` or `abort(plan.id)`.
-    fn plan(&self, py: Python<'_>) -> PyResult<PyPlan> {
+    /// `room_bytes`: also free that much of the device budget for blocks about to be allocated
+    /// (demoting and offloading before anything is evicted).
+    #[pyo3(signature = (room_bytes = 0))]
+    fn plan(&self, py: Python<'_>, room_bytes: u64) -> PyResult<PyPlan> {
         // Columns are built from the pending plan in place: no copy of the move list.
-        self.with(py, |c| c.plan().map(PyPlan::from)).py_err()
+        self.with(py, |c| c.plan_with_room(room_bytes).map(PyPlan::from))
+            .py_err()
     }
 
     fn commit(&self, py: Python<'_>, plan_id: u64) -> PyResult<()> {

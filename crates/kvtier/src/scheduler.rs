@@ -98,16 +98,29 @@ struct Pass {
     cap: u64,
     noop_promotions: u64,
     deferred: u64,
+    /// Bytes each tier (by position) must keep free beyond its budget rules: room asked for
+    /// blocks about to be allocated.
+    reserved: Vec<u64>,
 }
 
 impl Core {
     /// Plans moves for the current state and holds them pending until `commit`/`abort`.
     pub fn plan(&mut self) -> Result<&crate::Plan> {
+        self.plan_with_room(0)
+    }
+
+    /// [`Core::plan`] that also frees `room` bytes of the device budget for blocks about to be
+    /// allocated (a prefill that would not fit): the pressure pass demotes and offloads until
+    /// the device is `room` under its soft budget, so that the allocation then evicts nothing a
+    /// lower level or tier could keep. Nothing is evicted or dropped for the room itself.
+    pub fn plan_with_room(&mut self, room: u64) -> Result<&crate::Plan> {
         if let Some(p) = &self.pending {
             return Err(Error::PlanPending { pending: p.id });
         }
         self.step = self.step.wrapping_add(1);
         self.counters.plans += 1;
+        let mut reserved = vec![0; self.cfg.tiers.len()];
+        reserved[self.tier_pos(crate::Tier::Device)] = room;
         let mut pass = Pass {
             moves: Vec::new(),
             projected: self.tier_bytes.clone(),
@@ -115,8 +128,9 @@ impl Core {
             cap: self.cfg.max_move_bytes.unwrap_or(u64::MAX),
             noop_promotions: 0,
             deferred: 0,
+            reserved,
         };
-        let wishes = if self.idle() {
+        let wishes = if self.idle(&pass.reserved) {
             Vec::new()
         } else {
             self.level_wishes()
@@ -158,12 +172,14 @@ impl Core {
         (budget as f64 * (1.0 - f64::from(self.cfg.headroom))) as u64
     }
 
-    /// Bytes above which tier `t`'s pressure pass acts: its soft budget, or the budget itself
-    /// where nothing can be demoted or offloaded and only eviction above the budget applies.
-    fn pressure_threshold(&self, t: usize, budget: u64) -> u64 {
+    /// Bytes above which tier `t`'s pressure pass acts: its soft budget less the bytes
+    /// `reserved` there, or the budget itself where nothing can be demoted or offloaded and only
+    /// eviction above the budget applies. Room is made by demoting and offloading only: the
+    /// hard actions (evicting, dropping) stay for the budget itself.
+    fn pressure_threshold(&self, t: usize, budget: u64, reserved: u64) -> u64 {
         let demotable = self.cfg.enable_compression && self.cfg.last_kept_level() > 0;
         if demotable || t + 1 < self.cfg.tiers.len() {
-            self.soft_budget(budget)
+            self.soft_budget(budget).saturating_sub(reserved)
         } else {
             budget
         }
@@ -174,7 +190,7 @@ impl Core {
     /// headroom and every tier is within its headroom. Trace replay plans after each request;
     /// this check makes those plans O(tiers) instead of O(live blocks). Not under the
     /// importance policy: pass 1 also refreshes the normalised importance cached blocks keep.
-    fn idle(&self) -> bool {
+    fn idle(&self, reserved: &[u64]) -> bool {
         // Pools are tier-major and the device tier is first: pool 0 is (device, level 0).
         self.cfg.policy != crate::PolicyKind::Importance
             && !self.ranks_live()
@@ -182,8 +198,9 @@ impl Core {
             && self.cfg.drop_level().is_none()
             && self.pools[1..].iter().all(|p| p.used() == 0)
             && (0..self.cfg.tiers.len()).all(|t| {
-                self.budget(t)
-                    .is_none_or(|b| self.tier_bytes[t] <= self.pressure_threshold(t, b))
+                self.budget(t).is_none_or(|b| {
+                    self.tier_bytes[t] <= self.pressure_threshold(t, b, reserved[t])
+                })
             })
     }
 
@@ -432,7 +449,7 @@ impl Core {
 
     fn fits(&self, pass: &Pass, tier_pos: usize, bytes: u64) -> bool {
         self.budget(tier_pos)
-            .is_none_or(|b| pass.projected[tier_pos] + bytes <= b)
+            .is_none_or(|b| pass.projected[tier_pos] + bytes + pass.reserved[tier_pos] <= b)
     }
 
     /// Pass 2: demotions toward the wished level, then promotions and fetches.
@@ -505,10 +522,10 @@ impl Core {
         let Some(budget) = self.budget(t) else {
             return 0;
         };
-        if pass.projected[t] <= self.pressure_threshold(t, budget) {
+        if pass.projected[t] <= self.pressure_threshold(t, budget, pass.reserved[t]) {
             return 0;
         }
-        let soft = self.soft_budget(budget);
+        let soft = self.soft_budget(budget).saturating_sub(pass.reserved[t]);
         let tier = self.cfg.tiers[t].tier;
         let next = self.cfg.tiers.get(t + 1).map(|c| c.tier);
         let levels = self.cfg.num_levels();

@@ -5,7 +5,9 @@
 //! 1. the longest cached prefix is looked up; each hit block is counted by the (tier, level) it
 //!    was found at — a lower-precision or lower-tier hit is still a hit, and the report says so;
 //! 2. a sequence takes every block of the request (hits shared, misses allocated at level 0 on
-//!    the device, evicting cached blocks when the device is full), and reads are recorded;
+//!    the device), and reads are recorded. When the new blocks do not fit, the scheduler first
+//!    plans room for them (demoting and offloading cached blocks where the ladder or a lower
+//!    tier can keep them, committed at once); what still does not fit is evicted;
 //! 3. every `step_every` requests the scheduler plans, and the plan is committed at once (the
 //!    simulator moves no bytes);
 //! 4. the sequence is freed: its blocks stay cached for later requests.
@@ -89,6 +91,9 @@ pub struct Simulator {
     pub stats: SimStats,
     /// Reused by every request's append.
     appended: Appended,
+    /// Whether the device can make room by anything but eviction: a lower level or a lower
+    /// tier to move cached blocks into.
+    plans_room: bool,
 }
 
 impl Simulator {
@@ -101,6 +106,7 @@ impl Simulator {
         }
         let levels = cfg.num_levels();
         let tiers = cfg.tiers.len();
+        let plans_room = tiers > 1 || (cfg.enable_compression && cfg.last_kept_level() > 0);
         let core = Core::new(cfg)?;
         Ok(Simulator {
             core,
@@ -108,6 +114,7 @@ impl Simulator {
             step_every,
             next: 0,
             appended: Appended::default(),
+            plans_room,
             stats: SimStats {
                 hit_blocks_at: vec![vec![0; levels]; Tier::ALL.len()],
                 hit_tokens_at: vec![vec![0; levels]; Tier::ALL.len()],
@@ -150,6 +157,9 @@ impl Simulator {
         stats.requests += 1;
         stats.ref_blocks += hashes.len() as u64;
         stats.ref_tokens += input;
+        if self.plans_room {
+            make_room(core, hashes)?;
+        }
         let seq = core.add_sequence();
         // The append shares every indexed block and takes references before it evicts
         // anything, so the hits are the leading shared blocks, where they were found.
@@ -189,4 +199,24 @@ impl Simulator {
         }
         Ok(())
     }
+}
+
+/// Before a request's blocks are allocated: if its new (unindexed) blocks would not fit in the
+/// device budget, plans and commits room for them, so that the allocation evicts only what no
+/// lower level or tier could keep.
+fn make_room(core: &mut Core, hashes: &[u64]) -> Result<()> {
+    let Some(budget) = core.budget(core.tier_pos(Tier::Device)) else {
+        return Ok(());
+    };
+    let new = hashes
+        .iter()
+        .filter(|&&h| core.index.get(h).is_none())
+        .count() as u64;
+    let need = new * core.level_bytes(0);
+    let device = core.tier_bytes()[core.tier_pos(Tier::Device)];
+    if need > 0 && device + need > budget {
+        let id = core.plan_with_room(need)?.id;
+        core.commit(id)?;
+    }
+    Ok(())
 }

@@ -500,3 +500,50 @@ fn forgotten_blocks_are_not_shared_and_are_freed_with_their_last_owner() {
     );
     assert!(c.forget(&[999]).is_err());
 }
+
+#[test]
+fn a_plan_with_room_offloads_cached_blocks_so_that_new_ones_evict_nothing() {
+    let mut cfg = budgeted(4 * 100, true);
+    cfg.tiers.push(TierConfig {
+        tier: Tier::Host,
+        budget_bytes: None,
+    });
+    let mut c = core(cfg);
+    let (s, blocks) = seq_with(&mut c, 1, 4);
+    c.free_sequence(s).unwrap(); // four cached blocks, the device exactly full
+    assert!(
+        commit(&mut c).moves.is_empty(),
+        "within budget: nothing to do"
+    );
+    // Room for two new blocks: the two least recently used go to the host, nothing else.
+    let plan = c.plan_with_room(2 * 100).unwrap().clone();
+    c.commit(plan.id).unwrap();
+    let moved: Vec<(u32, MoveKind)> = plan.moves.iter().map(|m| (m.block, m.kind)).collect();
+    assert_eq!(
+        moved,
+        vec![
+            (blocks[0], MoveKind::Offload),
+            (blocks[1], MoveKind::Offload)
+        ]
+    );
+    let (_, new) = seq_with(&mut c, 10, 2);
+    assert_eq!(new.len(), 2);
+    assert_eq!(c.counters().evictions, 0);
+    assert_eq!(
+        c.lookup(&[1, 2, 3, 4]).len(),
+        4,
+        "every old block still cached"
+    );
+    // More room than the device can give (its two live blocks are the recent window, which
+    // stays): its cached blocks go to the host, and nothing is evicted for the rest.
+    let plan = c.plan_with_room(10 * 100).unwrap().clone();
+    let moved: Vec<(u32, MoveKind)> = plan.moves.iter().map(|m| (m.block, m.kind)).collect();
+    assert_eq!(
+        moved,
+        vec![
+            (blocks[2], MoveKind::Offload),
+            (blocks[3], MoveKind::Offload)
+        ]
+    );
+    c.abort(plan.id).unwrap();
+}
