@@ -100,7 +100,7 @@ struct Pass {
     deferred: u64,
     /// Bytes each tier (by position) must keep free beyond its budget rules: room asked for
     /// blocks about to be allocated.
-    reserved: Vec<u64>,
+    reserved: [u64; Tier::ALL.len()],
 }
 
 impl Core {
@@ -119,8 +119,9 @@ impl Core {
         }
         self.step = self.step.wrapping_add(1);
         self.counters.plans += 1;
-        let mut reserved = vec![0; self.cfg.tiers.len()];
-        reserved[self.tier_pos(crate::Tier::Device)] = room;
+        // An array, not a Vec: a trace replay plans after every request.
+        let mut reserved = [0; Tier::ALL.len()];
+        reserved[self.tier_pos(Tier::Device)] = room;
         let mut pass = Pass {
             moves: Vec::new(),
             projected: self.tier_bytes.clone(),
