@@ -252,6 +252,9 @@ pub struct Core {
     /// Block lists of freed sequences, emptied, for new ones: a request-per-sequence workload
     /// then allocates none. Never more than the peak number of live sequences.
     spare_block_lists: Vec<Vec<u32>>,
+    /// Level-0 device blocks evicted to make room, each still holding its id and slot for the
+    /// new block about to take them (see `ensure_device_room`); empty between calls.
+    recycled: Vec<u32>,
     next_seq: u32,
     pub(crate) step: u32,
     clock: u64,
@@ -312,6 +315,7 @@ impl Core {
             index: PrefixIndex::default(),
             seqs: BTreeMap::new(),
             spare_block_lists: Vec::new(),
+            recycled: Vec::new(),
             next_seq: 0,
             step: 0,
             clock: 0,
@@ -457,6 +461,13 @@ impl Core {
                 b
             }
         };
+        self.init_block(b, loc);
+        self.blocks.set_live(b, true);
+        b
+    }
+
+    /// The row and statistics of a new block with id `b` at `loc`, referenced once.
+    fn init_block(&mut self, b: u32, loc: Loc) {
         let i = b as usize;
         // The version survives reuse so that stale eviction-index entries stay stale.
         let version = self.blocks.rows[i].version;
@@ -465,9 +476,9 @@ impl Core {
             loc,
             version,
             reads_step: self.step,
+            live: true,
             ..BlockRow::default()
         };
-        self.blocks.set_live(b, true);
         debug_assert!(
             self.blocks.copy[i].is_none(),
             "a released block keeps no copy"
@@ -476,31 +487,41 @@ impl Core {
             self.stats[i] = BlockStats::default();
         }
         self.counters.allocated += 1;
-        b
     }
 
     /// Frees a block whose last reference is gone: its slots, its index entry, its id.
     pub(crate) fn release_block(&mut self, b: u32) {
+        self.detach(b);
+        self.free_id_and_slot(b);
+    }
+
+    /// What releasing a block takes besides its id and slot: its eviction-index and prefix-
+    /// index entries and its lower-tier copy.
+    #[inline(always)]
+    fn detach(&mut self, b: u32) {
         let i = b as usize;
         self.unindex(b);
-        // One borrow of the row for all it gives up: the hot path of every eviction.
         let row = &mut self.blocks.rows[i];
         debug_assert!(row.live && row.refcount == 0 && !row.moving);
-        let (loc, indexed) = (row.loc, row.indexed);
-        row.indexed = false;
-        self.blocks.set_live(b, false);
-        self.give_slot(loc);
+        if row.indexed {
+            row.indexed = false;
+            self.index.remove(row.hash, b);
+        }
         // Copies live in a lower tier: with one tier there are none to look up.
         if self.cfg.tiers.len() > 1 {
             if let Some(copy) = self.blocks.copy[i].take() {
                 self.give_slot(copy);
             }
         }
-        if indexed {
-            self.index.remove(self.blocks.rows[i].hash, b);
-        }
-        self.blocks.free_ids.push(b);
         self.counters.released += 1;
+    }
+
+    #[inline]
+    fn free_id_and_slot(&mut self, b: u32) {
+        let loc = self.blocks.rows[b as usize].loc;
+        self.blocks.set_live(b, false);
+        self.give_slot(loc);
+        self.blocks.free_ids.push(b);
     }
 
     /// Releases a block nobody needs any more: unreferenced, unpinned, not moving, and either
@@ -532,7 +553,7 @@ impl Core {
     }
 
     /// Enters a block that is in no eviction index into its pool's, if it is evictable now.
-    #[inline]
+    #[inline(always)]
     fn index_if_evictable(&mut self, b: u32) {
         let i = b as usize;
         debug_assert_eq!(self.blocks.rows[i].evictable_in, NOT_EVICTABLE);
@@ -555,9 +576,17 @@ impl Core {
         pool.queue.push(entry);
         // Stale entries pile up as keys change; drop them once they outnumber live ones.
         if pool.queue.len() as u64 > 2 * pool.count + 1024 {
-            let rows = &self.blocks.rows;
-            pool.queue.retain(|e| Self::entry_valid(rows, p, e));
+            self.drop_stale_entries(p);
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn drop_stale_entries(&mut self, p: usize) {
+        let rows = &self.blocks.rows;
+        self.evictable[p]
+            .queue
+            .retain(|e| Self::entry_valid(rows, p, e));
     }
 
     /// Takes a block out of the eviction index (its entry goes stale).
@@ -610,16 +639,33 @@ impl Core {
         best
     }
 
-    /// Evicts the `k` lowest-ranked evictable blocks of `pool`; the caller checked there are.
-    fn evict_lowest(&mut self, pool: usize, k: u64) {
+    /// Evicts the `k` lowest-ranked evictable blocks of the (device, level 0) pool for new
+    /// blocks to reuse their ids and slots (`recycled`); the caller checked there are `k`.
+    fn evict_for_reuse(&mut self, k: u64) {
+        let pool = self.pool_index(Tier::Device, 0);
         for _ in 0..k {
             let rows = &self.blocks.rows;
             let e = self.evictable[pool]
                 .queue
                 .pop_valid(|e| Self::entry_valid(rows, pool, e))
                 .expect("room was checked before evicting");
-            self.evict_now(e.block);
+            debug_assert!(self.is_evictable(e.block as usize));
+            self.counters.evictions += 1;
+            self.detach(e.block);
+            self.recycled.push(e.block);
         }
+    }
+
+    /// Frees the recycled blocks no new block took, as evicting them would have, in the
+    /// order they were evicted: ids and slots are handed out as if each went through the
+    /// free lists.
+    fn release_recycled(&mut self) {
+        let mut recycled = std::mem::take(&mut self.recycled);
+        for &b in &recycled {
+            self.free_id_and_slot(b);
+        }
+        recycled.clear();
+        self.recycled = recycled;
     }
 
     /// Removes a cached block from the cache entirely (no copy needed: nobody reads it).
@@ -691,8 +737,14 @@ impl Core {
     }
 
     /// Makes room on the device for `n` new level-0 blocks, evicting cached blocks when the
-    /// config allows; checks first, so on failure nothing was evicted.
+    /// config allows; checks first, so on failure nothing was evicted. Blocks evicted from the
+    /// level-0 pool are left `recycled` for the new blocks: the caller allocates with
+    /// `new_device_block`, then calls `release_recycled`.
     fn ensure_device_room(&mut self, n: u64) -> Result<()> {
+        debug_assert!(
+            self.recycled.is_empty(),
+            "recycled blocks left from the last call"
+        );
         if n == 0 {
             return Ok(()); // nothing new (a request wholly shared): fits even over a budget
         }
@@ -741,9 +793,10 @@ impl Core {
                 .saturating_sub(budget);
             if over == 0 || levels == 1 {
                 // Every eviction from the level-0 pool frees one slot and one level-0 block's
-                // bytes: evict the shortfall in one sweep.
+                // bytes: evict the shortfall in one sweep, for the new blocks to reuse.
                 let short_slots = n.saturating_sub(u64::from(self.pools[pool0].free_count()));
-                self.evict_lowest(pool0, short_slots.max(over.div_ceil(bytes)));
+                self.evict_for_reuse(short_slots.max(over.div_ceil(bytes)));
+                break;
             } else {
                 let (_, b) = self
                     .lowest_evictable(0..levels)
@@ -754,11 +807,21 @@ impl Core {
         Ok(())
     }
 
+    /// A new level-0 device block, on the id and slot of the last block evicted for room if
+    /// any: the same ones the free lists would give back first, without the round trip.
     fn new_device_block(&mut self, position: u32) -> u32 {
-        let loc = self
-            .take_slot(Tier::Device, 0)
-            .expect("room ensured before allocating");
-        let b = self.new_block_id(loc);
+        let b = match self.recycled.pop() {
+            Some(b) => {
+                self.init_block(b, self.blocks.rows[b as usize].loc);
+                b
+            }
+            None => {
+                let loc = self
+                    .take_slot(Tier::Device, 0)
+                    .expect("room ensured before allocating");
+                self.new_block_id(loc)
+            }
+        };
         self.blocks.rows[b as usize].position = position;
         self.last_touch(b as usize);
         b
@@ -833,6 +896,7 @@ impl Core {
                 }
             }
         }
+        self.release_recycled();
         let s = self.seqs.get_mut(&seq).expect("checked above");
         s.blocks.extend_from_slice(&out.blocks);
         s.tokens += bs * hashes.len() as u64;
@@ -931,6 +995,7 @@ impl Core {
             out.blocks.push(b);
             out.shared.push(shared.is_some());
         }
+        self.release_recycled();
         s.tokens += tokens.len() as u64;
         self.seqs.insert(seq, s);
         Ok(out)
@@ -963,6 +1028,7 @@ impl Core {
             out.shared.push(false);
             rest -= len;
         }
+        self.release_recycled();
         s.tokens += n;
         self.seqs.insert(seq, s);
         Ok(out)
@@ -998,6 +1064,7 @@ impl Core {
             *child.blocks.last_mut().expect("partial block") = dst;
             (src, dst)
         });
+        self.release_recycled();
         let id = self.next_seq;
         self.next_seq = self.next_seq.wrapping_add(1);
         self.seqs.insert(id, child);

@@ -132,7 +132,7 @@ impl PrefixIndex {
     }
 
     /// Removes `hash` if it maps to `block`.
-    #[inline]
+    #[inline(always)]
     pub fn remove(&mut self, hash: u64, block: u32) {
         let mut hole = self.find(hash);
         if self.slots[hole].block != block || block == EMPTY {

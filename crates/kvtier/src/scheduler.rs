@@ -103,6 +103,20 @@ struct Pass {
     reserved: [u64; Tier::ALL.len()],
 }
 
+impl Pass {
+    fn new(projected: Vec<u64>, cap: u64, reserved: [u64; Tier::ALL.len()]) -> Pass {
+        Pass {
+            moves: Vec::new(),
+            projected,
+            moved_bytes: 0,
+            cap,
+            noop_promotions: 0,
+            deferred: 0,
+            reserved,
+        }
+    }
+}
+
 impl Core {
     /// Plans moves for the current state and holds them pending until `commit`/`abort`.
     pub fn plan(&mut self) -> Result<&crate::Plan> {
@@ -122,30 +136,12 @@ impl Core {
         // An array, not a Vec: a trace replay plans after every request.
         let mut reserved = [0; Tier::ALL.len()];
         reserved[self.tier_pos(Tier::Device)] = room;
-        let mut pass = Pass {
-            moves: Vec::new(),
-            projected: self.tier_bytes.clone(),
-            moved_bytes: 0,
-            cap: self.cfg.max_move_bytes.unwrap_or(u64::MAX),
-            noop_promotions: 0,
-            deferred: 0,
-            reserved,
-        };
-        let wishes = if self.idle(&pass.reserved) {
-            Vec::new()
+        // Checked first: most of a replay's plans are idle, and an idle one allocates nothing.
+        let (pass, unmet) = if self.idle(&reserved) {
+            (Pass::new(Vec::new(), 0, reserved), 0)
         } else {
-            self.level_wishes()
+            self.run_passes(reserved)
         };
-        self.move_live_blocks(&mut pass, &wishes);
-        let mut unmet = 0;
-        for t in 0..self.cfg.tiers.len() {
-            unmet += self.relieve_pressure(&mut pass, t, &wishes);
-            if self.cfg.pool_headroom {
-                for level in 0..self.cfg.num_levels() {
-                    self.relieve_pool(&mut pass, t, level as u8, &wishes);
-                }
-            }
-        }
         let plan = Plan {
             id: self.next_plan,
             moves: pass.moves,
@@ -157,6 +153,24 @@ impl Core {
         self.counters.noop_promotions += plan.noop_promotions;
         self.counters.deferred_moves += plan.deferred;
         Ok(self.pending.insert(plan))
+    }
+
+    /// Passes 1 to 3 of a plan that may not be empty.
+    fn run_passes(&mut self, reserved: [u64; Tier::ALL.len()]) -> (Pass, u64) {
+        let cap = self.cfg.max_move_bytes.unwrap_or(u64::MAX);
+        let mut pass = Pass::new(self.tier_bytes.clone(), cap, reserved);
+        let wishes = self.level_wishes();
+        self.move_live_blocks(&mut pass, &wishes);
+        let mut unmet = 0;
+        for t in 0..self.cfg.tiers.len() {
+            unmet += self.relieve_pressure(&mut pass, t, &wishes);
+            if self.cfg.pool_headroom {
+                for level in 0..self.cfg.num_levels() {
+                    self.relieve_pool(&mut pass, t, level as u8, &wishes);
+                }
+            }
+        }
+        (pass, unmet)
     }
 
     pub fn pending_plan(&self) -> Option<&Plan> {
