@@ -185,6 +185,15 @@ pub(crate) struct Blocks {
 }
 
 impl Blocks {
+    fn with_capacity(n: usize) -> Blocks {
+        Blocks {
+            rows: Vec::with_capacity(n),
+            copy: Vec::with_capacity(n),
+            free_ids: Vec::new(),
+            live_bits: Vec::with_capacity(n.div_ceil(64)),
+        }
+    }
+
     /// A new id's row (and its word of the live bitmap).
     fn push_row(&mut self) -> u32 {
         let b = self.rows.len() as u32;
@@ -291,6 +300,12 @@ impl Core {
                 pools.push(SlotPool::new(t.tier, level, capacity));
             }
         }
+        // A bounded device holds about this many blocks: room for them up front spares a
+        // replay the copies of growing (capped: a huge budget may never fill).
+        let expected_blocks = cfg.tiers[0]
+            .budget_bytes
+            .map_or(0, |b| b / cfg.level_bytes[0].max(1))
+            .min(1 << 20) as usize;
         let mut tier_at = [usize::MAX; 4];
         for (pos, t) in cfg.tiers.iter().enumerate() {
             tier_at[t.tier as usize] = pos;
@@ -309,10 +324,10 @@ impl Core {
             decay: DecayTable::new(cfg.decay),
             tier_bytes: vec![0; cfg.tiers.len()],
             pools,
-            blocks: Blocks::default(),
-            stats: Vec::new(),
+            blocks: Blocks::with_capacity(expected_blocks),
+            stats: Vec::with_capacity(expected_blocks),
             stats_written: false,
-            index: PrefixIndex::default(),
+            index: PrefixIndex::with_capacity(expected_blocks),
             seqs: BTreeMap::new(),
             spare_block_lists: Vec::new(),
             recycled: Vec::new(),
@@ -868,16 +883,19 @@ impl Core {
         out.blocks.clear();
         out.shared.clear();
         let mut missing = 0;
-        for &h in hashes {
-            let found = self.index.get(h);
-            if let Some(b) = found {
-                self.share(b);
-            } else {
-                missing += 1;
-            }
-            out.blocks.push(found.unwrap_or(NO_SLOT));
-            out.shared.push(found.is_some());
-        }
+        // `extend` from exact-size iterators: one capacity check per request, not per block.
+        out.blocks
+            .extend(hashes.iter().map(|&h| match self.index.get(h) {
+                Some(b) => {
+                    self.share(b);
+                    b
+                }
+                None => {
+                    missing += 1;
+                    NO_SLOT
+                }
+            }));
+        out.shared.extend(out.blocks.iter().map(|&b| b != NO_SLOT));
         if let Err(e) = self.ensure_device_room(missing) {
             for (&b, _) in out.blocks.iter().zip(&out.shared).filter(|p| *p.1) {
                 self.unshare(b);
@@ -1149,8 +1167,9 @@ impl Core {
         }
     }
 
-    /// Attention mass each block received in one report (summed over layers and heads by the
-    /// caller). Blocks at or above the report's mean count as important for Scissorhands.
+    /// Attention mass each block received in one report, aggregated over heads and queries as
+    /// the caller sees fit (`BlockManager` averages them and reports each layer). Blocks at or
+    /// above the report's mean count as important for Scissorhands.
     pub fn record_attention(&mut self, ids: &[u32], mass: &[f32]) -> Result<()> {
         self.check_values("attention mass", ids, mass)?;
         let mean = mass.iter().map(|&m| f64::from(m)).sum::<f64>() / mass.len().max(1) as f64;

@@ -60,6 +60,15 @@ impl EvictionQueue {
     /// Removes and returns the lowest valid entry, dropping stale ones on the way.
     #[inline]
     pub fn pop_valid(&mut self, valid: impl Fn(&Entry) -> bool) -> Option<Entry> {
+        if self.spill.is_empty() {
+            // Entries arrived in order (the usual case): the run alone holds the minimum.
+            while let Some(e) = self.run.pop_front() {
+                if valid(&e) {
+                    return Some(e);
+                }
+            }
+            return None;
+        }
         let top = self.peek_valid(valid)?;
         match self.spill.peek() {
             Some(Reverse(b)) if *b == top => self.spill.pop(),

@@ -67,15 +67,21 @@ const MIN_SLOTS: usize = 16;
 
 impl Default for PrefixIndex {
     fn default() -> Self {
-        PrefixIndex {
-            slots: vec![EMPTY_SLOT; MIN_SLOTS],
-            len: 0,
-            shift: 64 - MIN_SLOTS.trailing_zeros(),
-        }
+        PrefixIndex::with_capacity(0)
     }
 }
 
 impl PrefixIndex {
+    /// An index that holds `n` hashes before it first grows.
+    pub fn with_capacity(n: usize) -> Self {
+        let slots = (2 * n).next_power_of_two().max(MIN_SLOTS);
+        PrefixIndex {
+            slots: vec![EMPTY_SLOT; slots],
+            len: 0,
+            shift: 64 - slots.trailing_zeros(),
+        }
+    }
+
     #[inline]
     fn home(&self, hash: u64) -> usize {
         (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
