@@ -155,6 +155,28 @@ def test_unknown_sequences_raise_invalid_sequence_error(core: kvtier.Core) -> No
     unchanged(core, kvtier.InvalidSequenceError, core.free_sequence, seq)  # freed twice
 
 
+def test_negative_ids_and_counts_are_invalid_arguments_that_change_nothing(
+    core: kvtier.Core,
+) -> None:
+    seq = core.sequences()[0]
+    calls: list[tuple[Any, ...]] = [
+        (core.append_blocks, -1, np.array([1], dtype=U64)),
+        (core.append_tokens, -1, np.array([1, 2], dtype=U32)),
+        (core.extend, -1, 4),
+        (core.extend, seq, -1),
+        (core.fork, -1),
+        (core.free_sequence, -1),
+        (core.sequence_blocks, -1),
+        (core.sequence_tokens, -1),
+        (core.plan, -1),
+        (core.commit, -1),
+        (core.abort, -1),
+    ]
+    for call, *args in calls:
+        msg = unchanged(core, kvtier.InvalidArgumentError, call, *args)
+        assert "-1 is out of range: expected a non-negative integer" in msg, msg
+
+
 def test_append_blocks_after_a_partial_block_is_refused(core: kvtier.Core) -> None:
     seq = core.add_sequence()
     core.append_tokens(seq, np.arange(6, dtype=U32))

@@ -71,6 +71,17 @@ impl PyCore {
     }
 }
 
+/// An id or count argument in the core's range, or an `InvalidArgumentError` naming it: a
+/// negative number would otherwise end in PyO3's bare `OverflowError`.
+fn int_arg<T: TryFrom<i64>>(what: &'static str, v: i64) -> PyResult<T> {
+    T::try_from(v).map_err(|_| {
+        to_py(Error::InvalidArgument {
+            what,
+            reason: format!("{v} is out of range: expected a non-negative integer"),
+        })
+    })
+}
+
 /// A non-negative integer config value, or a `ConfigError` naming the field (PyO3's own
 /// conversion error would not say which argument was wrong).
 fn config_int<T: TryFrom<i64>>(field: &'static str, v: i64) -> PyResult<T> {
@@ -223,9 +234,10 @@ impl PyCore {
     fn append_tokens<'py>(
         &self,
         py: Python<'py>,
-        seq: u32,
+        seq: i64,
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<AppendedArrays<'py>> {
+        let seq = int_arg("seq", seq)?;
         let tokens = array::<u32>(tokens, "tokens", "uint32")?;
         let t = tokens.as_slice()?;
         let out = self.with(py, |c| c.append_tokens(seq, t)).py_err()?;
@@ -239,9 +251,10 @@ impl PyCore {
     fn append_blocks<'py>(
         &self,
         py: Python<'py>,
-        seq: u32,
+        seq: i64,
         hashes: &Bound<'py, PyAny>,
     ) -> PyResult<AppendedArrays<'py>> {
+        let seq = int_arg("seq", seq)?;
         let hashes = array::<u64>(hashes, "hashes", "uint64")?;
         let h = hashes.as_slice()?;
         let out = self.with(py, |c| c.append_blocks(seq, h)).py_err()?;
@@ -253,7 +266,8 @@ impl PyCore {
 
     /// Appends `n` tokens without ids (their K/V only); the sequence stops being hashed.
     /// Returns `(block_ids, shared)` for the blocks added (none shared).
-    fn extend<'py>(&self, py: Python<'py>, seq: u32, n: u64) -> PyResult<AppendedArrays<'py>> {
+    fn extend<'py>(&self, py: Python<'py>, seq: i64, n: i64) -> PyResult<AppendedArrays<'py>> {
+        let (seq, n) = (int_arg("seq", seq)?, int_arg("n", n)?);
         let out = self.with(py, |c| c.extend(seq, n)).py_err()?;
         Ok((
             PyArray1::from_vec(py, out.blocks),
@@ -263,7 +277,8 @@ impl PyCore {
 
     /// Forks a sequence; returns `(child, copy)` where `copy` is `(src_block, dst_block)` of
     /// the partial block whose bytes the engine must copy, or `None`.
-    fn fork(&self, py: Python<'_>, seq: u32) -> PyResult<(u32, Option<(u32, u32)>)> {
+    fn fork(&self, py: Python<'_>, seq: i64) -> PyResult<(u32, Option<(u32, u32)>)> {
+        let seq = int_arg("seq", seq)?;
         let f = self.with(py, |c| c.fork(seq)).py_err()?;
         Ok((f.child, f.copy))
     }
@@ -275,22 +290,25 @@ impl PyCore {
         self.with(py, |c| c.forget(ids)).py_err()
     }
 
-    fn free_sequence(&self, py: Python<'_>, seq: u32) -> PyResult<()> {
+    fn free_sequence(&self, py: Python<'_>, seq: i64) -> PyResult<()> {
+        let seq = int_arg("seq", seq)?;
         self.with(py, |c| c.free_sequence(seq)).py_err()
     }
 
     fn sequence_blocks<'py>(
         &self,
         py: Python<'py>,
-        seq: u32,
+        seq: i64,
     ) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let seq = int_arg("seq", seq)?;
         let v = self
             .with(py, |c| c.sequence_blocks(seq).map(<[u32]>::to_vec))
             .py_err()?;
         Ok(PyArray1::from_vec(py, v))
     }
 
-    fn sequence_tokens(&self, py: Python<'_>, seq: u32) -> PyResult<u64> {
+    fn sequence_tokens(&self, py: Python<'_>, seq: i64) -> PyResult<u64> {
+        let seq = int_arg("seq", seq)?;
         self.with(py, |c| c.sequence_tokens(seq)).py_err()
     }
 
@@ -372,17 +390,20 @@ impl PyCore {
     /// `room_bytes`: also free that much of the device budget for blocks about to be allocated
     /// (demoting and offloading before anything is evicted).
     #[pyo3(signature = (room_bytes = 0))]
-    fn plan(&self, py: Python<'_>, room_bytes: u64) -> PyResult<PyPlan> {
+    fn plan(&self, py: Python<'_>, room_bytes: i64) -> PyResult<PyPlan> {
+        let room_bytes = int_arg("room_bytes", room_bytes)?;
         // Columns are built from the pending plan in place: no copy of the move list.
         self.with(py, |c| c.plan_with_room(room_bytes).map(PyPlan::from))
             .py_err()
     }
 
-    fn commit(&self, py: Python<'_>, plan_id: u64) -> PyResult<()> {
+    fn commit(&self, py: Python<'_>, plan_id: i64) -> PyResult<()> {
+        let plan_id = int_arg("plan_id", plan_id)?;
         self.with(py, |c| c.commit(plan_id)).py_err()
     }
 
-    fn abort(&self, py: Python<'_>, plan_id: u64) -> PyResult<()> {
+    fn abort(&self, py: Python<'_>, plan_id: i64) -> PyResult<()> {
+        let plan_id = int_arg("plan_id", plan_id)?;
         self.with(py, |c| c.abort(plan_id)).py_err()
     }
 
