@@ -70,6 +70,11 @@ BAD_TRACES: dict[str, tuple[Callable[[Path], Path], str]] = {
         _text("big.csv", CSV_HEADER + "0,512,1\n1,99999999999999999999,1\n"),
         r"line 3: input_length must be in \[0, 2\*\*63\)",
     ),
+    # A wrong column or a typo: it fits int64, but hash synthesis would need an id per block.
+    "csv length over the request limit": (
+        _text("huge.csv", CSV_HEADER + "0,512,1\n1,1000000000,1\n"),
+        r"line 3: input_length 1000000000 is above the limit of 100,000,000 input tokens",
+    ),
     "not UTF-8": (
         _bytes("latin1.csv", CSV_HEADER.encode() + b"0,512,1\n1,\xff512,1\n"),
         r"line 3: not UTF-8",

@@ -232,6 +232,37 @@ def test_simulate_compare_accepts_a_ladder_per_policy(
     assert fake_sim["config"].base.policy == "lru"
 
 
+def test_the_banner_shows_the_ladder_each_compared_policy_runs(
+    fake_sim: dict[str, Any], trace_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["simulate", str(trace_file), "--no-progress", "--compare", "lru:bf16,lru,importance"]
+    assert main(argv) == 0
+    banner = capsys.readouterr().err.splitlines()[0]
+    assert banner.endswith(
+        "3 requests, policies lru:bf16, lru:bf16+int8+int4, importance:bf16+int8+int4"
+    ), banner
+    # Without ladders of their own, they all run the one ladder, named once.
+    assert main(["simulate", str(trace_file), "--no-progress", "--compare", "lru,importance"]) == 0
+    banner = capsys.readouterr().err.splitlines()[0]
+    assert banner.endswith("policies lru, importance, ladder bf16,int8,int4"), banner
+
+
+def test_a_mooncake_trace_with_another_block_size_says_its_blocks_are_512_tokens(
+    fake_sim: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--no-progress", "--block-tokens", "256"]) == 2
+    error, hint = _error_lines(capsys.readouterr().err)
+    assert "line 1: 14 hash_ids for input_length 6758, expected ceil(6758/256) = 27" in error
+    assert error.endswith(
+        "the row fits 512-token blocks, the block size Mooncake traces are made of"
+    )
+    assert (
+        hint
+        == "hint: drop --block-tokens (block_tokens= in load_trace) to use 512, the trace's own block size"
+    )
+    assert not fake_sim  # nothing was replayed
+
+
 def test_simulate_budgets_fall_back_to_the_environment(
     fake_sim: dict[str, Any], trace_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -263,7 +294,16 @@ def test_simulate_plot(
     assert str(png) in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["directory", "truncated gzip", "not UTF-8", "hash id >= 2**64"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "directory",
+        "truncated gzip",
+        "not UTF-8",
+        "hash id >= 2**64",
+        "csv length over the request limit",
+    ],
+)
 def test_a_bad_trace_file_is_one_error_line_naming_it(
     fake_sim: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
 ) -> None:

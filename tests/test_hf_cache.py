@@ -279,3 +279,32 @@ def test_kvtier_eval_cache_command_prints_its_table_as_json(smollm2, capsys):
     assert base["ppl_change"] == 0 and base["bytes_vs_dynamic"] == 1
     assert int8["scored_tokens"] == 128 and int8["tokens_per_s"] > 0
     assert 0.2 < int8["bytes_vs_dynamic"] < 0.9 and abs(int8["ppl_change"]) < 0.01
+
+
+@pytest.mark.parametrize(
+    ("options", "in_error"),
+    [
+        (["--windows", "0"], "argument --windows: expected a positive integer, got '0'"),
+        (["--tokens", "1"], "argument --tokens: expected an integer >= 2, got '1'"),
+        (["--chunk", "0"], "argument --chunk: expected a positive integer, got '0'"),
+        (["--speed-tokens", "-1"], "argument --speed-tokens: expected an integer >= 0"),
+        (["--passkey-lengths", "1k"], "expected comma-separated positive integers, got '1k'"),
+        (["--passkey-depths", "0.5,2"], "expected comma-separated numbers from 0 to 1"),
+        (["--methods", "dynamic,kvtier-int3"], "unknown method(s) kvtier-int3: expected some of"),
+    ],
+)
+def test_kvtier_eval_cache_rejects_bad_options_before_loading_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    options: list[str],
+    in_error: str,
+) -> None:
+    from kvtier.cli import main
+
+    monkeypatch.setattr(real, "load_smollm2", lambda *a: pytest.fail("the model was loaded"))
+    assert main(["eval", "cache", *options]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    error, hint = [line for line in err.splitlines() if line.startswith(("error:", "hint:"))]
+    assert error.startswith("error: ") and in_error in error
+    assert hint.startswith("hint: ") and len(hint) > len("hint: ")

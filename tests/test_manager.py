@@ -254,6 +254,39 @@ def test_attention_reports_decide_which_blocks_keep_int8() -> None:
         bm.record_attention(seq, 0, torch.zeros(3))
 
 
+class _RecordsAttention:
+    """Forwards to the real core and keeps what ``record_attention`` hands it."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+        self.reports: list[tuple[list[int], list[float]]] = []
+
+    def record_attention(self, blocks: Any, mass: Any) -> None:
+        self.reports.append((np.asarray(blocks).tolist(), np.asarray(mass).tolist()))
+        self._core.record_attention(blocks, mass)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
+
+def test_a_block_is_credited_the_sum_of_its_tokens_attention() -> None:
+    bm = manager()
+    seq = bm.add_sequence()
+    append_all(bm, seq, kv(2 * BS + 4, seed=3))  # two full blocks and a partial one of 4 tokens
+    recorder = _RecordsAttention(bm.core)
+    bm.core = recorder
+    weights = torch.zeros(HEADS, 2, 2 * BS + 4)
+    weights[:, :, 1] = 0.25  # two tokens of block 0
+    weights[:, :, 7] = 0.5
+    weights[0, 0, BS + 3] = 0.8  # one head and one query of four: a mean of 0.2 over them
+    weights[:, :, 2 * BS :] = 0.05  # every token of the partial block
+    bm.record_attention(seq, 0, weights)
+    [(blocks, mass)] = recorder.reports
+    assert blocks == bm.core.sequence_blocks(seq).tolist()
+    # Summed over each block's tokens (not averaged over them), averaged over heads and queries.
+    assert mass == pytest.approx([0.75, 0.2, 0.2])
+
+
 def test_learned_scores_need_one_finite_score_per_block() -> None:
     bm = manager(weights=(0.0, 1.0, 0.0), recent_window=16)
     seq = bm.add_sequence()

@@ -17,7 +17,7 @@ pytest.importorskip("gguf")
 
 from kvtier import cli  # noqa: E402
 from kvtier.codecs import LearnedCodec, fit_pca, get_codec  # noqa: E402
-from kvtier.errors import KvtierError, MissingDependencyError  # noqa: E402
+from kvtier.errors import ConfigError, KvtierError, MissingDependencyError  # noqa: E402
 from kvtier.eval import codecs as quality  # noqa: E402
 from kvtier.eval import model as real  # noqa: E402
 
@@ -127,3 +127,34 @@ def test_kvtier_eval_codecs_prints_json(loaded, capsys):
     assert rows["fp16"]["k_cosine"] > 0.99999
     assert rows["int4"]["bytes_per_token"] < rows["fp16"]["bytes_per_token"] / 2.9
     assert result["keys"].startswith("after RoPE")
+
+
+@pytest.mark.parametrize(
+    ("options", "in_error"),
+    [
+        (["--windows", "0"], "argument --windows: expected a positive integer, got '0'"),
+        (["--windows", "-3"], "argument --windows: expected a positive integer, got '-3'"),
+        (["--tokens", "0"], "argument --tokens: expected a positive integer, got '0'"),
+        (["--tokens", "100"], "argument --tokens: expected a multiple of 16 (the block size)"),
+        (["--codecs", "int8,,int4"], "expected a comma-separated list of codec names"),
+        (["--codecs", "int8,int5"], "unknown codec 'int5': expected one of "),
+    ],
+)
+def test_kvtier_eval_codecs_rejects_bad_options_before_loading_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    options: list[str],
+    in_error: str,
+) -> None:
+    monkeypatch.setattr(real, "load_smollm2", lambda *a: pytest.fail("the model was loaded"))
+    assert cli.main(["eval", "codecs", *options]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    error, hint = [line for line in err.splitlines() if line.startswith(("error:", "hint:"))]
+    assert error.startswith("error: ") and in_error in error
+    assert hint.startswith("hint: ") and len(hint) > len("hint: ")
+
+
+def test_an_unknown_codec_error_names_the_measured_variants_too() -> None:
+    with pytest.raises(ConfigError, match=r"unknown codec 'int5': .*int4-tok.*int8-asym"):
+        quality.named("int5")

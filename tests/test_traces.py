@@ -14,6 +14,7 @@ from bad_traces import BAD_TRACES
 from kvtier.errors import TraceError
 from kvtier.traces import (
     BUNDLED_TRACE_REQUESTS,
+    MAX_REQUEST_TOKENS,
     Trace,
     bundled_trace_path,
     load_trace,
@@ -265,3 +266,48 @@ def test_equal_timestamps_are_in_arrival_order(tmp_path: Path) -> None:
     trace = load_trace(path)
     assert trace.timestamps_ms.tolist() == [0.0, 7.0, 7.0]
     assert trace.duration_s == 0.007
+
+
+def test_a_csv_request_may_have_up_to_max_request_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "long.csv"
+    path.write_text(f"timestamp,input_length,output_length\n0,{MAX_REQUEST_TOKENS},1\n")
+    assert load_trace(path).blocks_per_request.tolist() == [-(-MAX_REQUEST_TOKENS // 512)]
+    azure = tmp_path / "azure.csv"
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        f"2023-11-16 18:15:46.6805900,{MAX_REQUEST_TOKENS + 1},3\n"
+    )
+    with pytest.raises(
+        TraceError, match=rf"azure.csv: line 2: ContextTokens {MAX_REQUEST_TOKENS + 1}"
+    ):
+        load_trace(azure)
+    with pytest.raises(ValueError, match="at most 100,000,000 tokens"):
+        synthesize_hashes(np.array([MAX_REQUEST_TOKENS + 1]))
+
+
+@pytest.mark.parametrize("block_tokens", [256, 1024])
+def test_mooncake_hashes_read_with_another_block_size_say_they_are_512_token_blocks(
+    block_tokens: int,
+) -> None:
+    with pytest.raises(TraceError) as info:
+        load_trace(bundled_trace_path(), block_tokens=block_tokens)
+    message = str(info.value)
+    assert (
+        f"line 1: 14 hash_ids for input_length 6758, expected ceil(6758/{block_tokens})" in message
+    )
+    assert "the row fits 512-token blocks, the block size Mooncake traces are made of" in message
+    assert info.value.hint is not None and "drop --block-tokens" in info.value.hint
+
+
+def test_a_row_hashed_with_another_block_size_says_which_sizes_it_fits(tmp_path: Path) -> None:
+    # 5 ids for 5000 tokens: blocks of 1000 to 1249 tokens, not Mooncake's 512.
+    path = _write_jsonl(
+        tmp_path / "k.jsonl", [{**GOOD, "input_length": 5000, "hash_ids": [0, 1, 2, 3, 4]}]
+    )
+    with pytest.raises(TraceError, match=r"line 1: .*; the row fits blocks of 1000 to 1249 tokens"):
+        load_trace(path)
+    corrupt = _write_jsonl(
+        tmp_path / "c.jsonl", [{**GOOD, "input_length": 2, "hash_ids": [0, 1, 2]}]
+    )
+    with pytest.raises(TraceError, match=r"line 1: .*; no block size fits this row"):
+        load_trace(corrupt)

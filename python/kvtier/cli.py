@@ -38,7 +38,11 @@ class _UsageError(KvtierError):
     """A command line that argparse rejected."""
 
 
-class _Parser(argparse.ArgumentParser):
+class CommandParser(argparse.ArgumentParser):
+    """Turns argparse's usage errors into ``error:``/``hint:`` lines and exit status 2, as every
+    other error of the ``kvtier`` command; the ``kvtier eval`` suites parse their options with
+    it too."""
+
     def error(self, message: str) -> NoReturn:
         raise _UsageError(message, hint=f"run '{self.prog} --help' for the options")
 
@@ -54,13 +58,23 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -105,7 +119,7 @@ def _policy_list(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = CommandParser(
         prog="kvtier",
         description="kvtier: a tiered, mixed-precision KV-cache manager for LLM serving.",
     )
@@ -156,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     device.add_argument(
         "--device-blocks",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="device tier budget as N full-precision blocks",
     )
@@ -196,18 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
         "own ladder, e.g. lru:bf16,importance:bf16+int8+int4",
     )
     sim.add_argument(
-        "--limit", type=_positive_int, metavar="N", help="replay only the first N requests"
+        "--limit", type=positive_int, metavar="N", help="replay only the first N requests"
     )
     sim.add_argument(
         "--block-tokens",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="tokens per simulated block (default: 512, the block size of Mooncake's hashes; "
         "traces without hashes are cut into blocks of this size)",
     )
     sim.add_argument(
         "--step-every",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="run the scheduler's step() every N requests (default: 1)",
@@ -346,7 +360,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     print(
         f"kvtier simulate: {trace_path.name}, {len(trace):,} requests, "
-        f"policies {', '.join(policies)}, ladder {','.join(ladder)}",
+        f"{_policies_and_ladders(policies, ladder)}",
         file=sys.stderr,
     )
     with Progress(label="replaying", mode="off" if args.no_progress else None) as progress:
@@ -363,6 +377,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         written = plot(result, plot_path)
         print(f"kvtier simulate: wrote {written}", file=sys.stderr)
     return 0
+
+
+def _policies_and_ladders(policies: list[str], ladder: tuple[str, ...]) -> str:
+    """What the banner says will run. A ``--compare`` entry may name its own ladder
+    (``lru:bf16``); then each policy is shown with the ladder it really runs."""
+    if not any(":" in spec for spec in policies):
+        return f"policies {', '.join(policies)}, ladder {','.join(ladder)}"
+    default = "+".join(ladder)
+    return "policies " + ", ".join(
+        spec if ":" in spec else f"{spec}:{default}" for spec in policies
+    )
 
 
 def _json_default(obj: object) -> object:

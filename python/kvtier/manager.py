@@ -555,8 +555,10 @@ class BlockManager:
 
     def record_attention(self, seq: int, layer: int, weights: Any) -> None:
         """Feeds attention weights whose last axis runs over the sequence's tokens (e.g.
-        ``[heads, queries, tokens]`` from eager attention): each block is credited the mean
-        attention its tokens received, smoothed over reports by the core."""
+        ``[heads, queries, tokens]`` from eager attention). Each block is credited the attention
+        *mass* it received: the weights are averaged over the leading axes (so a prefill's many
+        queries weigh no more than one decode step's), then summed over the block's tokens, as
+        H2O accumulates attention. The core smooths these masses over reports."""
         w = as_tensor(weights, "weights")
         layer = self._layer(layer)
         with self._lock:

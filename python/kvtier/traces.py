@@ -25,7 +25,10 @@ must be finite and never decrease (ties are fine; the Mooncake traces have many)
 
 The CSV traces carry no content hashes, so :func:`synthesize_hashes` adds them with the
 prefix-sharing model below. Its parameters are assumptions, not measurements; they are keyword
-arguments of ``load_trace`` so that a user can state their own.
+arguments of ``load_trace`` so that a user can state their own. A request of a CSV trace may
+have at most ``MAX_REQUEST_TOKENS`` (100,000,000) input tokens, ten times the longest context any
+model offers: a larger count is a wrong column or a typo, and would make synthesis allocate an id
+per block of it.
 
 Prefix-sharing model (deterministic for a given ``seed``)
 ---------------------------------------------------------
@@ -77,6 +80,7 @@ from .errors import TraceError
 
 __all__ = [
     "BUNDLED_TRACE_REQUESTS",
+    "MAX_REQUEST_TOKENS",
     "Trace",
     "TraceFormat",
     "bundled_trace_path",
@@ -206,6 +210,10 @@ class Trace:
 #: Bounds of the columns: lengths are stored as int64, block ids as uint64.
 _LENGTH_LIMIT = 2**63
 _HASH_ID_LIMIT = 2**64
+#: Most input tokens one request of a trace without hashes may have: ten times the longest
+#: context window any model offers (10M tokens). Synthesis makes one id per block, so a length
+#: that only fits int64 (a typo, a column of bytes) would otherwise ask for terabytes of ids.
+MAX_REQUEST_TOKENS = 100_000_000
 
 
 def _lines(path: Path) -> Generator[tuple[int, str], None, None]:
@@ -287,6 +295,46 @@ def _check_arrival_order(path: Path, ts: np.ndarray, linenos: list[int]) -> None
         )
 
 
+def _block_sizes_fitting(n_in: int, count: int) -> tuple[int, int | None] | None:
+    """The block sizes ``B`` with ``ceil(n_in / B) == count``, as ``(lowest, highest)`` with
+    ``None`` for no upper bound; ``None`` if there are none."""
+    if count == 0 or n_in == 0:
+        return (1, None) if count == n_in == 0 else None
+    lowest = -(-n_in // count)
+    highest = -(-n_in // (count - 1)) - 1 if count > 1 else None
+    return (lowest, highest) if highest is None or lowest <= highest else None
+
+
+def _block_count_error(where: str, n_in: int, count: int, block_tokens: int) -> TraceError:
+    """A row whose hash_ids do not cover its input in blocks of ``block_tokens`` tokens. Most
+    often the trace was hashed with another block size than the one asked for (Mooncake's is
+    512 tokens), so the message says which block sizes the row does fit."""
+    mismatch = (
+        f"{where}: {count} hash_ids for input_length {n_in}, expected "
+        f"ceil({n_in}/{block_tokens}) = {-(-n_in // block_tokens)} for {block_tokens}-token blocks"
+    )
+    fits = _block_sizes_fitting(n_in, count)
+    if fits is None:
+        return TraceError(f"{mismatch}; no block size fits this row")
+    lowest, highest = fits
+    if lowest <= MOONCAKE_BLOCK_TOKENS and (highest is None or highest >= MOONCAKE_BLOCK_TOKENS):
+        return TraceError(
+            f"{mismatch}; the row fits {MOONCAKE_BLOCK_TOKENS}-token blocks, the block size "
+            "Mooncake traces are made of",
+            hint=f"drop --block-tokens (block_tokens= in load_trace) to use "
+            f"{MOONCAKE_BLOCK_TOKENS}, the trace's own block size",
+        )
+    if highest == lowest:
+        sizes = f"{lowest}-token blocks"
+    else:
+        sizes = f"blocks of {lowest} to {'any number of' if highest is None else highest} tokens"
+    return TraceError(
+        f"{mismatch}; the row fits {sizes}",
+        hint="give the block size the trace's hashes were made with: --block-tokens N "
+        "(block_tokens=N in load_trace)",
+    )
+
+
 def _load_mooncake(path: Path, block_tokens: int, limit: int | None) -> Trace:
     ts: list[float] = []
     ins: list[int] = []
@@ -324,12 +372,8 @@ def _load_mooncake(path: Path, block_tokens: int, limit: int | None) -> Trace:
                 raise TraceError(f"{where}: timestamp must be a finite number, got {t!r}")
             if type(h) is not list or not all(_is_int(x) and 0 <= x < _HASH_ID_LIMIT for x in h):
                 raise TraceError(f"{where}: hash_ids must be a list of integers in [0, 2**64)")
-            expected = -(-n_in // block_tokens)
-            if len(h) != expected:
-                raise TraceError(
-                    f"{where}: {len(h)} hash_ids for input_length {n_in}, expected "
-                    f"ceil({n_in}/{block_tokens}) = {expected}"
-                )
+            if len(h) != -(-n_in // block_tokens):
+                raise _block_count_error(where, n_in, len(h), block_tokens)
             ts.append(t)
             ins.append(n_in)
             outs.append(n_out)
@@ -445,7 +489,15 @@ def _load_csv_lengths(
     for lineno, (t, n_in, n_out) in _csv_rows(path, columns, limit):
         where = f"{path}: line {lineno}"
         stamps.append(t)
-        ins.append(_parse_count(n_in, where, columns[1]))
+        tokens = _parse_count(n_in, where, columns[1])
+        if tokens > MAX_REQUEST_TOKENS:
+            raise TraceError(
+                f"{where}: {columns[1]} {tokens} is above the limit of "
+                f"{MAX_REQUEST_TOKENS:,} input tokens a request",
+                hint=f"check that the {columns[1]} column holds token counts; no real prompt "
+                f"comes near {MAX_REQUEST_TOKENS:,} tokens",
+            )
+        ins.append(tokens)
         outs.append(_parse_count(n_out, where, columns[2]))
         linenos.append(lineno)
     if fmt == "azure":
@@ -547,6 +599,10 @@ def synthesize_hashes(
     lengths = np.asarray(input_lengths, dtype=np.int64)
     if len(lengths) and lengths.min() < 0:
         raise ValueError("input lengths must be >= 0")
+    if len(lengths) and lengths.max() > MAX_REQUEST_TOKENS:
+        raise ValueError(
+            f"input lengths must be at most {MAX_REQUEST_TOKENS:,} tokens, got {lengths.max()}"
+        )
     n = len(lengths)
     rng = np.random.default_rng(seed)
     # All random draws up front, in a fixed order, so the result depends only on seed and n.

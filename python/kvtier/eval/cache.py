@@ -37,7 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..cli import CommandParser, non_negative_int, positive_int
 from ..config import KvtierConfig
+from ..errors import ConfigError
 from ..integrations.hf import TieredCache
 from . import model as real
 
@@ -316,8 +318,9 @@ def available(names: list[str]) -> tuple[list[Method], list[str]]:
     table = methods()
     unknown = [n for n in names if n not in table]
     if unknown:
-        raise SystemExit(
-            f"unknown method(s) {', '.join(unknown)}: expected some of {', '.join(table)}"
+        raise ConfigError(
+            f"unknown method(s) {', '.join(unknown)}: expected some of {', '.join(table)}",
+            hint="run 'kvtier eval cache --help' for the methods",
         )
     chosen, skipped = [], []
     needs = {"quanto-int4": "optimum.quanto", "hqq-int4": "hqq"}
@@ -343,10 +346,11 @@ def run(
     speed_new: int = SPEED_NEW,
     progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
+    # Methods first: an unknown name must fail before the model takes its seconds to load.
+    chosen, skipped = available(names)
     model, tokenizer = real.load_smollm2("eager")
     text = real.windows(tokenizer, windows, tokens)
     prompt = real.windows(tokenizer, 1, SPEED_PROMPT)[0]
-    chosen, skipped = available(names)
     rows = []
     for method in chosen:
         progress(f"{method.name}: perplexity")
@@ -402,43 +406,93 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _window_tokens(text: str) -> int:
+    # The first half of a window is the context and the second half is scored: both need a token.
+    tokens = positive_int(text)
+    if tokens < 2:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2, got {text!r}")
+    return tokens
+
+
+def _names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of method names, got {text!r}"
+        )
+    return names
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    # '' is allowed: it skips the passkey test.
+    try:
+        return tuple(positive_int(part) for part in text.split(",") if part.strip())
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers, got {text!r}"
+        ) from None
+
+
+def _depths(text: str) -> tuple[float, ...]:
+    depths = []
+    for part in filter(str.strip, text.split(",")):
+        try:
+            depth = float(part)
+        except ValueError:
+            depth = float("nan")
+        if not 0.0 <= depth <= 1.0:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated numbers from 0 to 1, got {text!r}"
+            )
+        depths.append(depth)
+    return tuple(depths)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kvtier eval cache",
         description="Perplexity, passkey retrieval, KV bytes and tokens/s of DynamicCache, "
         "QuantizedCache and kvtier's TieredCache on SmolLM2-135M and WikiText-2.",
     )
     parser.add_argument(
         "--methods",
-        default=",".join(DEFAULT_METHODS),
+        type=_names,
+        default=list(DEFAULT_METHODS),
         help=f"comma-separated (default: {','.join(DEFAULT_METHODS)})",
     )
-    parser.add_argument("--windows", type=int, default=WINDOWS, help="WikiText-2 windows")
-    parser.add_argument("--tokens", type=int, default=WINDOW_TOKENS, help="tokens per window")
-    parser.add_argument("--chunk", type=int, default=CHUNK, help="tokens per teacher-forced step")
+    parser.add_argument("--windows", type=positive_int, default=WINDOWS, help="WikiText-2 windows")
+    parser.add_argument(
+        "--tokens", type=_window_tokens, default=WINDOW_TOKENS, help="tokens per window (>= 2)"
+    )
+    parser.add_argument(
+        "--chunk", type=positive_int, default=CHUNK, help="tokens per teacher-forced step"
+    )
     parser.add_argument(
         "--passkey-lengths",
-        default=",".join(map(str, PASSKEY_LENGTHS)),
-        help="prompt lengths in tokens ('' to skip the passkey test)",
+        type=_lengths,
+        default=PASSKEY_LENGTHS,
+        help="prompt lengths in tokens ('' to skip the passkey test; default: "
+        f"{','.join(map(str, PASSKEY_LENGTHS))})",
     )
     parser.add_argument(
         "--passkey-depths",
-        default=",".join(map(str, PASSKEY_DEPTHS)),
-        help="where the key sits in the filler, 0 = start, 1 = end",
+        type=_depths,
+        default=PASSKEY_DEPTHS,
+        help="where the key sits in the filler, 0 = start, 1 = end (default: "
+        f"{','.join(map(str, PASSKEY_DEPTHS))})",
     )
-    parser.add_argument("--speed-tokens", type=int, default=SPEED_NEW, help="0 skips the speed run")
+    parser.add_argument(
+        "--speed-tokens", type=non_negative_int, default=SPEED_NEW, help="0 skips the speed run"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.methods.split(",") if n.strip()]
-    lengths = tuple(int(x) for x in args.passkey_lengths.split(",") if x.strip())
-    depths = tuple(float(x) for x in args.passkey_depths.split(",") if x.strip())
     result = run(
-        names,
+        args.methods,
         windows=args.windows,
         tokens=args.tokens,
         chunk=args.chunk,
-        lengths=lengths,
-        depths=depths,
+        lengths=args.passkey_lengths,
+        depths=args.passkey_depths,
         speed_new=args.speed_tokens,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )

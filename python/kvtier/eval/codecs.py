@@ -19,13 +19,16 @@ import json
 import runpy
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..codecs import BlockShape, Codec, get_codec
+from ..cli import CommandParser, positive_int
+from ..codecs import BlockShape, Codec, available_codecs, get_codec
+from ..errors import ConfigError
 from . import model as real
 
 #: Windows of WikiText-2 read by the model, and their length in tokens.
@@ -162,32 +165,45 @@ def codec_quality(
     }
 
 
+#: Measured variants of the built-in codecs, by the name ``--codecs`` knows them by.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "int8-asym": ("int8", {"asymmetric": True}),
+    "int4-g16": ("int4", {"group_size": 16}),
+    "int4-tok": ("int4", {"key_per_channel": False}),
+    "int4-sym": ("int4", {"asymmetric": False}),
+    "int8-g32": ("int8", {"group_size": 32}),
+    # plain symmetric per-token grouping, one scale per vector: magdir's equal-bytes peer
+    "int4-sym-head": (
+        "int4",
+        {"asymmetric": False, "key_per_channel": False, "group_size": None},
+    ),
+}
+
+
 def named(spec: str) -> Codec:
-    """A codec from a name on the command line, including the measured variants below."""
-    variants: dict[str, tuple[str, dict[str, Any]]] = {
-        "int8-asym": ("int8", {"asymmetric": True}),
-        "int4-g16": ("int4", {"group_size": 16}),
-        "int4-tok": ("int4", {"key_per_channel": False}),
-        "int4-sym": ("int4", {"asymmetric": False}),
-        "int8-g32": ("int8", {"group_size": 32}),
-        # plain symmetric per-token grouping, one scale per vector: magdir's equal-bytes peer
-        "int4-sym-head": (
-            "int4",
-            {"asymmetric": False, "key_per_channel": False, "group_size": None},
-        ),
-    }
-    if spec in variants:
-        base, options = variants[spec]
+    """A codec from a name on the command line, including the measured variants above."""
+    if spec in VARIANTS:
+        base, options = VARIANTS[spec]
         codec = get_codec(base, **options)
         codec.name = spec
         return codec
+    if spec not in available_codecs():
+        known = sorted({*available_codecs(), *VARIANTS})
+        raise ConfigError(
+            f"unknown codec {spec!r}: expected one of {', '.join(known)}",
+            hint="register your own with --load FILE.py (e.g. examples/magdir_codec.py)",
+        )
     return get_codec(spec)
 
 
-def run(codecs: list[str], windows: int = WINDOWS, tokens: int = WINDOW_TOKENS) -> dict[str, Any]:
+def run(
+    codecs: Sequence[str | Codec], windows: int = WINDOWS, tokens: int = WINDOW_TOKENS
+) -> dict[str, Any]:
+    # Codecs first: an unknown name must fail before the model takes its seconds to load.
+    resolved = [codec if isinstance(codec, Codec) else named(codec) for codec in codecs]
     kv = load_real_kv(windows, tokens)
     reference = attention(kv.queries, kv.keys, kv.values)
-    rows = [codec_quality(named(name), kv, reference) for name in codecs]
+    rows = [codec_quality(codec, kv, reference) for codec in resolved]
     return {
         "model": real.MODEL_ID,
         "text": "wikitext2_test.raw",
@@ -218,19 +234,44 @@ def to_json(result: dict[str, Any]) -> str:
     return json.dumps(result, indent=2)
 
 
+def _window_tokens(text: str) -> int:
+    # Blocks are cut from each window, so a window is a whole number of them.
+    tokens = positive_int(text)
+    if tokens % BLOCK_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"expected a multiple of {BLOCK_SIZE} (the block size), got {text!r}"
+        )
+    return tokens
+
+
+def _codec_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of codec names, got {text!r}"
+        )
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kvtier eval codecs",
         description="Encode and decode real SmolLM2-135M K/V (WikiText-2) with each codec and "
         "report bytes, cosine similarity, relative error and attention-output error.",
     )
     parser.add_argument(
         "--codecs",
-        default=",".join(DEFAULT_CODECS),
+        type=_codec_names,
+        default=list(DEFAULT_CODECS),
         help=f"comma-separated codec names (default: {','.join(DEFAULT_CODECS)})",
     )
-    parser.add_argument("--windows", type=int, default=WINDOWS, help="WikiText-2 windows")
-    parser.add_argument("--tokens", type=int, default=WINDOW_TOKENS, help="tokens per window")
+    parser.add_argument("--windows", type=positive_int, default=WINDOWS, help="WikiText-2 windows")
+    parser.add_argument(
+        "--tokens",
+        type=_window_tokens,
+        default=WINDOW_TOKENS,
+        help=f"tokens per window, a multiple of {BLOCK_SIZE} (default: {WINDOW_TOKENS})",
+    )
     parser.add_argument(
         "--load",
         action="append",
@@ -242,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for path in args.load:
         runpy.run_path(path)
-    names = [n.strip() for n in args.codecs.split(",") if n.strip()]
+    codecs = [named(name) for name in args.codecs]  # after --load, which may register some
     print(f"capturing K/V: {args.windows} x {args.tokens} tokens ...", file=sys.stderr)
-    result = run(names, args.windows, args.tokens)
+    result = run(codecs, args.windows, args.tokens)
     print(to_json(result) if args.json else table(result))
     return 0
