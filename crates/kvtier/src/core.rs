@@ -12,7 +12,8 @@
 //! in the eviction index of its pool exactly while it is evictable (refcount 0, unpinned, not in
 //! a pending plan).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::config::{Config, PolicyKind, Tier};
 use crate::error::{Error, Result};
@@ -61,6 +62,31 @@ impl Key {
         f64::from_bits(bits)
     }
 }
+
+/// Hashes a sequence id by one multiply. Ids are handed out in order, and the low bits of
+/// `id * odd` run through every value as the id does, so consecutive ids fill distinct
+/// buckets; SipHash would cost more than the lookup it serves.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SeqIdHasher(u64);
+
+impl Hasher for SeqIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u32(&mut self, id: u32) {
+        self.0 = u64::from(id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// Live sequences by id (unordered: see [`Core::sequence_ids`] for id order).
+pub(crate) type Sequences = HashMap<u32, Sequence, BuildHasherDefault<SeqIdHasher>>;
 
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Sequence {
@@ -257,7 +283,7 @@ pub struct Core {
     stats_written: bool,
     pub(crate) decay: DecayTable,
     pub(crate) index: PrefixIndex,
-    pub(crate) seqs: BTreeMap<u32, Sequence>,
+    pub(crate) seqs: Sequences,
     /// Block lists of freed sequences, emptied, for new ones: a request-per-sequence workload
     /// then allocates none. Never more than the peak number of live sequences.
     spare_block_lists: Vec<Vec<u32>>,
@@ -328,7 +354,7 @@ impl Core {
             stats: Vec::with_capacity(expected_blocks),
             stats_written: false,
             index: PrefixIndex::with_capacity(expected_blocks),
-            seqs: BTreeMap::new(),
+            seqs: Sequences::default(),
             spare_block_lists: Vec::new(),
             recycled: Vec::new(),
             next_seq: 0,
@@ -747,8 +773,11 @@ impl Core {
         Ok(self.seq(seq)?.tokens)
     }
 
+    /// Ids of the live sequences, in increasing order.
     pub fn sequence_ids(&self) -> Vec<u32> {
-        self.seqs.keys().copied().collect()
+        let mut ids: Vec<u32> = self.seqs.keys().copied().collect();
+        ids.sort_unstable();
+        ids
     }
 
     /// Makes room on the device for `n` new level-0 blocks, evicting cached blocks when the
@@ -857,17 +886,20 @@ impl Core {
     /// already in the index shares that block; the others get new level-0 device blocks.
     pub fn append_blocks(&mut self, seq: u32, hashes: &[u64]) -> Result<Appended> {
         let mut out = Appended::default();
-        self.append_blocks_into(seq, hashes, &mut out)?;
+        self.append_blocks_into(seq, hashes, &mut out, false)?;
         Ok(out)
     }
 
     /// [`Core::append_blocks`] into the caller's buffers (cleared first), so that a replay
-    /// allocates none per request.
+    /// allocates none per request. With `read`, the appended blocks are also read, as
+    /// [`Core::record_reads`] of them right after would (same statistics, same access clock),
+    /// in the same pass.
     pub(crate) fn append_blocks_into(
         &mut self,
         seq: u32,
         hashes: &[u64],
         out: &mut Appended,
+        read: bool,
     ) -> Result<()> {
         let bs = u64::from(self.cfg.block_size);
         let s = self.seq(seq)?;
@@ -902,17 +934,30 @@ impl Core {
             }
             return Err(e);
         }
-        if missing > 0 {
+        // The reads come after every allocation, in block order: the access clock reads
+        // `reads_from + k + 1` at block `k`, as a separate `record_reads` would leave it.
+        let reads_from = self.clock + missing;
+        if missing > 0 || read {
             for (k, &h) in hashes.iter().enumerate() {
-                if !out.shared[k] {
+                let b = if out.shared[k] {
+                    out.blocks[k]
+                } else {
                     let b = self.new_device_block(start + k as u32);
                     let row = &mut self.blocks.rows[b as usize];
                     row.hash = h;
                     row.fill = self.cfg.block_size;
                     row.indexed = self.index.insert(h, b);
                     out.blocks[k] = b;
+                    b
+                };
+                if read {
+                    // Referenced by this sequence: in no eviction index to refresh.
+                    self.read_row(b, reads_from + k as u64 + 1);
                 }
             }
+        }
+        if read {
+            self.clock = reads_from + hashes.len() as u64;
         }
         self.release_recycled();
         let s = self.seqs.get_mut(&seq).expect("checked above");
@@ -1152,19 +1197,24 @@ impl Core {
     }
 
     /// [`Core::record_reads`] of blocks known to be live.
-    pub(crate) fn read_blocks(&mut self, ids: &[u32]) {
-        let step = self.step;
+    fn read_blocks(&mut self, ids: &[u32]) {
         for &b in ids {
-            let i = b as usize;
             self.clock += 1;
-            let row = &mut self.blocks.rows[i];
-            row.reads = row.reads * self.decay.pow(step - row.reads_step) + 1.0;
-            row.reads_step = step;
-            row.last_access = self.clock;
-            if row.evictable_in != NOT_EVICTABLE {
-                self.refresh_evictable(b);
+            self.read_row(b, self.clock);
+            if self.blocks.rows[b as usize].evictable_in != NOT_EVICTABLE {
+                self.refresh_evictable(b); // its recency is part of its key
             }
         }
+    }
+
+    /// One read of block `b` at access-clock value `tick`: its decayed read count and recency.
+    #[inline(always)]
+    fn read_row(&mut self, b: u32, tick: u64) {
+        let step = self.step;
+        let row = &mut self.blocks.rows[b as usize];
+        row.reads = row.reads * self.decay.pow(step - row.reads_step) + 1.0;
+        row.reads_step = step;
+        row.last_access = tick;
     }
 
     /// Attention mass each block received in one report, aggregated over heads and queries as
@@ -1306,5 +1356,73 @@ impl Core {
 
     pub fn cached_blocks(&self) -> u64 {
         self.evictable.iter().map(|e| e.count).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TierConfig;
+
+    /// The replay's fused append-and-read leaves the core exactly as an append followed by
+    /// `record_reads` of the same blocks: same blocks, read counts and access clock.
+    #[test]
+    fn append_with_read_equals_append_then_record_reads() {
+        let cfg = Config {
+            block_size: 4,
+            level_bytes: vec![1],
+            tiers: vec![TierConfig {
+                tier: Tier::Device,
+                budget_bytes: Some(24),
+            }],
+            policy: PolicyKind::Lfu, // ranks by reads, then recency: both show in the key
+            evict_on_full: true,
+            ..Config::default()
+        };
+        let (mut fused, mut apart) = (Core::new(cfg.clone()).unwrap(), Core::new(cfg).unwrap());
+        let mut out = Appended::default();
+        let mut x = 7u64;
+        for request in 0..300 {
+            // Prefix-chained hashes from a small alphabet: hits, misses and evictions.
+            let n = 1 + (x >> 7) % 8;
+            let hashes: Vec<u64> = (0..n).map(|k| (x >> 3) % 5 * 100 + k).collect();
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let (a, b) = (fused.add_sequence(), apart.add_sequence());
+            let got = fused.append_blocks_into(a, &hashes, &mut out, true);
+            match apart.append_blocks(b, &hashes) {
+                Ok(want) => {
+                    got.unwrap();
+                    assert_eq!(out, want, "request {request}");
+                    apart.record_reads(&want.blocks).unwrap();
+                }
+                Err(e) => assert_eq!(got.unwrap_err(), e, "request {request}"),
+            }
+            if request % 3 == 0 {
+                for core in [&mut fused, &mut apart] {
+                    let id = core.plan().unwrap().id; // a step of the decay clock
+                    core.commit(id).unwrap();
+                }
+            }
+            fused.free_sequence(a).unwrap();
+            apart.free_sequence(b).unwrap();
+            assert_eq!(fused.clock, apart.clock, "request {request}");
+            for id in 0..apart.num_block_ids() as u32 {
+                assert_eq!(fused.blocks.is_live(id), apart.blocks.is_live(id));
+                if apart.blocks.is_live(id) {
+                    assert_eq!(
+                        fused.block_score(id).unwrap(),
+                        apart.block_score(id).unwrap()
+                    );
+                    let (f, p) = (
+                        &fused.blocks.rows[id as usize],
+                        &apart.blocks.rows[id as usize],
+                    );
+                    assert_eq!((f.reads, f.reads_step), (p.reads, p.reads_step));
+                }
+            }
+        }
+        assert!(apart.counters().evictions > 0 && apart.counters().shared_hits > 0);
     }
 }

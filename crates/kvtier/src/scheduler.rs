@@ -232,11 +232,13 @@ impl Core {
         let ratio = f64::from(self.cfg.compression_ratio);
         let hyst = f64::from(self.cfg.hysteresis);
         // Sequences are only read here; taking them out lets the loop update statistics.
+        // In id order, so that a plan does not depend on the map's layout.
+        let ids = self.sequence_ids();
         let seqs = std::mem::take(&mut self.seqs);
         let mut wishes: Vec<Wish> = Vec::with_capacity(seqs.values().map(|s| s.blocks.len()).sum());
         let (mut eligible, mut rest): (Ranked, Ranked) = (Vec::new(), Vec::new());
         let mut any_shared = false;
-        for s in seqs.values() {
+        for s in ids.iter().map(|id| &seqs[id]) {
             let blocks = &s.blocks;
             let recent_from = (s.tokens.saturating_sub(window) / bs) as usize;
             if self.cfg.policy == crate::PolicyKind::Importance {

@@ -163,11 +163,8 @@ impl Simulator {
         let seq = core.add_sequence();
         // The append shares every indexed block and takes references before it evicts
         // anything, so the hits are the leading shared blocks, where they were found.
-        let n_hits = match core.append_blocks_into(seq, hashes, appended) {
-            Ok(()) => {
-                core.read_blocks(&appended.blocks);
-                appended.shared.iter().take_while(|&&s| s).count()
-            }
+        let n_hits = match core.append_blocks_into(seq, hashes, appended, true) {
+            Ok(()) => appended.shared.iter().take_while(|&&s| s).count(),
             Err(Error::OutOfCapacity { .. } | Error::OutOfSlots { .. }) => {
                 stats.rejected += 1;
                 appended.blocks = core.lookup(hashes);

@@ -139,8 +139,9 @@ def _trace_path() -> Path:
 
 #: Replays of the LRU comparison, kvtier's and LMCache's fast mode taking turns: the best of
 #: each counts. Taking turns puts both under the same machine noise (on a shared VM one 30 ms
-#: replay can take twice as long as the next, for minutes at a time).
-REPLAY_REPEATS = 5
+#: replay can take twice as long as the next, for minutes at a time); 11 turns (about 2 s)
+#: give each side more chances at a quiet moment than 5 did, so the ratio varies less.
+REPLAY_REPEATS = 11
 
 
 #: Requests of the trace's head that the plain-Python model replays (``--quick``: 200): its
