@@ -151,6 +151,7 @@ def test_checksum_parts_may_be_any_bytes_like() -> None:
     for part in (data.tobytes(), bytearray(data.tobytes()), memoryview(data.tobytes())):
         assert checksum(part) == want
     assert checksum(b"ab", b"c") == checksum(np.frombuffer(b"abc", np.uint8))
+    assert checksum(data.tobytes(), seed=7) == checksum(data, seed=7) != want  # bytes: in place
     streamed = StreamingChecksum(seed=7)
     for at in range(0, len(data), 30_000):  # pieces of any size, in order
         streamed.update(data[at : at + 30_000])
@@ -177,13 +178,13 @@ def test_a_value_sealed_as_it_is_written_is_the_joined_seal(n: int) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 3, 16])
-def test_values_checksummed_as_they_are_read_are_verified_like_any(
+def test_files_read_and_checked_in_one_call_are_checked_like_any_value(
     tmp_path: Path, threads: int
 ) -> None:
     """On one thread, or on several that take the batch's files as they come once the large
-    one has kept the first busy (more threads than files too): the same bytes and checksums,
-    in the order of the paths."""
-    from kvtier._core import read_checksummed
+    one has kept the first busy (more threads than files too): each good value's payload, and
+    for each bad one the check ``unseal`` fails it with, in the order of the paths."""
+    from kvtier._core import read_sealed
 
     values = [payload(n) for n in (0, 100, 4 * fmt.CHUNK + 3)]
     blobs = [bytes(fmt.seal_joined(NS, NS.key(4), memoryview(v))) for v in values]
@@ -191,22 +192,30 @@ def test_values_checksummed_as_they_are_read_are_verified_like_any(
     flipped[-fmt.CHUNK] ^= 4  # in the value's last part
     files = {"a": blobs[0], "b": blobs[1], "c": blobs[2], "flipped": flipped, "tiny": b"KVTR"}
     files["short"] = blobs[2][:-3]  # a value cut short
+    files["other key"] = bytes(fmt.seal_joined(NS, NS.key(5), memoryview(values[1])))
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
-    paths = [str(tmp_path / n) for n in [*files, "missing"]]
+    paths = [str(tmp_path / n) for n in [*files, "missing", "dir"]]
     (tmp_path / "dir").mkdir()
-    read = read_checksummed([*paths, str(tmp_path / "dir")], threads)
+    texts = [fmt.header_texts(NS, NS.key(4))] * len(paths)
+    read = read_sealed(paths, NS.digest, texts, threads)
     assert isinstance(read[-2], FileNotFoundError) and isinstance(read[-1], IsADirectoryError)
-    got = [fmt.Received(*r) for r in read[:-2]]  # type: ignore[misc]
-    for r, blob, value in zip(got[:3], blobs, values, strict=True):
-        assert bytes(r.data) == blob and r.digest == int.from_bytes(blob[-8:], "little")
-        assert bytes(fmt.unseal(NS, NS.key(4), r)) == value
-    with pytest.raises(PayloadError, match="checksum"):
-        fmt.unseal(NS, NS.key(4), got[3])
-    with pytest.raises(PayloadError, match="shorter than any header"):
-        fmt.unseal(NS, NS.key(4), got[4])
-    with pytest.raises(PayloadError, match="truncated"):
-        fmt.unseal(NS, NS.key(4), got[5])
+    for (data, start, stop), blob, value in zip(read[:3], blobs, values, strict=True):
+        assert bytes(data) == blob and bytes(data[start:stop]) == value
+    for bad, name in zip(read[3:-2], list(files)[3:], strict=True):
+        assert isinstance(bad, PayloadError)
+        with pytest.raises(PayloadError) as direct:
+            fmt.unseal(NS, NS.key(4), files[name])
+        assert str(bad) == str(direct.value)
+    assert [str(e) for e in read[3:-2]] == [
+        "checksum mismatch: the value is corrupt",
+        "4 bytes: shorter than any header",
+        f"{len(blobs[2]) - 3} bytes, the header says {len(blobs[2]) - 8 - len(values[2])}"
+        f" + {len(values[2])} + 8: truncated or padded",
+        f'written as key "{NS.key(5)}", read as "{NS.key(4)}"',
+    ]
+    with pytest.raises(InvalidArgumentError, match="texts"):
+        read_sealed(paths, NS.digest, texts[:1], threads)
 
 
 def test_an_unchecked_seal_differs_only_in_its_zero_checksum() -> None:

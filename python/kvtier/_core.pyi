@@ -4,6 +4,8 @@ from typing import Any, ClassVar, Final, final
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.errors import PayloadError
+
 __all__ = [
     "Core",
     "Plan",
@@ -15,7 +17,8 @@ __all__ = [
     "kernel_sources",
     "namespace_seed",
     "prefix_hashes",
-    "read_checksummed",
+    "read_sealed",
+    "unseal_span",
     "write_checksummed",
 ]
 
@@ -180,9 +183,17 @@ class StreamingChecksum:
     def digest(self) -> int: ...
 
 def copy_checksum(out: npt.NDArray[np.uint8], *parts: npt.ArrayLike, seed: int = 0) -> int: ...
-def read_checksummed(
-    paths: list[str], threads: int = 1
-) -> list[tuple[npt.NDArray[np.uint8], int] | OSError]: ...
+def read_sealed(
+    paths: list[str], digest: int, texts: list[bytes], threads: int = 1
+) -> list[tuple[npt.NDArray[np.uint8], int, int] | OSError | PayloadError]: ...
+def unseal_span(
+    value: npt.ArrayLike,
+    digest: int,
+    texts: bytes,
+    *,
+    received: int | None = None,
+    verify: bool = True,
+) -> tuple[int, int]: ...
 def write_checksummed(
     tmp_paths: list[str],
     paths: list[str],

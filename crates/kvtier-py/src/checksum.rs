@@ -25,6 +25,13 @@ pub(crate) fn byte_slices<'a>(arrays: &'a [PyReadonlyArray1<'_, u8>]) -> PyResul
 #[pyfunction]
 #[pyo3(signature = (*parts, seed = 0))]
 pub fn checksum(py: Python<'_>, parts: Vec<Bound<'_, PyAny>>, seed: u64) -> PyResult<u64> {
+    // One `bytes` (a store key): hashed in place, without building an array for it.
+    if let [only] = parts.as_slice() {
+        if let Ok(b) = only.cast::<pyo3::types::PyBytes>() {
+            let bytes = b.as_bytes();
+            return Ok(py.detach(|| XxHash3_64::oneshot_with_seed(seed, bytes)));
+        }
+    }
     let arrays = byte_arrays(&parts)?;
     let slices = byte_slices(&arrays)?;
     Ok(py.detach(|| {

@@ -12,6 +12,8 @@ use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
 use twox_hash::XxHash3_64;
 
+use crate::sealed::{check, payload_error, Expected};
+
 /// Bytes of a value read, or hashed and written, at a time: small enough to stay in cache
 /// between the hash and the copy.
 const CHUNK: usize = 512 << 10;
@@ -171,22 +173,54 @@ fn sync_directories(paths: &[String], written: &mut [io::Result<()>], threads: u
     }
 }
 
-/// Reads stored values from `paths` on up to `threads` threads, without the GIL: for each path
-/// in order, a tuple of its bytes (a uint8 array) and the checksum of all but its last 8 bytes
-/// (the stored checksum field, which `format.unseal` compares with it), or the `OSError`
-/// reading it raised (say `FileNotFoundError`) — one missing file does not stop the others.
+/// Reads stored values from `paths` on up to `threads` threads, without the GIL, and checks
+/// each as `format.unseal` does against the namespace `digest` and its header `texts[i]`
+/// (`format._header_texts`). For each path in order: `(data, start, stop)`, the value's bytes
+/// (a uint8 array) and its payload's range in them; the `PayloadError` a value that fails a
+/// check gets; or the `OSError` reading it raised (say `FileNotFoundError`). One bad file does
+/// not stop the others.
 #[pyfunction]
-#[pyo3(signature = (paths, threads = 1))]
-pub fn read_checksummed(py: Python<'_>, paths: Vec<String>, threads: usize) -> Vec<Py<PyAny>> {
-    let read = py.detach(|| parallel_map(&paths, threads, |p| read_one(p)));
+#[pyo3(signature = (paths, digest, texts, threads = 1))]
+pub fn read_sealed(
+    py: Python<'_>,
+    paths: Vec<String>,
+    digest: u64,
+    texts: Vec<Vec<u8>>,
+    threads: usize,
+) -> PyResult<Vec<Py<PyAny>>> {
+    if texts.len() != paths.len() {
+        return Err(crate::errors::to_py(kvtier::Error::LengthMismatch {
+            what: "texts",
+            expected: paths.len(),
+            got: texts.len(),
+        }));
+    }
+    let items: Vec<usize> = (0..paths.len()).collect();
+    let read = py.detach(|| {
+        parallel_map(&items, threads, |&i| {
+            read_one(&paths[i]).map(|(data, hashed)| {
+                let want = Expected {
+                    digest,
+                    texts: &texts[i],
+                };
+                let span = check(&data, Some(hashed), &want, true);
+                (data, span)
+            })
+        })
+    });
     read.into_iter()
-        .map(|r| match r {
-            Ok((data, digest)) => (numpy::PyArray1::from_vec(py, data), digest)
-                .into_pyobject(py)
-                .expect("a tuple of an array and an int")
-                .into_any()
-                .unbind(),
-            Err(e) => PyErr::from(e).into_value(py).into_any(),
+        .map(|r| {
+            let obj = match r {
+                Ok((data, Ok((start, stop)))) => (numpy::PyArray1::from_vec(py, data), start, stop)
+                    .into_pyobject(py)?
+                    .into_any(),
+                Ok((_, Err(reason))) => payload_error(py, reason)
+                    .into_value(py)
+                    .into_bound(py)
+                    .into_any(),
+                Err(e) => PyErr::from(e).into_value(py).into_bound(py).into_any(),
+            };
+            Ok(obj.unbind())
         })
         .collect()
 }

@@ -7,6 +7,7 @@ mod core;
 mod errors;
 mod files;
 mod plan;
+mod sealed;
 mod sim;
 mod store_index;
 
@@ -63,7 +64,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(checksum::copy_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(checksum::checksum, m)?)?;
-    m.add_function(wrap_pyfunction!(files::read_checksummed, m)?)?;
+    m.add_function(wrap_pyfunction!(files::read_sealed, m)?)?;
+    m.add_function(wrap_pyfunction!(sealed::unseal_span, m)?)?;
     m.add_function(wrap_pyfunction!(files::write_checksummed, m)?)?;
     Ok(())
 }

@@ -22,6 +22,10 @@ from .format import Namespace, Sealed, payload_view, unseal
 
 log = logging.getLogger("kvtier.stores")
 
+#: A payload as a store's reading path hands it on: a view, a miss (None), or the check its
+#: stored value failed.
+Checked = memoryview | PayloadError | None
+
 #: A value in the form a store's ``_put`` takes, as its ``_seal`` made it: a
 #: :class:`~.format.Sealed` (written a chunk at a time) by default, or one buffer from
 #: ``format.seal_joined`` for a store that keeps or sends one.
@@ -113,14 +117,14 @@ class KVStore(ABC):
     def get_many(self, keys: Sequence[str | int]) -> list[memoryview | None]:
         self._check_open()
         full = [self.namespace.key(k) for k in keys]
-        return self._open_all(full, self._get(full))
+        return self._served(full, self._get_checked(full))
 
     def pop(self, key: str | int) -> memoryview | None:
         """Takes the value out: returns it and deletes it, atomically (of two processes popping
         one key, one gets it). A miss is None."""
         self._check_open()
         full = self.namespace.key(key)
-        return self._open_all([full], [self._pop(full)])[0]
+        return self._served([full], [self._pop_checked(full)])[0]
 
     def contains(self, key: str | int) -> bool:
         """Whether a value is stored under ``key`` (``get`` still checks it)."""
@@ -193,13 +197,24 @@ class KVStore(ABC):
     def _rank(self, keys: list[str], scores: list[float]) -> None:  # noqa: B027 (optional)
         """Scores of full keys for a store whose policy ranks by them; others ignore them."""
 
-    @abstractmethod
     def _get(self, keys: list[str]) -> list[Any]:
         """The stored blobs (any buffer) or None; backend errors become None (and are counted
-        with :meth:`_error`)."""
+        with :meth:`_error`). A store implements this, or :meth:`_get_checked` when it checks
+        values as it reads them."""
+        raise NotImplementedError
 
-    @abstractmethod
-    def _pop(self, key: str) -> Any: ...
+    def _pop(self, key: str) -> Any:
+        """The blob taken out from under ``key``, or None (see :meth:`_get`)."""
+        raise NotImplementedError
+
+    def _get_checked(self, keys: list[str]) -> list[Checked]:
+        """The payloads under ``keys``, checked: each a view, None (a miss) or the
+        :class:`PayloadError` its stored value failed with."""
+        return [self._unseal(k, blob) for k, blob in zip(keys, self._get(keys), strict=True)]
+
+    def _pop_checked(self, key: str) -> Checked:
+        """:meth:`_get_checked` of one value taken out."""
+        return self._unseal(key, self._pop(key))
 
     @abstractmethod
     def _contains(self, key: str) -> bool: ...
@@ -232,23 +247,28 @@ class KVStore(ABC):
         if self._closed[0]:
             raise StoreClosedError(f"{self.describe()}: the store is closed")
 
-    def _open_all(self, keys: list[str], blobs: list[Any]) -> list[memoryview | None]:
+    def _unseal(self, key: str, blob: Any) -> Checked:
+        if blob is None:
+            return None
+        try:
+            return unseal(self.namespace, key, blob, verify=self.checksummed)
+        except PayloadError as exc:
+            return exc
+
+    def _served(self, keys: list[str], checked: list[Checked]) -> list[memoryview | None]:
+        """The payloads to hand out: a value that failed a check is logged, counted, removed
+        and served as a miss."""
         out: list[memoryview | None] = []
         hits = hit_bytes = corrupt = 0
-        for key, blob in zip(keys, blobs, strict=True):
-            if blob is None:
-                out.append(None)
-                continue
-            try:
-                payload = unseal(self.namespace, key, blob, verify=self.checksummed)
-            except PayloadError as exc:
+        for key, payload in zip(keys, checked, strict=True):
+            if isinstance(payload, PayloadError):
                 corrupt += 1
-                log.warning("%s: %s is not served: %s", self.describe(), key, exc)
+                log.warning("%s: %s is not served: %s", self.describe(), key, payload)
                 self._discard_corrupt(key)
-                out.append(None)
-                continue
-            hits += 1
-            hit_bytes += len(payload)
+                payload = None
+            elif payload is not None:
+                hits += 1
+                hit_bytes += len(payload)
             out.append(payload)
         with self._stats_lock:
             self.stats.hits += hits

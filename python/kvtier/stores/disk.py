@@ -20,14 +20,11 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from .._core import checksum, read_checksummed, write_checksummed
+from .._core import checksum, read_sealed, write_checksummed
 from ..errors import InvalidArgumentError
-from .base import BudgetedStore
-from .format import Namespace, Received, Sealed, read_key
+from .base import BudgetedStore, Checked
+from .format import Namespace, Sealed, header_texts, read_key
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.=-]{1,120}")
 _TMP = ".tmp-"
@@ -83,7 +80,7 @@ class DiskStore(BudgetedStore):
 
     def _path(self, key: str) -> str:
         _, ns, name = key.split(":", 2)  # kvtier:<namespace digest>:<key>
-        digest = checksum(np.frombuffer(key.encode(), np.uint8))
+        digest = checksum(key.encode())
         if not _SAFE_NAME.fullmatch(name):
             name = f"~{digest:016x}"
         return f"{self._root}{os.sep}{ns}{os.sep}{digest & 0xFF:02x}{os.sep}{name}"  # join: 3 µs
@@ -188,25 +185,31 @@ class DiskStore(BudgetedStore):
         self._recount(path)
         self._dirs.discard(os.path.dirname(path))  # in case someone removed it: made again
 
-    def _read(self, paths: list[str]) -> list[Received | None]:
-        """The values at ``paths``, read and hashed in one call without the GIL; a missing
-        file is a miss (and leaves the index), any other failure a miss and a counted error."""
-        out: list[Received | None] = []
-        read_all = read_checksummed(paths, self.io_threads)
+    def _read(self, keys: list[str], paths: list[str]) -> list[Checked]:
+        """The values at ``paths``, stored under ``keys``, read and checked in one call
+        without the GIL (``_core.read_sealed``); a missing file is a miss (and leaves the
+        index), any other failure to read one a miss and a counted error."""
+        ns = self.namespace
+        texts = [header_texts(ns, k) for k in keys]
+        read_all = read_sealed(paths, ns.digest, texts, self.io_threads)
+        out: list[Checked] = []
         for path, read in zip(paths, read_all, strict=True):
-            if isinstance(read, FileNotFoundError):
+            if isinstance(read, tuple):
+                data, start, stop = read
+                out.append(data.data[start:stop].toreadonly())
+            elif isinstance(read, FileNotFoundError):
                 self._forget(path)
                 out.append(None)
             elif isinstance(read, OSError):
                 self._error(f"reading {path}", read)
                 out.append(None)
             else:
-                out.append(Received(*read))
+                out.append(read)  # the PayloadError of a value that failed a check
         return out
 
-    def _get(self, keys: list[str]) -> list[Any]:
+    def _get_checked(self, keys: list[str]) -> list[Checked]:
         paths = [self._path(k) for k in keys]
-        out = self._read(paths)
+        out = self._read(keys, paths)
         with self._lock:
             self._index.touch([p for p, d in zip(paths, out, strict=True) if d is not None])
         return out
@@ -214,7 +217,7 @@ class DiskStore(BudgetedStore):
     def _index_key(self, key: str) -> str:
         return self._path(key)
 
-    def _pop(self, key: str) -> Any:
+    def _pop_checked(self, key: str) -> Checked:
         path = self._path(key)
         claimed = self._tmp(os.path.dirname(path))
         try:
@@ -225,9 +228,9 @@ class DiskStore(BudgetedStore):
             self._error(f"claiming {path}", exc)
             return None
         self._forget(path)
-        (data,) = self._read([claimed])
+        (payload,) = self._read([key], [claimed])
         _unlink(claimed)
-        return data
+        return payload
 
     def _contains(self, key: str) -> bool:
         return os.path.exists(self._path(key))

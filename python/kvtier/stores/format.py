@@ -17,6 +17,10 @@ The header names the key it was written under, so a value copied or renamed to a
 miss too. Reading checks every field against what the reader expects: a value from another
 namespace, codec, shape or format version, a truncated one or one with a flipped bit is refused
 (:class:`~kvtier.errors.PayloadError`), never returned. No pickle.
+
+Values are sealed here and checked by the extension (``_core.unseal_span``, and
+``_core.read_sealed`` for files, in ``crates/kvtier-py/src/sealed.rs``): a change to the layout
+changes both, and ``FORMAT_VERSION``.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._core import StreamingChecksum, checksum, copy_checksum
-from ..errors import InvalidArgumentError, PayloadError
+from .._core import StreamingChecksum, checksum, copy_checksum, unseal_span
+from ..errors import InvalidArgumentError
 
 MAGIC = b"KVTR"
 FORMAT_VERSION = 1
@@ -128,12 +132,13 @@ def _pack_text(s: str) -> bytes:
     return _TEXT_LEN.pack(len(b)) + b
 
 
-def _header_texts(ns: Namespace, key: str) -> bytes:
+def header_texts(ns: Namespace, key: str) -> bytes:
+    """The texts of a value's header (key, codec, dtype, shape), as stored."""
     return _pack_text(key) + ns.packed_texts
 
 
 def header(ns: Namespace, key: str, length: int) -> bytes:
-    texts = _header_texts(ns, key)
+    texts = header_texts(ns, key)
     size = _FIXED.size + len(texts)
     return _FIXED.pack(MAGIC, FORMAT_VERSION, size, length, ns.digest) + texts
 
@@ -197,8 +202,8 @@ class Sealed:
 
 class Received(NamedTuple):
     """A stored value read in together with the checksum of what it holds before its own
-    checksum field (``_core.read_checksummed`` hashes each chunk as it reads it): ``unseal``
-    compares with it instead of hashing the value once more."""
+    checksum field (hashed while it was received): ``unseal`` compares with it instead of
+    hashing the value once more."""
 
     data: np.ndarray
     digest: int
@@ -242,56 +247,24 @@ def seal_joined(
 
 
 def unseal(ns: Namespace, key: str, blob: Any, *, verify: bool = True) -> memoryview:
-    """The payload of a stored value as a read-only view, after checking everything; raises
-    :class:`PayloadError` saying which check failed. ``verify=False`` skips only the checksum,
-    for values that never left this process's memory."""
+    """The payload of a stored value as a read-only view, after checking everything
+    (``_core.unseal_span``); raises :class:`PayloadError` saying which check failed.
+    ``verify=False`` skips only the checksum, for values that never left this process's
+    memory."""
     received = None
     if isinstance(blob, Received):
         blob, received = blob.data, blob.digest
-    view = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob
+    view = memoryview(blob)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
-    if len(view) < _FIXED.size + _SUM.size:
-        raise PayloadError(f"{len(view)} bytes: shorter than any header")
-    magic, version, size, length, digest = _FIXED.unpack_from(view)
-    if magic != MAGIC:
-        raise PayloadError(f"magic {bytes(magic)!r} is not {MAGIC!r}: not a kvtier value")
-    if version != FORMAT_VERSION:
-        raise PayloadError(f"format version {version}, this kvtier reads {FORMAT_VERSION}")
-    if size + length + _SUM.size != len(view):
-        raise PayloadError(
-            f"{len(view)} bytes, the header says {size} + {length} + {_SUM.size}: truncated or "
-            "padded"
-        )
-    if digest != ns.digest:
-        raise PayloadError("written under another namespace (model, tenant, codec or shape)")
-    if view[_FIXED.size : size].tobytes() != _header_texts(ns, key):
-        _explain_texts(view, size, (key, ns.codec, ns.dtype, ns.shape))
-    if verify:
-        (stored,) = _SUM.unpack_from(view, len(view) - _SUM.size)
-        if received is None:
-            received = checksum(np.frombuffer(view, np.uint8)[: len(view) - _SUM.size])
-        if received != stored:
-            raise PayloadError("checksum mismatch: the value is corrupt")
-    return view[size : size + length].toreadonly()
-
-
-def _explain_texts(view: memoryview, size: int, want: tuple[str, str, str, str]) -> None:
-    """Raises the PayloadError that says which header text differs from ``want``."""
-    texts, pos = [], _FIXED.size
-    for _ in range(4):
-        if pos + _TEXT_LEN.size > size:
-            raise PayloadError("header texts run past the header")
-        (n,) = _TEXT_LEN.unpack_from(view, pos)
-        pos += _TEXT_LEN.size
-        texts.append(bytes(view[pos : pos + n]).decode(errors="replace"))
-        pos += n
-    if pos != size:
-        raise PayloadError("header length does not match its texts")
-    for name, got, expected in zip(("key", "codec", "dtype", "shape"), texts, want, strict=True):
-        if got != expected:
-            raise PayloadError(f"written as {name} {got!r}, read as {expected!r}")
-    raise PayloadError("header texts are not valid UTF-8")
+    start, stop = unseal_span(
+        np.frombuffer(view, np.uint8),
+        ns.digest,
+        header_texts(ns, key),
+        received=received,
+        verify=verify,
+    )
+    return view[start:stop].toreadonly()
 
 
 def read_key(blob: Any) -> str | None:
