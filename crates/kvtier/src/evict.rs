@@ -7,7 +7,7 @@
 //! two heads, so the order is exact whatever the arrival order.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::BinaryHeap;
 
 use crate::core::Key;
 
@@ -20,8 +20,78 @@ pub(crate) struct Entry {
 
 #[derive(Debug, Clone, Default)]
 pub(crate) struct EvictionQueue {
-    run: VecDeque<Entry>,
+    run: Ring,
     spill: BinaryHeap<Reverse<Entry>>,
+}
+
+/// A FIFO in a ring whose size is a power of two (or zero): a position wraps by one mask,
+/// where `VecDeque` compares and subtracts on every push, pop and look at the back.
+#[derive(Debug, Clone, Default)]
+struct Ring {
+    buf: Vec<Entry>,
+    head: usize,
+    len: usize,
+}
+
+impl Ring {
+    #[inline(always)]
+    fn at(&self, k: usize) -> usize {
+        (self.head + k) & self.buf.len().wrapping_sub(1)
+    }
+
+    #[inline(always)]
+    fn front(&self) -> Option<&Entry> {
+        (self.len > 0).then(|| &self.buf[self.head])
+    }
+
+    #[inline(always)]
+    fn back(&self) -> Option<&Entry> {
+        (self.len > 0).then(|| &self.buf[self.at(self.len - 1)])
+    }
+
+    #[inline(always)]
+    fn push_back(&mut self, e: Entry) {
+        if self.len == self.buf.len() {
+            self.grow(e);
+        }
+        let i = self.at(self.len);
+        self.buf[i] = e;
+        self.len += 1;
+    }
+
+    #[inline(always)]
+    fn pop_front(&mut self) -> Option<Entry> {
+        let e = *self.front()?;
+        self.head = self.at(1);
+        self.len -= 1;
+        Some(e)
+    }
+
+    /// Doubles the ring, its entries unwrapped to the start; `fill` pads the free part.
+    #[cold]
+    #[inline(never)]
+    fn grow(&mut self, fill: Entry) {
+        let size = (2 * self.buf.len()).max(16);
+        let mut buf = Vec::with_capacity(size);
+        buf.extend((0..self.len).map(|k| self.buf[self.at(k)]));
+        buf.resize(size, fill);
+        self.buf = buf;
+        self.head = 0;
+    }
+
+    fn retain(&mut self, keep: impl Fn(&Entry) -> bool) {
+        // Kept entries move towards the head, into positions already read.
+        let mut kept = 0;
+        for k in 0..self.len {
+            let e = self.buf[self.at(k)];
+            if keep(&e) {
+                let i = self.at(kept);
+                self.buf[i] = e;
+                kept += 1;
+            }
+        }
+        self.len = kept;
+    }
 }
 
 impl EvictionQueue {
@@ -37,7 +107,7 @@ impl EvictionQueue {
     }
 
     pub fn len(&self) -> usize {
-        self.run.len() + self.spill.len()
+        self.run.len + self.spill.len()
     }
 
     /// The lowest valid entry, dropping stale ones on the way; it stays in the queue.
