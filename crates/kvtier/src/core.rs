@@ -255,6 +255,8 @@ struct Evictable {
     count: u64,
     bytes: u64,
     slot_bytes: u64,
+    /// Pushes left before the queue is next checked for piled-up stale entries.
+    pushes_to_check: u64,
 }
 
 impl Evictable {
@@ -345,6 +347,7 @@ impl Core {
                     count: 0,
                     bytes: 0,
                     slot_bytes: cfg.level_bytes[usize::from(p.level())],
+                    pushes_to_check: 1,
                 })
                 .collect(),
             decay: DecayTable::new(cfg.decay),
@@ -615,19 +618,25 @@ impl Core {
         let pool = &mut self.evictable[p];
         pool.count_in();
         pool.queue.push(entry);
-        // Stale entries pile up as keys change; drop them once they outnumber live ones.
-        if pool.queue.len() as u64 > 2 * pool.count + 1024 {
+        pool.pushes_to_check -= 1;
+        if pool.pushes_to_check == 0 {
             self.drop_stale_entries(p);
         }
     }
 
+    /// Stale entries pile up as keys change: drops them once they outnumber live ones.
     #[cold]
     #[inline(never)]
     fn drop_stale_entries(&mut self, p: usize) {
         let rows = &self.blocks.rows;
-        self.evictable[p]
-            .queue
-            .retain(|e| Self::entry_valid(rows, p, e));
+        let pool = &mut self.evictable[p];
+        let bound = 2 * pool.count + 1024;
+        if pool.queue.len() as u64 > bound {
+            pool.queue.retain(|e| Self::entry_valid(rows, p, e));
+        }
+        // A push adds one entry: the queue passes the bound no sooner than this (give or take
+        // the live count shrinking meanwhile, which the next check catches).
+        pool.pushes_to_check = (bound + 1).saturating_sub(pool.queue.len() as u64).max(1);
     }
 
     /// Takes a block out of the eviction index (its entry goes stale).
