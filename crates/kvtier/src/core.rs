@@ -173,6 +173,17 @@ pub(crate) struct BlockRow {
 
 pub(crate) const NOT_EVICTABLE: u32 = u32::MAX;
 
+impl BlockRow {
+    /// One read at step `step` and access-clock value `tick`: the decayed read count and
+    /// the recency.
+    #[inline(always)]
+    fn read(&mut self, decay: &DecayTable, step: u32, tick: u64) {
+        self.reads = self.reads * decay.pow(step - self.reads_step) + 1.0;
+        self.reads_step = step;
+        self.last_access = tick;
+    }
+}
+
 impl Default for BlockRow {
     fn default() -> Self {
         BlockRow {
@@ -496,7 +507,8 @@ impl Core {
         Ok(())
     }
 
-    fn new_block_id(&mut self, loc: Loc) -> u32 {
+    /// A free block id, marked live; its row is set by `init_block`.
+    fn new_block_id(&mut self) -> u32 {
         let b = match self.blocks.free_ids.pop() {
             Some(b) => b,
             None => {
@@ -505,21 +517,24 @@ impl Core {
                 b
             }
         };
-        self.init_block(b, loc);
         self.blocks.set_live(b, true);
         b
     }
 
-    /// The row and statistics of a new block with id `b` at `loc`, referenced once.
-    fn init_block(&mut self, b: u32, loc: Loc) {
+    /// The row and statistics of a new block with id `b` at the location its row holds,
+    /// referenced once, at `position` of its sequence and touched now.
+    fn init_block(&mut self, b: u32, position: u32) {
         let i = b as usize;
-        // The version survives reuse so that stale eviction-index entries stay stale.
-        let version = self.blocks.rows[i].version;
-        self.blocks.rows[i] = BlockRow {
+        self.clock += 1;
+        let row = &mut self.blocks.rows[i];
+        *row = BlockRow {
             refcount: 1,
-            loc,
-            version,
+            loc: row.loc,
+            // The version survives reuse so that stale eviction-index entries stay stale.
+            version: row.version,
+            position,
             reads_step: self.step,
+            last_access: self.clock,
             live: true,
             ..BlockRow::default()
         };
@@ -864,25 +879,18 @@ impl Core {
     /// any: the same ones the free lists would give back first, without the round trip.
     fn new_device_block(&mut self, position: u32) -> u32 {
         let b = match self.recycled.pop() {
-            Some(b) => {
-                self.init_block(b, self.blocks.rows[b as usize].loc);
-                b
-            }
+            Some(b) => b, // its row still holds the slot
             None => {
                 let loc = self
                     .take_slot(Tier::Device, 0)
                     .expect("room ensured before allocating");
-                self.new_block_id(loc)
+                let b = self.new_block_id();
+                self.blocks.rows[b as usize].loc = loc;
+                b
             }
         };
-        self.blocks.rows[b as usize].position = position;
-        self.last_touch(b as usize);
+        self.init_block(b, position);
         b
-    }
-
-    fn last_touch(&mut self, b: usize) {
-        self.clock += 1;
-        self.blocks.rows[b].last_access = self.clock;
     }
 
     fn share(&mut self, b: u32) {
@@ -947,21 +955,22 @@ impl Core {
         // `reads_from + k + 1` at block `k`, as a separate `record_reads` would leave it.
         let reads_from = self.clock + missing;
         if missing > 0 || read {
-            for (k, &h) in hashes.iter().enumerate() {
-                let b = if out.shared[k] {
-                    out.blocks[k]
+            let blocks = out.blocks.iter_mut().zip(&out.shared).zip(hashes);
+            for (k, ((b, &shared), &h)) in blocks.enumerate() {
+                let row = if shared {
+                    &mut self.blocks.rows[*b as usize]
                 } else {
-                    let b = self.new_device_block(start + k as u32);
-                    let row = &mut self.blocks.rows[b as usize];
+                    *b = self.new_device_block(start + k as u32);
+                    let indexed = self.index.insert(h, *b);
+                    let row = &mut self.blocks.rows[*b as usize];
                     row.hash = h;
                     row.fill = self.cfg.block_size;
-                    row.indexed = self.index.insert(h, b);
-                    out.blocks[k] = b;
-                    b
+                    row.indexed = indexed;
+                    row
                 };
                 if read {
                     // Referenced by this sequence: in no eviction index to refresh.
-                    self.read_row(b, reads_from + k as u64 + 1);
+                    row.read(&self.decay, self.step, reads_from + k as u64 + 1);
                 }
             }
         }
@@ -1209,21 +1218,12 @@ impl Core {
     fn read_blocks(&mut self, ids: &[u32]) {
         for &b in ids {
             self.clock += 1;
-            self.read_row(b, self.clock);
-            if self.blocks.rows[b as usize].evictable_in != NOT_EVICTABLE {
+            let row = &mut self.blocks.rows[b as usize];
+            row.read(&self.decay, self.step, self.clock);
+            if row.evictable_in != NOT_EVICTABLE {
                 self.refresh_evictable(b); // its recency is part of its key
             }
         }
-    }
-
-    /// One read of block `b` at access-clock value `tick`: its decayed read count and recency.
-    #[inline(always)]
-    fn read_row(&mut self, b: u32, tick: u64) {
-        let step = self.step;
-        let row = &mut self.blocks.rows[b as usize];
-        row.reads = row.reads * self.decay.pow(step - row.reads_step) + 1.0;
-        row.reads_step = step;
-        row.last_access = tick;
     }
 
     /// Attention mass each block received in one report, aggregated over heads and queries as
