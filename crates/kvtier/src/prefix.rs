@@ -92,14 +92,14 @@ impl PrefixIndex {
         (i + 1) & (self.slots.len() - 1)
     }
 
-    /// The slot holding `hash`, or the empty slot where it would go.
+    /// The slot holding `hash`, or the empty slot where it would go, and its position.
     #[inline]
-    fn find(&self, hash: u64) -> usize {
+    fn find(&self, hash: u64) -> (usize, Slot) {
         let mut i = self.home(hash);
         loop {
             let s = self.slots[i];
             if s.block == EMPTY || s.hash == hash {
-                return i;
+                return (i, s);
             }
             i = self.next(i);
         }
@@ -107,7 +107,7 @@ impl PrefixIndex {
 
     #[inline]
     pub fn get(&self, hash: u64) -> Option<u32> {
-        let s = self.slots[self.find(hash)];
+        let (_, s) = self.find(hash);
         (s.block != EMPTY).then_some(s.block)
     }
 
@@ -118,8 +118,8 @@ impl PrefixIndex {
         if 2 * (self.len + 1) > self.slots.len() {
             self.grow();
         }
-        let i = self.find(hash);
-        if self.slots[i].block != EMPTY {
+        let (i, s) = self.find(hash);
+        if s.block != EMPTY {
             return false;
         }
         self.slots[i] = Slot { hash, block };
@@ -132,7 +132,7 @@ impl PrefixIndex {
         let old = std::mem::replace(&mut self.slots, doubled);
         self.shift -= 1;
         for s in old.into_iter().filter(|s| s.block != EMPTY) {
-            let i = self.find(s.hash);
+            let (i, _) = self.find(s.hash);
             self.slots[i] = s;
         }
     }
@@ -140,8 +140,8 @@ impl PrefixIndex {
     /// Removes `hash` if it maps to `block`.
     #[inline(always)]
     pub fn remove(&mut self, hash: u64, block: u32) {
-        let mut hole = self.find(hash);
-        if self.slots[hole].block != block || block == EMPTY {
+        let (mut hole, s) = self.find(hash);
+        if s.block != block || block == EMPTY {
             return;
         }
         self.len -= 1;
