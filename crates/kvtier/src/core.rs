@@ -258,29 +258,22 @@ impl Blocks {
     }
 }
 
-/// The evictable blocks of one pool: how many and their bytes, and their queue in key order
-/// (which may also hold stale entries).
+/// The evictable blocks of one pool: how many, and their queue in key order (which may also
+/// hold stale entries).
 #[derive(Debug, Clone)]
 struct Evictable {
     queue: EvictionQueue,
     count: u64,
-    bytes: u64,
     slot_bytes: u64,
     /// Pushes left before the queue is next checked for piled-up stale entries.
     pushes_to_check: u64,
 }
 
 impl Evictable {
-    #[inline]
-    fn count_in(&mut self) {
-        self.count += 1;
-        self.bytes += self.slot_bytes;
-    }
-
-    #[inline]
-    fn count_out(&mut self) {
-        self.count -= 1;
-        self.bytes -= self.slot_bytes;
+    /// Bytes of the evictable blocks (derived: every block moving in or out would pay for a
+    /// running sum).
+    fn bytes(&self) -> u64 {
+        self.count * self.slot_bytes
     }
 }
 
@@ -356,7 +349,6 @@ impl Core {
                 .map(|p| Evictable {
                     queue: EvictionQueue::default(),
                     count: 0,
-                    bytes: 0,
                     slot_bytes: cfg.level_bytes[usize::from(p.level())],
                     pushes_to_check: 1,
                 })
@@ -631,7 +623,7 @@ impl Core {
             version: row.version,
         };
         let pool = &mut self.evictable[p];
-        pool.count_in();
+        pool.count += 1;
         pool.queue.push(entry);
         pool.pushes_to_check -= 1;
         if pool.pushes_to_check == 0 {
@@ -659,7 +651,7 @@ impl Core {
     fn unindex(&mut self, b: u32) {
         let row = &mut self.blocks.rows[b as usize];
         if row.evictable_in != NOT_EVICTABLE {
-            self.evictable[row.evictable_in as usize].count_out();
+            self.evictable[row.evictable_in as usize].count -= 1;
             row.evictable_in = NOT_EVICTABLE;
         }
     }
@@ -831,7 +823,7 @@ impl Core {
         // anything: a failed append evicts nothing. Evicting level-0 blocks frees level-0
         // slots; evicting any block frees bytes.
         let levels = self.cfg.num_levels();
-        let reclaimable: u64 = self.evictable[..levels].iter().map(|e| e.bytes).sum();
+        let reclaimable: u64 = self.evictable[..levels].iter().map(Evictable::bytes).sum();
         let bytes_ok = u128::from(self.tier_bytes[0]) + u128::from(need)
             <= u128::from(budget) + u128::from(reclaimable);
         let free_slots = u64::from(self.pools[pool0].free_count());
