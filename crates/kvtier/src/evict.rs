@@ -44,19 +44,23 @@ impl Ring {
         (self.len > 0).then(|| &self.buf[self.head])
     }
 
+    /// Appends `e` unless its key is below the last entry's; returns whether it did.
     #[inline(always)]
-    fn back(&self) -> Option<&Entry> {
-        (self.len > 0).then(|| &self.buf[self.at(self.len - 1)])
-    }
-
-    #[inline(always)]
-    fn push_back(&mut self, e: Entry) {
+    fn push_in_order(&mut self, e: Entry) -> bool {
+        let mask = self.buf.len().wrapping_sub(1);
+        let mut tail = (self.head + self.len) & mask;
+        // Keys alone decide: valid entries never tie (a key ends in its block's access
+        // clock, which no two blocks share), and comparing whole entries costs more.
+        if self.len > 0 && e.key < self.buf[tail.wrapping_sub(1) & mask].key {
+            return false;
+        }
         if self.len == self.buf.len() {
             self.grow(e);
+            tail = self.len;
         }
-        let i = self.at(self.len);
-        self.buf[i] = e;
+        self.buf[tail] = e;
         self.len += 1;
+        true
     }
 
     #[inline(always)]
@@ -97,11 +101,7 @@ impl Ring {
 impl EvictionQueue {
     #[inline(always)]
     pub fn push(&mut self, e: Entry) {
-        // Keys alone decide: valid entries never tie (a key ends in its block's access
-        // clock, which no two blocks share), and comparing whole entries costs more.
-        if self.run.back().is_none_or(|last| last.key <= e.key) {
-            self.run.push_back(e);
-        } else {
+        if !self.run.push_in_order(e) {
             self.spill.push(Reverse(e));
         }
     }
