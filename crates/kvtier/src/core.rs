@@ -514,8 +514,8 @@ impl Core {
     }
 
     /// The row and statistics of a new block with id `b` at the location its row holds,
-    /// referenced once, at `position` of its sequence and touched now.
-    fn init_block(&mut self, b: u32, position: u32) {
+    /// referenced once and touched now; its content fields (position, fill, hash) from `new`.
+    fn init_block(&mut self, b: u32, new: BlockRow) {
         let i = b as usize;
         self.clock += 1;
         let row = &mut self.blocks.rows[i];
@@ -524,11 +524,10 @@ impl Core {
             loc: row.loc,
             // The version survives reuse so that stale eviction-index entries stay stale.
             version: row.version,
-            position,
             reads_step: self.step,
             last_access: self.clock,
             live: true,
-            ..BlockRow::default()
+            ..new
         };
         debug_assert!(
             self.blocks.copy[i].is_none(),
@@ -869,7 +868,9 @@ impl Core {
 
     /// A new level-0 device block, on the id and slot of the last block evicted for room if
     /// any: the same ones the free lists would give back first, without the round trip.
-    fn new_device_block(&mut self, position: u32) -> u32 {
+    /// It holds `fill` tokens at `position` of its sequence; with a hash, it is indexed under it
+    /// unless another block has it.
+    fn new_device_block(&mut self, position: u32, fill: u32, hash: Option<u64>) -> u32 {
         let b = match self.recycled.pop() {
             Some(b) => b, // its row still holds the slot
             None => {
@@ -881,7 +882,15 @@ impl Core {
                 b
             }
         };
-        self.init_block(b, position);
+        let indexed = hash.is_some_and(|h| self.index.insert(h, b));
+        let new = BlockRow {
+            position,
+            fill,
+            hash: hash.unwrap_or(0),
+            indexed,
+            ..BlockRow::default()
+        };
+        self.init_block(b, new);
         b
     }
 
@@ -952,13 +961,9 @@ impl Core {
                 let row = if shared {
                     &mut self.blocks.rows[*b as usize]
                 } else {
-                    *b = self.new_device_block(start + k as u32);
-                    let indexed = self.index.insert(h, *b);
-                    let row = &mut self.blocks.rows[*b as usize];
-                    row.hash = h;
-                    row.fill = self.cfg.block_size;
-                    row.indexed = indexed;
-                    row
+                    let fill = self.cfg.block_size;
+                    *b = self.new_device_block(start + k as u32, fill, Some(h));
+                    &mut self.blocks.rows[*b as usize]
                 };
                 if read {
                     // Referenced by this sequence: in no eviction index to refresh.
@@ -1047,16 +1052,7 @@ impl Core {
             let position = s.blocks.len() as u32;
             let b = match shared {
                 Some(b) => b,
-                None => {
-                    let b = self.new_device_block(position);
-                    let i = b as usize;
-                    self.blocks.rows[i].fill = len as u32;
-                    if let Some(h) = hash {
-                        self.blocks.rows[i].hash = h;
-                        self.blocks.rows[i].indexed = self.index.insert(h, b);
-                    }
-                    b
-                }
+                None => self.new_device_block(position, len as u32, hash),
             };
             if let Some(h) = hash {
                 s.chain = h;
@@ -1094,8 +1090,7 @@ impl Core {
         let mut rest = n - head;
         while rest > 0 {
             let len = rest.min(bs);
-            let b = self.new_device_block(s.blocks.len() as u32);
-            self.blocks.rows[b as usize].fill = len as u32;
+            let b = self.new_device_block(s.blocks.len() as u32, len as u32, None);
             s.blocks.push(b);
             out.blocks.push(b);
             out.shared.push(false);
@@ -1132,8 +1127,8 @@ impl Core {
         }
         let mut child = s.clone();
         let copy = partial.map(|src| {
-            let dst = self.new_device_block(self.blocks.rows[src as usize].position);
-            self.blocks.rows[dst as usize].fill = self.blocks.rows[src as usize].fill;
+            let row = &self.blocks.rows[src as usize];
+            let dst = self.new_device_block(row.position, row.fill, None);
             *child.blocks.last_mut().expect("partial block") = dst;
             (src, dst)
         });
