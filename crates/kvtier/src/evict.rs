@@ -152,3 +152,79 @@ impl EvictionQueue {
         self.spill.retain(|Reverse(e)| valid(e));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// An entry with this key (mostly rising, like an access clock; sometimes not).
+        Push(u64),
+        /// Pop the lowest valid entry.
+        Pop,
+        /// Invalidate the entry of this block (a hit or a key change).
+        Stale(u32),
+        /// Sweep stale entries.
+        Retain,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (0u64..40).prop_map(Op::Push),
+            4 => Just(Op::Pop),
+            2 => (0u32..200).prop_map(Op::Stale),
+            1 => Just(Op::Retain),
+        ]
+    }
+
+    proptest! {
+        /// Through the ring's wrap-arounds and growth, spills and sweeps, the queue pops the
+        /// valid entries in key order, as a sorted set of them does.
+        #[test]
+        fn pops_valid_entries_in_key_order(ops in proptest::collection::vec(op(), 1..400)) {
+            let mut queue = EvictionQueue::default();
+            let mut valid: BTreeSet<(u64, u32)> = BTreeSet::new(); // (key, block)
+            let mut version = vec![0u32; 400];
+            let mut clock = 10_000u64;
+            let (mut next, key_of) = (0u32, |k: u64| Key::new(0.0, 0.0, k));
+            for op in ops {
+                match op {
+                    Op::Push(back) => {
+                        // Rising, or (one in four) `back` steps below the last; unique, as
+                        // access clocks are, by the block in the low bits.
+                        clock += 41;
+                        let t = if back % 4 == 0 { clock - 41 * back - 1 } else { clock };
+                        let block = next;
+                        let k = t << 12 | u64::from(block);
+                        next += 1;
+                        version[block as usize] += 1;
+                        queue.push(Entry { key: key_of(k), block, version: version[block as usize] });
+                        valid.insert((k, block));
+                    }
+                    Op::Pop => {
+                        let got = queue.pop_valid(|e| version[e.block as usize] == e.version);
+                        let want = valid.pop_first();
+                        prop_assert_eq!(got.map(|e| (e.key, e.block)), want.map(|(k, b)| (key_of(k), b)));
+                        if let Some(e) = got {
+                            version[e.block as usize] += 1; // popped: its entry is gone
+                        }
+                    }
+                    Op::Stale(b) => {
+                        if b < next {
+                            version[b as usize] += 1;
+                            valid.retain(|&(_, block)| block != b);
+                        }
+                    }
+                    Op::Retain => {
+                        queue.retain(|e| version[e.block as usize] == e.version);
+                        prop_assert_eq!(queue.len(), valid.len());
+                    }
+                }
+                prop_assert!(queue.len() >= valid.len());
+            }
+        }
+    }
+}
