@@ -305,6 +305,8 @@ pub struct Core {
     tier_at: [usize; 4],
     pub(crate) pending: Option<crate::Plan>,
     pub(crate) next_plan: u64,
+    /// `Core::config_may_idle`, derived once: a replay plans after every request.
+    pub(crate) plans_may_idle: bool,
     pub(crate) counters: Counters,
     /// Per-block scratch for the scheduler (all `u32::MAX` between plans).
     pub(crate) scratch: Vec<u32>,
@@ -368,6 +370,7 @@ impl Core {
             clock: 0,
             pending: None,
             next_plan: 1,
+            plans_may_idle: Core::config_may_idle(&cfg),
             counters: Counters::default(),
             scratch: Vec::new(),
             cfg,

@@ -20,7 +20,7 @@
 //!    demoted one level or offloaded to the next tier; above the budget itself, cached blocks
 //!    are evicted and, if the ladder has a `drop` level, live ones dropped.
 
-use crate::config::Tier;
+use crate::config::{Config, Tier};
 use crate::core::{Core, Key, Loc, NO_SLOT};
 use crate::error::{Error, Result};
 
@@ -128,31 +128,58 @@ impl Core {
     /// the device is `room` under its soft budget, so that the allocation then evicts nothing a
     /// lower level or tier could keep. Nothing is evicted or dropped for the room itself.
     pub fn plan_with_room(&mut self, room: u64) -> Result<&crate::Plan> {
+        let plan = match self.open_plan(room)? {
+            (id, None) => Plan {
+                id,
+                ..Plan::default()
+            },
+            (id, Some(reserved)) => self.busy_plan(id, reserved),
+        };
+        Ok(self.pending.insert(plan))
+    }
+
+    /// [`Core::plan_with_room`] committed at once, for a caller that moves no bytes (the
+    /// simulator, which plans after every request): an idle plan is never built.
+    pub(crate) fn plan_and_commit(&mut self, room: u64) -> Result<()> {
+        match self.open_plan(room)? {
+            (_, None) => Ok(()), // an empty plan commits nothing
+            (id, Some(reserved)) => {
+                let plan = self.busy_plan(id, reserved);
+                self.pending = Some(plan);
+                self.commit(id)
+            }
+        }
+    }
+
+    /// Starts a plan: one step of the clock, one more plan counted, its id handed out; with
+    /// the room reserved per tier unless the plan can only be empty.
+    fn open_plan(&mut self, room: u64) -> Result<(u64, Option<[u64; Tier::ALL.len()]>)> {
         if let Some(p) = &self.pending {
             return Err(Error::PlanPending { pending: p.id });
         }
         self.step = self.step.wrapping_add(1);
         self.counters.plans += 1;
+        let id = self.next_plan;
+        self.next_plan += 1;
         // An array, not a Vec: a trace replay plans after every request.
         let mut reserved = [0; Tier::ALL.len()];
         reserved[self.tier_pos(Tier::Device)] = room;
         // Checked first: most of a replay's plans are idle, and an idle one allocates nothing.
-        let (pass, unmet) = if self.idle(&reserved) {
-            (Pass::new(Vec::new(), 0, reserved), 0)
-        } else {
-            self.run_passes(reserved)
-        };
-        let plan = Plan {
-            id: self.next_plan,
+        Ok((id, (!self.idle(&reserved)).then_some(reserved)))
+    }
+
+    /// A plan that may not be empty, its deferred and no-op moves counted.
+    fn busy_plan(&mut self, id: u64, reserved: [u64; Tier::ALL.len()]) -> Plan {
+        let (pass, unmet) = self.run_passes(reserved);
+        self.counters.noop_promotions += pass.noop_promotions;
+        self.counters.deferred_moves += pass.deferred;
+        Plan {
+            id,
             moves: pass.moves,
             noop_promotions: pass.noop_promotions,
             deferred: pass.deferred,
             unmet_bytes: unmet,
-        };
-        self.next_plan += 1;
-        self.counters.noop_promotions += plan.noop_promotions;
-        self.counters.deferred_moves += plan.deferred;
-        Ok(self.pending.insert(plan))
+        }
     }
 
     /// Passes 1 to 3 of a plan that may not be empty.
@@ -177,9 +204,21 @@ impl Core {
         self.pending.as_ref()
     }
 
+    /// The settings under which a plan can be idle (see `idle`), fixed for a core's life.
+    pub(crate) fn config_may_idle(cfg: &Config) -> bool {
+        cfg.policy != crate::PolicyKind::Importance
+            && !Self::config_ranks_live(cfg)
+            && !cfg.pool_headroom
+            && cfg.drop_level().is_none()
+    }
+
     /// Whether pass 1 ranks live blocks into levels (else it only wants them at level 0).
     fn ranks_live(&self) -> bool {
-        self.cfg.enable_compression && !self.cfg.pressure_only && self.cfg.last_kept_level() > 0
+        Self::config_ranks_live(&self.cfg)
+    }
+
+    fn config_ranks_live(cfg: &Config) -> bool {
+        cfg.enable_compression && !cfg.pressure_only && cfg.last_kept_level() > 0
     }
 
     /// Bytes above which a tier's pressure pass demotes and offloads to keep its headroom.
@@ -207,10 +246,7 @@ impl Core {
     /// importance policy: pass 1 also refreshes the normalised importance cached blocks keep.
     fn idle(&self, reserved: &[u64]) -> bool {
         // Pools are tier-major and the device tier is first: pool 0 is (device, level 0).
-        self.cfg.policy != crate::PolicyKind::Importance
-            && !self.ranks_live()
-            && !self.cfg.pool_headroom
-            && self.cfg.drop_level().is_none()
+        self.plans_may_idle
             && self.pools[1..].iter().all(|p| p.used() == 0)
             && (0..self.cfg.tiers.len()).all(|t| {
                 self.budget(t).is_none_or(|b| {

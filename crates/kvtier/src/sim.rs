@@ -94,6 +94,10 @@ pub struct Simulator {
     /// Whether the device can make room by anything but eviction: a lower level or a lower
     /// tier to move cached blocks into.
     plans_room: bool,
+    /// Hit (blocks, tokens) by place, flat at `tier * levels + level`: a hit costs one index
+    /// and two adds, not two nested ones. Copied into `stats` when `run` returns.
+    hits_at: Vec<[u64; 2]>,
+    levels: usize,
 }
 
 impl Simulator {
@@ -115,6 +119,8 @@ impl Simulator {
             next: 0,
             appended: Appended::default(),
             plans_room,
+            hits_at: vec![[0; 2]; Tier::ALL.len() * levels],
+            levels,
             stats: SimStats {
                 hit_blocks_at: vec![vec![0; levels]; Tier::ALL.len()],
                 hit_tokens_at: vec![vec![0; levels]; Tier::ALL.len()],
@@ -136,11 +142,22 @@ impl Simulator {
     pub fn run(&mut self, n: usize) -> Result<usize> {
         let end = (self.next + n).min(self.trace.len());
         let start = self.next;
-        for i in start..end {
+        let replayed = (start..end).try_for_each(|i| {
             self.replay(i)?;
             self.next = i + 1;
+            Ok(())
+        });
+        self.copy_hits();
+        replayed.map(|()| end - start)
+    }
+
+    /// Copies the flat hit counters into `stats` (once per `run`, out of its loop).
+    fn copy_hits(&mut self) {
+        for (k, &[blocks, tokens]) in self.hits_at.iter().enumerate() {
+            let (t, l) = (k / self.levels, k % self.levels);
+            self.stats.hit_blocks_at[t][l] = blocks;
+            self.stats.hit_tokens_at[t][l] = tokens;
         }
-        Ok(end - start)
     }
 
     fn replay(&mut self, i: usize) -> Result<()> {
@@ -149,6 +166,8 @@ impl Simulator {
             trace,
             stats,
             appended,
+            hits_at,
+            levels,
             ..
         } = self;
         let bs = u64::from(core.config().block_size);
@@ -172,23 +191,25 @@ impl Simulator {
             }
             Err(e) => return Err(e),
         };
+        let mut hit_tokens = 0;
         for (k, &b) in appended.blocks[..n_hits].iter().enumerate() {
-            let loc = core.blocks.rows[b as usize].loc; // live: the append just returned it
-            let (t, l) = (loc.tier as usize, usize::from(loc.level));
+            // Live: the append just returned it.
+            let loc = core.blocks.rows[b as usize].loc;
             // Every block is full but the request's last, which holds what is left.
             let tokens = if k + 1 < hashes.len() {
                 bs
             } else {
                 input.saturating_sub(bs * k as u64).min(bs)
             };
-            stats.hit_blocks += 1;
-            stats.hit_blocks_at[t][l] += 1;
-            stats.hit_tokens += tokens;
-            stats.hit_tokens_at[t][l] += tokens;
+            let place = &mut hits_at[loc.tier as usize * *levels + usize::from(loc.level)];
+            place[0] += 1;
+            place[1] += tokens;
+            hit_tokens += tokens;
         }
+        stats.hit_blocks += n_hits as u64;
+        stats.hit_tokens += hit_tokens;
         if (i as u64 + 1).is_multiple_of(self.step_every) {
-            let id = core.plan()?.id;
-            core.commit(id)?;
+            core.plan_and_commit(0)?;
         }
         core.free_sequence(seq)?;
         for (peak, &now) in stats.peak_tier_bytes.iter_mut().zip(core.tier_bytes()) {
@@ -212,8 +233,7 @@ fn make_room(core: &mut Core, hashes: &[u64]) -> Result<()> {
     let need = new * core.level_bytes(0);
     let device = core.tier_bytes()[core.tier_pos(Tier::Device)];
     if need > 0 && device + need > budget {
-        let id = core.plan_with_room(need)?.id;
-        core.commit(id)?;
+        core.plan_and_commit(need)?;
     }
     Ok(())
 }
