@@ -849,7 +849,8 @@ impl Core {
                 }
             });
         }
-        while !fits(self) {
+        // It does not fit yet (checked above): each round evicts, then checks again.
+        loop {
             let over = self.tier_bytes[0]
                 .saturating_add(need)
                 .saturating_sub(budget);
@@ -858,15 +859,16 @@ impl Core {
                 // bytes: evict the shortfall in one sweep, for the new blocks to reuse.
                 let short_slots = n.saturating_sub(u64::from(self.pools[pool0].free_count()));
                 self.evict_for_reuse(short_slots.max(over.div_ceil(bytes)));
-                break;
-            } else {
-                let (_, b) = self
-                    .lowest_evictable(0..levels)
-                    .expect("room was checked before evicting");
-                self.evict_now(b);
+                return Ok(());
+            }
+            let (_, b) = self
+                .lowest_evictable(0..levels)
+                .expect("room was checked before evicting");
+            self.evict_now(b);
+            if fits(self) {
+                return Ok(());
             }
         }
-        Ok(())
     }
 
     /// A new level-0 device block, on the id and slot of the last block evicted for room if
