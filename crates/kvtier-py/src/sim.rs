@@ -67,7 +67,7 @@ impl PySimulator {
 
     /// Replay counters; hits by place are `{(tier, level): (blocks, tokens)}`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let st = self.with(py, |s| s.stats.clone());
+        let st = self.with(py, |s| s.stats().clone());
         let d = PyDict::new(py);
         d.set_item("requests", st.requests)?;
         d.set_item("ref_blocks", st.ref_blocks)?;

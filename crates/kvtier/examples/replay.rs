@@ -48,7 +48,8 @@ fn main() {
         best = best.min(t.elapsed().as_secs_f64());
         eprintln!(
             "hits {} of {} blocks",
-            sim.stats.hit_blocks, sim.stats.ref_blocks
+            sim.stats().hit_blocks,
+            sim.stats().ref_blocks
         );
     }
     println!("best of 5: {:.1} ms", best * 1e3);

@@ -88,7 +88,8 @@ pub struct Simulator {
     trace: Trace,
     step_every: u64,
     next: usize,
-    pub stats: SimStats,
+    /// Read through [`Simulator::stats`]: its hits by place are filled in when `run` returns.
+    stats: SimStats,
     /// Reused by every request's append.
     appended: Appended,
     /// Whether the device can make room by anything but eviction: a lower level or a lower
@@ -136,6 +137,11 @@ impl Simulator {
 
     pub fn total(&self) -> usize {
         self.trace.len()
+    }
+
+    /// The counters of the requests replayed so far.
+    pub fn stats(&self) -> &SimStats {
+        &self.stats
     }
 
     /// Replays up to `n` more requests; returns how many it replayed.
