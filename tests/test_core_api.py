@@ -502,3 +502,25 @@ def test_simulated_lru_equals_the_plain_python_lru(capacity: int) -> None:
     # Evictions may differ slightly: the core references a request's cached blocks before it
     # makes room for its new ones, so it never evicts a block the request is about to use (a
     # cached child whose parent was evicted); the plain LRU can, and then re-inserts it.
+
+
+def test_the_timeline_is_the_same_with_or_without_a_progress_bar() -> None:
+    # With progress the replay returns to Python 20 times; without, once. The core samples the
+    # timeline itself, so both give the same points, and the last one is the final result.
+    trace = load_trace(bundled_trace_path()).head(1000)
+    cfg = SimulationConfig(device_blocks=300, host_bytes=10**12, ladder=("fp16", "int8", "int4"))
+    calls: list[tuple[int, int]] = []
+    drawn = run(trace, cfg, progress=lambda done, total: calls.append((done, total)))
+    quiet = run(trace, cfg)
+    assert len(calls) == 20 and calls[-1] == (1000, 1000)
+    timeline = quiet["results"][0]["timeline"]
+    assert drawn["results"][0]["timeline"] == timeline
+    assert timeline["request"] == [*range(5, 1001, 5)]
+    result = quiet["results"][0]
+    assert timeline["block_hit_rate"][-1] == result["block_hit_rate"]
+    held = dict.fromkeys(result["ladder"], 0)
+    for place in result["bytes_by_place"]:
+        held[place["level"]] += place["bytes"]
+    assert {name: b[-1] for name, b in timeline["bytes_by_level"].items()} == held
+    assert held["int8"] > 0 and held["int4"] > 0  # the importance ladder at work
+    assert timeline["time_s"][-1] == (trace.timestamps_ms[999] - trace.timestamps_ms[0]) / 1e3

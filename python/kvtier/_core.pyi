@@ -135,7 +135,14 @@ class Simulator:
     """Replays a trace through a fresh core configured like ``core``."""
 
     def __new__(
-        cls, core: Core, offsets: _Ids, hashes: _Ids, input_tokens: _Ids, *, step_every: int = 1
+        cls,
+        core: Core,
+        offsets: _Ids,
+        hashes: _Ids,
+        input_tokens: _Ids,
+        *,
+        step_every: int = 1,
+        timeline_every: int = 0,
     ) -> Simulator: ...
     def run(self, n: int) -> int: ...
     @property
@@ -143,6 +150,7 @@ class Simulator:
     @property
     def total(self) -> int: ...
     def stats(self) -> dict[str, Any]: ...
+    def timeline(self) -> list[tuple[int, int, int, list[int]]]: ...
     def usage(self) -> _Usage: ...
     def counters(self) -> dict[str, int]: ...
 

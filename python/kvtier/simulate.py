@@ -2,8 +2,9 @@
 would see — hit rates by tier and level, memory by level, moves, and the prefill time saved.
 
 The replay loop runs in Rust (``kvtier._core.Simulator``); this module sizes the tiers from the
-model's KV shape and the ladder, drives the replay in chunks (progress, timeline samples) and
-shapes the result as documented in docs/simulate-schema.md.
+model's KV shape and the ladder, drives the replay (in one call, or in chunks when it draws
+progress) and shapes the result, with the timeline the core sampled, as documented in
+docs/simulate-schema.md.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from .traces import Trace
 TIERS = ("device", "host", "disk", "remote")
 #: Timeline points per replay (for the plot).
 TIMELINE_POINTS = 200
+#: Progress updates per replay. Each is a return to Python that leaves the core's caches
+#: colder, and a whole replay takes 20 ms to a few seconds: a coarse bar is enough.
+PROGRESS_STEPS = 20
 
 
 @dataclass(frozen=True)
@@ -131,33 +135,17 @@ def _replay(
         trace.hash_ids.astype(np.uint64),
         trace.input_lengths.astype(np.uint64),
         step_every=config.step_every,
+        timeline_every=max(1, len(trace) // TIMELINE_POINTS),
     )
     n = len(trace)
-    chunk = max(1, n // TIMELINE_POINTS)
-    timeline: dict[str, Any] = {
-        "request": [],
-        "time_s": [],
-        "block_hit_rate": [],
-        "bytes_by_level": {name: [] for name in ladder},
-    }
-    start_ms = float(trace.timestamps_ms[0]) if n else 0.0
+    chunk = max(1, n // PROGRESS_STEPS) if progress is not None else max(n, 1)
     wall = 0.0
     while sim.done < n:
         t0 = time.perf_counter()
         sim.run(chunk)
         wall += time.perf_counter() - t0
-        done = sim.done
-        st = sim.stats()
-        timeline["request"].append(done)
-        timeline["time_s"].append((float(trace.timestamps_ms[done - 1]) - start_ms) / 1e3)
-        timeline["block_hit_rate"].append(st["hit_blocks"] / max(st["ref_blocks"], 1))
-        by_level = [0] * len(ladder)
-        for _tier, level, _used, _cap, nbytes in sim.usage():
-            by_level[level] += nbytes
-        for name, nbytes in zip(ladder, by_level, strict=True):
-            timeline["bytes_by_level"][name].append(nbytes)
         if progress is not None:
-            progress(done_before + done, total_all)
+            progress(done_before + sim.done, total_all)
 
     st = sim.stats()
     counters = sim.counters()
@@ -214,7 +202,20 @@ def _replay(
             "cost_model": config.cost.describe(shape),
         },
         "wall_s": wall,
-        "timeline": timeline,
+        "timeline": _timeline(sim, trace, ladder),
+    }
+
+
+def _timeline(sim: Simulator, trace: Trace, ladder: tuple[str, ...]) -> dict[str, Any]:
+    samples = sim.timeline()
+    start_ms = float(trace.timestamps_ms[0]) if len(trace) else 0.0
+    return {
+        "request": [done for done, _, _, _ in samples],
+        "time_s": [(float(trace.timestamps_ms[done - 1]) - start_ms) / 1e3 for done, *_ in samples],
+        "block_hit_rate": [hits / max(refs, 1) for _, hits, refs, _ in samples],
+        "bytes_by_level": {
+            name: [level_bytes[k] for *_, level_bytes in samples] for k, name in enumerate(ladder)
+        },
     }
 
 

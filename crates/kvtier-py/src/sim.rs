@@ -1,4 +1,4 @@
-//! `kvtier._core.Simulator`: trace replay in Rust, driven in chunks so Python can draw progress.
+//! `kvtier._core.Simulator`: trace replay in Rust, run in one call, or in chunks so Python can draw progress.
 
 use std::sync::Mutex;
 
@@ -24,15 +24,17 @@ impl PySimulator {
 #[pymethods]
 impl PySimulator {
     /// A replay of a trace (CSR `offsets` into chained block `hashes`, `input_tokens` per
-    /// request) through a fresh core configured like `core` (whose own state is not touched).
+    /// request) through a fresh core configured like `core` (whose own state is not touched),
+    /// sampling its timeline every `timeline_every` requests and after the last (0: never).
     #[new]
-    #[pyo3(signature = (core, offsets, hashes, input_tokens, *, step_every = 1))]
+    #[pyo3(signature = (core, offsets, hashes, input_tokens, *, step_every = 1, timeline_every = 0))]
     fn new(
         core: &PyCore,
         offsets: &Bound<'_, PyAny>,
         hashes: &Bound<'_, PyAny>,
         input_tokens: &Bound<'_, PyAny>,
         step_every: u64,
+        timeline_every: usize,
     ) -> PyResult<Self> {
         let offsets = array::<u64>(offsets, "offsets", "uint64")?
             .as_array()
@@ -44,7 +46,8 @@ impl PySimulator {
             .as_array()
             .to_vec();
         let trace = Trace::new(offsets, hashes, input_tokens).py_err()?;
-        let sim = Simulator::new(core.config(), trace, step_every).py_err()?;
+        let mut sim = Simulator::new(core.config(), trace, step_every).py_err()?;
+        sim.sample_every(timeline_every);
         Ok(PySimulator {
             inner: Mutex::new(sim),
         })
@@ -90,6 +93,23 @@ impl PySimulator {
         d.set_item("hits_by_place", places)?;
         d.set_item("peak_tier_bytes", st.peak_tier_bytes)?;
         Ok(d)
+    }
+
+    /// Timeline samples so far: `(requests, hit_blocks, ref_blocks, bytes per level)`.
+    fn timeline(&self, py: Python<'_>) -> Vec<(usize, u64, u64, Vec<u64>)> {
+        self.with(py, |s| {
+            s.timeline()
+                .iter()
+                .map(|p| {
+                    (
+                        p.requests,
+                        p.hit_blocks,
+                        p.ref_blocks,
+                        p.level_bytes.clone(),
+                    )
+                })
+                .collect()
+        })
     }
 
     /// Occupancy per pool of the simulated core, as `Core.usage()`.

@@ -83,6 +83,17 @@ pub struct SimStats {
     pub peak_tier_bytes: Vec<u64>,
 }
 
+/// The replay's state after its first `requests` requests: one point of the timeline that
+/// `kvtier simulate --plot` draws.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sample {
+    pub requests: usize,
+    pub hit_blocks: u64,
+    pub ref_blocks: u64,
+    /// Bytes held at each level, all tiers together.
+    pub level_bytes: Vec<u64>,
+}
+
 pub struct Simulator {
     pub core: Core,
     trace: Trace,
@@ -99,6 +110,12 @@ pub struct Simulator {
     /// and two adds, not two nested ones. Copied into `stats` when `run` returns.
     hits_at: Vec<[u64; 2]>,
     levels: usize,
+    /// Requests between timeline samples (0: none); sampled in the replay loop, so the
+    /// timeline does not depend on how the caller splits the replay into `run` calls.
+    sample_every: usize,
+    /// Requests done when the next sample is due.
+    next_sample: usize,
+    timeline: Vec<Sample>,
 }
 
 impl Simulator {
@@ -122,6 +139,9 @@ impl Simulator {
             plans_room,
             hits_at: vec![[0; 2]; Tier::ALL.len() * levels],
             levels,
+            sample_every: 0,
+            next_sample: usize::MAX,
+            timeline: Vec::new(),
             stats: SimStats {
                 hit_blocks_at: vec![vec![0; levels]; Tier::ALL.len()],
                 hit_tokens_at: vec![vec![0; levels]; Tier::ALL.len()],
@@ -144,17 +164,55 @@ impl Simulator {
         &self.stats
     }
 
+    /// Samples the timeline every `every` requests and after the last one, from the next
+    /// request on (`every` = 0: no more samples).
+    pub fn sample_every(&mut self, every: usize) {
+        self.sample_every = every;
+        self.next_sample = self.sample_due();
+    }
+
+    /// The samples taken so far, in request order.
+    pub fn timeline(&self) -> &[Sample] {
+        &self.timeline
+    }
+
     /// Replays up to `n` more requests; returns how many it replayed.
     pub fn run(&mut self, n: usize) -> Result<usize> {
-        let end = (self.next + n).min(self.trace.len());
+        let end = self.next.saturating_add(n).min(self.trace.len());
         let start = self.next;
         let replayed = (start..end).try_for_each(|i| {
             self.replay(i)?;
             self.next = i + 1;
+            if self.next == self.next_sample {
+                self.sample();
+            }
             Ok(())
         });
         self.copy_hits();
         replayed.map(|()| end - start)
+    }
+
+    /// Requests done when the next sample is due: the next multiple of `sample_every`, or
+    /// the end of the trace.
+    fn sample_due(&self) -> usize {
+        match self.sample_every {
+            0 => usize::MAX,
+            every => ((self.next / every + 1) * every).min(self.trace.len()),
+        }
+    }
+
+    fn sample(&mut self) {
+        let mut level_bytes = vec![0; self.levels];
+        for pool in self.core.usage() {
+            level_bytes[usize::from(pool.level)] += pool.bytes;
+        }
+        self.timeline.push(Sample {
+            requests: self.next,
+            hit_blocks: self.stats.hit_blocks,
+            ref_blocks: self.stats.ref_blocks,
+            level_bytes,
+        });
+        self.next_sample = self.sample_due();
     }
 
     /// Copies the flat hit counters into `stats` (once per `run`, out of its loop).
@@ -242,4 +300,62 @@ fn make_room(core: &mut Core, hashes: &[u64]) -> Result<()> {
         core.plan_and_commit(need)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{PolicyKind, TierConfig};
+
+    /// 50 requests of 1–8 blocks drawn from 30 hashes, on a device of 20 blocks.
+    fn small_sim() -> Simulator {
+        let (mut offsets, mut hashes, mut input) = (vec![0], Vec::new(), Vec::new());
+        for i in 0..50u64 {
+            let len = 1 + i * 7 % 8;
+            hashes.extend((0..len).map(|k| (i * 13 + k * 5) % 30));
+            offsets.push(hashes.len() as u64);
+            input.push(len * 16 - 3);
+        }
+        let cfg = Config {
+            block_size: 16,
+            level_bytes: vec![1],
+            tiers: vec![TierConfig {
+                tier: Tier::Device,
+                budget_bytes: Some(20),
+            }],
+            policy: PolicyKind::Lru,
+            evict_on_full: true,
+            ..Config::default()
+        };
+        Simulator::new(cfg, Trace::new(offsets, hashes, input).unwrap(), 1).unwrap()
+    }
+
+    #[test]
+    fn timeline_is_sampled_every_n_requests_and_at_the_end_however_the_run_is_split() {
+        let mut whole = small_sim();
+        whole.sample_every(12);
+        whole.run(usize::MAX).unwrap();
+        let requests: Vec<usize> = whole.timeline().iter().map(|s| s.requests).collect();
+        assert_eq!(requests, [12, 24, 36, 48, 50]);
+        let last = whole.timeline().last().unwrap();
+        assert_eq!(last.hit_blocks, whole.stats().hit_blocks);
+        assert_eq!(last.ref_blocks, whole.stats().ref_blocks);
+        let held: u64 = whole.core.usage().iter().map(|p| p.bytes).sum();
+        assert_eq!(last.level_bytes, [held]);
+        assert!(whole.stats().hit_blocks > 0 && held > 0);
+
+        let mut split = small_sim();
+        split.sample_every(12);
+        for n in [5, 7, 1, 30, 100] {
+            split.run(n).unwrap();
+        }
+        assert_eq!(split.timeline(), whole.timeline());
+    }
+
+    #[test]
+    fn no_timeline_unless_asked() {
+        let mut sim = small_sim();
+        sim.run(usize::MAX).unwrap();
+        assert!(sim.timeline().is_empty());
+    }
 }
