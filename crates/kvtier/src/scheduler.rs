@@ -23,6 +23,7 @@
 use crate::config::{Config, Tier};
 use crate::core::{Core, Key, Loc, NO_SLOT};
 use crate::error::{Error, Result};
+use crate::stats::BlockStats;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -395,20 +396,26 @@ impl Core {
     /// them with the configured weights; a signal a block lacks gives its weight to the others.
     fn normalise_importance(&mut self, blocks: &[u32]) {
         use crate::stats::{KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
+        const BITS: [u8; 3] = [KNOWN_MAGNITUDE, KNOWN_LEARNED, KNOWN_ATTENTION];
         let weights = self.cfg.weights;
         let s = self.stats_mut();
-        const BITS: [u8; 3] = [KNOWN_MAGNITUDE, KNOWN_LEARNED, KNOWN_ATTENTION];
+        let signals = |st: &BlockStats| [st.magnitude, st.learned, st.attn_ema];
         let mut range = [(f32::INFINITY, f32::NEG_INFINITY); 3];
-        let mut known_any = 0u8;
+        let (mut known_any, mut known_all) = (0u8, u8::MAX);
         for &b in blocks {
             let st = &s[b as usize];
             known_any |= st.known;
-            for (k, v) in [st.magnitude, st.learned, st.attn_ema]
-                .into_iter()
-                .enumerate()
-            {
+            known_all &= st.known;
+            for (k, v) in signals(st).into_iter().enumerate() {
+                // Plain comparisons: signals are never NaN, and `f32::min` pays to handle it.
                 if st.known & BITS[k] != 0 {
-                    range[k] = (range[k].0.min(v), range[k].1.max(v));
+                    let (lo, hi) = &mut range[k];
+                    if v < *lo {
+                        *lo = v;
+                    }
+                    if v > *hi {
+                        *hi = v;
+                    }
                 }
             }
         }
@@ -418,21 +425,46 @@ impl Core {
             }
             return;
         }
-        for &b in blocks {
-            let st = &mut s[b as usize];
-            let (mut sum, mut weight) = (0.0f32, 0.0f32);
-            for (k, v) in [st.magnitude, st.learned, st.attn_ema]
-                .into_iter()
-                .enumerate()
-            {
-                if st.known & BITS[k] != 0 {
-                    let (lo, hi) = range[k];
-                    let x = if hi > lo { (v - lo) / (hi - lo) } else { 0.5 };
+        // The signals some block knows, each with its minimum and span (0: all equal). The
+        // loop below skips the others, and the per-block test of a signal when every block
+        // knows the same ones; the f32 operations and their order are those of the plain form
+        // (`hi > lo` is `hi - lo > 0` for finite floats), so the scores are bit for bit equal.
+        let mut active = [(0usize, 0.0f32, 0.0f32); 3];
+        let mut n = 0;
+        for (k, &(lo, hi)) in range.iter().enumerate() {
+            if known_any & BITS[k] != 0 {
+                active[n] = (k, lo, hi - lo);
+                n += 1;
+            }
+        }
+        // Total weight of the signals a block knows, summed in order.
+        let total_weight = |known: u8| {
+            (0..3)
+                .filter(|&k| known & BITS[k] != 0)
+                .fold(0.0f32, |w, k| w + weights[k])
+        };
+        let score = |st: &mut BlockStats, known: u8, weight: f32| {
+            let v = signals(st);
+            let mut sum = 0.0f32;
+            for &(k, lo, span) in &active[..n] {
+                if known & BITS[k] != 0 {
+                    let x = if span > 0.0 { (v[k] - lo) / span } else { 0.5 };
                     sum += weights[k] * x;
-                    weight += weights[k];
                 }
             }
             st.importance = if weight > 0.0 { sum / weight } else { 0.0 };
+        };
+        if known_all == known_any {
+            // Every block knows the same signals: no per-block test, one total weight.
+            let weight = total_weight(known_all);
+            blocks
+                .iter()
+                .for_each(|&b| score(&mut s[b as usize], known_all, weight));
+        } else {
+            for &b in blocks {
+                let st = &mut s[b as usize];
+                score(st, st.known, total_weight(st.known));
+            }
         }
     }
 
