@@ -718,6 +718,36 @@ def test_host_store_pins_its_buffers(torch_cuda: Any) -> None:
     assert tensor.is_pinned()
 
 
+def test_disk_writes_around_a_temporary_file_a_dead_process_left(tmp_path: Path) -> None:
+    """A put goes through this thread's temporary name for the key; a file already there under
+    that name (a dead process that had this one's id left it) is neither written into nor a
+    reason to fail: the put takes another name."""
+    store = DiskStore(tmp_path, NS, 1 << 20)
+    path = store._path(NS.key(7))
+    os.makedirs(os.path.dirname(path))
+    stale = store._tmp(path)
+    with open(stale, "wb") as f:
+        f.write(b"half a value")
+    assert store.put(7, b"new value") and bytes(store.get(7)) == b"new value"
+    with open(stale, "rb") as f:
+        assert f.read() == b"half a value"
+    assert store.put(7, b"newer value") and bytes(store.get(7)) == b"newer value"
+    assert sorted(p.name for p in Path(path).parent.iterdir()) == sorted(
+        [os.path.basename(path), os.path.basename(stale)]
+    )
+
+
+def test_disk_keys_that_look_like_temporary_files_are_values(tmp_path: Path) -> None:
+    """Keys are free strings: one that starts with a dot, or with the temporary files' prefix,
+    is stored and found again after a restart like any other."""
+    store = DiskStore(tmp_path, NS, 1 << 20)
+    keys = [".tmp-1-2-x", ".hidden", "plain"]
+    assert store.put_many(keys, [b"a", b"b", b"c"]) == [True] * 3
+    reopened = DiskStore(tmp_path, NS, 1 << 20)
+    assert sorted(reopened.keys()) == sorted(keys)
+    assert [bytes(reopened.get(k)) for k in keys] == [b"a", b"b", b"c"]
+
+
 def test_disk_cleans_up_after_a_crash_half_way(tmp_path: Path) -> None:
     """A temporary file left by a writer that died is not a value and is removed on open."""
     store = DiskStore(tmp_path, NS, 1 << 20)
