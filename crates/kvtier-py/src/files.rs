@@ -224,7 +224,8 @@ pub fn read_sealed(
 
 /// Writes stored values on up to `threads` threads, without the GIL: value `i` is `heads[i]`,
 /// then `payloads[i]` (bytes-like), then the xxh3-64 of both, written to the new file
-/// `tmp_paths[i]` and renamed over `paths[i]` (with `fsync`, the file is synced before and its
+/// `tmp_paths[i]` (or, where a file of that name is there, a new name that starts with it) and
+/// renamed over `paths[i]` (with `fsync`, the file is synced before and its
 /// directory after the rename, so the value survives a power loss). For each value in order,
 /// None when it was written or the `OSError` writing it raised (its temporary file is removed;
 /// what `paths[i]` held before is untouched), or syncing its directory raised.
