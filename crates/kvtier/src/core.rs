@@ -17,7 +17,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::config::{Config, PolicyKind, Tier};
 use crate::error::{Error, Result};
-use crate::evict::{Entry, EvictionQueue};
+use crate::evict::{EvictionQueue, Ticket};
 use crate::pool::SlotPool;
 use crate::prefix::{chain_hash, PrefixIndex};
 use crate::stats::{BlockStats, DecayTable, KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
@@ -34,7 +34,7 @@ pub struct Loc {
 
 /// Ranking key of a block under the policy: lower goes first. Three components compared in
 /// order; floats are stored as order-preserving integers so heap comparisons are integer ones.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Key(u64, u64, u64);
 
 /// Maps an f64 onto a u64 with the same order (total order, -inf lowest): a negative one has
@@ -58,6 +58,38 @@ impl Key {
             !self.0
         };
         f64::from_bits(bits)
+    }
+}
+
+/// What a block's ranking key is computed from, borrowed apart from the eviction queues so
+/// that a queue can ask for keys while it changes.
+#[derive(Clone, Copy)]
+pub(crate) struct Ranker<'a> {
+    cfg: &'a Config,
+    decay: &'a DecayTable,
+    rows: &'a [BlockRow],
+    stats: &'a [BlockStats],
+}
+
+impl Ranker<'_> {
+    #[inline(always)]
+    pub(crate) fn key(&self, b: usize) -> Key {
+        let row = &self.rows[b];
+        let recency = row.last_access;
+        let freq = || self.decay.log_count(row.reads, row.reads_step);
+        let stats = || &self.stats[b]; // only where the policy ranks by them
+        match self.cfg.policy {
+            PolicyKind::Lru => Key::new(0.0, 0.0, recency),
+            PolicyKind::Lfu => Key::new(freq(), 0.0, recency),
+            PolicyKind::H2o => Key::new(f64::from(stats().attn_sum), 0.0, recency),
+            PolicyKind::Scissorhands => {
+                let s = stats();
+                let mask = u32::MAX >> (32 - self.cfg.scissorhands_window);
+                let persistence = (s.attn_history & mask).count_ones();
+                Key::new(f64::from(persistence), f64::from(s.attn_ema), recency)
+            }
+            PolicyKind::Importance => Key::new(f64::from(stats().importance), freq(), recency),
+        }
     }
 }
 
@@ -617,14 +649,13 @@ impl Core {
         let row = &mut self.blocks.rows[i];
         row.version = row.version.wrapping_add(1);
         row.evictable_in = p as u32;
-        let entry = Entry {
-            key,
+        let ticket = Ticket {
             block: b,
             version: row.version,
         };
         let pool = &mut self.evictable[p];
         pool.count += 1;
-        pool.queue.push(entry);
+        pool.queue.push(key, ticket);
         pool.pushes_to_check -= 1;
         if pool.pushes_to_check == 0 {
             self.drop_stale_entries(p);
@@ -664,19 +695,33 @@ impl Core {
     }
 
     /// Whether an eviction-index entry of `pool` still stands for its block.
-    fn entry_valid(rows: &[BlockRow], pool: usize, e: &Entry) -> bool {
-        let row = &rows[e.block as usize];
-        row.evictable_in as usize == pool && row.version == e.version
+    fn entry_valid(rows: &[BlockRow], pool: usize, t: &Ticket) -> bool {
+        let row = &rows[t.block as usize];
+        row.evictable_in as usize == pool && row.version == t.version
+    }
+
+    /// The ranking inputs and the eviction queues, borrowed apart: a queue asks for the keys
+    /// of its blocks while it changes.
+    #[inline(always)]
+    fn ranker_and_queues(&mut self) -> (Ranker<'_>, &mut [Evictable]) {
+        let ranker = Ranker {
+            cfg: &self.cfg,
+            decay: &self.decay,
+            rows: &self.blocks.rows,
+            stats: &self.stats,
+        };
+        (ranker, &mut self.evictable)
     }
 
     /// The lowest-ranked evictable block of a pool, left in place.
     #[inline]
     pub(crate) fn peek_evictable(&mut self, pool: usize) -> Option<(Key, u32)> {
-        let rows = &self.blocks.rows;
-        let top = self.evictable[pool]
-            .queue
-            .peek_valid(|e| Self::entry_valid(rows, pool, e));
-        top.map(|e| (e.key, e.block))
+        let (ranker, queues) = self.ranker_and_queues();
+        let top = queues[pool].queue.peek_valid(
+            |t| Self::entry_valid(ranker.rows, pool, t),
+            |b| ranker.key(b as usize),
+        );
+        top.map(|e| (e.key, e.ticket.block))
     }
 
     /// The lowest-ranked evictable block among `pools`.
@@ -701,10 +746,13 @@ impl Core {
     fn evict_for_reuse(&mut self, k: u64) {
         let pool = self.pool_index(Tier::Device, 0);
         for _ in 0..k {
-            let rows = &self.blocks.rows;
-            let e = self.evictable[pool]
+            let (ranker, queues) = self.ranker_and_queues();
+            let e = queues[pool]
                 .queue
-                .pop_valid(|e| Self::entry_valid(rows, pool, e))
+                .pop_valid(
+                    |t| Self::entry_valid(ranker.rows, pool, t),
+                    |b| ranker.key(b as usize),
+                )
                 .expect("room was checked before evicting");
             debug_assert!(self.is_evictable(e.block as usize));
             self.counters.evictions += 1;
@@ -742,22 +790,20 @@ impl Core {
     /// The policy's ranking key of a block. Lower is demoted, offloaded, evicted first.
     #[inline(always)]
     pub(crate) fn key(&self, b: usize) -> Key {
-        let row = &self.blocks.rows[b];
-        let recency = row.last_access;
-        let freq = || self.decay.log_count(row.reads, row.reads_step);
-        let stats = || &self.stats[b]; // only where the policy ranks by them
-        match self.cfg.policy {
-            PolicyKind::Lru => Key::new(0.0, 0.0, recency),
-            PolicyKind::Lfu => Key::new(freq(), 0.0, recency),
-            PolicyKind::H2o => Key::new(f64::from(stats().attn_sum), 0.0, recency),
-            PolicyKind::Scissorhands => {
-                let s = stats();
-                let mask = u32::MAX >> (32 - self.cfg.scissorhands_window);
-                let persistence = (s.attn_history & mask).count_ones();
-                Key::new(f64::from(persistence), f64::from(s.attn_ema), recency)
-            }
-            PolicyKind::Importance => Key::new(f64::from(stats().importance), freq(), recency),
-        }
+        let Core {
+            cfg,
+            decay,
+            blocks,
+            stats,
+            ..
+        } = self;
+        let ranker = Ranker {
+            cfg,
+            decay,
+            rows: &blocks.rows,
+            stats,
+        };
+        ranker.key(b)
     }
 
     // ---- sequences -----------------------------------------------------------------------------

@@ -11,16 +11,36 @@ use std::collections::BinaryHeap;
 
 use crate::core::Key;
 
+/// A queued block: its id and the version its entry was made at. The entry stands for the
+/// block while the block's version still matches; then its key is the block's current key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Ticket {
+    pub block: u32,
+    pub version: u32,
+}
+
+/// A ticket with its key: what the spill heap orders, and what a peek returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct Entry {
     pub key: Key,
-    pub block: u32,
-    pub version: u32,
+    pub ticket: Ticket,
+}
+
+/// An entry of the in-order run: its ticket alone (8 bytes, not 32), since a valid entry's key
+/// is its block's key, computed again where one is needed. Debug builds keep the key too, to
+/// check exactly that.
+#[derive(Debug, Clone, Copy)]
+struct RunEntry {
+    ticket: Ticket,
+    #[cfg(debug_assertions)]
+    key: Key,
 }
 
 #[derive(Debug, Clone, Default)]
 pub(crate) struct EvictionQueue {
     run: Ring,
+    /// The key of the run's newest entry, the bound an entry must reach to join the run.
+    last: Key,
     spill: BinaryHeap<Reverse<Entry>>,
 }
 
@@ -28,7 +48,7 @@ pub(crate) struct EvictionQueue {
 /// where `VecDeque` compares and subtracts on every push, pop and look at the back.
 #[derive(Debug, Clone, Default)]
 struct Ring {
-    buf: Vec<Entry>,
+    buf: Vec<RunEntry>,
     head: usize,
     len: usize,
 }
@@ -40,31 +60,22 @@ impl Ring {
     }
 
     #[inline(always)]
-    fn front(&self) -> Option<&Entry> {
+    fn front(&self) -> Option<&RunEntry> {
         (self.len > 0).then(|| &self.buf[self.head])
     }
 
-    /// Appends `e` unless its key is below the last entry's; returns whether it did.
     #[inline(always)]
-    fn push_in_order(&mut self, e: Entry) -> bool {
-        let mask = self.buf.len().wrapping_sub(1);
-        let mut tail = (self.head + self.len) & mask;
-        // Keys alone decide: valid entries never tie (a key ends in its block's access
-        // clock, which no two blocks share), and comparing whole entries costs more.
-        if self.len > 0 && e.key < self.buf[tail.wrapping_sub(1) & mask].key {
-            return false;
-        }
+    fn push(&mut self, e: RunEntry) {
         if self.len == self.buf.len() {
             self.grow(e);
-            tail = self.len;
         }
+        let tail = self.at(self.len);
         self.buf[tail] = e;
         self.len += 1;
-        true
     }
 
     #[inline(always)]
-    fn pop_front(&mut self) -> Option<Entry> {
+    fn pop_front(&mut self) -> Option<RunEntry> {
         let e = *self.front()?;
         self.head = self.at(1);
         self.len -= 1;
@@ -74,7 +85,7 @@ impl Ring {
     /// Doubles the ring, its entries unwrapped to the start; `fill` pads the free part.
     #[cold]
     #[inline(never)]
-    fn grow(&mut self, fill: Entry) {
+    fn grow(&mut self, fill: RunEntry) {
         let size = (2 * self.buf.len()).max(16);
         let mut buf = Vec::with_capacity(size);
         buf.extend((0..self.len).map(|k| self.buf[self.at(k)]));
@@ -83,12 +94,12 @@ impl Ring {
         self.head = 0;
     }
 
-    fn retain(&mut self, keep: impl Fn(&Entry) -> bool) {
+    fn retain(&mut self, keep: impl Fn(&Ticket) -> bool) {
         // Kept entries move towards the head, into positions already read.
         let mut kept = 0;
         for k in 0..self.len {
             let e = self.buf[self.at(k)];
-            if keep(&e) {
+            if keep(&e.ticket) {
                 let i = self.at(kept);
                 self.buf[i] = e;
                 kept += 1;
@@ -99,57 +110,92 @@ impl Ring {
 }
 
 impl EvictionQueue {
+    /// Queues `ticket` under `key`: in the run when the key is not below the run's newest
+    /// (keys alone decide: valid entries never tie, as a key ends in its block's access
+    /// clock, which no two blocks share), else in the spill heap.
     #[inline(always)]
-    pub fn push(&mut self, e: Entry) {
-        if !self.run.push_in_order(e) {
-            self.spill.push(Reverse(e));
+    pub fn push(&mut self, key: Key, ticket: Ticket) {
+        if self.run.len > 0 && key < self.last {
+            self.spill.push(Reverse(Entry { key, ticket }));
+            return;
         }
+        self.last = key;
+        self.run.push(RunEntry {
+            ticket,
+            #[cfg(debug_assertions)]
+            key,
+        });
     }
 
     pub fn len(&self) -> usize {
         self.run.len + self.spill.len()
     }
 
+    /// The run's first entry with its key, `key_of` its block's (the entry is valid).
+    fn run_front(&self, key_of: impl Fn(u32) -> Key) -> Option<Entry> {
+        let e = self.run.front()?;
+        let key = key_of(e.ticket.block);
+        #[cfg(debug_assertions)]
+        assert_eq!(key, e.key, "a valid entry's block changed its key");
+        Some(Entry {
+            key,
+            ticket: e.ticket,
+        })
+    }
+
     /// The lowest valid entry, dropping stale ones on the way; it stays in the queue.
+    /// `key_of(block)` is the current key of a block with a valid entry.
     #[inline]
-    pub fn peek_valid(&mut self, valid: impl Fn(&Entry) -> bool) -> Option<Entry> {
-        while self.run.front().is_some_and(|e| !valid(e)) {
+    pub fn peek_valid(
+        &mut self,
+        valid: impl Fn(&Ticket) -> bool,
+        key_of: impl Fn(u32) -> Key,
+    ) -> Option<Entry> {
+        while self.run.front().is_some_and(|e| !valid(&e.ticket)) {
             self.run.pop_front();
         }
-        while self.spill.peek().is_some_and(|Reverse(e)| !valid(e)) {
+        while self
+            .spill
+            .peek()
+            .is_some_and(|Reverse(e)| !valid(&e.ticket))
+        {
             self.spill.pop();
         }
-        match (self.run.front(), self.spill.peek()) {
-            (Some(a), Some(Reverse(b))) => Some(*a.min(b)),
-            (Some(a), None) => Some(*a),
-            (None, Some(Reverse(b))) => Some(*b),
-            (None, None) => None,
+        let run = self.run_front(key_of);
+        match (run, self.spill.peek()) {
+            (Some(a), Some(&Reverse(b))) => Some(a.min(b)),
+            (a, b) => a.or(b.map(|&Reverse(b)| b)),
         }
     }
 
-    /// Removes and returns the lowest valid entry, dropping stale ones on the way.
+    /// Removes and returns the lowest valid entry's ticket, dropping stale ones on the way
+    /// (`key_of` as for [`EvictionQueue::peek_valid`]).
     #[inline]
-    pub fn pop_valid(&mut self, valid: impl Fn(&Entry) -> bool) -> Option<Entry> {
+    pub fn pop_valid(
+        &mut self,
+        valid: impl Fn(&Ticket) -> bool,
+        key_of: impl Fn(u32) -> Key,
+    ) -> Option<Ticket> {
         if self.spill.is_empty() {
             // Entries arrived in order (the usual case): the run alone holds the minimum.
             while let Some(e) = self.run.pop_front() {
-                if valid(&e) {
-                    return Some(e);
+                if valid(&e.ticket) {
+                    return Some(e.ticket);
                 }
             }
             return None;
         }
-        let top = self.peek_valid(valid)?;
+        let top = self.peek_valid(valid, key_of)?;
         match self.spill.peek() {
             Some(Reverse(b)) if *b == top => self.spill.pop(),
-            _ => return self.run.pop_front(),
+            _ => self.run.pop_front().map(|_| Reverse(top)),
         };
-        Some(top)
+        Some(top.ticket)
     }
 
-    pub fn retain(&mut self, valid: impl Fn(&Entry) -> bool) {
+    pub fn retain(&mut self, valid: impl Fn(&Ticket) -> bool) {
         self.run.retain(&valid);
-        self.spill.retain(|Reverse(e)| valid(e));
+        self.spill.retain(|Reverse(e)| valid(&e.ticket));
     }
 }
 
@@ -181,16 +227,21 @@ mod tests {
     }
 
     proptest! {
-        /// Through the ring's wrap-arounds and growth, spills and sweeps, the queue pops the
-        /// valid entries in key order, as a sorted set of them does.
+        /// Through the ring's wrap-arounds and growth, spills and sweeps, the queue peeks and
+        /// pops the valid entries in key order, as a sorted set of them does, with the keys its
+        /// blocks have.
         #[test]
         fn pops_valid_entries_in_key_order(ops in proptest::collection::vec(op(), 1..400)) {
             let mut queue = EvictionQueue::default();
             let mut valid: BTreeSet<(u64, u32)> = BTreeSet::new(); // (key, block)
             let mut version = vec![0u32; 400];
+            let mut keys = vec![0u64; 400];
             let mut clock = 10_000u64;
-            let (mut next, key_of) = (0u32, |k: u64| Key::new(0.0, 0.0, k));
+            let mut next = 0u32;
+            let key = |k: u64| Key::new(0.0, 0.0, k);
             for op in ops {
+                let is_valid = |t: &Ticket| version[t.block as usize] == t.version;
+                let key_of = |b: u32| key(keys[b as usize]);
                 match op {
                     Op::Push(back) => {
                         // Rising, or (one in four) `back` steps below the last; unique, as
@@ -201,15 +252,18 @@ mod tests {
                         let k = t << 12 | u64::from(block);
                         next += 1;
                         version[block as usize] += 1;
-                        queue.push(Entry { key: key_of(k), block, version: version[block as usize] });
+                        keys[block as usize] = k;
+                        queue.push(key(k), Ticket { block, version: version[block as usize] });
                         valid.insert((k, block));
                     }
                     Op::Pop => {
-                        let got = queue.pop_valid(|e| version[e.block as usize] == e.version);
-                        let want = valid.pop_first();
-                        prop_assert_eq!(got.map(|e| (e.key, e.block)), want.map(|(k, b)| (key_of(k), b)));
-                        if let Some(e) = got {
-                            version[e.block as usize] += 1; // popped: its entry is gone
+                        let want = valid.pop_first().map(|(k, b)| (key(k), b));
+                        let peeked = queue.peek_valid(is_valid, key_of);
+                        prop_assert_eq!(peeked.map(|e| (e.key, e.ticket.block)), want);
+                        let got = queue.pop_valid(is_valid, key_of);
+                        prop_assert_eq!(got.map(|t| (key_of(t.block), t.block)), want);
+                        if let Some(t) = got {
+                            version[t.block as usize] += 1; // popped: its entry is gone
                         }
                     }
                     Op::Stale(b) => {
@@ -219,7 +273,7 @@ mod tests {
                         }
                     }
                     Op::Retain => {
-                        queue.retain(|e| version[e.block as usize] == e.version);
+                        queue.retain(|t| version[t.block as usize] == t.version);
                         prop_assert_eq!(queue.len(), valid.len());
                     }
                 }

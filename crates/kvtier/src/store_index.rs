@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use crate::config::PolicyKind;
 use crate::core::Key;
 use crate::error::{Error, Result};
-use crate::evict::{Entry, EvictionQueue};
+use crate::evict::{EvictionQueue, Ticket};
 use crate::stats::DecayTable;
 
 #[derive(Debug, Clone, Default)]
@@ -195,9 +195,12 @@ impl StoreIndex {
     }
 
     fn key(&self, r: u32) -> Key {
-        let row = &self.rows[r as usize];
-        let freq = || self.decay.log_count(row.reads, row.reads_step);
-        match self.policy {
+        Self::key_of(self.policy, &self.decay, &self.rows[r as usize])
+    }
+
+    fn key_of(policy: PolicyKind, decay: &DecayTable, row: &Row) -> Key {
+        let freq = || decay.log_count(row.reads, row.reads_step);
+        match policy {
             PolicyKind::Lru => Key::new(0.0, 0.0, row.last_access),
             PolicyKind::Lfu => Key::new(freq(), 0.0, row.last_access),
             PolicyKind::Importance | PolicyKind::H2o | PolicyKind::Scissorhands => {
@@ -211,27 +214,30 @@ impl StoreIndex {
         let key = self.key(r);
         let row = &mut self.rows[r as usize];
         row.version = row.version.wrapping_add(1);
-        self.queue.push(Entry {
-            key,
+        let ticket = Ticket {
             block: r,
             version: row.version,
-        });
+        };
+        self.queue.push(key, ticket);
         if self.queue.len() > 2 * self.by_key.len() + 1024 {
             let rows = &self.rows;
-            self.queue.retain(|e| Self::current(rows, e));
+            self.queue.retain(|t| Self::current(rows, t));
         }
     }
 
-    fn current(rows: &[Row], e: &Entry) -> bool {
-        let row = &rows[e.block as usize];
-        row.live && row.version == e.version
+    fn current(rows: &[Row], t: &Ticket) -> bool {
+        let row = &rows[t.block as usize];
+        row.live && row.version == t.version
     }
 
     fn lowest(&mut self) -> Option<u32> {
-        let rows = &self.rows;
+        let (rows, policy, decay) = (&self.rows, self.policy, &self.decay);
         self.queue
-            .peek_valid(|e| Self::current(rows, e))
-            .map(|e| e.block)
+            .peek_valid(
+                |t| Self::current(rows, t),
+                |r| Self::key_of(policy, decay, &rows[r as usize]),
+            )
+            .map(|e| e.ticket.block)
     }
 }
 
