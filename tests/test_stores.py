@@ -150,6 +150,12 @@ def test_checksum_parts_may_be_any_bytes_like() -> None:
     want = checksum(data)
     for part in (data.tobytes(), bytearray(data.tobytes()), memoryview(data.tobytes())):
         assert checksum(part) == want
+    # A contiguous view is hashed as its bytes, whatever its format and shape; a strided one as
+    # the bytes it shows.
+    assert checksum(memoryview(data[:70_000].view(np.float32).reshape(100, -1))) == checksum(
+        data[:70_000]
+    )
+    assert checksum(memoryview(data.tobytes())[::3]) == checksum(data[::3].copy())
     assert checksum(b"ab", b"c") == checksum(np.frombuffer(b"abc", np.uint8))
     assert checksum(data.tobytes(), seed=7) == checksum(data, seed=7) != want  # bytes: in place
     streamed = StreamingChecksum(seed=7)
@@ -317,20 +323,32 @@ def test_a_file_written_checksummed_is_the_joined_seal_or_nothing(tmp_path: Path
     from kvtier._core import write_checksummed
 
     # The large value first: it takes long enough for the batch to call helper threads.
-    values = [payload(n) for n in (4 * fmt.CHUNK + 3, 0, 100)]
+    values = [payload(n) for n in (4 * fmt.CHUNK + 3, 0, 100, 1 << 18)]
     heads = [fmt.header(NS, NS.key(i), len(v)) for i, v in enumerate(values)]
-    paths = [str(tmp_path / f"v{i}") for i in range(3)]
+    paths = [str(tmp_path / f"v{i}") for i in range(len(values))]
     tmps = [p + ".tmp" for p in paths]
-    for threads in (1, 2, 8):  # in order, or the files shared among threads
-        assert write_checksummed(tmps, paths, heads, values, threads=threads) == [None] * 3
-        for i, v in enumerate(values):
-            joined = bytes(fmt.seal_joined(NS, NS.key(i), memoryview(v)))
-            assert Path(paths[i]).read_bytes() == joined
+
+    def written_right() -> bool:
+        return all(
+            Path(paths[i]).read_bytes() == bytes(fmt.seal_joined(NS, NS.key(i), memoryview(v)))
+            for i, v in enumerate(values)
+        )
+
+    # In order, hashed chunk by chunk; the files shared among threads; with CPUs to spare
+    # (a large value is then hashed on a thread beside its writing).
+    for threads in (1, 2, 8):
+        assert write_checksummed(tmps, paths, heads, values, threads=threads) == [None] * 4
+        assert written_right()
+    for i, v in enumerate(values):  # one at a time, with a CPU to spare
+        assert write_checksummed(
+            tmps[i : i + 1], paths[i : i + 1], heads[i : i + 1], [v], threads=2
+        ) == [None]
+    assert written_right()
     (err,) = write_checksummed(
         [str(tmp_path / "gone" / "t")], [paths[2]], [heads[0]], [b"new"], fsync=True
     )
     assert isinstance(err, FileNotFoundError) and Path(paths[2]).read_bytes()[-108:-8] == values[2]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v0", "v1", "v2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v0", "v1", "v2", "v3"]
     with pytest.raises(InvalidArgumentError, match="payloads"):
         write_checksummed(tmps, paths, heads, values[:2])
 

@@ -12,7 +12,7 @@ pub(crate) fn byte_arrays<'py>(
 ) -> PyResult<Vec<PyReadonlyArray1<'py, u8>>> {
     parts
         .iter()
-        .map(|p| crate::arrays::array::<u8>(p, "parts", "uint8"))
+        .map(|p| crate::arrays::bytes_array(p, "parts"))
         .collect()
 }
 

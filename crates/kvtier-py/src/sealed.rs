@@ -154,7 +154,7 @@ pub fn unseal_span(
     received: Option<u64>,
     verify: bool,
 ) -> PyResult<(usize, usize)> {
-    let value = crate::arrays::array::<u8>(value, "value", "uint8")?;
+    let value = crate::arrays::bytes_array(value, "value")?;
     let bytes = value.as_slice()?;
     let want = Expected { digest, texts };
     py.detach(|| check(bytes, received, &want, verify))
