@@ -742,8 +742,9 @@ def test_disk_writes_around_a_temporary_file_a_dead_process_left(tmp_path: Path)
     reason to fail: the put takes another name."""
     store = DiskStore(tmp_path, NS, 1 << 20)
     path = store._path(NS.key(7))
-    os.makedirs(os.path.dirname(path))
-    stale = store._tmp(path)
+    directory, name = os.path.split(path)
+    os.makedirs(directory)
+    stale = store._tmp(directory, name)
     with open(stale, "wb") as f:
         f.write(b"half a value")
     assert store.put(7, b"new value") and bytes(store.get(7)) == b"new value"
