@@ -1,4 +1,5 @@
 # Hand-written stub of the Rust extension (crates/kvtier-py); checked by `make stubtest`.
+from collections.abc import Sequence
 from typing import Any, ClassVar, Final, final
 
 import numpy as np
@@ -206,7 +207,7 @@ def write_checksummed(
     tmp_paths: list[str],
     paths: list[str],
     heads: list[bytes],
-    payloads: list[npt.ArrayLike],
+    payloads: Sequence[npt.ArrayLike],
     *,
     fsync: bool = False,
     threads: int = 1,
