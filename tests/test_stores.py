@@ -206,8 +206,8 @@ def test_files_read_and_checked_in_one_call_are_checked_like_any_value(
     texts = [fmt.header_texts(NS, NS.key(4))] * len(paths)
     read = read_sealed(paths, NS.digest, texts, threads)
     assert isinstance(read[-2], FileNotFoundError) and isinstance(read[-1], IsADirectoryError)
-    for (data, start, stop), blob, value in zip(read[:3], blobs, values, strict=True):
-        assert bytes(data) == blob and bytes(data[start:stop]) == value
+    for view, value in zip(read[:3], values, strict=True):
+        assert isinstance(view, memoryview) and view.readonly and bytes(view) == value
     for bad, name in zip(read[3:-2], list(files)[3:], strict=True):
         assert isinstance(bad, PayloadError)
         with pytest.raises(PayloadError) as direct:
@@ -288,6 +288,40 @@ def test_a_foreign_value_in_a_store_is_a_counted_miss_and_removed(tmp_path: Path
 
 
 # -- disk ------------------------------------------------------------------------------------------
+
+
+def test_disk_names_a_file_by_its_key_or_by_the_key_hash(tmp_path: Path) -> None:
+    """``_core.store_path``: ``<root>/<namespace>/<low byte of the key hash>/<name>``, and the
+    hash in place of a name that is not a safe file name."""
+    from kvtier._core import checksum, store_path
+
+    def where(name: str, file: str | None = None) -> str:
+        h = checksum((NS.prefix + name).encode())
+        return f"/r/{NS.digest:016x}/{h & 0xFF:02x}/{file or f'~{h:016x}'}"
+
+    for name in ("0000000000000007", "block_7.v=2-x", "x" * 120):
+        assert store_path("/r", NS.prefix + name) == where(name, name)
+    for name in (".tmp-1-2-x", "a:b", "x" * 121, "a/b", "é"):
+        assert store_path("/r", NS.prefix + name) == where(name)
+    with pytest.raises(InvalidArgumentError, match="store key"):
+        store_path("/r", "kvtier-without-a-namespace")
+
+
+def test_disk_files_gone_or_unreadable_are_misses_and_the_rest_is_read(tmp_path: Path) -> None:
+    """A file removed behind the store's back is a miss that leaves the budget; one that cannot
+    be read (here a directory in its place) is a miss and a counted error; the batch's other
+    values are read all the same."""
+    store = DiskStore(tmp_path, NS, 1 << 20)
+    values = [payload(3000 + i) for i in range(4)]
+    store.put_many([1, 2, 3, 4], values)
+    used, gone = store.used_bytes, os.path.getsize(store._path(NS.key(2)))
+    os.unlink(store._path(NS.key(2)))
+    os.unlink(store._path(NS.key(3)))
+    os.mkdir(store._path(NS.key(3)))
+    got = store.get_many([1, 2, 3, 4])
+    assert [bytes(g) if g is not None else None for g in got] == [values[0], None, None, values[3]]
+    assert store.stats.errors == 1 and store.stats.misses == 2 and store.stats.corrupt == 0
+    assert store.used_bytes == used - gone  # the value whose file is gone no longer counts
 
 
 def test_disk_survives_a_restart(tmp_path: Path) -> None:

@@ -194,7 +194,16 @@ class StreamingChecksum:
 def copy_checksum(out: npt.NDArray[np.uint8], *parts: npt.ArrayLike, seed: int = 0) -> int: ...
 def read_sealed(
     paths: list[str], digest: int, texts: list[bytes], threads: int = 1
-) -> list[tuple[npt.NDArray[np.uint8], int, int] | OSError | PayloadError]: ...
+) -> list[memoryview | OSError | PayloadError]: ...
+def read_stored(
+    root: str,
+    keys: list[str],
+    digest: int,
+    texts: bytes,
+    index: StoreIndex,
+    threads: int = 1,
+) -> list[memoryview | OSError | PayloadError | None]: ...
+def store_path(root: str, key: str) -> str: ...
 def unseal_span(
     value: npt.ArrayLike,
     digest: int,

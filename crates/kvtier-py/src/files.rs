@@ -9,10 +9,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use numpy::PyReadonlyArray1;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::types::{PyMemoryView, PySlice};
 use twox_hash::XxHash3_64;
 
 use crate::sealed::{check, payload_error, Expected};
+use crate::store_index::PyStoreIndex;
 
 /// How long this thread works through a batch alone before it calls helpers: a few times what
 /// starting a thread costs (25-30 us on a 2-CPU VM), so a batch of a few small files, which
@@ -209,12 +212,49 @@ fn sync_directories(paths: &[String], written: &mut [io::Result<()>], threads: u
     }
 }
 
+/// One value read and checked: its bytes and its payload's range in them, or the check it
+/// failed; or the error reading it.
+type Read = io::Result<(Vec<u8>, Result<(usize, usize), String>)>;
+
+/// Reads the values at `paths` on up to `threads` threads and checks each as `format.unseal`
+/// does against the namespace `digest` and its header texts `texts[i]`.
+fn read_checked(paths: &[String], digest: u64, texts: &[Vec<u8>], threads: usize) -> Vec<Read> {
+    let items: Vec<usize> = (0..paths.len()).collect();
+    parallel_map(&items, threads, |&i| {
+        read_one(&paths[i]).map(|(data, hashed)| {
+            let want = Expected {
+                digest,
+                texts: &texts[i],
+            };
+            let span = check(&data, Some(hashed), &want, true);
+            (data, span)
+        })
+    })
+}
+
+/// A read as Python gets it: the payload as a read-only memoryview (over the numpy array that
+/// owns the bytes read), the `PayloadError` of a value that failed a check, or the `OSError`.
+fn served(py: Python<'_>, read: Read) -> PyResult<Py<PyAny>> {
+    Ok(match read {
+        Ok((data, Ok((start, stop)))) => {
+            let array = numpy::PyArray1::from_vec(py, data);
+            // Within a Vec, so within isize.
+            let payload = PySlice::new(py, start as isize, stop as isize, 1);
+            PyMemoryView::from(array.as_any())?
+                .get_item(payload)?
+                .call_method0(intern!(py, "toreadonly"))?
+                .unbind()
+        }
+        Ok((_, Err(reason))) => payload_error(py, reason).into_value(py).into_any(),
+        Err(e) => PyErr::from(e).into_value(py).into_any(),
+    })
+}
+
 /// Reads stored values from `paths` on up to `threads` threads, without the GIL, and checks
 /// each as `format.unseal` does against the namespace `digest` and its header `texts[i]`
-/// (`format._header_texts`). For each path in order: `(data, start, stop)`, the value's bytes
-/// (a uint8 array) and its payload's range in them; the `PayloadError` a value that fails a
-/// check gets; or the `OSError` reading it raised (say `FileNotFoundError`). One bad file does
-/// not stop the others.
+/// (`format.header_texts`). For each path in order: the payload (a read-only memoryview), the
+/// `PayloadError` a value that fails a check gets, or the `OSError` reading it raised (say
+/// `FileNotFoundError`). One bad file does not stop the others.
 #[pyfunction]
 #[pyo3(signature = (paths, digest, texts, threads = 1))]
 pub fn read_sealed(
@@ -231,34 +271,95 @@ pub fn read_sealed(
             got: texts.len(),
         }));
     }
-    let items: Vec<usize> = (0..paths.len()).collect();
-    let read = py.detach(|| {
-        parallel_map(&items, threads, |&i| {
-            read_one(&paths[i]).map(|(data, hashed)| {
-                let want = Expected {
-                    digest,
-                    texts: &texts[i],
-                };
-                let span = check(&data, Some(hashed), &want, true);
-                (data, span)
-            })
+    let read = py.detach(|| read_checked(&paths, digest, &texts, threads));
+    read.into_iter().map(|r| served(py, r)).collect()
+}
+
+/// Whether a disk store keeps a value under its own name: 1-120 characters of `A-Za-z0-9_.=-`,
+/// not starting with a dot (temporary files do).
+fn is_safe_name(name: &str) -> bool {
+    let allowed = |c: &u8| c.is_ascii_alphanumeric() || b"_.=-".contains(c);
+    let bytes = name.as_bytes();
+    (1..=120).contains(&bytes.len()) && bytes[0] != b'.' && bytes.iter().all(allowed)
+}
+
+fn path_of(root: &str, key: &str) -> PyResult<String> {
+    let mut parts = key.splitn(3, ':');
+    let (Some(_), Some(namespace), Some(name)) = (parts.next(), parts.next(), parts.next()) else {
+        return Err(crate::errors::to_py(kvtier::Error::InvalidArgument {
+            what: "key",
+            reason: format!("{key:?}; expected a store key, kvtier:<namespace digest>:<name>"),
+        }));
+    };
+    let digest = XxHash3_64::oneshot_with_seed(0, key.as_bytes());
+    let shard = digest & 0xFF;
+    Ok(if is_safe_name(name) {
+        format!("{root}/{namespace}/{shard:02x}/{name}")
+    } else {
+        format!("{root}/{namespace}/{shard:02x}/~{digest:016x}")
+    })
+}
+
+/// Where the disk store at `root` keeps the value under the store key `key`
+/// (`kvtier:<namespace digest>:<name>`): `<root>/<namespace digest>/<xx>/<name>`, `xx` the low
+/// byte of the key's xxh3-64 in hex (256 directories a namespace), and `~` and the whole
+/// xxh3-64 in hex in place of a name that is not a safe file name (the header inside names the
+/// key either way).
+#[pyfunction]
+pub fn store_path(root: &str, key: &str) -> PyResult<String> {
+    path_of(root, key)
+}
+
+/// A disk store's get, in one call: the values under the store `keys` in the store at `root`
+/// (`store_path`), read on up to `threads` threads without the GIL and checked against the
+/// namespace `digest` and the header texts after the key (`Namespace.packed_texts`). The keys
+/// read are touched in `index`, and a key whose file is gone leaves it. For each key: the
+/// payload (a read-only memoryview), None (no file), the `PayloadError` of a value that failed
+/// a check, or the `OSError` reading it raised.
+#[pyfunction]
+#[pyo3(signature = (root, keys, digest, texts, index, threads = 1))]
+pub fn read_stored(
+    py: Python<'_>,
+    root: &str,
+    keys: Vec<String>,
+    digest: u64,
+    texts: &[u8],
+    index: &Bound<'_, PyStoreIndex>,
+    threads: usize,
+) -> PyResult<Vec<Py<PyAny>>> {
+    let paths = keys
+        .iter()
+        .map(|key| path_of(root, key))
+        .collect::<PyResult<Vec<_>>>()?;
+    let heads: Vec<Vec<u8>> = keys
+        .iter()
+        .map(|key| {
+            // The key as format.header_texts packs it (keys are at most a few hundred bytes).
+            let len = u16::try_from(key.len()).unwrap_or(u16::MAX).to_le_bytes();
+            [&len[..], key.as_bytes(), texts].concat()
         })
-    });
-    read.into_iter()
-        .map(|r| {
-            let obj = match r {
-                Ok((data, Ok((start, stop)))) => (numpy::PyArray1::from_vec(py, data), start, stop)
-                    .into_pyobject(py)?
-                    .into_any(),
-                Ok((_, Err(reason))) => payload_error(py, reason)
-                    .into_value(py)
-                    .into_bound(py)
-                    .into_any(),
-                Err(e) => PyErr::from(e).into_value(py).into_bound(py).into_any(),
-            };
-            Ok(obj.unbind())
-        })
-        .collect()
+        .collect();
+    let read = py.detach(|| read_checked(&paths, digest, &heads, threads));
+    let (mut hits, mut gone) = (Vec::new(), Vec::new());
+    let mut out = Vec::with_capacity(read.len());
+    for (path, r) in paths.into_iter().zip(read) {
+        match &r {
+            Ok((_, Ok(_))) => hits.push(path),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                gone.push(path);
+                out.push(py.None());
+                continue;
+            }
+            _ => {}
+        }
+        out.push(served(py, r)?);
+    }
+    let mut index = index.get().lock();
+    for path in &gone {
+        index.remove(path);
+    }
+    index.touch(&hits);
+    Ok(out)
 }
 
 /// Writes stored values on up to `threads` threads, without the GIL: value `i` is `heads[i]`,

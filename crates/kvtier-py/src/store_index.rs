@@ -13,7 +13,7 @@ pub struct PyStoreIndex {
 }
 
 impl PyStoreIndex {
-    fn lock(&self) -> MutexGuard<'_, StoreIndex> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, StoreIndex> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 }

@@ -15,20 +15,17 @@ the writer's process and thread, then the final name.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
-from .._core import checksum, read_sealed, write_checksummed
+from .._core import read_sealed, read_stored, store_path, write_checksummed
 from ..errors import InvalidArgumentError
 from .base import BudgetedStore, Checked
 from .format import Namespace, Sealed, header_texts, read_key
 
-#: A key that is a safe file name is its own file name; it never starts with a dot, so it is never
-#: taken for a temporary file.
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_=-][A-Za-z0-9_.=-]{0,119}")
 _TMP = ".tmp-"
 
 
@@ -80,11 +77,9 @@ class DiskStore(BudgetedStore):
     # -- paths ----------------------------------------------------------------------------------
 
     def _path(self, key: str) -> str:
-        _, ns, name = key.split(":", 2)  # kvtier:<namespace digest>:<key>
-        digest = checksum(key.encode())
-        if not _SAFE_NAME.fullmatch(name):
-            name = f"~{digest:016x}"
-        return f"{self._root}{os.sep}{ns}{os.sep}{digest & 0xFF:02x}{os.sep}{name}"  # join: 3 µs
+        # A key that is a safe file name is its own file name; it never starts with a dot, so it
+        # is never taken for a temporary file (``_core.store_path``).
+        return store_path(self._root, key)
 
     def _load_directory(self) -> None:
         found = []
@@ -193,34 +188,29 @@ class DiskStore(BudgetedStore):
         self._recount(path)
         self._dirs.discard(os.path.dirname(path))  # in case someone removed it: made again
 
-    def _read(self, keys: list[str], paths: list[str]) -> list[Checked]:
-        """The values at ``paths``, stored under ``keys``, read and checked in one call
-        without the GIL (``_core.read_sealed``); a missing file is a miss (and leaves the
-        index), any other failure to read one a miss and a counted error."""
+    def _read(self, key: str, path: str) -> Checked:
+        """The value at ``path``, stored under ``key``, read and checked without the GIL
+        (``_core.read_sealed``); a failure to read it is a miss and a counted error."""
         ns = self.namespace
-        texts = [header_texts(ns, k) for k in keys]
-        read_all = read_sealed(paths, ns.digest, texts, self.io_threads)
-        out: list[Checked] = []
-        for path, read in zip(paths, read_all, strict=True):
-            if isinstance(read, tuple):
-                data, start, stop = read
-                out.append(data.data[start:stop].toreadonly())
-            elif isinstance(read, FileNotFoundError):
-                self._forget(path)
-                out.append(None)
-            elif isinstance(read, OSError):
-                self._error(f"reading {path}", read)
-                out.append(None)
-            else:
-                out.append(read)  # the PayloadError of a value that failed a check
-        return out
+        (read,) = read_sealed([path], ns.digest, [header_texts(ns, key)])
+        if isinstance(read, OSError):
+            self._error(f"reading {path}", read)
+            return None
+        return read
 
     def _get_checked(self, keys: list[str]) -> list[Checked]:
-        paths = [self._path(k) for k in keys]
-        out = self._read(keys, paths)
-        with self._lock:
-            self._index.touch([p for p, d in zip(paths, out, strict=True) if d is not None])
-        return out
+        """The batch read, checked and counted in the index in one call (``_core.read_stored``,
+        on up to ``io_threads`` threads without the GIL). A missing file is a miss (and has
+        left the index); any other failure to read one is a miss and a counted error."""
+        ns = self.namespace
+        out = read_stored(
+            self._root, keys, ns.digest, ns.packed_texts, self._index, self.io_threads
+        )
+        for i, read in enumerate(out):
+            if isinstance(read, OSError):
+                self._error(f"reading {self._path(keys[i])}", read)
+                out[i] = None
+        return cast(list[Checked], out)  # no OSError is left
 
     def _index_key(self, key: str) -> str:
         return self._path(key)
@@ -237,7 +227,7 @@ class DiskStore(BudgetedStore):
             self._error(f"claiming {path}", exc)
             return None
         self._forget(path)
-        (payload,) = self._read([key], [claimed])
+        payload = self._read(key, claimed)
         _unlink(claimed)
         return payload
 
