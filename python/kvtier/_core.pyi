@@ -19,6 +19,8 @@ __all__ = [
     "namespace_seed",
     "prefix_hashes",
     "read_sealed",
+    "read_stored",
+    "store_path",
     "unseal_span",
     "write_checksummed",
 ]
