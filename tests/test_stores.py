@@ -310,7 +310,7 @@ def test_disk_names_a_file_by_its_key_or_by_the_key_hash(tmp_path: Path) -> None
 def test_disk_files_gone_or_unreadable_are_misses_and_the_rest_is_read(tmp_path: Path) -> None:
     """A file removed behind the store's back is a miss that leaves the budget; one that cannot
     be read (here a directory in its place) is a miss and a counted error; the batch's other
-    values are read all the same."""
+    values are read all the same. Directories removed behind its back are made again."""
     store = DiskStore(tmp_path, NS, 1 << 20)
     values = [payload(3000 + i) for i in range(4)]
     store.put_many([1, 2, 3, 4], values)
@@ -322,6 +322,9 @@ def test_disk_files_gone_or_unreadable_are_misses_and_the_rest_is_read(tmp_path:
     assert [bytes(g) if g is not None else None for g in got] == [values[0], None, None, values[3]]
     assert store.stats.errors == 1 and store.stats.misses == 2 and store.stats.corrupt == 0
     assert store.used_bytes == used - gone  # the value whose file is gone no longer counts
+    shutil.rmtree(os.path.dirname(os.path.dirname(store._path(NS.key(1)))))  # the namespace's
+    assert store.put_many([1, 3], values[:2]) == [True, True]  # its directories made again
+    assert [bytes(v) for v in store.get_many([1, 3])] == values[:2]
 
 
 def test_disk_survives_a_restart(tmp_path: Path) -> None:
@@ -778,7 +781,7 @@ def test_disk_writes_around_a_temporary_file_a_dead_process_left(tmp_path: Path)
     path = store._path(NS.key(7))
     directory, name = os.path.split(path)
     os.makedirs(directory)
-    stale = store._tmp(directory, name)
+    stale = os.path.join(directory, store._tmp_tag() + name)
     with open(stale, "wb") as f:
         f.write(b"half a value")
     assert store.put(7, b"new value") and bytes(store.get(7)) == b"new value"

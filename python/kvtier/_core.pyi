@@ -23,6 +23,7 @@ __all__ = [
     "store_path",
     "unseal_span",
     "write_checksummed",
+    "write_stored",
 ]
 
 _Ids = npt.ArrayLike
@@ -223,3 +224,14 @@ def write_checksummed(
     fsync: bool = False,
     threads: int = 1,
 ) -> list[OSError | None]: ...
+def write_stored(
+    root: str,
+    keys: list[str],
+    heads: list[bytes],
+    payloads: Sequence[npt.ArrayLike],
+    index: StoreIndex,
+    tmp_tag: str,
+    *,
+    fsync: bool = False,
+    threads: int = 1,
+) -> tuple[list[bool], list[tuple[int, OSError]], int]: ...

@@ -2,6 +2,7 @@
 //! without the GIL, on several threads, each value hashed (xxh3-64, the stored-value checksum
 //! of `kvtier.stores.format`) and read or written with as few system calls as it takes.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::hash::Hasher as _;
 use std::io::{self, IoSlice, Write as _};
@@ -362,6 +363,63 @@ pub fn read_stored(
     Ok(out)
 }
 
+/// Creates the directory `path` goes in, with its parents; with `fsync`, also syncs the two
+/// directories above it (a store's namespace directory and root), so the new names survive a
+/// power loss.
+fn make_parent(path: &str, fsync: bool) -> io::Result<()> {
+    let dir = std::path::Path::new(path)
+        .parent()
+        .ok_or(io::ErrorKind::NotFound)?;
+    std::fs::create_dir_all(dir)?;
+    if fsync {
+        for above in dir.ancestors().skip(1).take(2) {
+            File::open(above)?.sync_all()?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes value `i` (`heads[i]`, `bodies[i]`, checksum) through `tmps[i]` to `paths[i]` on up
+/// to `threads` threads (`write_one`); with `make_dirs`, a directory that is not there is made
+/// and the write tried again.
+fn write_batch(
+    tmps: &[String],
+    paths: &[String],
+    heads: &[&[u8]],
+    bodies: &[&[u8]],
+    fsync: bool,
+    threads: usize,
+    make_dirs: bool,
+) -> Vec<io::Result<()>> {
+    let items: Vec<usize> = (0..paths.len()).collect();
+    let spare_cpu = paths.len() < threads;
+    let write = |i: usize| write_one(&tmps[i], &paths[i], heads[i], bodies[i], fsync, spare_cpu);
+    let mut written = parallel_map(&items, threads, |&i| match write(i) {
+        Err(e) if make_dirs && e.kind() == io::ErrorKind::NotFound => {
+            make_parent(&paths[i], fsync).and_then(|()| write(i))
+        }
+        done => done,
+    });
+    if fsync {
+        sync_directories(paths, &mut written, threads);
+    }
+    written
+}
+
+/// That every column of a batch has its `n` items.
+fn check_lengths(n: usize, columns: &[(&'static str, usize)]) -> PyResult<()> {
+    for &(what, got) in columns {
+        if got != n {
+            return Err(crate::errors::to_py(kvtier::Error::LengthMismatch {
+                what,
+                expected: n,
+                got,
+            }));
+        }
+    }
+    Ok(())
+}
+
 /// Writes stored values on up to `threads` threads, without the GIL: value `i` is `heads[i]`,
 /// then `payloads[i]` (bytes-like), then the xxh3-64 of both, written to the new file
 /// `tmp_paths[i]` (or, where a file of that name is there, a new name that starts with it) and
@@ -380,40 +438,17 @@ pub fn write_checksummed(
     fsync: bool,
     threads: usize,
 ) -> PyResult<Vec<Py<PyAny>>> {
-    let n = tmp_paths.len();
-    for (what, got) in [
+    let columns = [
         ("paths", paths.len()),
         ("heads", heads.len()),
         ("payloads", payloads.len()),
-    ] {
-        if got != n {
-            return Err(crate::errors::to_py(kvtier::Error::LengthMismatch {
-                what,
-                expected: n,
-                got,
-            }));
-        }
-    }
+    ];
+    check_lengths(tmp_paths.len(), &columns)?;
     let arrays: Vec<PyReadonlyArray1<'_, u8>> = crate::checksum::byte_arrays(&payloads)?;
     let bodies = crate::checksum::byte_slices(&arrays)?;
-    let items: Vec<usize> = (0..n).collect();
-    let spare_cpu = n < threads;
-    let written = py.detach(|| {
-        let mut written = parallel_map(&items, threads, |&i| {
-            write_one(
-                &tmp_paths[i],
-                &paths[i],
-                &heads[i],
-                bodies[i],
-                fsync,
-                spare_cpu,
-            )
-        });
-        if fsync {
-            sync_directories(&paths, &mut written, threads);
-        }
-        written
-    });
+    let heads: Vec<&[u8]> = heads.iter().map(Vec::as_slice).collect();
+    let written =
+        py.detach(|| write_batch(&tmp_paths, &paths, &heads, &bodies, fsync, threads, false));
     Ok(written
         .into_iter()
         .map(|r| match r {
@@ -421,4 +456,108 @@ pub fn write_checksummed(
             Err(e) => PyErr::from(e).into_value(py).into_any(),
         })
         .collect())
+}
+
+/// What `write_stored` reports: whether each value was stored, `(i, OSError)` for each value
+/// whose write failed, and how many values were evicted.
+type Stored = (Vec<bool>, Vec<(usize, Py<PyAny>)>, usize);
+
+/// A disk store's put, in one call: the values under the store `keys` (each `heads[i]`, then
+/// `payloads[i]`, then the checksum) written to their files in the store at `root`
+/// (`store_path`), each through the temporary name `tmp_tag` + its file name, on up to
+/// `threads` threads without the GIL, and counted in `index`.
+///
+/// As puts in order would: a key given twice is written once, with its last value that fits
+/// the budget; room is made before anything is written (the evicted values' files are
+/// deleted), so the budget holds on disk while the batch is written; a value evicted by a later
+/// one of the batch leaves no file. A write that fails leaves the old value, counted again.
+#[pyfunction]
+#[pyo3(signature = (root, keys, heads, payloads, index, tmp_tag, *, fsync = false, threads = 1))]
+#[allow(clippy::too_many_arguments)] // the store's state, passed in from Python
+pub fn write_stored(
+    py: Python<'_>,
+    root: &str,
+    keys: Vec<String>,
+    heads: Vec<Vec<u8>>,
+    payloads: Vec<Bound<'_, PyAny>>,
+    index: &Bound<'_, PyStoreIndex>,
+    tmp_tag: &str,
+    fsync: bool,
+    threads: usize,
+) -> PyResult<Stored> {
+    check_lengths(
+        keys.len(),
+        &[("heads", heads.len()), ("payloads", payloads.len())],
+    )?;
+    let arrays: Vec<PyReadonlyArray1<'_, u8>> = crate::checksum::byte_arrays(&payloads)?;
+    let bodies = crate::checksum::byte_slices(&arrays)?;
+    let sizes: Vec<u64> = heads
+        .iter()
+        .zip(&bodies)
+        .map(|(h, b)| (h.len() + b.len() + 8) as u64)
+        .collect();
+    let index = index.get();
+    let budget = index.lock().budget();
+    let last: HashMap<&str, usize> = (0..keys.len())
+        .filter(|&i| sizes[i] <= budget)
+        .map(|i| (keys[i].as_str(), i))
+        .collect();
+    let at: Vec<usize> = (0..keys.len())
+        .filter(|&i| last.get(keys[i].as_str()) == Some(&i))
+        .collect();
+    let paths = at
+        .iter()
+        .map(|&i| path_of(root, &keys[i]))
+        .collect::<PyResult<Vec<_>>>()?;
+    let tmps: Vec<String> = paths
+        .iter()
+        .map(|p| {
+            let (dir, name) = p.rsplit_once('/').unwrap_or((".", p));
+            format!("{dir}/{tmp_tag}{name}")
+        })
+        .collect();
+    let mut victims = Vec::new();
+    {
+        let mut index = index.lock();
+        for (&i, path) in at.iter().zip(&paths) {
+            victims.extend(index.admit(path, sizes[i]).unwrap_or_default());
+        }
+    }
+    let heads: Vec<&[u8]> = at.iter().map(|&i| heads[i].as_slice()).collect();
+    let bodies: Vec<&[u8]> = at.iter().map(|&i| bodies[i]).collect();
+    let written = py.detach(|| {
+        for victim in &victims {
+            let _ = std::fs::remove_file(victim);
+        }
+        write_batch(&tmps, &paths, &heads, &bodies, fsync, threads, true)
+    });
+    let mut evicted = victims.len();
+    let mut stored = vec![false; keys.len()];
+    let mut failures = Vec::new();
+    let mut index = index.lock();
+    for ((&i, path), result) in at.iter().zip(&paths).zip(written) {
+        match result {
+            Ok(()) => {
+                stored[i] = true;
+                if !index.contains(path) {
+                    let _ = std::fs::remove_file(path); // evicted by a later value of the batch
+                }
+            }
+            Err(e) => {
+                index.remove(path);
+                if let Ok(old) = std::fs::metadata(path) {
+                    let pushed_out = index.admit(path, old.len()).unwrap_or_default();
+                    evicted += pushed_out.len();
+                    for victim in pushed_out {
+                        let _ = std::fs::remove_file(victim);
+                    }
+                }
+                failures.push((i, PyErr::from(e).into_value(py).into_any()));
+            }
+        }
+    }
+    let done = (0..keys.len())
+        .map(|i| sizes[i] <= budget && stored[last[keys[i].as_str()]])
+        .collect();
+    Ok((done, failures, evicted))
 }

@@ -69,5 +69,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(files::store_path, m)?)?;
     m.add_function(wrap_pyfunction!(sealed::unseal_span, m)?)?;
     m.add_function(wrap_pyfunction!(files::write_checksummed, m)?)?;
+    m.add_function(wrap_pyfunction!(files::write_stored, m)?)?;
     Ok(())
 }

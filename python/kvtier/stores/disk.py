@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import cast
 
-from .._core import read_sealed, read_stored, store_path, write_checksummed
+from .._core import read_sealed, read_stored, store_path, write_stored
 from ..errors import InvalidArgumentError
 from .base import BudgetedStore, Checked
 from .format import Namespace, Sealed, header_texts, read_key
@@ -68,7 +68,6 @@ class DiskStore(BudgetedStore):
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise InvalidArgumentError(f"io_threads: expected a count >= 1, got {io_threads!r}")
         self.io_threads = io_threads
-        self._dirs: set[str] = set()  # directories known to exist (saves a makedirs per put)
         self._load_directory()
 
     def describe(self) -> str:
@@ -99,7 +98,7 @@ class DiskStore(BudgetedStore):
         for _, path, size in found:
             self._admit(path, size)  # over the budget (it was lowered): the oldest go
 
-    def _admit(self, path: str, size: int) -> bool:
+    def _admit(self, path: str, size: int) -> None:
         """Counts ``size`` bytes under ``path`` and deletes the files evicted for them."""
         with self._lock:
             victims = self._index.admit(path, size)
@@ -107,15 +106,6 @@ class DiskStore(BudgetedStore):
             _unlink(v)
         if victims:
             self._evicted(len(victims))
-        return victims is not None
-
-    def _recount(self, path: str) -> None:
-        try:
-            size = os.stat(path).st_size
-        except OSError:
-            return
-        if path not in self._index:
-            self._admit(path, size)
 
     def _forget(self, path: str) -> None:
         with self._lock:
@@ -124,69 +114,31 @@ class DiskStore(BudgetedStore):
     # -- KVStore --------------------------------------------------------------------------------
 
     @staticmethod
-    def _tmp(directory: str, name: str) -> str:
-        """The temporary name this thread writes or claims ``name`` under: the same each time,
-        since ext4 creates a name it has just removed 25-45 us faster than a new one (a 64 KiB
-        write: 48-61 against 83-96 us). No other writer uses it, and its writes are one after the
-        other; one a dead process left is written around (``write_checksummed``)."""
-        return f"{directory}{os.sep}{_TMP}{os.getpid()}-{threading.get_ident()}-{name}"
+    def _tmp_tag() -> str:
+        """What this thread's temporary names start with: a value's is this and its file name,
+        the same each time, since ext4 creates a name it has just removed 25-45 us faster than a
+        new one (a 64 KiB write: 48-61 against 83-96 us). No other writer uses it, and its
+        writes are one after the other; one a dead process left is written around."""
+        return f"{_TMP}{os.getpid()}-{threading.get_ident()}-"
 
     def _put(self, keys: list[str], values: list[Sealed]) -> list[bool]:
-        """Writes the batch in one call (``_core.write_checksummed``). A key given twice is
-        written once, with its last value that fits the budget, as if written in order; every
-        occurrence reports how that write went."""
-        budget = self.budget
-        last = {key: i for i, key in enumerate(keys) if values[i].size <= budget}
-        done = [False] * len(keys)
-        # The values to write, in the columns write_checksummed takes.
-        at: list[int] = []
-        tmps: list[str] = []
-        paths: list[str] = []
-        heads: list[bytes] = []
-        payloads: list[memoryview] = []
-        for i, key in enumerate(keys):
-            if last.get(key) != i:
-                continue
-            value = values[i]
-            path = self._path(key)
-            directory, _, name = path.rpartition(os.sep)
-            self._admit(path, value.size)  # room first: the budget holds while it is written
-            if directory not in self._dirs:
-                try:
-                    os.makedirs(directory, exist_ok=True)
-                    if self.fsync:  # the new directories' names must survive a power loss too
-                        namespace_dir = os.path.dirname(directory)
-                        _sync_dir(namespace_dir)
-                        _sync_dir(os.path.dirname(namespace_dir))
-                except OSError as error:
-                    self._failed(f"writing {path}", error, path)
-                    continue
-                self._dirs.add(directory)
-            at.append(i)
-            tmps.append(self._tmp(directory, name))
-            paths.append(path)
-            heads.append(value.head)
-            payloads.append(value.payload)
-        errors = write_checksummed(
-            tmps, paths, heads, payloads, fsync=self.fsync, threads=self.io_threads
+        """The batch written, and counted in the index, in one call (``_core.write_stored``,
+        which also keeps the budget and the order of puts)."""
+        done, failures, evicted = write_stored(
+            self._root,
+            keys,
+            [v.head for v in values],
+            [v.payload for v in values],
+            self._index,
+            self._tmp_tag(),
+            fsync=self.fsync,
+            threads=self.io_threads,
         )
-        for i, path, failure in zip(at, paths, errors, strict=True):
-            if failure is not None:
-                self._failed(f"writing {path}", failure, path)
-                continue
-            done[i] = True
-            with self._lock:
-                evicted = path not in self._index
-            if evicted:  # by a later value of this batch: as if written, then evicted
-                _unlink(path)
-        return [v.size <= budget and done[last[k]] for k, v in zip(keys, values, strict=True)]
-
-    def _failed(self, what: str, exc: OSError, path: str) -> None:
-        """A write that failed: the old value, if any, is still there and counted again."""
-        self._error(what, exc)
-        self._forget(path)
-        self._recount(path)
-        self._dirs.discard(os.path.dirname(path))  # in case someone removed it: made again
+        for i, error in failures:
+            self._error(f"writing {self._path(keys[i])}", error)
+        if evicted:
+            self._evicted(evicted)
+        return done
 
     def _read(self, key: str, path: str) -> Checked:
         """The value at ``path``, stored under ``key``, read and checked without the GIL
@@ -218,7 +170,7 @@ class DiskStore(BudgetedStore):
     def _pop_checked(self, key: str) -> Checked:
         path = self._path(key)
         directory, _, name = path.rpartition(os.sep)
-        claimed = self._tmp(directory, name)
+        claimed = f"{directory}{os.sep}{self._tmp_tag()}{name}"
         try:
             os.rename(path, claimed)  # atomic: one claimant wins
         except FileNotFoundError:
@@ -280,14 +232,6 @@ def _abandoned(tmp_name: str, mtime: float) -> bool:
     except PermissionError:
         pass  # alive, someone else's
     return time.time() - mtime > 3600
-
-
-def _sync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink(path: str) -> bool:
