@@ -51,8 +51,13 @@ KiB, MiB = 2**10, 2**20
 SIZES = (64 * KiB, 256 * KiB, 2 * MiB)
 QUICK_SIZES = (4 * KiB, 64 * KiB)
 BATCHES = (1, 64)
-#: Payload bytes of one timed pass of a cell (at least one full batch): enough for a steady figure.
-DATA = 64 * MiB
+#: Payload bytes of one timed pass of a cell (at least one full batch), and the passes of which a
+#: cell takes the best. Passes of 64 MiB filled the page cache's allowance of dirty pages, so that
+#: writeback stalled whichever side crossed it (batch-1 64 KiB disk puts: 440-540 us instead of
+#: ~100, and that cell +35 % one run, +156 % the next, 2-CPU VM); more, smaller passes measure
+#: the stores.
+DATA = 16 * MiB
+REPEATS = 5
 QUICK_DATA = 4 * MiB
 TARGET_OVERHEAD_PCT = 10.0
 NAMESPACE = Namespace(model="kvtier-bench", codec="raw")
@@ -449,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"value sizes, e.g. 64KiB,2MiB (default: {', '.join(human_bytes(s) for s in SIZES)})",
     )
     ap.add_argument(
-        "--repeats", type=int, default=None, help="timed passes per cell (best; default 3)"
+        "--repeats", type=int, default=None, help=f"timed passes per cell (best; default {REPEATS})"
     )
     ap.add_argument(
         "--dir", type=Path, default=None, help="where the disk store writes (default: a temp dir)"
@@ -464,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--repeats: expected a positive integer, got {args.repeats}")
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     data = QUICK_DATA if args.quick else DATA
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick else REPEATS)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     result = run(sizes, data, repeats, args.dir, args.redis_url, log)
     if args.json:
