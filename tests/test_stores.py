@@ -307,6 +307,26 @@ def test_disk_names_a_file_by_its_key_or_by_the_key_hash(tmp_path: Path) -> None
         store_path("/r", "kvtier-without-a-namespace")
 
 
+def test_disk_batch_calls_refuse_bad_batches_before_touching_anything(tmp_path: Path) -> None:
+    """``_core.write_stored`` / ``read_stored``: a malformed key or a column of the wrong
+    length is an InvalidArgumentError, and nothing is written or counted."""
+    from kvtier._core import StoreIndex, read_stored, write_stored
+
+    index = StoreIndex("lru", 1 << 20)
+    good, bad = NS.key(1), "no-namespace"
+    head = fmt.header(NS, good, 3)
+    with pytest.raises(InvalidArgumentError, match="store key"):
+        write_stored(str(tmp_path), [good, bad], [head, head], [b"abc", b"abc"], index, ".t-")
+    with pytest.raises(InvalidArgumentError, match="payloads"):
+        write_stored(str(tmp_path), [good], [head], [], index, ".t-")
+    with pytest.raises(InvalidArgumentError, match="store key"):
+        read_stored(str(tmp_path), [bad], NS.digest, NS.packed_texts, index)
+    assert len(index) == 0 and list(tmp_path.iterdir()) == []
+    assert write_stored(str(tmp_path), [good], [head], [b"abc"], index, ".t-") == ([True], [], 0)
+    (value,) = read_stored(str(tmp_path), [good], NS.digest, NS.packed_texts, index)
+    assert bytes(value) == b"abc" and index.used_bytes == len(head) + 3 + 8
+
+
 def test_disk_files_gone_or_unreadable_are_misses_and_the_rest_is_read(tmp_path: Path) -> None:
     """A file removed behind the store's back is a miss that leaves the budget; one that cannot
     be read (here a directory in its place) is a miss and a counted error; the batch's other
