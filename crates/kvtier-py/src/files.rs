@@ -60,17 +60,64 @@ fn parallel_map<T: Sync, R: Send>(
         .collect()
 }
 
+/// Bytes of a value read and then hashed, or written and then hashed, at a time, so that the
+/// hash reads them from cache. (The write's copy into the page cache is bound by its writes, so
+/// it gains nothing from reading cached bytes: hashing first and then writing added a pass over
+/// memory, 2 MiB: +30-39 % over plain files, 2-CPU VM.)
+const CHUNK: usize = 256 << 10;
+
+/// Reads up to `max` bytes from `file` onto the end of `data`, into its spare capacity (at
+/// least one byte of which must be free) without initialising it first; returns how many.
+fn read_more(file: &File, data: &mut Vec<u8>, max: usize) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    let spare = data.spare_capacity_mut();
+    let (at, want) = (spare.as_mut_ptr().cast(), spare.len().min(max));
+    loop {
+        // SAFETY: `at` points to `want` bytes of `data`'s spare capacity, which the kernel
+        // writes; exactly the `n` bytes it reports are then initialised, and `len + n` is
+        // within the capacity.
+        let n = unsafe { libc::read(file.as_raw_fd(), at, want) };
+        if let Ok(n) = usize::try_from(n) {
+            unsafe { data.set_len(data.len() + n) };
+            return Ok(n);
+        }
+        let error = io::Error::last_os_error();
+        if error.kind() != io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
+}
+
 /// Reads one stored value whole: its bytes and the xxh3-64 of all but the last 8 (its own
-/// checksum field). `fs::read` sizes the buffer from the file's length and fills it in one
-/// `read` (a 64 KiB value in a `read` loop that starts at 8 KiB took five).
+/// checksum field). The buffer is sized from the file's length and filled a `CHUNK` per
+/// `read` (a value up to `CHUNK` in one, and one that finds the end), each chunk hashed just
+/// after it is read, from cache: hashing a 2 MiB value once it was all read went back to
+/// memory for most of it.
 ///
 /// A value is read on one thread: splitting one 2 MiB value between two threads made it slower
 /// (+30 % against +12 % over `open().read()`, 2-CPU VM), so threads go to the values of a batch.
 fn read_one(path: &str) -> io::Result<(Vec<u8>, u64)> {
-    let data = std::fs::read(path)?;
-    let hashed = data.len().saturating_sub(8);
-    let sum = XxHash3_64::oneshot_with_seed(0, &data[..hashed]);
-    Ok((data, sum))
+    let file = File::open(path)?;
+    let size = usize::try_from(file.metadata()?.len()).unwrap_or(0);
+    // One byte more: the read that finds the end needs room.
+    let mut data = Vec::with_capacity(size.saturating_add(1));
+    let mut hasher = XxHash3_64::with_seed(0);
+    let mut hashed = 0;
+    loop {
+        if data.len() == data.capacity() {
+            data.reserve(CHUNK); // the file grew since its length was read
+        }
+        let n = read_more(&file, &mut data, CHUNK)?;
+        // The last 8 bytes so far may be the checksum field: hashed once more bytes follow.
+        let upto = data.len().saturating_sub(8);
+        if upto > hashed {
+            hasher.write(&data[hashed..upto]);
+            hashed = upto;
+        }
+        if n == 0 {
+            return Ok((data, hasher.finish()));
+        }
+    }
 }
 
 /// Writes all of `bufs`, however many calls it takes.
@@ -114,12 +161,6 @@ fn create_temporary(tmp: &str) -> io::Result<(File, String)> {
         }
     }
 }
-
-/// Payload bytes written and then hashed at a time. The write's copy into the page cache is
-/// bound by its writes, so it reads the value from memory at no extra cost, and the hash then
-/// reads it from cache: hashing first added a pass over memory (2 MiB: +30-39 % over plain
-/// files, 2-CPU VM).
-const CHUNK: usize = 256 << 10;
 
 /// A value at least this large, written while a CPU is spare, is hashed on a thread of its own
 /// while this one writes it: its hash (~140 us for 2 MiB, even from cache) then costs about
