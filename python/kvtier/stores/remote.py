@@ -253,7 +253,7 @@ def _bulk(arg: bytes) -> bytes:
 
 def _set_commands(keys: list[str], values: list[Sealed], ttl_ms: int | None) -> Iterator[Any]:
     """``SET key value [PX ttl]`` for each value, in RESP, as buffers to send one after another.
-    The value's chunks go out as they are, each hashed just before (``Sealed.chunks``); the
+    The value's chunks go out as they are, each hashed once it is sent (``Sealed.chunks``); the
     small pieces between two payloads are joined into one."""
     args = b"*3\r\n$3\r\nSET\r\n" if ttl_ms is None else b"*5\r\n$3\r\nSET\r\n"
     px = b"" if ttl_ms is None else _bulk(b"PX") + _bulk(b"%d" % ttl_ms)
