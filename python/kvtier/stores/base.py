@@ -103,15 +103,15 @@ class KVStore(ABC):
             raise InvalidArgumentError(
                 f"put_many: {len(keys)} keys but {len(values)} values; expected one value per key"
             )
-        full = [self.namespace.key(k) for k in keys]
+        key_of, seal = self.namespace.key, self._seal
+        full = [key_of(k) for k in keys]
         payloads = [payload_view(v) for v in values]
-        sealed = [self._seal(k, p) for k, p in zip(full, payloads, strict=True)]
-        done = self._put(full, sealed)
-        ok = sum(done)
+        done = self._put(full, [seal(k, p) for k, p in zip(full, payloads, strict=True)])
+        stored = [len(p) for p, d in zip(payloads, done, strict=True) if d]
         with self._stats_lock:
-            self.stats.puts += ok
-            self.stats.put_bytes += sum(len(p) for p, d in zip(payloads, done, strict=True) if d)
-            self.stats.put_failures += len(done) - ok
+            self.stats.puts += len(stored)
+            self.stats.put_bytes += sum(stored)
+            self.stats.put_failures += len(done) - len(stored)
         return done
 
     def get_many(self, keys: Sequence[str | int]) -> list[memoryview | None]:

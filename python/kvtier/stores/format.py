@@ -113,6 +113,8 @@ class Namespace:
 
     def key(self, key: str | int) -> str:
         """The stored key of ``key``: a 64-bit prefix hash (as 16 hex digits) or a string."""
+        if type(key) is str and _KEY_TEXT.fullmatch(key):  # the common case, checked inline
+            return self.prefix + key
         if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
             if not 0 <= key < 2**64:
                 raise InvalidArgumentError(f"key: expected a 64-bit hash, got {key}")
