@@ -18,9 +18,9 @@ miss too. Reading checks every field against what the reader expects: a value fr
 namespace, codec, shape or format version, a truncated one or one with a flipped bit is refused
 (:class:`~kvtier.errors.PayloadError`), never returned. No pickle.
 
-Values are sealed here and checked by the extension (``_core.unseal_span``, and
-``_core.read_sealed`` for files, in ``crates/kvtier-py/src/sealed.rs``): a change to the layout
-changes both, and ``FORMAT_VERSION``.
+Values are sealed here and checked by the extension (``_core.unseal_span``; for files
+``_core.read_stored`` and ``read_sealed``; all in ``crates/kvtier-py/src/sealed.rs``): a change
+to the layout changes both, and ``FORMAT_VERSION``.
 """
 
 from __future__ import annotations
