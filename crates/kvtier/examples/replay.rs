@@ -52,5 +52,5 @@ fn main() {
             sim.stats().ref_blocks
         );
     }
-    println!("best of 5: {:.1} ms", best * 1e3);
+    println!("best of 5: {:.2} ms", best * 1e3);
 }

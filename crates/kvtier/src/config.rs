@@ -74,6 +74,12 @@ impl PolicyKind {
         }
     }
 
+    /// Whether the policy's key counts reads (a decayed read count): the others leave the
+    /// count unkept.
+    pub fn ranks_by_reads(self) -> bool {
+        matches!(self, PolicyKind::Lfu | PolicyKind::Importance)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             PolicyKind::Importance => "importance",

@@ -19,7 +19,7 @@ use crate::config::{Config, PolicyKind, Tier};
 use crate::error::{Error, Result};
 use crate::evict::{EvictionQueue, Ticket};
 use crate::pool::SlotPool;
-use crate::prefix::{chain_hash, PrefixIndex};
+use crate::prefix::{chain_hash, PrefixIndex, Table};
 use crate::stats::{BlockStats, DecayTable, KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
 
 pub const NO_SLOT: u32 = u32::MAX;
@@ -61,24 +61,32 @@ impl Key {
     }
 }
 
-/// What a block's ranking key is computed from, borrowed apart from the eviction queues so
-/// that a queue can ask for keys while it changes.
+/// What a block's ranking key is computed from besides its row, borrowed apart from the rows
+/// and the eviction queues, so that a loop can hold all three at once (and a queue can ask for
+/// keys while it changes).
 #[derive(Clone, Copy)]
-pub(crate) struct Ranker<'a> {
+pub(crate) struct Ranking<'a> {
     cfg: &'a Config,
     decay: &'a DecayTable,
-    rows: &'a [BlockRow],
     stats: &'a [BlockStats],
 }
 
-impl Ranker<'_> {
+impl Ranking<'_> {
+    /// The key of block `b`, whose row is `row`.
     #[inline(always)]
-    pub(crate) fn key(&self, b: usize) -> Key {
-        let row = &self.rows[b];
+    pub(crate) fn key(&self, b: usize, row: &BlockRow) -> Key {
+        self.key_as(self.cfg.policy, b, row)
+    }
+
+    /// [`Ranking::key`] under `policy`, which is the core's: a loop that names it as a
+    /// constant (see [`with_policy_key`]) computes keys without a `match` per block.
+    #[inline(always)]
+    fn key_as(&self, policy: PolicyKind, b: usize, row: &BlockRow) -> Key {
+        debug_assert_eq!(policy, self.cfg.policy);
         let recency = row.last_access;
         let freq = || self.decay.log_count(row.reads, row.reads_step);
         let stats = || &self.stats[b]; // only where the policy ranks by them
-        match self.cfg.policy {
+        match policy {
             PolicyKind::Lru => Key::new(0.0, 0.0, recency),
             PolicyKind::Lfu => Key::new(freq(), 0.0, recency),
             PolicyKind::H2o => Key::new(f64::from(stats().attn_sum), 0.0, recency),
@@ -90,6 +98,60 @@ impl Ranker<'_> {
             }
             PolicyKind::Importance => Key::new(f64::from(stats().importance), freq(), recency),
         }
+    }
+}
+
+/// Evaluates `$body` with `$key` bound to the key function of `$ranking`'s policy
+/// (`Fn(usize, &BlockRow) -> Key`), the policy a constant in each copy of `$body`: a loop over
+/// many blocks matches on the policy once, not once per block.
+macro_rules! with_policy_key {
+    ($ranking:expr, |$key:ident| $body:expr) => {{
+        let ranking: Ranking<'_> = $ranking;
+        macro_rules! arm {
+            ($policy:expr) => {{
+                let $key = |b: usize, row: &BlockRow| ranking.key_as($policy, b, row);
+                $body
+            }};
+        }
+        match ranking.cfg.policy {
+            PolicyKind::Lru => arm!(PolicyKind::Lru),
+            PolicyKind::Lfu => arm!(PolicyKind::Lfu),
+            PolicyKind::H2o => arm!(PolicyKind::H2o),
+            PolicyKind::Scissorhands => arm!(PolicyKind::Scissorhands),
+            PolicyKind::Importance => arm!(PolicyKind::Importance),
+        }
+    }};
+}
+
+/// [`Ranking`] with the rows: the key of a block by its id.
+#[derive(Clone, Copy)]
+pub(crate) struct Ranker<'a> {
+    ranking: Ranking<'a>,
+    rows: &'a [BlockRow],
+}
+
+impl Ranker<'_> {
+    #[inline(always)]
+    pub(crate) fn key(&self, b: usize) -> Key {
+        self.ranking.key(b, &self.rows[b])
+    }
+}
+
+/// The pool of a (tier, level): its index in `Core::pools` and `Core::evictable`, copied out
+/// of the core so that a loop over blocks computes it from registers.
+#[derive(Clone, Copy)]
+pub(crate) struct PoolMap {
+    /// Position of each tier in the config (`usize::MAX` if absent), by `Tier as usize`.
+    tier_at: [usize; 4],
+    levels: usize,
+}
+
+impl PoolMap {
+    #[inline(always)]
+    fn of(self, tier: Tier, level: u8) -> usize {
+        let pos = self.tier_at[tier as usize];
+        debug_assert!(pos != usize::MAX, "tier validated against the config");
+        pos * self.levels + usize::from(level)
     }
 }
 
@@ -178,8 +240,10 @@ pub struct PoolUsage {
     pub bytes: u64,
 }
 
-/// The hot state of one block: everything the per-request paths touch, in one cache line.
+/// The hot state of one block: everything the per-request paths touch, in one cache line (the
+/// alignment keeps a row from straddling two: an allocator's 16-byte alignment would).
 #[derive(Debug, Clone, Copy)]
+#[repr(align(64))]
 pub(crate) struct BlockRow {
     pub(crate) loc: Loc,
     pub(crate) refcount: u32,
@@ -204,12 +268,59 @@ pub(crate) struct BlockRow {
 pub(crate) const NOT_EVICTABLE: u32 = u32::MAX;
 
 impl BlockRow {
-    /// One read at step `step` and access-clock value `tick`: the decayed read count and
-    /// the recency.
+    /// Unreferenced, unpinned, not moving and holding a slot: the eviction index may take it.
     #[inline(always)]
-    fn read(&mut self, decay: &DecayTable, step: u32, tick: u64) {
-        self.reads = self.reads * decay.pow(step - self.reads_step) + 1.0;
-        self.reads_step = step;
+    fn is_evictable(&self) -> bool {
+        self.live
+            && self.refcount == 0
+            && self.pins == 0
+            && !self.moving
+            && self.loc.slot != NO_SLOT
+    }
+
+    /// The row of a new block at the location this row holds, referenced once and touched at
+    /// access clock `tick`; its content fields (position, fill, hash, indexed) from `new`.
+    #[inline(always)]
+    fn renew(&mut self, new: BlockRow, step: u32, tick: u64) {
+        *self = BlockRow {
+            refcount: 1,
+            loc: self.loc,
+            // The version survives reuse so that stale eviction-index entries stay stale.
+            version: self.version,
+            reads_step: step,
+            last_access: tick,
+            live: true,
+            ..new
+        };
+    }
+
+    /// Takes the block out of its pool's eviction index (`queues`), if it is in one: its entry
+    /// goes stale.
+    #[inline(always)]
+    fn leave_eviction_index(&mut self, queues: &mut [Evictable]) {
+        if self.evictable_in != NOT_EVICTABLE {
+            queues[self.evictable_in as usize].count -= 1;
+            self.evictable_in = NOT_EVICTABLE;
+        }
+    }
+
+    /// Takes the block (`b`, of this row) out of the prefix index (its table), if it is in it.
+    #[inline(always)]
+    pub(crate) fn leave_prefix_index(&mut self, index: &mut Table<'_>, b: u32) {
+        if self.indexed {
+            self.indexed = false;
+            index.remove(self.hash, b);
+        }
+    }
+
+    /// One read at step `step` and access-clock value `tick`: the recency, and the decayed read
+    /// count where the policy ranks by it (`counts`: the decay table).
+    #[inline(always)]
+    fn read(&mut self, counts: Option<&DecayTable>, step: u32, tick: u64) {
+        if let Some(decay) = counts {
+            self.reads = self.reads * decay.pow(step - self.reads_step) + 1.0;
+            self.reads_step = step;
+        }
         self.last_access = tick;
     }
 }
@@ -300,6 +411,37 @@ struct Evictable {
 }
 
 impl Evictable {
+    /// Queues block `b` (its row already says it is evictable in this pool, at this version)
+    /// under `key`.
+    #[inline(always)]
+    fn push(&mut self, rows: &[BlockRow], p: usize, key: Key, ticket: Ticket) {
+        self.queue.push(key, ticket);
+        self.pushed(rows, p, 1);
+    }
+
+    /// Counts `n` blocks just queued; every so many pushes, drops the stale entries once they
+    /// outnumber the live ones (keys change, and each change leaves one behind).
+    #[inline(always)]
+    fn pushed(&mut self, rows: &[BlockRow], p: usize, n: u64) {
+        self.count += n;
+        self.pushes_to_check = self.pushes_to_check.saturating_sub(n);
+        if self.pushes_to_check == 0 {
+            self.drop_stale_entries(rows, p);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn drop_stale_entries(&mut self, rows: &[BlockRow], p: usize) {
+        let bound = 2 * self.count + 1024;
+        if self.queue.len() as u64 > bound {
+            self.queue.retain(|e| Core::entry_valid(rows, p, e));
+        }
+        // A push adds one entry: the queue passes the bound no sooner than this (give or take
+        // the live count shrinking meanwhile, which the next check catches).
+        self.pushes_to_check = (bound + 1).saturating_sub(self.queue.len() as u64).max(1);
+    }
+
     /// Bytes of the evictable blocks (derived: every block moving in or out would pay for a
     /// running sum).
     fn bytes(&self) -> u64 {
@@ -326,6 +468,11 @@ pub struct Core {
     /// Level-0 device blocks evicted to make room, each still holding its id and slot for the
     /// new block about to take them (see `ensure_device_room`); empty between calls.
     recycled: Vec<u32>,
+    /// Blocks a freed sequence left unreferenced and unindexed, released after its pass over
+    /// its blocks; empty between calls.
+    orphans: Vec<u32>,
+    /// The ids of an append's new blocks, in the order they are taken; empty between calls.
+    new_ids: Vec<u32>,
     next_seq: u32,
     pub(crate) step: u32,
     clock: u64,
@@ -395,6 +542,8 @@ impl Core {
             seqs: Sequences::default(),
             spare_block_lists: Vec::new(),
             recycled: Vec::new(),
+            orphans: Vec::new(),
+            new_ids: Vec::new(),
             next_seq: 0,
             step: 0,
             clock: 0,
@@ -549,27 +698,24 @@ impl Core {
     /// The row and statistics of a new block with id `b` at the location its row holds,
     /// referenced once and touched now; its content fields (position, fill, hash) from `new`.
     fn init_block(&mut self, b: u32, new: BlockRow) {
-        let i = b as usize;
         self.clock += 1;
-        let row = &mut self.blocks.rows[i];
-        *row = BlockRow {
-            refcount: 1,
-            loc: row.loc,
-            // The version survives reuse so that stale eviction-index entries stay stale.
-            version: row.version,
-            reads_step: self.step,
-            last_access: self.clock,
-            live: true,
-            ..new
-        };
+        self.blocks.rows[b as usize].renew(new, self.step, self.clock);
+        self.reset_stats(&[b]);
+        self.counters.allocated += 1;
+    }
+
+    /// The statistics of block ids taken by new blocks.
+    #[inline(always)]
+    fn reset_stats(&mut self, ids: &[u32]) {
         debug_assert!(
-            self.blocks.copy[i].is_none(),
+            ids.iter().all(|&b| self.blocks.copy[b as usize].is_none()),
             "a released block keeps no copy"
         );
         if self.stats_written {
-            self.stats[i] = BlockStats::default();
+            for &b in ids {
+                self.stats[b as usize] = BlockStats::default();
+            }
         }
-        self.counters.allocated += 1;
     }
 
     /// Frees a block whose last reference is gone: its slots, its index entry, its id.
@@ -582,21 +728,23 @@ impl Core {
     /// index entries and its lower-tier copy.
     #[inline(always)]
     fn detach(&mut self, b: u32) {
-        let i = b as usize;
         self.unindex(b);
-        let row = &mut self.blocks.rows[i];
+        let row = &mut self.blocks.rows[b as usize];
         debug_assert!(row.live && row.refcount == 0 && !row.moving);
-        if row.indexed {
-            row.indexed = false;
-            self.index.remove(row.hash, b);
-        }
+        row.leave_prefix_index(&mut self.index.table(0), b);
+        self.release_copy(b);
+        self.counters.released += 1;
+    }
+
+    /// Gives back the slot of a block's lower-tier copy, if it has one.
+    #[inline(always)]
+    fn release_copy(&mut self, b: u32) {
         // Copies live in a lower tier: with one tier there are none to look up.
         if self.cfg.tiers.len() > 1 {
-            if let Some(copy) = self.blocks.copy[i].take() {
+            if let Some(copy) = self.blocks.copy[b as usize].take() {
                 self.give_slot(copy);
             }
         }
-        self.counters.released += 1;
     }
 
     #[inline]
@@ -623,8 +771,7 @@ impl Core {
 
     #[inline]
     fn is_evictable(&self, b: usize) -> bool {
-        let row = &self.blocks.rows[b];
-        row.live && row.refcount == 0 && row.pins == 0 && !row.moving && row.loc.slot != NO_SLOT
+        self.blocks.rows[b].is_evictable()
     }
 
     /// Re-derives whether `b` is evictable (and where) after any change to its refcount, pins,
@@ -638,53 +785,29 @@ impl Core {
     /// Enters a block that is in no eviction index into its pool's, if it is evictable now.
     #[inline(always)]
     fn index_if_evictable(&mut self, b: u32) {
-        let i = b as usize;
-        debug_assert_eq!(self.blocks.rows[i].evictable_in, NOT_EVICTABLE);
-        if !self.is_evictable(i) {
-            return;
-        }
-        let loc = self.blocks.rows[i].loc;
-        let p = self.pool_index(loc.tier, loc.level);
-        let key = self.key(i);
-        let row = &mut self.blocks.rows[i];
-        row.version = row.version.wrapping_add(1);
-        row.evictable_in = p as u32;
-        let ticket = Ticket {
-            block: b,
-            version: row.version,
-        };
-        let pool = &mut self.evictable[p];
-        pool.count += 1;
-        pool.queue.push(key, ticket);
-        pool.pushes_to_check -= 1;
-        if pool.pushes_to_check == 0 {
-            self.drop_stale_entries(p);
-        }
-    }
-
-    /// Stale entries pile up as keys change: drops them once they outnumber live ones.
-    #[cold]
-    #[inline(never)]
-    fn drop_stale_entries(&mut self, p: usize) {
-        let rows = &self.blocks.rows;
-        let pool = &mut self.evictable[p];
-        let bound = 2 * pool.count + 1024;
-        if pool.queue.len() as u64 > bound {
-            pool.queue.retain(|e| Self::entry_valid(rows, p, e));
-        }
-        // A push adds one entry: the queue passes the bound no sooner than this (give or take
-        // the live count shrinking meanwhile, which the next check catches).
-        pool.pushes_to_check = (bound + 1).saturating_sub(pool.queue.len() as u64).max(1);
+        let pools = self.pool_map();
+        let Core {
+            cfg,
+            decay,
+            stats,
+            blocks,
+            evictable,
+            ..
+        } = self;
+        let ranking = Ranking { cfg, decay, stats };
+        enqueue_if_evictable(
+            &mut blocks.rows,
+            evictable,
+            |b, row| ranking.key(b, row),
+            pools,
+            b,
+        );
     }
 
     /// Takes a block out of the eviction index (its entry goes stale).
     #[inline]
     fn unindex(&mut self, b: u32) {
-        let row = &mut self.blocks.rows[b as usize];
-        if row.evictable_in != NOT_EVICTABLE {
-            self.evictable[row.evictable_in as usize].count -= 1;
-            row.evictable_in = NOT_EVICTABLE;
-        }
+        self.blocks.rows[b as usize].leave_eviction_index(&mut self.evictable);
     }
 
     /// `refresh_evictable` for a change that can only make a block non-evictable.
@@ -705,12 +828,22 @@ impl Core {
     #[inline(always)]
     fn ranker_and_queues(&mut self) -> (Ranker<'_>, &mut [Evictable]) {
         let ranker = Ranker {
-            cfg: &self.cfg,
-            decay: &self.decay,
+            ranking: Ranking {
+                cfg: &self.cfg,
+                decay: &self.decay,
+                stats: &self.stats,
+            },
             rows: &self.blocks.rows,
-            stats: &self.stats,
         };
         (ranker, &mut self.evictable)
+    }
+
+    #[inline(always)]
+    fn pool_map(&self) -> PoolMap {
+        PoolMap {
+            tier_at: self.tier_at,
+            levels: self.cfg.num_levels(),
+        }
     }
 
     /// The lowest-ranked evictable block of a pool, left in place.
@@ -745,19 +878,35 @@ impl Core {
     /// blocks to reuse their ids and slots (`recycled`); the caller checked there are `k`.
     fn evict_for_reuse(&mut self, k: u64) {
         let pool = self.pool_index(Tier::Device, 0);
-        for _ in 0..k {
-            let (ranker, queues) = self.ranker_and_queues();
-            let e = queues[pool]
-                .queue
-                .pop_valid(
-                    |t| Self::entry_valid(ranker.rows, pool, t),
-                    |b| ranker.key(b as usize),
-                )
-                .expect("room was checked before evicting");
-            debug_assert!(self.is_evictable(e.block as usize));
-            self.counters.evictions += 1;
-            self.detach(e.block);
-            self.recycled.push(e.block);
+        let first = self.recycled.len();
+        let Core {
+            cfg,
+            decay,
+            stats,
+            blocks,
+            evictable,
+            index,
+            recycled,
+            ..
+        } = self;
+        let ranking = Ranking { cfg, decay, stats };
+        let queue = &mut evictable[pool];
+        pop_evictable(
+            &mut queue.queue,
+            &mut blocks.rows,
+            index,
+            ranking,
+            pool,
+            k,
+            recycled,
+        );
+        queue.count -= k;
+        self.counters.evictions += k;
+        self.counters.released += k;
+        if self.cfg.tiers.len() > 1 {
+            for i in first..self.recycled.len() {
+                self.release_copy(self.recycled[i]);
+            }
         }
     }
 
@@ -797,13 +946,7 @@ impl Core {
             stats,
             ..
         } = self;
-        let ranker = Ranker {
-            cfg,
-            decay,
-            rows: &blocks.rows,
-            stats,
-        };
-        ranker.key(b)
+        Ranking { cfg, decay, stats }.key(b, &blocks.rows[b])
     }
 
     // ---- sequences -----------------------------------------------------------------------------
@@ -915,12 +1058,12 @@ impl Core {
         }
     }
 
-    /// A new level-0 device block, on the id and slot of the last block evicted for room if
-    /// any: the same ones the free lists would give back first, without the round trip.
-    /// It holds `fill` tokens at `position` of its sequence; with a hash, it is indexed under it
-    /// unless another block has it.
-    fn new_device_block(&mut self, position: u32, fill: u32, hash: Option<u64>) -> u32 {
-        let b = match self.recycled.pop() {
+    /// The id of a new level-0 device block, holding its slot: the last block evicted for room
+    /// if any (the id and slot the free lists would give back first, without the round trip),
+    /// else a fresh one (room was ensured).
+    #[inline(always)]
+    fn new_device_id(&mut self) -> u32 {
+        match self.recycled.pop() {
             Some(b) => b, // its row still holds the slot
             None => {
                 let loc = self
@@ -930,7 +1073,14 @@ impl Core {
                 self.blocks.rows[b as usize].loc = loc;
                 b
             }
-        };
+        }
+    }
+
+    /// A new level-0 device block (see [`Core::new_device_id`]) holding `fill` tokens at
+    /// `position` of its sequence; with a hash, it is indexed under it unless another block has
+    /// it.
+    fn new_device_block(&mut self, position: u32, fill: u32, hash: Option<u64>) -> u32 {
+        let b = self.new_device_id();
         let indexed = hash.is_some_and(|h| self.index.insert(h, b));
         let new = BlockRow {
             position,
@@ -981,49 +1131,38 @@ impl Core {
         // cannot evict them; the new ones are filled in after.
         out.blocks.clear();
         out.shared.clear();
-        let mut missing = 0;
-        // `extend` from exact-size iterators: one capacity check per request, not per block.
-        out.blocks
-            .extend(hashes.iter().map(|&h| match self.index.get(h) {
-                Some(b) => {
-                    self.share(b);
-                    b
-                }
-                None => {
-                    missing += 1;
-                    NO_SLOT
-                }
-            }));
-        out.shared.extend(out.blocks.iter().map(|&b| b != NO_SLOT));
+        let missing = share_indexed(
+            &self.index,
+            &mut self.blocks.rows,
+            &mut self.evictable,
+            hashes,
+            out,
+        );
+        self.counters.shared_hits += hashes.len() as u64 - missing;
         if let Err(e) = self.ensure_device_room(missing) {
             for (&b, _) in out.blocks.iter().zip(&out.shared).filter(|p| *p.1) {
                 self.unshare(b);
             }
             return Err(e);
         }
-        // The reads come after every allocation, in block order: the access clock reads
-        // `reads_from + k + 1` at block `k`, as a separate `record_reads` would leave it.
-        let reads_from = self.clock + missing;
-        if missing > 0 || read {
-            let blocks = out.blocks.iter_mut().zip(&out.shared).zip(hashes);
-            for (k, ((b, &shared), &h)) in blocks.enumerate() {
-                let row = if shared {
-                    &mut self.blocks.rows[*b as usize]
-                } else {
-                    let fill = self.cfg.block_size;
-                    *b = self.new_device_block(start + k as u32, fill, Some(h));
-                    &mut self.blocks.rows[*b as usize]
-                };
-                if read {
-                    // Referenced by this sequence: in no eviction index to refresh.
-                    row.read(&self.decay, self.step, reads_from + k as u64 + 1);
-                }
-            }
-        }
-        if read {
-            self.clock = reads_from + hashes.len() as u64;
-        }
+        // The new blocks' ids, in the order `new_device_block` takes them, then the fill-in.
+        let mut ids = std::mem::take(&mut self.new_ids);
+        ids.extend((0..missing).map(|_| self.new_device_id()));
         self.release_recycled();
+        let fresh = NewBlocks {
+            ids: &ids,
+            start,
+            fill: self.cfg.block_size,
+            step: self.step,
+            clock: self.clock,
+        };
+        let counts = self.decay.if_counted(self.cfg.policy);
+        let (rows, index) = (&mut self.blocks.rows, &mut self.index);
+        self.clock = fresh.fill_in(rows, index, out, hashes, read, counts);
+        self.reset_stats(&ids);
+        self.counters.allocated += missing;
+        ids.clear();
+        self.new_ids = ids;
         let s = self.seqs.get_mut(&seq).expect("checked above");
         s.blocks.extend_from_slice(&out.blocks);
         s.tokens += bs * hashes.len() as u64;
@@ -1195,16 +1334,30 @@ impl Core {
             .seqs
             .remove(&seq)
             .ok_or(Error::UnknownSequence { seq })?;
-        for &b in &s.blocks {
-            let row = &mut self.blocks.rows[b as usize];
-            row.refcount -= 1;
-            // Still referenced: it was not evictable and is not now. Unreferenced now: it was
-            // not evictable before (referenced), so it is in no index yet.
-            if row.refcount == 0 {
-                self.index_if_evictable(b);
-                self.release_if_orphan(b);
-            }
+        let pools = self.pool_map();
+        let mut orphans = std::mem::take(&mut self.orphans);
+        let Core {
+            cfg,
+            decay,
+            stats,
+            blocks,
+            evictable,
+            ..
+        } = self;
+        let ranking = Ranking { cfg, decay, stats };
+        drop_refs(
+            &mut blocks.rows,
+            evictable,
+            ranking,
+            pools,
+            &s.blocks,
+            &mut orphans,
+        );
+        for &b in &orphans {
+            self.release_if_orphan(b);
         }
+        orphans.clear();
+        self.orphans = orphans;
         let mut blocks = s.blocks;
         blocks.clear();
         self.spare_block_lists.push(blocks);
@@ -1216,10 +1369,9 @@ impl Core {
     pub fn forget(&mut self, ids: &[u32]) -> Result<()> {
         self.check_blocks(ids)?;
         for &b in ids {
-            let i = b as usize;
-            if self.blocks.rows[i].indexed {
-                self.index.remove(self.blocks.rows[i].hash, b);
-                self.blocks.rows[i].indexed = false;
+            let row = &mut self.blocks.rows[b as usize];
+            if row.indexed {
+                row.leave_prefix_index(&mut self.index.table(0), b);
                 self.refresh_evictable(b);
                 self.release_if_orphan(b);
             }
@@ -1255,7 +1407,11 @@ impl Core {
         for &b in ids {
             self.clock += 1;
             let row = &mut self.blocks.rows[b as usize];
-            row.read(&self.decay, self.step, self.clock);
+            row.read(
+                self.decay.if_counted(self.cfg.policy),
+                self.step,
+                self.clock,
+            );
             if row.evictable_in != NOT_EVICTABLE {
                 self.refresh_evictable(b); // its recency is part of its key
             }
@@ -1401,6 +1557,224 @@ impl Core {
 
     pub fn cached_blocks(&self) -> u64 {
         self.evictable.iter().map(|e| e.count).sum()
+    }
+}
+
+/// Enters block `b`, in no eviction index, into its pool's if it is evictable now, ranked by
+/// `key`. Takes the core's parts apart (rows, queues) so that a loop over many blocks keeps them
+/// at hand instead of reloading them from the core after every write.
+#[inline(always)]
+fn enqueue_if_evictable(
+    rows: &mut [BlockRow],
+    queues: &mut [Evictable],
+    key: impl Fn(usize, &BlockRow) -> Key,
+    pools: PoolMap,
+    b: u32,
+) {
+    let i = b as usize;
+    let row = &rows[i];
+    debug_assert_eq!(row.evictable_in, NOT_EVICTABLE);
+    if !row.is_evictable() {
+        return;
+    }
+    let p = pools.of(row.loc.tier, row.loc.level);
+    let key = key(i, row);
+    let row = &mut rows[i];
+    row.version = row.version.wrapping_add(1);
+    row.evictable_in = p as u32;
+    let ticket = Ticket {
+        block: b,
+        version: row.version,
+    };
+    queues[p].push(rows, p, key, ticket);
+}
+
+/// The lookup pass of an append: each hash's indexed block, referenced at once (shared) so that
+/// making room for the others cannot evict it, else `NO_SLOT`, onto `out` (which says which it
+/// shared). Returns how many are missing. The caller counts the shared hits.
+#[inline(never)] // a call boundary: its &mut arguments do not alias
+fn share_indexed(
+    index: &PrefixIndex,
+    rows: &mut [BlockRow],
+    queues: &mut [Evictable],
+    hashes: &[u64],
+    out: &mut Appended,
+) -> u64 {
+    let first = out.blocks.len();
+    let mut missing = 0;
+    // `extend` from exact-size iterators: one capacity check per request, not per block.
+    out.blocks
+        .extend(hashes.iter().map(|&h| match index.get(h) {
+            Some(b) => {
+                let row = &mut rows[b as usize];
+                row.refcount += 1;
+                row.leave_eviction_index(queues); // referenced: not evictable
+                b
+            }
+            None => {
+                missing += 1;
+                NO_SLOT
+            }
+        }));
+    out.shared
+        .extend(out.blocks[first..].iter().map(|&b| b != NO_SLOT));
+    missing
+}
+
+/// The new blocks of an append, about to be filled in: their ids (taken in order), where the
+/// append starts, their fill, and the clocks before them.
+struct NewBlocks<'a> {
+    ids: &'a [u32],
+    start: u32,
+    fill: u32,
+    step: u32,
+    clock: u64,
+}
+
+impl NewBlocks<'_> {
+    /// Gives each `NO_SLOT` of `out.blocks` (hash `hashes[k]`) the next new id, indexes it
+    /// and writes its row, touched at the next tick of the access clock. With `read`, then
+    /// reads every appended block in order, as `record_reads` of them would (a new block is
+    /// written as read once), counting reads with `counts` (see [`DecayTable::if_counted`]).
+    /// Returns the access clock after it all.
+    #[inline(never)] // a call boundary: its &mut arguments do not alias
+    fn fill_in(
+        &self,
+        rows: &mut [BlockRow],
+        index: &mut PrefixIndex,
+        out: &mut Appended,
+        hashes: &[u64],
+        read: bool,
+        counts: Option<&DecayTable>,
+    ) -> u64 {
+        let mut ids = self.ids.iter();
+        let mut table = index.table(self.ids.len());
+        let mut tick = self.clock;
+        // The reads come after every allocation, in block order: the access clock reads
+        // `reads_from + k + 1` at block `k`, as a separate `record_reads` would leave it.
+        let reads_from = self.clock + self.ids.len() as u64;
+        // A new block that is read has been read once: 0 decayed by nothing, plus one.
+        let new_reads = if read && counts.is_some() { 1.0 } else { 0.0 };
+        // Plain indices over slices of one length: no bounds checks, no iterator adapters.
+        let n = hashes.len();
+        let (blocks, shared) = (&mut out.blocks[..n], &out.shared[..n]);
+        for k in 0..n {
+            let read_tick = reads_from + k as u64 + 1;
+            if shared[k] {
+                if read {
+                    // Referenced by this sequence: in no eviction index to refresh.
+                    rows[blocks[k] as usize].read(counts, self.step, read_tick);
+                }
+                continue;
+            }
+            let b = *ids.next().expect("an id for each new block");
+            blocks[k] = b;
+            tick += 1;
+            let new = BlockRow {
+                position: self.start + k as u32,
+                fill: self.fill,
+                hash: hashes[k],
+                indexed: table.insert(hashes[k], b),
+                reads: new_reads,
+                ..BlockRow::default()
+            };
+            rows[b as usize].renew(new, self.step, if read { read_tick } else { tick });
+        }
+        if read {
+            reads_from + hashes.len() as u64
+        } else {
+            tick
+        }
+    }
+}
+
+/// Pops the `k` lowest-ranked blocks of pool `pool`'s eviction queue onto `out`, then takes
+/// each out of the eviction index and the prefix index: what `Core::detach` does, less the
+/// eviction-index count and the counters, which the caller updates once for all `k`; it checked
+/// that there are `k`.
+#[inline(never)] // a call boundary: its &mut arguments do not alias
+fn pop_evictable(
+    queue: &mut EvictionQueue,
+    rows: &mut [BlockRow],
+    index: &mut PrefixIndex,
+    ranking: Ranking<'_>,
+    pool: usize,
+    k: u64,
+    out: &mut Vec<u32>,
+) {
+    let first = out.len();
+    let popped = with_policy_key!(ranking, |key| queue.pop_valid_into(
+        k,
+        |t| Core::entry_valid(rows, pool, t),
+        |b| key(b as usize, &rows[b as usize]),
+        out,
+    ));
+    assert_eq!(popped, k, "room was checked before evicting");
+    let mut table = index.table(0);
+    for &b in &out[first..] {
+        let row = &mut rows[b as usize];
+        debug_assert!(row.is_evictable());
+        row.evictable_in = NOT_EVICTABLE;
+        row.leave_prefix_index(&mut table, b);
+    }
+}
+
+/// Drops one reference to each of `blocks`. A block that nothing references any more joins its
+/// pool's eviction index if it is cached (indexed) and evictable; one that is not indexed goes
+/// to `orphans`, for the caller to release unless something else holds it (a pin, a move).
+#[inline(never)] // a call boundary: its &mut arguments do not alias
+fn drop_refs(
+    rows: &mut [BlockRow],
+    queues: &mut [Evictable],
+    ranking: Ranking<'_>,
+    pools: PoolMap,
+    blocks: &[u32],
+    orphans: &mut Vec<u32>,
+) {
+    let Some(&first) = blocks.first() else {
+        return;
+    };
+    // A sequence's blocks are mostly in one pool, the first block's: its queue takes them
+    // through one pusher; blocks of other pools are queued one by one after.
+    let home = rows[first as usize].loc;
+    let p0 = pools.of(home.tier, home.level);
+    let mut elsewhere = Vec::new();
+    let queued = queues[p0].queue.len();
+    with_policy_key!(ranking, |key| {
+        let mut pusher = queues[p0].queue.pusher(blocks.len());
+        for &b in blocks {
+            let row = &mut rows[b as usize];
+            row.refcount -= 1;
+            if row.refcount != 0 {
+                continue; // still referenced: it was not evictable and is not now
+            }
+            if !row.indexed {
+                orphans.push(b);
+                continue;
+            }
+            if !row.is_evictable() {
+                continue;
+            }
+            if (row.loc.tier, row.loc.level) != (home.tier, home.level) {
+                elsewhere.push(b);
+                continue;
+            }
+            let k = key(b as usize, row);
+            row.version = row.version.wrapping_add(1);
+            row.evictable_in = p0 as u32;
+            pusher.push(
+                k,
+                Ticket {
+                    block: b,
+                    version: row.version,
+                },
+            );
+        }
+    });
+    let pushed = queues[p0].queue.len() - queued;
+    queues[p0].pushed(rows, p0, pushed as u64);
+    for b in elsewhere {
+        enqueue_if_evictable(rows, queues, |b, row| ranking.key(b, row), pools, b);
     }
 }
 

@@ -13,7 +13,7 @@ use crate::core::Key;
 
 /// A queued block: its id and the version its entry was made at. The entry stands for the
 /// block while the block's version still matches; then its key is the block's current key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct Ticket {
     pub block: u32,
     pub version: u32,
@@ -29,7 +29,7 @@ pub(crate) struct Entry {
 /// An entry of the in-order run: its ticket alone (8 bytes, not 32), since a valid entry's key
 /// is its block's key, computed again where one is needed. Debug builds keep the key too, to
 /// check exactly that.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct RunEntry {
     ticket: Ticket,
     #[cfg(debug_assertions)]
@@ -65,16 +65,6 @@ impl Ring {
     }
 
     #[inline(always)]
-    fn push(&mut self, e: RunEntry) {
-        if self.len == self.buf.len() {
-            self.grow(e);
-        }
-        let tail = self.at(self.len);
-        self.buf[tail] = e;
-        self.len += 1;
-    }
-
-    #[inline(always)]
     fn pop_front(&mut self) -> Option<RunEntry> {
         let e = *self.front()?;
         self.head = self.at(1);
@@ -82,16 +72,53 @@ impl Ring {
         Some(e)
     }
 
-    /// Doubles the ring, its entries unwrapped to the start; `fill` pads the free part.
+    /// Makes room for `n` more entries: at least doubles the ring, its entries unwrapped to
+    /// the start.
+    #[inline(always)]
+    fn reserve(&mut self, n: usize) {
+        if self.len + n > self.buf.len() {
+            self.grow(n);
+        }
+    }
+
     #[cold]
     #[inline(never)]
-    fn grow(&mut self, fill: RunEntry) {
-        let size = (2 * self.buf.len()).max(16);
+    fn grow(&mut self, n: usize) {
+        let size = (self.len + n)
+            .next_power_of_two()
+            .max(2 * self.buf.len())
+            .max(16);
         let mut buf = Vec::with_capacity(size);
         buf.extend((0..self.len).map(|k| self.buf[self.at(k)]));
-        buf.resize(size, fill);
+        buf.resize(size, RunEntry::default());
         self.buf = buf;
         self.head = 0;
+    }
+
+    /// Pops entries from the front until `n` valid ones are out (or the ring is empty),
+    /// writing their blocks to `out` from its start; returns how many it wrote. The ring's
+    /// state stays in locals throughout (writes to `out` cannot move it).
+    #[inline(always)]
+    fn pop_valid_into(
+        &mut self,
+        n: usize,
+        valid: impl Fn(&Ticket) -> bool,
+        out: &mut [u32],
+    ) -> usize {
+        let (mask, mut head, mut len) = (self.buf.len().wrapping_sub(1), self.head, self.len);
+        let buf = &self.buf[..];
+        let mut popped = 0;
+        while popped < n && len > 0 {
+            let e = buf[head];
+            head = (head + 1) & mask;
+            len -= 1;
+            if valid(&e.ticket) {
+                out[popped] = e.ticket.block;
+                popped += 1;
+            }
+        }
+        (self.head, self.len) = (head, len);
+        popped
     }
 
     fn retain(&mut self, keep: impl Fn(&Ticket) -> bool) {
@@ -115,16 +142,24 @@ impl EvictionQueue {
     /// clock, which no two blocks share), else in the spill heap.
     #[inline(always)]
     pub fn push(&mut self, key: Key, ticket: Ticket) {
-        if self.run.len > 0 && key < self.last {
-            self.spill.push(Reverse(Entry { key, ticket }));
-            return;
+        self.pusher(1).push(key, ticket);
+    }
+
+    /// A [`Pusher`] for up to `n` entries.
+    #[inline(always)]
+    pub fn pusher(&mut self, n: usize) -> Pusher<'_> {
+        self.run.reserve(n);
+        let Ring { buf, head, len } = &mut self.run;
+        Pusher {
+            mask: buf.len() - 1,
+            head: *head,
+            len: *len,
+            last: self.last,
+            buf,
+            run_len: len,
+            run_last: &mut self.last,
+            spill: &mut self.spill,
         }
-        self.last = key;
-        self.run.push(RunEntry {
-            ticket,
-            #[cfg(debug_assertions)]
-            key,
-        });
     }
 
     pub fn len(&self) -> usize {
@@ -193,9 +228,83 @@ impl EvictionQueue {
         Some(top.ticket)
     }
 
+    /// Pops the blocks of the `n` lowest valid entries onto `out`, lowest first (fewer when
+    /// the queue runs out), dropping stale entries on the way; returns how many it popped.
+    /// `key_of` as for [`EvictionQueue::peek_valid`].
+    #[inline]
+    pub fn pop_valid_into(
+        &mut self,
+        n: u64,
+        valid: impl Fn(&Ticket) -> bool,
+        key_of: impl Fn(u32) -> Key,
+        out: &mut Vec<u32>,
+    ) -> u64 {
+        let first = out.len();
+        if self.spill.is_empty() {
+            // Entries arrived in order (the usual case): the run alone holds the minimum, and
+            // popping adds nothing to the spill heap.
+            out.resize(first + n as usize, 0);
+            let popped = self
+                .run
+                .pop_valid_into(n as usize, valid, &mut out[first..]);
+            out.truncate(first + popped);
+            return popped as u64;
+        }
+        while ((out.len() - first) as u64) < n {
+            let Some(t) = self.pop_valid(&valid, &key_of) else {
+                break;
+            };
+            out.push(t.block);
+        }
+        (out.len() - first) as u64
+    }
+
     pub fn retain(&mut self, valid: impl Fn(&Ticket) -> bool) {
         self.run.retain(&valid);
         self.spill.retain(|Reverse(e)| valid(&e.ticket));
+    }
+}
+
+/// In-order pushes into one queue, the ring's position, length and newest key held in locals
+/// (written back when it is dropped), so that a loop of pushes does not reload them after
+/// every write into the ring. Made by [`EvictionQueue::pusher`] with room for its pushes.
+pub(crate) struct Pusher<'a> {
+    buf: &'a mut [RunEntry],
+    mask: usize,
+    head: usize,
+    len: usize,
+    last: Key,
+    run_len: &'a mut usize,
+    run_last: &'a mut Key,
+    spill: &'a mut BinaryHeap<Reverse<Entry>>,
+}
+
+impl Pusher<'_> {
+    /// [`EvictionQueue::push`]; at most as many pushes as the pusher was made for.
+    #[inline(always)]
+    pub fn push(&mut self, key: Key, ticket: Ticket) {
+        if self.len > 0 && key < self.last {
+            self.spill.push(Reverse(Entry { key, ticket }));
+            return;
+        }
+        self.last = key;
+        self.buf[(self.head + self.len) & self.mask] = RunEntry {
+            ticket,
+            #[cfg(debug_assertions)]
+            key,
+        };
+        self.len += 1;
+    }
+}
+
+impl Drop for Pusher<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        debug_assert!(
+            self.len <= self.buf.len(),
+            "more pushes than the pusher was made for"
+        );
+        (*self.run_len, *self.run_last) = (self.len, self.last);
     }
 }
 

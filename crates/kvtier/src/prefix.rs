@@ -82,86 +82,54 @@ impl PrefixIndex {
         }
     }
 
-    #[inline]
-    fn home(&self, hash: u64) -> usize {
-        (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
-    }
-
-    #[inline]
-    fn next(&self, i: usize) -> usize {
-        (i + 1) & (self.slots.len() - 1)
-    }
-
-    /// The slot holding `hash`, or the empty slot where it would go, and its position.
-    #[inline]
-    fn find(&self, hash: u64) -> (usize, Slot) {
-        let mut i = self.home(hash);
-        loop {
-            let s = self.slots[i];
-            if s.block == EMPTY || s.hash == hash {
-                return (i, s);
-            }
-            i = self.next(i);
+    /// The table for a run of operations with room for `n` more hashes (it grows first if
+    /// need be). Its shape and count are then locals: a loop that writes slots does not load
+    /// them again from the index after every write, as it would through `&mut self`.
+    #[inline(always)]
+    pub fn table(&mut self, n: usize) -> Table<'_> {
+        if 2 * (self.len + n) > self.slots.len() {
+            self.grow(self.len + n);
+        }
+        Table {
+            mask: self.slots.len() - 1,
+            shift: self.shift,
+            len: self.len,
+            slots: &mut self.slots,
+            len_out: &mut self.len,
         }
     }
 
     #[inline]
     pub fn get(&self, hash: u64) -> Option<u32> {
-        let (_, s) = self.find(hash);
+        let (mask, shift) = (self.slots.len() - 1, self.shift);
+        let (_, s) = find(&self.slots, mask, shift, hash);
         (s.block != EMPTY).then_some(s.block)
     }
 
     /// Registers `block` under `hash` unless the hash is taken; returns whether it was.
-    #[inline]
+    #[inline(always)]
     pub fn insert(&mut self, hash: u64, block: u32) -> bool {
-        assert!(block != EMPTY, "block id {block} is reserved");
-        if 2 * (self.len + 1) > self.slots.len() {
-            self.grow();
-        }
-        let (i, s) = self.find(hash);
-        if s.block != EMPTY {
-            return false;
-        }
-        self.slots[i] = Slot { hash, block };
-        self.len += 1;
-        true
-    }
-
-    fn grow(&mut self) {
-        let doubled = vec![EMPTY_SLOT; 2 * self.slots.len()];
-        let old = std::mem::replace(&mut self.slots, doubled);
-        self.shift -= 1;
-        for s in old.into_iter().filter(|s| s.block != EMPTY) {
-            let (i, _) = self.find(s.hash);
-            self.slots[i] = s;
-        }
+        self.table(1).insert(hash, block)
     }
 
     /// Removes `hash` if it maps to `block`.
     #[inline(always)]
     pub fn remove(&mut self, hash: u64, block: u32) {
-        let (mut hole, s) = self.find(hash);
-        if s.block != block || block == EMPTY {
-            return;
+        self.table(0).remove(hash, block);
+    }
+
+    /// Doubles the slots until `n` hashes take at most half of them.
+    #[cold]
+    #[inline(never)]
+    fn grow(&mut self, n: usize) {
+        let size = (2 * n).next_power_of_two().max(2 * self.slots.len());
+        let old = std::mem::replace(&mut self.slots, vec![EMPTY_SLOT; size]);
+        self.shift = 64 - size.trailing_zeros();
+        let (mask, shift) = (size - 1, self.shift);
+        for s in old.into_iter().filter(|s| s.block != EMPTY) {
+            let (i, _) = find(&self.slots, mask, shift, s.hash);
+            self.slots[i] = s;
         }
-        self.len -= 1;
-        // Backward shift: move each later entry of the run into the hole unless its home lies
-        // cyclically after the hole (it would then sit before its home, where no probe looks).
-        let mut i = hole;
-        loop {
-            i = self.next(i);
-            let s = self.slots[i];
-            if s.block == EMPTY {
-                break;
-            }
-            let home = self.home(s.hash);
-            let mask = self.slots.len() - 1;
-            if (i.wrapping_sub(home) & mask) >= (i.wrapping_sub(hole) & mask) {
-                self.slots[hole] = s;
-                hole = i;
-            }
-        }
-        self.slots[hole] = EMPTY_SLOT;
     }
 
     /// Number of leading hashes present, and their blocks.
@@ -175,5 +143,83 @@ impl PrefixIndex {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+}
+/// The slot a hash probes first: the top bits of its Fibonacci product.
+#[inline(always)]
+fn home(shift: u32, hash: u64) -> usize {
+    (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize
+}
+
+/// The slot holding `hash`, or the empty slot where it would go, and its position.
+#[inline(always)]
+fn find(slots: &[Slot], mask: usize, shift: u32, hash: u64) -> (usize, Slot) {
+    let mut i = home(shift, hash);
+    loop {
+        let s = slots[i];
+        if s.block == EMPTY || s.hash == hash {
+            return (i, s);
+        }
+        i = (i + 1) & mask;
+    }
+}
+
+/// The index's slots with their shape and count in locals, for a run of operations: made by
+/// [`PrefixIndex::table`] with room for the inserts it will take; the count goes back to the
+/// index when it is dropped.
+pub struct Table<'a> {
+    slots: &'a mut [Slot],
+    mask: usize,
+    shift: u32,
+    len: usize,
+    len_out: &'a mut usize,
+}
+
+impl Table<'_> {
+    /// [`PrefixIndex::insert`]; at most as many new hashes as the table was made for.
+    #[inline(always)]
+    pub fn insert(&mut self, hash: u64, block: u32) -> bool {
+        assert!(block != EMPTY, "block id {block} is reserved");
+        debug_assert!(2 * (self.len + 1) <= self.slots.len(), "no room was made");
+        let (i, s) = find(self.slots, self.mask, self.shift, hash);
+        if s.block != EMPTY {
+            return false;
+        }
+        self.slots[i] = Slot { hash, block };
+        self.len += 1;
+        true
+    }
+
+    /// [`PrefixIndex::remove`].
+    #[inline(always)]
+    pub fn remove(&mut self, hash: u64, block: u32) {
+        let (mut hole, s) = find(self.slots, self.mask, self.shift, hash);
+        if s.block != block || block == EMPTY {
+            return;
+        }
+        self.len -= 1;
+        // Backward shift: move each later entry of the run into the hole unless its home lies
+        // cyclically after the hole (it would then sit before its home, where no probe looks).
+        let mut i = hole;
+        loop {
+            i = (i + 1) & self.mask;
+            let s = self.slots[i];
+            if s.block == EMPTY {
+                break;
+            }
+            let home = home(self.shift, s.hash);
+            if (i.wrapping_sub(home) & self.mask) >= (i.wrapping_sub(hole) & self.mask) {
+                self.slots[hole] = s;
+                hole = i;
+            }
+        }
+        self.slots[hole] = EMPTY_SLOT;
+    }
+}
+
+impl Drop for Table<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        *self.len_out = self.len;
     }
 }

@@ -813,10 +813,7 @@ impl Core {
                 MoveKind::Drop => {
                     self.give_slot(m.src);
                     self.blocks.rows[i].loc = m.dst.expect("a drop has a destination level");
-                    if self.blocks.rows[i].indexed {
-                        self.index.remove(self.blocks.rows[i].hash, b);
-                        self.blocks.rows[i].indexed = false;
-                    }
+                    self.blocks.rows[i].leave_prefix_index(&mut self.index.table(0), b);
                     self.counters.drops += 1;
                 }
                 MoveKind::Demote | MoveKind::Offload | MoveKind::Fetch => {

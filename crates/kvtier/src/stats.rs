@@ -52,6 +52,12 @@ impl DecayTable {
         }
     }
 
+    /// This table where `policy` ranks by decayed read counts (so they are kept), else `None`.
+    #[inline(always)]
+    pub fn if_counted(&self, policy: crate::PolicyKind) -> Option<&DecayTable> {
+        policy.ranks_by_reads().then_some(self)
+    }
+
     #[inline]
     pub fn pow(&self, k: u32) -> f32 {
         match self.table.get(k as usize) {
