@@ -1145,9 +1145,12 @@ impl Core {
             }
             return Err(e);
         }
-        // The new blocks' ids, in the order `new_device_block` takes them, then the fill-in.
+        // The new blocks' ids, in the order `new_device_id` gives them (the last evicted
+        // first, then fresh ones), then the fill-in.
         let mut ids = std::mem::take(&mut self.new_ids);
-        ids.extend((0..missing).map(|_| self.new_device_id()));
+        let reused = self.recycled.len().min(missing as usize);
+        ids.extend(self.recycled.drain(self.recycled.len() - reused..).rev());
+        ids.extend((reused..missing as usize).map(|_| self.new_device_id()));
         self.release_recycled();
         let fresh = NewBlocks {
             ids: &ids,
