@@ -36,23 +36,32 @@ pub fn bytes_array<'py>(
     obj: &Bound<'py, PyAny>,
     name: &str,
 ) -> PyResult<PyReadonlyArray1<'py, u8>> {
+    // A view that is not contiguous is refused by `wrap_bytes` and copied by `array`.
+    match wrap_bytes(obj) {
+        Some(a) => Ok(a),
+        None => array::<u8>(obj, name, "uint8"),
+    }
+}
+
+/// The bytes of a `bytes`, `bytearray` or C-contiguous `memoryview` (of any format) as a
+/// uint8 array, without a copy; None for anything else.
+pub fn wrap_bytes<'py>(obj: &Bound<'py, PyAny>) -> Option<PyReadonlyArray1<'py, u8>> {
     let bytes_like = obj.is_instance_of::<PyMemoryView>()
         || obj.is_instance_of::<PyBytes>()
         || obj.is_instance_of::<PyByteArray>();
-    if bytes_like {
-        let py = obj.py();
-        // A new reference, which `PyArray_FromBuffer` takes over.
-        let descr = numpy::dtype::<u8>(py).into_dtype_ptr();
-        // SAFETY: `obj` is alive, `descr` is consumed by the call, and the result is a new
-        // reference or null with an exception set, as `from_owned_ptr_or_err` expects.
-        let wrapped = unsafe {
-            let raw = PY_ARRAY_API.PyArray_FromBuffer(py, obj.as_ptr(), descr, -1, 0);
-            Bound::from_owned_ptr_or_err(py, raw)
-        };
-        // A view that is not contiguous is refused here and copied by `array`.
-        if let Ok(a) = wrapped.and_then(|w| w.extract::<PyReadonlyArray1<'py, u8>>()) {
-            return Ok(a);
-        }
+    if !bytes_like {
+        return None;
     }
-    array::<u8>(obj, name, "uint8")
+    let py = obj.py();
+    // A new reference, which `PyArray_FromBuffer` takes over.
+    let descr = numpy::dtype::<u8>(py).into_dtype_ptr();
+    // SAFETY: `obj` is alive, `descr` is consumed by the call, and the result is a new
+    // reference or null with an exception set, as `from_owned_ptr_or_err` expects.
+    let wrapped = unsafe {
+        let raw = PY_ARRAY_API.PyArray_FromBuffer(py, obj.as_ptr(), descr, -1, 0);
+        Bound::from_owned_ptr_or_err(py, raw)
+    };
+    wrapped
+        .and_then(|w| w.extract::<PyReadonlyArray1<'py, u8>>())
+        .ok()
 }

@@ -6,10 +6,12 @@ mod checksum;
 mod core;
 mod errors;
 mod files;
+mod host;
 mod plan;
 mod sealed;
 mod sim;
 mod store_index;
+mod store_stats;
 
 use pyo3::prelude::*;
 
@@ -59,6 +61,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sim::PySimulator>()?;
     m.add_class::<store_index::PyStoreIndex>()?;
     m.add_class::<checksum::PyStreamingChecksum>()?;
+    m.add_class::<store_stats::PyStoreStats>()?;
+    m.add_class::<host::PyHostValues>()?;
+    m.add_class::<host::PyHeaderSpec>()?;
     m.add_function(wrap_pyfunction!(prefix_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(namespace_seed, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;

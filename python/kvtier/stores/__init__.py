@@ -5,7 +5,8 @@ buffer a prefill process hands KV to a decode process through.
 ``redis-py`` is imported only when a :class:`RedisStore` is made (``pip install 'kvtier[redis]'``).
 """
 
-from .base import KVStore, StoreClosedError, StoreStats
+from .._core import StoreStats
+from .base import KVStore, StoreClosedError
 from .buffer import KVStoreBuffer, LookupBuffer
 from .disk import DiskStore
 from .format import FORMAT_VERSION, Namespace

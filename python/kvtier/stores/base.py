@@ -13,10 +13,9 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any
 
-from .._core import StoreIndex
+from .._core import StoreIndex, StoreStats
 from ..errors import InvalidArgumentError, KvtierError, PayloadError
 from .format import Namespace, Sealed, payload_view, unseal
 
@@ -36,28 +35,6 @@ class StoreClosedError(KvtierError):
     """The store was closed; open a new one."""
 
 
-@dataclass
-class StoreStats:
-    """What a store did since it was opened (all namespaces of its backend together)."""
-
-    puts: int = 0
-    put_bytes: int = 0
-    #: puts refused or failed: over budget, disk full, server unreachable
-    put_failures: int = 0
-    hits: int = 0
-    hit_bytes: int = 0
-    misses: int = 0
-    #: values that failed a check (truncated, bit-flipped, foreign); each also counts as a miss
-    corrupt: int = 0
-    #: backend errors (I/O, connection); gets that hit one also count as misses
-    errors: int = 0
-    evictions: int = 0
-    deletes: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
 class KVStore(ABC):
     """``put/get/contains/delete/pop`` of byte values under keys of one namespace, and their
     batch forms (the normal path). A miss is ``None``; a value that fails any check is a miss."""
@@ -74,15 +51,15 @@ class KVStore(ABC):
                 f"namespace: expected a kvtier.stores.Namespace, got {type(namespace).__name__}"
             )
         self.namespace = namespace
+        #: what the store did (all namespaces of its backend together), counted without a lock
         self.stats = StoreStats()
-        self._stats_lock = threading.Lock()
         self._closed = [False]  # shared by every namespace view of this backend
 
     def with_namespace(self, namespace: Namespace) -> KVStore:
         """The same backend seen through another namespace."""
         view = copy.copy(self)
         KVStore.__init__(view, namespace)
-        view.stats, view._stats_lock, view._closed = self.stats, self._stats_lock, self._closed
+        view.stats, view._closed = self.stats, self._closed
         return view
 
     # -- the public API -------------------------------------------------------------------------
@@ -108,10 +85,7 @@ class KVStore(ABC):
         payloads = [payload_view(v) for v in values]
         done = self._put(full, [seal(k, p) for k, p in zip(full, payloads, strict=True)])
         stored = [len(p) for p, d in zip(payloads, done, strict=True) if d]
-        with self._stats_lock:
-            self.stats.puts += len(stored)
-            self.stats.put_bytes += sum(stored)
-            self.stats.put_failures += len(done) - len(stored)
+        self.stats.count_puts(len(stored), sum(stored), len(done) - len(stored))
         return done
 
     def get_many(self, keys: Sequence[str | int]) -> list[memoryview | None]:
@@ -138,8 +112,7 @@ class KVStore(ABC):
     def delete_many(self, keys: Sequence[str | int]) -> list[bool]:
         self._check_open()
         done = self._delete([self.namespace.key(k) for k in keys])
-        with self._stats_lock:
-            self.stats.deletes += sum(done)
+        self.stats.count_deletes(sum(done))
         return done
 
     def set_scores(self, keys: Sequence[str | int], scores: Sequence[float]) -> None:
@@ -185,14 +158,18 @@ class KVStore(ABC):
         return self.kind
 
     # -- for subclasses -------------------------------------------------------------------------
+    # A store implements the methods that raise NotImplementedError here (the public methods
+    # above call them), or overrides the public methods themselves, as the host store does to
+    # make each call one call into the extension.
 
     def _seal(self, key: str, payload: memoryview) -> StoredForm:
         """The value to store, sealed as it is written (a store that keeps or sends one buffer
         overrides this with ``format.seal_joined``)."""
         return Sealed(self.namespace, key, payload)
 
-    @abstractmethod
-    def _put(self, keys: list[str], values: list[StoredForm]) -> list[bool]: ...
+    def _put(self, keys: list[str], values: list[StoredForm]) -> list[bool]:
+        """Stores the sealed values under full keys; which were stored."""
+        raise NotImplementedError
 
     def _rank(self, keys: list[str], scores: list[float]) -> None:  # noqa: B027 (optional)
         """Scores of full keys for a store whose policy ranks by them; others ignore them."""
@@ -216,11 +193,12 @@ class KVStore(ABC):
         """:meth:`_get_checked` of one value taken out."""
         return self._unseal(key, self._pop(key))
 
-    @abstractmethod
-    def _contains(self, key: str) -> bool: ...
+    def _contains(self, key: str) -> bool:
+        raise NotImplementedError
 
-    @abstractmethod
-    def _delete(self, keys: list[str]) -> list[bool]: ...
+    def _delete(self, keys: list[str]) -> list[bool]:
+        """Deletes full keys; which held a value."""
+        raise NotImplementedError
 
     @abstractmethod
     def _scan(self, prefix: str) -> Iterable[str]: ...
@@ -228,18 +206,16 @@ class KVStore(ABC):
     @abstractmethod
     def _close(self) -> None: ...
 
-    @abstractmethod
     def _discard_corrupt(self, key: str) -> None:
         """Called for a value that failed its checks: the store removes it."""
+        raise NotImplementedError
 
     def _error(self, what: str, exc: BaseException) -> None:
-        with self._stats_lock:
-            self.stats.errors += 1
+        self.stats.count_errors()
         log.warning("%s: %s failed: %s", self.describe(), what, exc)
 
     def _evicted(self, n: int = 1) -> None:
-        with self._stats_lock:
-            self.stats.evictions += n
+        self.stats.count_evictions(n)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -270,11 +246,7 @@ class KVStore(ABC):
                 hits += 1
                 hit_bytes += len(payload)
             out.append(payload)
-        with self._stats_lock:
-            self.stats.hits += hits
-            self.stats.hit_bytes += hit_bytes
-            self.stats.misses += len(keys) - hits
-            self.stats.corrupt += corrupt
+        self.stats.count_gets(hits, hit_bytes, len(keys) - hits, corrupt)
         return out
 
 

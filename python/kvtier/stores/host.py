@@ -4,13 +4,14 @@ device copy from them runs as DMA, else plain bytes."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from .base import BudgetedStore, StoredForm
-from .format import Namespace, seal_joined
+from .._core import HeaderSpec, HostValues
+from .base import BudgetedStore, log
+from .format import Namespace
 
 
 def _cuda_in_use() -> bool:
@@ -24,11 +25,14 @@ class HostStore(BudgetedStore):
     larger than the whole budget is refused). Thread-safe.
 
     ``pin``: keep values in pinned memory (default: when torch is imported and sees CUDA).
+
+    A put or a get is one call into the extension (``_core.HostValues``): the key, the header,
+    the copy, the index and the counters in Rust, so a call costs about a microsecond beside its
+    copy. Values are private buffers of this process, handed out read-only: the header is
+    checked on every get (namespace, key, codec, shape); no checksum is computed or verified.
     """
 
     kind = "host"
-    # Values are private buffers of this process, handed out read-only: the header is still
-    # checked on every get (namespace, key, codec, shape); no checksum is computed or verified.
     checksummed = False
 
     def __init__(
@@ -41,7 +45,15 @@ class HostStore(BudgetedStore):
     ) -> None:
         super().__init__(namespace, budget, policy)
         self.pin = _cuda_in_use() if pin is None else bool(pin)
-        self._values: dict[str, Any] = {}
+        self._alloc = self._pinned if self.pin else None
+        self._values = HostValues(self._index, self.stats)
+        self._spec = HeaderSpec(namespace)
+
+    def with_namespace(self, namespace: Namespace) -> HostStore:
+        view = super().with_namespace(namespace)
+        assert isinstance(view, HostStore)
+        view._spec = HeaderSpec(namespace)
+        return view
 
     def describe(self) -> str:
         pinned = ", pinned" if self.pin else ""
@@ -53,56 +65,43 @@ class HostStore(BudgetedStore):
 
         return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
 
-    def _seal(self, key: str, payload: memoryview) -> StoredForm:
-        # One copy, straight into the buffer the store keeps.
-        alloc = self._pinned if self.pin else None
-        return (seal_joined(self.namespace, key, payload, alloc, checksummed=False),)
+    def _corrupt(self, key: str, reason: str) -> None:
+        log.warning("%s: %s is not served: %s", self.describe(), key, reason)
 
-    def _put(self, keys: list[str], values: list[StoredForm]) -> list[bool]:
-        done = []
-        evicted = 0
-        with self._lock:
-            for key, (buf,) in zip(keys, values, strict=True):
-                victims = self._index.admit(key, len(buf))
-                if victims is None:
-                    done.append(False)  # larger than the whole budget
-                    continue
-                for v in victims:
-                    del self._values[v]
-                evicted += len(victims)
-                self._values[key] = buf
-                done.append(True)
-        if evicted:
-            self._evicted(evicted)
-        return done
+    # -- the public API, each one call ----------------------------------------------------------
 
-    def _get(self, keys: list[str]) -> list[Any]:
-        with self._lock:
-            out = [self._values.get(key) for key in keys]
-            self._index.touch([k for k, v in zip(keys, out, strict=True) if v is not None])
-        return out
+    def put(self, key: str | int, value: Any) -> bool:
+        self._check_open()
+        return bool(self._values.put(self._spec, key, value, self._alloc))
 
-    def _pop(self, key: str) -> Any:
-        with self._lock:
-            self._index.remove(key)
-            return self._values.pop(key, None)
+    def put_many(self, keys: Sequence[str | int], values: Sequence[Any]) -> list[bool]:
+        self._check_open()
+        return self._values.put_many(self._spec, keys, values, self._alloc)
 
-    def _contains(self, key: str) -> bool:
-        with self._lock:
-            return key in self._values
+    def get(self, key: str | int) -> memoryview | None:
+        self._check_open()
+        return self._values.get(self._spec, key, self._corrupt)
 
-    def _delete(self, keys: list[str]) -> list[bool]:
-        return [self._pop(k) is not None for k in keys]
+    def get_many(self, keys: Sequence[str | int]) -> list[memoryview | None]:
+        self._check_open()
+        return self._values.get_many(self._spec, keys, self._corrupt)
 
-    def _discard_corrupt(self, key: str) -> None:
-        self._pop(key)
+    def pop(self, key: str | int) -> memoryview | None:
+        self._check_open()
+        return self._values.pop(self._spec, key, self._corrupt)
+
+    def contains(self, key: str | int) -> bool:
+        self._check_open()
+        return self._values.contains(self._spec, key)
+
+    def delete_many(self, keys: Sequence[str | int]) -> list[bool]:
+        self._check_open()
+        return self._values.delete_many(self._spec, keys)
+
+    # -- the rest of KVStore -------------------------------------------------------------------
 
     def _scan(self, prefix: str) -> Iterable[str]:
-        with self._lock:
-            return [k for k in self._values if k.startswith(prefix)]
+        return self._values.scan(prefix)
 
     def _close(self) -> None:
-        with self._lock:
-            for key in self._values:
-                self._index.remove(key)
-            self._values.clear()
+        self._values.clear()

@@ -123,8 +123,7 @@ class RedisStore(KVStore):
         if first:  # one log line per outage
             self._error(what, exc)
         else:
-            with self._stats_lock:
-                self.stats.errors += 1
+            self.stats.count_errors()
 
     def _run(self, what: str, fill: Any, n: int, default: Any) -> list[Any]:
         """Runs the commands ``fill`` queues on a pipeline; on a server error, ``default`` for
