@@ -104,9 +104,22 @@ def test_bad_input_is_refused_and_changes_nothing(store: KVStore) -> None:
         with pytest.raises(InvalidArgumentError, match=message):
             call()
     assert bytes(store.get(7)) == b"kept" and list(store.keys()) == [f"{7:016x}"]
+    view = store.with_namespace(NS.with_codec("int8", NS.dtype, NS.shape))
     store.close()
-    with pytest.raises(StoreClosedError):
-        store.get(7)
+    calls: list[Any] = [
+        lambda s: s.get(7),
+        lambda s: s.get_many([7]),
+        lambda s: s.pop(7),
+        lambda s: s.put(7, b"x"),
+        lambda s: s.put_many([7], [b"x"]),
+        lambda s: s.contains(7),
+        lambda s: s.delete(7),
+        lambda s: list(s.keys()),
+    ]
+    for closed in (store, view):  # a namespace view shares its backend, closed or not
+        for call in calls:
+            with pytest.raises(StoreClosedError, match="closed"):
+                call(closed)
 
 
 def test_a_namespace_checks_its_fields() -> None:

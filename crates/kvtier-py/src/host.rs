@@ -11,6 +11,7 @@
 //! values' lock is held: another thread holding the GIL could wait on that lock forever.
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -36,10 +37,28 @@ const KEY_TEXT_MAX: usize = 200;
 /// `kvtier.stores.format.payload_view` and `kvtier.errors.InvalidArgumentError`, looked up once.
 static PAYLOAD_VIEW: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static INVALID_ARGUMENT: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static STORE_CLOSED: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 fn invalid_argument(py: Python<'_>, message: String) -> PyErr {
-    match INVALID_ARGUMENT
-        .import(py, "kvtier.errors", "InvalidArgumentError")
+    python_error(
+        &INVALID_ARGUMENT,
+        py,
+        "kvtier.errors",
+        "InvalidArgumentError",
+        message,
+    )
+}
+
+/// An instance of the Python exception class `module.name` (looked up once into `class`).
+fn python_error(
+    class: &PyOnceLock<Py<PyAny>>,
+    py: Python<'_>,
+    module: &str,
+    name: &str,
+    message: String,
+) -> PyErr {
+    match class
+        .import(py, module, name)
         .and_then(|class| class.call1((message,)))
     {
         Ok(instance) => PyErr::from_value(instance),
@@ -80,11 +99,14 @@ impl PyHeaderSpec {
             let ok = (1..=KEY_TEXT_MAX).contains(&text.len())
                 && text.bytes().all(|c| (0x21..=0x7e).contains(&c));
             if ok {
-                return Ok(format!("{}{text}", self.prefix));
+                return Ok(self.prefixed(text.as_bytes()));
             }
         } else if let Ok(int) = key.cast_exact::<PyInt>() {
             if let Ok(hash) = int.extract::<u64>() {
-                return Ok(format!("{}{hash:016x}", self.prefix));
+                const HEX: &[u8; 16] = b"0123456789abcdef";
+                let digits: [u8; 16] =
+                    std::array::from_fn(|i| HEX[(hash >> (60 - 4 * i)) as usize & 15]);
+                return Ok(self.prefixed(&digits));
             }
         }
         // Bad text, a negative or wide int, numpy ints, anything else: the Python rules (and
@@ -93,6 +115,15 @@ impl PyHeaderSpec {
             .bind(key.py())
             .call_method1("key", (key,))?
             .extract()
+    }
+
+    /// The prefix and then `text` (printable ASCII), in one allocation: `format!` costs a
+    /// tenth of a small get.
+    fn prefixed(&self, text: &[u8]) -> String {
+        let mut key = String::with_capacity(self.prefix.len() + text.len());
+        key.push_str(&self.prefix);
+        key.extend(text.iter().map(|&c| c as char));
+        key
     }
 
     /// The header texts of a value stored under `key` (the key's, then the namespace's).
@@ -216,9 +247,26 @@ pub struct PyHostValues {
     index: Py<PyStoreIndex>,
     counts: Arc<StoreCounts>,
     values: Mutex<HashMap<String, Py<PyAny>>>,
+    closed: AtomicBool,
 }
 
 impl PyHostValues {
+    /// Raises `kvtier.stores.StoreClosedError` once the store is closed (checked here, not in
+    /// Python: it is a tenth of a small get).
+    fn check_open(&self, py: Python<'_>) -> PyResult<()> {
+        if !self.closed.load(Relaxed) {
+            return Ok(());
+        }
+        let message = "host store: the store is closed; open a new one".to_owned();
+        Err(python_error(
+            &STORE_CLOSED,
+            py,
+            "kvtier.stores.base",
+            "StoreClosedError",
+            message,
+        ))
+    }
+
     fn values(&self) -> MutexGuard<'_, HashMap<String, Py<PyAny>>> {
         self.values.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -370,6 +418,7 @@ impl PyHostValues {
             index,
             counts: Arc::clone(&stats.counts),
             values: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
         }
     }
 
@@ -385,6 +434,7 @@ impl PyHostValues {
         values: &Bound<'_, PyAny>,
         alloc: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<bool>> {
+        self.check_open(py)?;
         let (n, m) = (keys.len()?, values.len()?);
         if n != m {
             return Err(invalid_argument(
@@ -410,6 +460,7 @@ impl PyHostValues {
         value: &Bound<'_, PyAny>,
         alloc: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
+        self.check_open(py)?;
         let checked = vec![(spec.key(key)?, payload(value)?)];
         Ok(self.store(py, spec, checked, alloc)?[0])
     }
@@ -424,6 +475,7 @@ impl PyHostValues {
         keys: &Bound<'py, PyAny>,
         on_corrupt: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
+        self.check_open(py)?;
         let full = keys
             .try_iter()?
             .map(|k| spec.key(&k?))
@@ -468,6 +520,7 @@ impl PyHostValues {
         key: &Bound<'py, PyAny>,
         on_corrupt: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        self.check_open(py)?;
         let full = spec.key(key)?;
         let value = self.values().get(&full).map(|v| v.bind(py).clone());
         if value.is_some() {
@@ -484,6 +537,7 @@ impl PyHostValues {
         key: &Bound<'py, PyAny>,
         on_corrupt: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        self.check_open(py)?;
         let full = spec.key(key)?;
         let value = self.values().remove(&full).map(|v| v.into_bound(py));
         self.index.get().lock().remove(&full);
@@ -492,12 +546,14 @@ impl PyHostValues {
 
     /// Whether a value is stored under `key` of `spec`'s namespace.
     fn contains(&self, spec: &PyHeaderSpec, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.check_open(key.py())?;
         let full = spec.key(key)?;
         Ok(self.values().contains_key(&full))
     }
 
     /// Deletes the values under `keys`; returns which there were.
     fn delete_many(&self, spec: &PyHeaderSpec, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        self.check_open(keys.py())?;
         let full = keys
             .try_iter()?
             .map(|k| spec.key(&k?))
@@ -519,16 +575,20 @@ impl PyHostValues {
     }
 
     /// The stored keys that start with `prefix`.
-    fn scan(&self, prefix: &str) -> Vec<String> {
-        self.values()
+    fn scan(&self, py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
+        self.check_open(py)?;
+        Ok(self
+            .values()
             .keys()
             .filter(|k| k.starts_with(prefix))
             .cloned()
-            .collect()
+            .collect())
     }
 
-    /// Drops every value (the store is closed).
-    fn clear(&self) {
+    /// Closes the store: every call after this raises `StoreClosedError`, and every value is
+    /// dropped.
+    fn close(&self) {
+        self.closed.store(true, Relaxed);
         let values = std::mem::take(&mut *self.values());
         let mut index = self.index.get().lock();
         for key in values.keys() {

@@ -71,31 +71,24 @@ class HostStore(BudgetedStore):
     # -- the public API, each one call ----------------------------------------------------------
 
     def put(self, key: str | int, value: Any) -> bool:
-        self._check_open()
         return bool(self._values.put(self._spec, key, value, self._alloc))
 
     def put_many(self, keys: Sequence[str | int], values: Sequence[Any]) -> list[bool]:
-        self._check_open()
         return self._values.put_many(self._spec, keys, values, self._alloc)
 
     def get(self, key: str | int) -> memoryview | None:
-        self._check_open()
         return self._values.get(self._spec, key, self._corrupt)
 
     def get_many(self, keys: Sequence[str | int]) -> list[memoryview | None]:
-        self._check_open()
         return self._values.get_many(self._spec, keys, self._corrupt)
 
     def pop(self, key: str | int) -> memoryview | None:
-        self._check_open()
         return self._values.pop(self._spec, key, self._corrupt)
 
     def contains(self, key: str | int) -> bool:
-        self._check_open()
         return self._values.contains(self._spec, key)
 
     def delete_many(self, keys: Sequence[str | int]) -> list[bool]:
-        self._check_open()
         return self._values.delete_many(self._spec, keys)
 
     # -- the rest of KVStore -------------------------------------------------------------------
@@ -104,4 +97,4 @@ class HostStore(BudgetedStore):
         return self._values.scan(prefix)
 
     def _close(self) -> None:
-        self._values.clear()
+        self._values.close()
