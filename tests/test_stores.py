@@ -591,6 +591,30 @@ def test_host_budget_evicts_least_recently_used() -> None:
     assert not store.put(4, payload(3 * one)) and store.contains(1)
 
 
+def test_host_views_are_read_only_and_outlive_what_they_were_got_from() -> None:
+    """A host get hands out a view of the stored bytes themselves (no copy): it cannot write
+    them, and it stays whole after the value is replaced, evicted, deleted, or the store closed.
+    Payloads of any contiguous buffer type are stored as their bytes."""
+    one = len(sealed(data=payload(1000)))
+    store = HostStore(NS, 2 * one)
+    floats = np.arange(250, dtype=np.float32)
+    store.put_many([1, 2], [floats, memoryview(floats)])
+    views = [store.get(1), store.get(2)]
+    assert all(v is not None and v.readonly for v in views)
+    with pytest.raises(TypeError):
+        views[0][0] = 1  # type: ignore[index]
+    with pytest.raises((BufferError, ValueError)):
+        np.frombuffer(views[0], np.uint8)[0] = 1  # read-only: numpy refuses the write
+    store.put(1, payload(1000))  # replaces 1
+    store.put(3, payload(1000))  # evicts 2
+    assert not store.contains(2)
+    store.close()
+    for view in views:
+        assert view is not None and bytes(view) == floats.tobytes()
+    with pytest.raises(InvalidArgumentError, match="contiguous"):
+        HostStore(NS, one).put(1, np.arange(8, dtype=np.uint8)[::2])
+
+
 def _budgeted(kind: str, tmp_path: Path, budget: int, policy: str) -> KVStore:
     if kind == "host":
         return HostStore(NS, budget, policy=policy)
@@ -820,9 +844,12 @@ def test_redis_cluster_over_tls_and_a_refused_client_misses() -> None:
 def test_host_store_pins_its_buffers(torch_cuda: Any) -> None:
     store = HostStore(NS, 1 << 20)
     assert store.pin
-    store.put(1, payload(4096))
-    blob = store._get([NS.key(1)])[0]
-    tensor = torch_cuda.frombuffer(blob, dtype=torch_cuda.uint8)
+    value = payload(4096)
+    store.put(1, value)
+    got = store.get(1)
+    assert got is not None and bytes(got) == value
+    # The view a get hands out points into the pinned buffer the value was sealed into.
+    tensor = torch_cuda.frombuffer(got, dtype=torch_cuda.uint8)
     assert tensor.is_pinned()
 
 

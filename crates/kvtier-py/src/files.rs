@@ -266,7 +266,7 @@ fn read_checked(paths: &[String], digest: u64, texts: &[Vec<u8>], threads: usize
         read_one(&paths[i]).map(|(data, hashed)| {
             let want = Expected {
                 digest,
-                texts: &texts[i],
+                texts: &[&texts[i]],
             };
             let span = check(&data, Some(hashed), &want, true);
             (data, span)

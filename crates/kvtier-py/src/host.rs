@@ -1,26 +1,33 @@
 //! `kvtier._core.HostValues`: the values of a host store, so that a put or a get is one call.
 //!
 //! A put turns its keys into stored keys, seals each value (header, payload, a zero checksum:
-//! host values never leave the process) into a new `bytes` (or the caller's pinned buffer) with
-//! one copy, admits it to the store's `StoreIndex` (evicting under its policy) and counts it;
-//! a get checks each value's header against the key and namespace it is read under and hands
-//! out a read-only view of its payload. The layout is `kvtier.stores.format`'s, written here
-//! and checked by `sealed::check`, as for every store.
+//! host values never leave the process) into a `HostValue` with one copy (into memory of its
+//! own, or the caller's pinned buffer), admits it to the store's `StoreIndex` (evicting under
+//! its policy) and counts it; a get checks each value's header against the key and namespace
+//! it is read under and hands out a memoryview of the `HostValue`, whose buffer is exactly its
+//! payload, read-only (one new object a get). The layout is `kvtier.stores.format`'s, written
+//! here and checked by `sealed::check`, as for every store.
+//!
+//! A `HostValues` is one namespace's handle on the values (with the store's callback for a
+//! value that fails its checks), so the store's public methods can be its methods, with no
+//! Python in between; `view` gives another namespace's handle on the same values.
 //!
 //! Nothing that can call into Python (a conversion, an allocation, a release) runs while the
 //! values' lock is held: another thread holding the GIL could wait on that lock forever.
 
-use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use numpy::{PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::PyArrayMethods;
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyInt, PyList, PyMemoryView, PySlice, PyString};
+use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyMemoryView, PyString};
 
-use crate::arrays::{bytes_array, wrap_bytes};
 use crate::sealed::{self, Expected};
 use crate::store_index::PyStoreIndex;
 use crate::store_stats::{PyStoreStats, StoreCounts};
@@ -69,28 +76,23 @@ fn python_error(
 /// What one namespace writes into a value's header and checks on reading it: the prefix of
 /// its stored keys, its digest and its texts after the key (codec, dtype, shape), with the
 /// `kvtier.stores.Namespace` itself for keys of other types than `str` and `int`.
-#[pyclass(name = "HeaderSpec", module = "kvtier._core", frozen)]
-pub struct PyHeaderSpec {
+struct HeaderSpec {
     prefix: String,
     digest: u64,
     texts: Vec<u8>,
     namespace: Py<PyAny>,
 }
 
-#[pymethods]
-impl PyHeaderSpec {
-    #[new]
-    fn new(namespace: Bound<'_, PyAny>) -> PyResult<Self> {
-        Ok(PyHeaderSpec {
+impl HeaderSpec {
+    fn new(namespace: &Bound<'_, PyAny>) -> PyResult<Self> {
+        Ok(HeaderSpec {
             prefix: namespace.getattr("prefix")?.extract()?,
             digest: namespace.getattr("digest")?.extract()?,
             texts: namespace.getattr("packed_texts")?.extract()?,
-            namespace: namespace.unbind(),
+            namespace: namespace.clone().unbind(),
         })
     }
-}
 
-impl PyHeaderSpec {
     /// The stored key of `key`, as `Namespace.key` makes it: a text key of printable ASCII
     /// without spaces, or a 64-bit hash as 16 hex digits; other types go to `Namespace.key`.
     fn key(&self, key: &Bound<'_, PyAny>) -> PyResult<String> {
@@ -126,135 +128,210 @@ impl PyHeaderSpec {
         key
     }
 
-    /// The header texts of a value stored under `key` (the key's, then the namespace's).
-    fn texts(&self, key: &str) -> Vec<u8> {
-        let mut texts = Vec::with_capacity(2 + key.len() + self.texts.len());
-        texts.extend_from_slice(&(key.len() as u16).to_le_bytes());
-        texts.extend_from_slice(key.as_bytes());
-        texts.extend_from_slice(&self.texts);
-        texts
+    /// The header of a value of `length` payload bytes stored under `key`.
+    fn header(&self, key: &str, length: usize) -> Vec<u8> {
+        let size = FIXED + 2 + key.len() + self.texts.len();
+        let mut head = Vec::with_capacity(size);
+        head.extend_from_slice(MAGIC);
+        head.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        head.extend_from_slice(&(size as u16).to_le_bytes());
+        head.extend_from_slice(&(length as u64).to_le_bytes());
+        head.extend_from_slice(&self.digest.to_le_bytes());
+        head.extend_from_slice(&(key.len() as u16).to_le_bytes());
+        head.extend_from_slice(key.as_bytes());
+        head.extend_from_slice(&self.texts);
+        head
+    }
+
+    /// The payload's span in `sealed`, a value read under `key`, once its header checks pass;
+    /// else why they fail.
+    fn check(&self, key: &str, sealed: &[u8]) -> Result<(usize, usize), String> {
+        let key_len = (key.len() as u16).to_le_bytes();
+        let want = Expected {
+            digest: self.digest,
+            texts: &[&key_len, key.as_bytes(), &self.texts],
+        };
+        sealed::check(sealed, None, &want, false)
     }
 }
 
-/// The bytes of a value to store: a `bytes` as it is, a `bytearray`, contiguous `memoryview`
-/// or uint8 array wrapped without a copy, anything else (other dtypes, CPU tensors) through
-/// `format.payload_view`, which also refuses what is not a contiguous buffer.
+/// The bytes of a value to store: a `bytes` as it is; a `bytearray`, `memoryview` or numpy array
+/// through the buffer protocol when it is C-contiguous (its bytes, whatever their format), without
+/// a copy; anything else (CPU tensors, strided views) through `format.payload_view`, which also
+/// refuses what is not a contiguous buffer.
 fn payload<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bytes<'py>> {
     if let Ok(b) = value.cast_exact::<PyBytes>() {
         return Ok(Bytes::Bytes(b.clone()));
     }
-    if let Some(a) = wrap_bytes(value) {
-        return Ok(Bytes::Array(a));
-    }
-    if let Ok(a) = value.extract::<PyReadonlyArray1<'py, u8>>() {
-        if a.is_contiguous() {
-            return Ok(Bytes::Array(a));
+    let buffer_like = value.is_instance_of::<PyMemoryView>()
+        || value.is_instance_of::<PyByteArray>()
+        || value.is_instance_of::<numpy::PyUntypedArray>();
+    if buffer_like {
+        if let Some(buffer) = contiguous_buffer(value) {
+            return Ok(Bytes::Buffer(buffer));
         }
     }
     let view = PAYLOAD_VIEW
         .import(value.py(), "kvtier.stores.format", "payload_view")?
         .call1((value,))?;
-    Ok(Bytes::Array(bytes_array(&view, "value")?))
+    contiguous_buffer(&view)
+        .map(Bytes::Buffer)
+        .ok_or_else(|| invalid_argument(value.py(), "value: expected a contiguous buffer".into()))
 }
 
-/// Bytes held by Python: a `bytes` (stored values and the commonest payload), or a uint8 array
-/// (any other buffer, wrapped; pinned stored values).
+fn contiguous_buffer(value: &Bound<'_, PyAny>) -> Option<PyUntypedBuffer> {
+    PyUntypedBuffer::get(value)
+        .ok()
+        .filter(PyUntypedBuffer::is_c_contiguous)
+}
+
+/// Bytes held by Python: a `bytes` (the commonest payload), or any other buffer, exported.
 enum Bytes<'py> {
     Bytes(Bound<'py, PyBytes>),
-    Array(PyReadonlyArray1<'py, u8>),
+    Buffer(PyUntypedBuffer),
 }
 
 impl Bytes<'_> {
-    fn as_slice(&self) -> PyResult<&[u8]> {
+    fn as_slice(&self) -> &[u8] {
         match self {
-            Bytes::Bytes(b) => Ok(b.as_bytes()),
-            Bytes::Array(a) => Ok(a.as_slice()?),
+            Bytes::Bytes(b) => b.as_bytes(),
+            // SAFETY: a C-contiguous buffer of `len_bytes` bytes at `buf_ptr`, exported (so kept
+            // in place, unresized) until `buffer` is dropped, and read only under the GIL.
+            Bytes::Buffer(buffer) => unsafe {
+                std::slice::from_raw_parts(buffer.buf_ptr().cast::<u8>(), buffer.len_bytes())
+            },
         }
     }
 }
 
-/// A sealed value in a new `bytes`: header, payload and a zero checksum, in one copy.
-fn seal<'py>(
-    py: Python<'py>,
-    spec: &PyHeaderSpec,
-    key: &str,
-    payload: &[u8],
-) -> PyResult<Bound<'py, PyAny>> {
-    let head = FIXED + 2 + key.len() + spec.texts.len();
-    let size = head + payload.len() + SUM;
-    // SAFETY: `PyBytes_FromStringAndSize(NULL, n)` returns a new bytes object of `n`
-    // uninitialised bytes (or NULL with an exception set); nothing else sees it before every
-    // byte is written below, as the C API allows for a bytes object just made.
-    unsafe {
-        let raw = pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), size as isize);
-        let bytes = Bound::from_owned_ptr_or_err(py, raw)?;
-        let out = std::slice::from_raw_parts_mut(
-            pyo3::ffi::PyBytes_AsString(bytes.as_ptr()).cast::<u8>(),
-            size,
-        );
-        write_sealed(out, spec, key, payload, head);
-        Ok(bytes)
+/// A value a host store holds, sealed (header, payload, checksum field). Its buffer is its
+/// payload, read-only: a get hands out `memoryview(value)`.
+#[pyclass(name = "HostValue", module = "kvtier._core", frozen)]
+pub struct HostValue {
+    memory: Memory,
+    /// Where the payload starts: the header's length.
+    head: usize,
+}
+
+/// Where a sealed value lives: memory of its own, or a buffer from the store's `alloc` (pinned
+/// memory), held here, with the address and length of the bytes it was sealed into.
+enum Memory {
+    Own(Box<[u8]>),
+    Given {
+        _buffer: Py<PyAny>,
+        addr: usize,
+        len: usize,
+    },
+}
+
+impl HostValue {
+    fn sealed(&self) -> &[u8] {
+        match &self.memory {
+            Memory::Own(bytes) => bytes,
+            // SAFETY: `_buffer`, held as long as this value, owns these bytes; they were written
+            // once, by the seal, and the store never hands the buffer out writable.
+            Memory::Given { addr, len, .. } => unsafe {
+                std::slice::from_raw_parts(*addr as *const u8, *len)
+            },
+        }
+    }
+
+    fn payload(&self) -> &[u8] {
+        let sealed = self.sealed();
+        &sealed[self.head..sealed.len() - SUM]
     }
 }
 
-/// The sealed value into `out` (exactly its size), the header `head` bytes long.
-fn write_sealed(out: &mut [u8], spec: &PyHeaderSpec, key: &str, payload: &[u8], head: usize) {
-    out[..4].copy_from_slice(MAGIC);
-    out[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out[6..8].copy_from_slice(&(head as u16).to_le_bytes());
-    out[8..16].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-    out[16..24].copy_from_slice(&spec.digest.to_le_bytes());
-    out[24..26].copy_from_slice(&(key.len() as u16).to_le_bytes());
-    out[26..26 + key.len()].copy_from_slice(key.as_bytes());
-    out[26 + key.len()..head].copy_from_slice(&spec.texts);
-    out[head..head + payload.len()].copy_from_slice(payload);
-    out[head + payload.len()..].fill(0);
-}
-
-/// A sealed value in a buffer from `alloc(size)` (a uint8 array, e.g. pinned memory).
-fn seal_into<'py>(
-    alloc: &Bound<'py, PyAny>,
-    spec: &PyHeaderSpec,
-    key: &str,
-    payload: &[u8],
-) -> PyResult<Bound<'py, PyAny>> {
-    let head = FIXED + 2 + key.len() + spec.texts.len();
-    let size = head + payload.len() + SUM;
-    let buf = alloc.call1((size,))?;
-    {
-        let array = buf.cast::<numpy::PyArray1<u8>>()?;
-        let mut rw = array.readwrite();
-        let out = rw.as_slice_mut()?;
-        let out = out
-            .get_mut(..size)
-            .ok_or_else(|| invalid_argument(alloc.py(), format!("alloc({size}) is too short")))?;
-        write_sealed(out, spec, key, payload, head);
+#[pymethods]
+impl HostValue {
+    /// The payload, read-only (the buffer protocol): what `memoryview(value)` shows.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if flags & ffi::PyBUF_WRITABLE == ffi::PyBUF_WRITABLE {
+            return Err(PyBufferError::new_err("a stored value is read-only"));
+        }
+        let payload = slf.get().payload();
+        let (buf, len) = (payload.as_ptr().cast_mut().cast::<c_void>(), payload.len());
+        let wanted = |flag: c_int| flags & flag == flag;
+        // SAFETY: `view` is the caller's to fill, as the buffer protocol says; the bytes stay in
+        // place while this value lives, and the view holds a reference to it (`obj`).
+        unsafe {
+            (*view).buf = buf;
+            (*view).len = len as isize; // within an allocation, so within isize
+            (*view).readonly = 1;
+            (*view).itemsize = 1;
+            (*view).format = if wanted(ffi::PyBUF_FORMAT) {
+                c"B".as_ptr().cast_mut()
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).ndim = 1;
+            (*view).shape = if wanted(ffi::PyBUF_ND) {
+                &raw mut (*view).len
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).strides = if wanted(ffi::PyBUF_STRIDES) {
+                &raw mut (*view).itemsize
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).suboffsets = std::ptr::null_mut();
+            (*view).internal = std::ptr::null_mut();
+            (*view).obj = slf.into_any().into_ptr();
+        }
+        Ok(())
     }
-    Ok(buf)
-}
 
-/// The bytes of a stored value (a `bytes`, or a uint8 array from `alloc`).
-fn stored_bytes<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bytes<'py>> {
-    match value.cast_exact::<PyBytes>() {
-        Ok(b) => Ok(Bytes::Bytes(b.clone())),
-        Err(_) => Ok(Bytes::Array(value.extract()?)),
+    /// The payload's length in bytes.
+    fn __len__(&self) -> usize {
+        self.payload().len()
     }
 }
 
-/// The values of a host store by stored key, and its index (budget and eviction order).
-#[pyclass(name = "HostValues", module = "kvtier._core", frozen)]
-pub struct PyHostValues {
+type ValueMap = foldhash::HashMap<String, Py<HostValue>>;
+
+/// What every namespace's handle on one host store's values shares.
+struct Shared {
     index: Py<PyStoreIndex>,
     counts: Arc<StoreCounts>,
-    values: Mutex<HashMap<String, Py<PyAny>>>,
+    values: Mutex<ValueMap>,
     closed: AtomicBool,
+}
+
+impl Shared {
+    fn values(&self) -> MutexGuard<'_, ValueMap> {
+        self.values.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One namespace's handle on the values of a host store, indexed by the store's `StoreIndex`
+/// (budget and eviction order).
+#[pyclass(name = "HostValues", module = "kvtier._core", frozen)]
+pub struct PyHostValues {
+    shared: Arc<Shared>,
+    spec: HeaderSpec,
+    /// Called as `on_corrupt(key, reason)` for a value that fails its checks.
+    on_corrupt: Py<PyAny>,
+    /// `alloc(size)` gives the buffer a value is sealed into (None: memory of its own).
+    alloc: Option<Py<PyAny>>,
+}
+
+/// A get's result for one key.
+enum Served<'py> {
+    Miss,
+    Hit(Bound<'py, PyAny>, u64),
+    Corrupt,
 }
 
 impl PyHostValues {
     /// Raises `kvtier.stores.StoreClosedError` once the store is closed (checked here, not in
     /// Python: it is a tenth of a small get).
     fn check_open(&self, py: Python<'_>) -> PyResult<()> {
-        if !self.closed.load(Relaxed) {
+        if !self.shared.closed.load(Relaxed) {
             return Ok(());
         }
         let message = "host store: the store is closed; open a new one".to_owned();
@@ -267,61 +344,64 @@ impl PyHostValues {
         ))
     }
 
-    fn values(&self) -> MutexGuard<'_, HashMap<String, Py<PyAny>>> {
-        self.values.lock().unwrap_or_else(|e| e.into_inner())
+    /// `payload` sealed under `key`, in one copy.
+    fn seal(&self, py: Python<'_>, key: &str, payload: &[u8]) -> PyResult<Py<HostValue>> {
+        let head = self.spec.header(key, payload.len());
+        let size = head.len() + payload.len() + SUM;
+        let memory = match &self.alloc {
+            None => {
+                let mut bytes = Vec::with_capacity(size);
+                bytes.extend_from_slice(&head);
+                bytes.extend_from_slice(payload);
+                bytes.extend_from_slice(&[0; SUM]);
+                Memory::Own(bytes.into_boxed_slice())
+            }
+            Some(alloc) => {
+                let buffer = alloc.bind(py).call1((size,))?;
+                let addr = {
+                    let array = buffer.cast::<numpy::PyArray1<u8>>()?;
+                    let mut rw = array.readwrite();
+                    let out = rw.as_slice_mut()?.get_mut(..size).ok_or_else(|| {
+                        invalid_argument(py, format!("alloc({size}) is too short"))
+                    })?;
+                    out[..head.len()].copy_from_slice(&head);
+                    out[head.len()..size - SUM].copy_from_slice(payload);
+                    out[size - SUM..].fill(0);
+                    out.as_ptr() as usize
+                };
+                Memory::Given {
+                    _buffer: buffer.unbind(),
+                    addr,
+                    len: size,
+                }
+            }
+        };
+        let head = head.len();
+        Py::new(py, HostValue { memory, head })
     }
 
-    /// The payload of `value` stored under `key` as a read-only view, after its header checks;
-    /// else why it fails them.
-    fn checked_view<'py>(
-        spec: &PyHeaderSpec,
-        key: &str,
-        value: &Bound<'py, PyAny>,
-    ) -> PyResult<Result<Bound<'py, PyAny>, String>> {
-        let bytes = stored_bytes(value)?;
-        let texts = spec.texts(key);
-        let want = Expected {
-            digest: spec.digest,
-            texts: &texts,
-        };
-        let (start, stop) = match sealed::check(bytes.as_slice()?, None, &want, false) {
-            Ok(span) => span,
-            Err(reason) => return Ok(Err(reason)),
-        };
-        let py = value.py();
-        let view = PyMemoryView::from(value)?;
-        let view = view.get_item(PySlice::new(py, start as isize, stop as isize, 1))?;
-        match bytes {
-            Bytes::Bytes(_) => Ok(Ok(view)), // a view of bytes is read-only
-            Bytes::Array(_) => Ok(Ok(view.call_method0("toreadonly")?)),
-        }
-    }
-
-    /// What a get hands out for `value` found (or not) under `key`: its checked payload, or
-    /// None; a value that fails a check is removed and reported to `on_corrupt`. Returns the
-    /// result, with the payload bytes of a hit and whether the value was corrupt.
+    /// What a get hands out for `value` found (or not) under `key`: a view of its payload once
+    /// its header checks pass; a value that fails them is removed and reported to `on_corrupt`.
     fn serve<'py>(
         &self,
-        spec: &PyHeaderSpec,
+        py: Python<'py>,
         key: &str,
-        value: Option<Bound<'py, PyAny>>,
-        on_corrupt: &Bound<'py, PyAny>,
+        value: Option<Py<HostValue>>,
     ) -> PyResult<Served<'py>> {
-        let py = on_corrupt.py();
         let Some(value) = value else {
-            return Ok(Served::Miss(py.None().into_bound(py)));
+            return Ok(Served::Miss);
         };
-        match Self::checked_view(spec, key, &value)? {
-            Ok(view) => {
-                let n = view.len()? as u64;
-                Ok(Served::Hit(view, n))
+        match self.spec.check(key, value.get().sealed()) {
+            Ok((start, stop)) => {
+                let view = PyMemoryView::from(value.bind(py).as_any())?.into_any();
+                Ok(Served::Hit(view, (stop - start) as u64))
             }
             Err(reason) => {
-                let gone = self.values().remove(key);
-                self.index.get().lock().remove(key);
-                drop(gone);
-                on_corrupt.call1((key, reason))?;
-                Ok(Served::Corrupt(py.None().into_bound(py)))
+                let gone = self.shared.values().remove(key);
+                self.shared.index.get().lock().remove(key);
+                drop((gone, value));
+                self.on_corrupt.bind(py).call1((key, reason))?;
+                Ok(Served::Corrupt)
             }
         }
     }
@@ -329,65 +409,57 @@ impl PyHostValues {
     /// `serve` for a read of one key, counted.
     fn serve_one<'py>(
         &self,
-        spec: &PyHeaderSpec,
+        py: Python<'py>,
         key: &str,
-        value: Option<Bound<'py, PyAny>>,
-        on_corrupt: &Bound<'py, PyAny>,
+        value: Option<Py<HostValue>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        Ok(match self.serve(spec, key, value, on_corrupt)? {
+        let (hits, bytes, corrupt) = match self.serve(py, key, value)? {
             Served::Hit(view, n) => {
-                self.counts.count_gets(1, n, 0, 0);
-                view
+                self.shared.counts.count_gets(1, n, 0, 0);
+                return Ok(view);
             }
-            Served::Corrupt(none) => {
-                self.counts.count_gets(0, 0, 1, 1);
-                none
-            }
-            Served::Miss(none) => {
-                self.counts.count_gets(0, 0, 1, 0);
-                none
-            }
-        })
+            Served::Corrupt => (0, 0, 1),
+            Served::Miss => (0, 0, 0),
+        };
+        self.shared.counts.count_gets(hits, bytes, 1, corrupt);
+        Ok(py.None().into_bound(py))
     }
 
     /// Admits a sealed value under its stored key, replacing what the key held and evicting
     /// what the index says; returns whether it was stored (not: larger than the whole budget)
     /// and how many values it evicted. What leaves is released after the lock.
-    fn admit(&self, key: String, value: Bound<'_, PyAny>) -> PyResult<(bool, u64)> {
-        let size = value.len()? as u64;
+    fn admit(&self, key: String, value: Py<HostValue>) -> (bool, u64) {
+        let size = value.get().sealed().len() as u64;
         let mut released = Vec::new();
         let admitted = {
-            let mut values = self.values();
-            let mut index = self.index.get().lock();
-            index.admit(&key, size).map(|victims| {
-                released.extend(victims.iter().filter_map(|v| values.remove(v)));
-                released.extend(values.insert(key, value.clone().unbind()));
-                victims.len() as u64
-            })
+            let mut values = self.shared.values();
+            let mut index = self.shared.index.get().lock();
+            match index.admit(&key, size) {
+                Some(victims) => {
+                    released.extend(victims.iter().filter_map(|v| values.remove(v)));
+                    released.extend(values.insert(key, value));
+                    Some(victims.len() as u64)
+                }
+                None => {
+                    released.push(value);
+                    None
+                }
+            }
         };
         drop(released);
-        Ok(admitted.map_or((false, 0), |evicted| (true, evicted)))
+        admitted.map_or((false, 0), |evicted| (true, evicted))
     }
 
     /// Seals and admits each value in turn, so that what a value replaces is released before
     /// the next is sealed (a batch of large values then needs no room for two copies of it);
     /// counts the batch.
-    fn store<'py>(
-        &self,
-        py: Python<'py>,
-        spec: &PyHeaderSpec,
-        checked: Vec<(String, Bytes<'py>)>,
-        alloc: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Vec<bool>> {
+    fn store(&self, py: Python<'_>, checked: Vec<(String, Bytes<'_>)>) -> PyResult<Vec<bool>> {
         let mut done = Vec::with_capacity(checked.len());
         let (mut stored_bytes, mut evicted) = (0, 0);
         for (key, payload) in checked {
-            let bytes = payload.as_slice()?;
-            let sealed = match alloc {
-                None => seal(py, spec, &key, bytes)?,
-                Some(alloc) => seal_into(alloc, spec, &key, bytes)?,
-            };
-            let (stored, gone) = self.admit(key, sealed)?;
+            let bytes = payload.as_slice();
+            let sealed = self.seal(py, &key, bytes)?;
+            let (stored, gone) = self.admit(key, sealed);
             if stored {
                 stored_bytes += bytes.len() as u64;
             }
@@ -395,44 +467,67 @@ impl PyHostValues {
             done.push(stored);
         }
         let stored = done.iter().filter(|&&d| d).count() as u64;
-        self.counts
-            .count_puts(stored, stored_bytes, done.len() as u64 - stored);
-        self.counts.evictions.fetch_add(evicted, Relaxed);
+        let counts = &self.shared.counts;
+        counts.count_puts(stored, stored_bytes, done.len() as u64 - stored);
+        counts.evictions.fetch_add(evicted, Relaxed);
         Ok(done)
     }
-}
 
-/// A get's result for one key.
-enum Served<'py> {
-    Miss(Bound<'py, PyAny>),
-    Hit(Bound<'py, PyAny>, u64),
-    Corrupt(Bound<'py, PyAny>),
+    fn keys_of(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+        keys.try_iter()?.map(|k| self.spec.key(&k?)).collect()
+    }
 }
 
 #[pymethods]
 impl PyHostValues {
-    /// Values indexed by `index` (the store's budget and policy), counted into `stats`.
+    /// `namespace`'s handle on new values indexed by `index` (the store's budget and policy),
+    /// counted into `stats`; `on_corrupt(key, reason)` hears of a value that fails its checks,
+    /// `alloc(size)` gives the buffer a value is sealed into (None: memory of its own).
     #[new]
-    fn new(index: Py<PyStoreIndex>, stats: &PyStoreStats) -> Self {
-        PyHostValues {
+    #[pyo3(signature = (index, stats, namespace, on_corrupt, alloc = None))]
+    fn new(
+        index: Py<PyStoreIndex>,
+        stats: &PyStoreStats,
+        namespace: &Bound<'_, PyAny>,
+        on_corrupt: Py<PyAny>,
+        alloc: Option<Py<PyAny>>,
+    ) -> PyResult<Self> {
+        let shared = Shared {
             index,
             counts: Arc::clone(&stats.counts),
-            values: Mutex::new(HashMap::new()),
+            values: Mutex::new(ValueMap::default()),
             closed: AtomicBool::new(false),
-        }
+        };
+        Ok(PyHostValues {
+            shared: Arc::new(shared),
+            spec: HeaderSpec::new(namespace)?,
+            on_corrupt,
+            alloc,
+        })
     }
 
-    /// Stores each value under its key of `spec`'s namespace; returns which were stored
-    /// (False: larger than the whole budget). `alloc(size)` gives the buffer a value is sealed
-    /// into (None: a new `bytes`). A bad key or value raises before anything is stored.
-    #[pyo3(signature = (spec, keys, values, alloc = None))]
+    /// `namespace`'s handle on the same values (same budget, index and counters).
+    fn view(
+        &self,
+        py: Python<'_>,
+        namespace: &Bound<'_, PyAny>,
+        on_corrupt: Py<PyAny>,
+    ) -> PyResult<Self> {
+        Ok(PyHostValues {
+            shared: Arc::clone(&self.shared),
+            spec: HeaderSpec::new(namespace)?,
+            on_corrupt,
+            alloc: self.alloc.as_ref().map(|a| a.clone_ref(py)),
+        })
+    }
+
+    /// Stores each value under its key; returns which were stored (False: larger than the
+    /// whole budget). A bad key or value raises before anything is stored.
     fn put_many(
         &self,
         py: Python<'_>,
-        spec: &PyHeaderSpec,
         keys: &Bound<'_, PyAny>,
         values: &Bound<'_, PyAny>,
-        alloc: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Vec<bool>> {
         self.check_open(py)?;
         let (n, m) = (keys.len()?, values.len()?);
@@ -445,45 +540,36 @@ impl PyHostValues {
         // Every key and value is checked before anything is sealed or stored.
         let mut checked = Vec::with_capacity(n);
         for (key, value) in keys.try_iter()?.zip(values.try_iter()?) {
-            checked.push((spec.key(&key?)?, payload(&value?)?));
+            checked.push((self.spec.key(&key?)?, payload(&value?)?));
         }
-        self.store(py, spec, checked, alloc)
+        self.store(py, checked)
     }
 
     /// `put_many` of one value.
-    #[pyo3(signature = (spec, key, value, alloc = None))]
     fn put(
         &self,
         py: Python<'_>,
-        spec: &PyHeaderSpec,
         key: &Bound<'_, PyAny>,
         value: &Bound<'_, PyAny>,
-        alloc: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         self.check_open(py)?;
-        let checked = vec![(spec.key(key)?, payload(value)?)];
-        Ok(self.store(py, spec, checked, alloc)?[0])
+        let checked = vec![(self.spec.key(key)?, payload(value)?)];
+        Ok(self.store(py, checked)?[0])
     }
 
-    /// The payloads under `keys` of `spec`'s namespace, as read-only views; None for a miss.
-    /// A value that fails a check is a miss, removed and counted, and `on_corrupt(key,
-    /// reason)` is called for it.
+    /// The payloads under `keys`, as read-only views; None for a miss. A value that fails a
+    /// check is a miss, removed and counted, and `on_corrupt(key, reason)` is called for it.
     fn get_many<'py>(
         &self,
         py: Python<'py>,
-        spec: &PyHeaderSpec,
         keys: &Bound<'py, PyAny>,
-        on_corrupt: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         self.check_open(py)?;
-        let full = keys
-            .try_iter()?
-            .map(|k| spec.key(&k?))
-            .collect::<PyResult<Vec<String>>>()?;
-        let found: Vec<Option<Bound<'py, PyAny>>> = {
-            let values = self.values();
+        let full = self.keys_of(keys)?;
+        let found: Vec<Option<Py<HostValue>>> = {
+            let values = self.shared.values();
             full.iter()
-                .map(|k| values.get(k).map(|v| v.bind(py).clone()))
+                .map(|k| values.get(k).map(|v| v.clone_ref(py)))
                 .collect()
         };
         let hit_keys: Vec<&String> = full
@@ -491,78 +577,65 @@ impl PyHostValues {
             .zip(&found)
             .filter_map(|(k, f)| f.as_ref().map(|_| k))
             .collect();
-        self.index.get().lock().touch(&hit_keys);
+        self.shared.index.get().lock().touch(&hit_keys);
         let out = PyList::empty(py);
         let (mut hits, mut hit_bytes, mut corrupt) = (0, 0, 0);
         for (key, value) in full.iter().zip(found) {
-            out.append(match self.serve(spec, key, value, on_corrupt)? {
+            match self.serve(py, key, value)? {
                 Served::Hit(view, n) => {
                     (hits, hit_bytes) = (hits + 1, hit_bytes + n);
-                    view
+                    out.append(view)?;
                 }
-                Served::Corrupt(none) => {
+                Served::Corrupt => {
                     corrupt += 1;
-                    none
+                    out.append(py.None())?;
                 }
-                Served::Miss(none) => none,
-            })?;
+                Served::Miss => out.append(py.None())?,
+            }
         }
-        self.counts
-            .count_gets(hits, hit_bytes, full.len() as u64 - hits, corrupt);
+        let misses = full.len() as u64 - hits;
+        self.shared
+            .counts
+            .count_gets(hits, hit_bytes, misses, corrupt);
         Ok(out)
     }
 
     /// `get_many` of one key.
-    fn get<'py>(
-        &self,
-        py: Python<'py>,
-        spec: &PyHeaderSpec,
-        key: &Bound<'py, PyAny>,
-        on_corrupt: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         self.check_open(py)?;
-        let full = spec.key(key)?;
-        let value = self.values().get(&full).map(|v| v.bind(py).clone());
+        let full = self.spec.key(key)?;
+        let value = self.shared.values().get(&full).map(|v| v.clone_ref(py));
         if value.is_some() {
-            self.index.get().lock().touch(&[&full]);
+            self.shared.index.get().lock().touch(&[&full]);
         }
-        self.serve_one(spec, &full, value, on_corrupt)
+        self.serve_one(py, &full, value)
     }
 
     /// Takes the value out and returns its payload (checked, as for `get`); None for a miss.
-    fn pop<'py>(
-        &self,
-        py: Python<'py>,
-        spec: &PyHeaderSpec,
-        key: &Bound<'py, PyAny>,
-        on_corrupt: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    fn pop<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         self.check_open(py)?;
-        let full = spec.key(key)?;
-        let value = self.values().remove(&full).map(|v| v.into_bound(py));
-        self.index.get().lock().remove(&full);
-        self.serve_one(spec, &full, value, on_corrupt)
+        let full = self.spec.key(key)?;
+        let value = self.shared.values().remove(&full);
+        self.shared.index.get().lock().remove(&full);
+        self.serve_one(py, &full, value)
     }
 
-    /// Whether a value is stored under `key` of `spec`'s namespace.
-    fn contains(&self, spec: &PyHeaderSpec, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+    /// Whether a value is stored under `key`.
+    fn contains(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         self.check_open(key.py())?;
-        let full = spec.key(key)?;
-        Ok(self.values().contains_key(&full))
+        let full = self.spec.key(key)?;
+        Ok(self.shared.values().contains_key(&full))
     }
 
     /// Deletes the values under `keys`; returns which there were.
-    fn delete_many(&self, spec: &PyHeaderSpec, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+    fn delete_many(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         self.check_open(keys.py())?;
-        let full = keys
-            .try_iter()?
-            .map(|k| spec.key(&k?))
-            .collect::<PyResult<Vec<String>>>()?;
-        let gone: Vec<Option<Py<PyAny>>> = {
-            let mut values = self.values();
+        let full = self.keys_of(keys)?;
+        let gone: Vec<Option<Py<HostValue>>> = {
+            let mut values = self.shared.values();
             full.iter().map(|k| values.remove(k)).collect()
         };
-        let mut index = self.index.get().lock();
+        let mut index = self.shared.index.get().lock();
         for key in &full {
             index.remove(key);
         }
@@ -570,7 +643,7 @@ impl PyHostValues {
         let done: Vec<bool> = gone.iter().map(Option::is_some).collect();
         drop(gone); // released with the locks given back
         let deleted = done.iter().filter(|&&d| d).count() as u64;
-        self.counts.deletes.fetch_add(deleted, Relaxed);
+        self.shared.counts.deletes.fetch_add(deleted, Relaxed);
         Ok(done)
     }
 
@@ -578,6 +651,7 @@ impl PyHostValues {
     fn scan(&self, py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
         self.check_open(py)?;
         Ok(self
+            .shared
             .values()
             .keys()
             .filter(|k| k.starts_with(prefix))
@@ -585,12 +659,12 @@ impl PyHostValues {
             .collect())
     }
 
-    /// Closes the store: every call after this raises `StoreClosedError`, and every value is
-    /// dropped.
+    /// Closes the store, for every namespace: every call after this raises
+    /// `StoreClosedError`, and every value is dropped.
     fn close(&self) {
-        self.closed.store(true, Relaxed);
-        let values = std::mem::take(&mut *self.values());
-        let mut index = self.index.get().lock();
+        self.shared.closed.store(true, Relaxed);
+        let values = std::mem::take(&mut *self.shared.values());
+        let mut index = self.shared.index.get().lock();
         for key in values.keys() {
             index.remove(key);
         }
@@ -598,7 +672,8 @@ impl PyHostValues {
         drop(values);
     }
 
+    /// How many values the store holds (every namespace's).
     fn __len__(&self) -> usize {
-        self.values().len()
+        self.shared.values().len()
     }
 }

@@ -63,7 +63,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<checksum::PyStreamingChecksum>()?;
     m.add_class::<store_stats::PyStoreStats>()?;
     m.add_class::<host::PyHostValues>()?;
-    m.add_class::<host::PyHeaderSpec>()?;
+    m.add_class::<host::HostValue>()?;
     m.add_function(wrap_pyfunction!(prefix_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(namespace_seed, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;

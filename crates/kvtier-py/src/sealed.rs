@@ -26,10 +26,25 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 }
 
 /// What a value must match: the namespace digest and the header texts (key, codec, dtype,
-/// shape, each a u16 length and UTF-8), as `format.header` writes them.
+/// shape, each a u16 length and UTF-8), as `format.header` writes them, given as pieces that
+/// join into them (so a caller holding the key and the namespace's texts apart need not join
+/// them).
 pub(crate) struct Expected<'a> {
     pub digest: u64,
-    pub texts: &'a [u8],
+    pub texts: &'a [&'a [u8]],
+}
+
+impl Expected<'_> {
+    /// Whether `got` is the expected texts, piece by piece.
+    fn texts_are(&self, mut got: &[u8]) -> bool {
+        for piece in self.texts {
+            match got.split_at_checked(piece.len()) {
+                Some((head, rest)) if head == *piece => got = rest,
+                _ => return false,
+            }
+        }
+        got.is_empty()
+    }
 }
 
 /// The payload's byte range in `value` once every check passed, else which check failed.
@@ -74,8 +89,8 @@ pub(crate) fn check(
         return Err("header length does not match its texts".into());
     }
     let texts = &value[FIXED..size];
-    if texts != want.texts {
-        return Err(explain_texts(texts, want.texts));
+    if !want.texts_are(texts) {
+        return Err(explain_texts(texts, &want.texts.concat()));
     }
     if verify {
         let stored = u64_at(value, n - SUM);
@@ -156,7 +171,10 @@ pub fn unseal_span(
 ) -> PyResult<(usize, usize)> {
     let value = crate::arrays::bytes_array(value, "value")?;
     let bytes = value.as_slice()?;
-    let want = Expected { digest, texts };
+    let want = Expected {
+        digest,
+        texts: &[texts],
+    };
     py.detach(|| check(bytes, received, &want, verify))
         .map_err(|reason| payload_error(py, reason))
 }

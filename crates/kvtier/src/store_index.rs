@@ -7,7 +7,9 @@
 //! rank by a measured signal (`importance`, `h2o`, `scissorhands`) by the caller's score, then
 //! as `lfu`. A key never scored ranks with score 0, below every scored key with a positive score.
 
-use std::collections::HashMap;
+// foldhash, not SipHash: a store looks a key up on every put and get (keys are namespaced block
+// hashes; foldhash is seeded per process).
+use foldhash::HashMap;
 
 use crate::config::PolicyKind;
 use crate::core::Key;
@@ -57,7 +59,7 @@ impl StoreIndex {
             bytes: 0,
             rows: Vec::new(),
             free_rows: Vec::new(),
-            by_key: HashMap::new(),
+            by_key: HashMap::default(),
             queue: EvictionQueue::default(),
             clock: 0,
             step: 0,
