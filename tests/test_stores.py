@@ -615,6 +615,21 @@ def test_host_views_are_read_only_and_outlive_what_they_were_got_from() -> None:
         HostStore(NS, one).put(1, np.arange(8, dtype=np.uint8)[::2])
 
 
+def test_a_host_store_dropped_without_close_is_freed() -> None:
+    """Its values are freed with it: the store and its extension handle refer to each other,
+    and the garbage collector must be able to see that."""
+    import gc
+    import weakref
+
+    store = HostStore(NS, 1 << 20)
+    view = store.with_namespace(Namespace(model="other"))
+    store.put(1, payload(1000))
+    refs = [weakref.ref(store), weakref.ref(view)]
+    del store, view
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
 def _budgeted(kind: str, tmp_path: Path, budget: int, policy: str) -> KVStore:
     if kind == "host":
         return HostStore(NS, budget, policy=policy)

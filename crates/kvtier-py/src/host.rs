@@ -24,6 +24,7 @@ use numpy::PyArrayMethods;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
+use pyo3::gc::{PyTraverseError, PyVisit};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyMemoryView, PyString};
@@ -670,6 +671,17 @@ impl PyHostValues {
         }
         drop(index);
         drop(values);
+    }
+
+    /// What the garbage collector follows from here: `on_corrupt` is the store's own method and
+    /// the store holds this handle's methods, a cycle only the collector can free (a store
+    /// dropped without `close()` would otherwise keep its values forever).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.on_corrupt)?;
+        if let Some(alloc) = &self.alloc {
+            visit.call(alloc)?;
+        }
+        Ok(())
     }
 
     /// How many values the store holds (every namespace's).
