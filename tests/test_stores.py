@@ -142,7 +142,7 @@ def test_one_pass_copy_and_checksum_equals_the_two_pass_seal() -> None:
     parts = [RNG.integers(0, 256, n, dtype=np.uint8) for n in (0, 5, 200_003)]
     joined = np.concatenate(parts)
     out = np.zeros(len(joined) + 7, np.uint8)
-    assert copy_checksum(out, *parts, seed=7) == checksum(joined, seed=7)
+    assert copy_checksum(out, *parts) == checksum(joined)
     assert bytes(out[: len(joined)]) == joined.tobytes() and not out[len(joined) :].any()
     payload = memoryview(parts[2].tobytes())
     assert bytes(fmt.seal_joined(NS, NS.key(9), payload)) == b"".join(
@@ -157,7 +157,7 @@ def test_one_pass_copy_and_checksum_equals_the_two_pass_seal() -> None:
 
 
 def test_checksum_parts_may_be_any_bytes_like() -> None:
-    from kvtier._core import StreamingChecksum, checksum
+    from kvtier._core import StreamingChecksum, checksum, digest
 
     data = RNG.integers(0, 256, 70_001, dtype=np.uint8)
     want = checksum(data)
@@ -170,17 +170,53 @@ def test_checksum_parts_may_be_any_bytes_like() -> None:
     )
     assert checksum(memoryview(data.tobytes())[::3]) == checksum(data[::3].copy())
     assert checksum(b"ab", b"c") == checksum(np.frombuffer(b"abc", np.uint8))
-    assert checksum(data.tobytes(), seed=7) == checksum(data, seed=7) != want  # bytes: in place
-    streamed = StreamingChecksum(seed=7)
+    streamed = StreamingChecksum()
     for at in range(0, len(data), 30_000):  # pieces of any size, in order
         streamed.update(data[at : at + 30_000])
-        assert streamed.digest() == checksum(data[: at + 30_000], seed=7)
+        assert streamed.digest() == checksum(data[: at + 30_000])
     streamed.update(b"", bytearray(b"x"))
-    assert streamed.digest() == checksum(data, b"x", seed=7) != want
-    with pytest.raises(InvalidArgumentError, match="uint8"):
-        checksum(np.array([1, 256]))  # would wrap
-    with pytest.raises(InvalidArgumentError, match="uint8"):
-        checksum(np.array([-1], np.int8))
+    assert streamed.digest() == checksum(data, b"x") != want
+    for call in (checksum, digest):
+        with pytest.raises(InvalidArgumentError, match="uint8"):
+            call(np.array([1, 256]))  # would wrap
+        with pytest.raises(InvalidArgumentError, match="uint8"):
+            call(np.array([-1], np.int8))
+
+
+def crc64_nvme(data: bytes) -> int:
+    """CRC-64/NVME bit by bit, from its published parameters (poly 0xad93d23594c93659,
+    reflected, init and xorout all ones): what any CRC library computes."""
+    crc = 2**64 - 1
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x9A6C9329AC4BC9B5 if crc & 1 else 0)
+    return crc ^ (2**64 - 1)
+
+
+def test_the_checksum_is_the_published_crc64_nvme() -> None:
+    """Any CRC library can check a stored value: the catalogue's check value, and the bitwise
+    definition on random data of every length around the vector paths' block sizes."""
+    from kvtier._core import checksum
+
+    assert checksum(b"123456789") == crc64_nvme(b"123456789") == 0xAE8B14860A799888
+    for n in (0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 4099):
+        data = RNG.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert checksum(data) == crc64_nvme(data), n
+
+
+def test_digests_that_name_things_are_seeded_xxh3() -> None:
+    """``digest`` (namespaces, token selections, file names) is xxh3-64, the prefix hash chain's
+    hash: the same bytes with another seed name something else."""
+    from kvtier import pymodel
+    from kvtier._core import checksum, digest
+
+    data = RNG.integers(0, 256, 5_000, dtype=np.uint8)
+    assert digest(data) == pymodel.xxh3_64(data.tobytes()) != checksum(data)
+    assert (
+        digest(data.tobytes(), seed=7) == digest(data, seed=7) == pymodel.xxh3_64(data.tobytes(), 7)
+    )
+    assert digest(b"ab", b"c") == digest(b"abc") != digest(b"abc", seed=1)
 
 
 @pytest.mark.parametrize("n", [0, 1, fmt.CHUNK - 1, fmt.CHUNK, 3 * fmt.CHUNK + 5])
@@ -285,6 +321,33 @@ def test_another_format_version_is_refused() -> None:
         fmt.unseal(NS, NS.key(5), bytes(blob))
 
 
+def test_a_value_of_format_version_1_is_refused() -> None:
+    """Version 1 checksummed with xxh3-64: such a value, whole and sound in its own format, is
+    refused for its version; sealed as version 2 with that checksum, for its checksum."""
+    from kvtier import pymodel
+
+    v1 = bytearray(sealed())
+    v1[4:6] = (1).to_bytes(2, "little")
+    v1[-8:] = pymodel.xxh3_64(bytes(v1[:-8])).to_bytes(8, "little")
+    with pytest.raises(PayloadError, match="format version 1, this kvtier reads 2"):
+        fmt.unseal(NS, NS.key(5), bytes(v1))
+    v1[4:6] = FORMAT_VERSION.to_bytes(2, "little")
+    with pytest.raises(PayloadError, match="checksum mismatch"):
+        fmt.unseal(NS, NS.key(5), bytes(v1))
+
+
+def test_any_contiguous_buffer_unseals_to_a_read_only_view_of_its_payload() -> None:
+    blob = sealed()
+    array = np.frombuffer(blob, np.uint8).copy()
+    for form in (blob, bytearray(blob), memoryview(blob), array, array.view(np.int8), array[None]):
+        view = fmt.unseal(NS, NS.key(5), form)
+        assert view.readonly and view.format == "B" and bytes(view) == b"payload" * 100
+    with pytest.raises(InvalidArgumentError, match="contiguous buffer, got memoryview"):
+        fmt.unseal(NS, NS.key(5), memoryview(blob + blob)[::2])
+    with pytest.raises(InvalidArgumentError, match="contiguous buffer, got list"):
+        fmt.unseal(NS, NS.key(5), list(blob))
+
+
 def test_a_foreign_value_in_a_store_is_a_counted_miss_and_removed(tmp_path: Path) -> None:
     """A value written by another codec, copied under this namespace's key, is never served."""
     int8 = NS.with_codec("int8", NS.dtype, NS.shape)
@@ -306,10 +369,10 @@ def test_a_foreign_value_in_a_store_is_a_counted_miss_and_removed(tmp_path: Path
 def test_disk_names_a_file_by_its_key_or_by_the_key_hash(tmp_path: Path) -> None:
     """``_core.store_path``: ``<root>/<namespace>/<low byte of the key hash>/<name>``, and the
     hash in place of a name that is not a safe file name."""
-    from kvtier._core import checksum, store_path
+    from kvtier._core import digest, store_path
 
     def where(name: str, file: str | None = None) -> str:
-        h = checksum((NS.prefix + name).encode())
+        h = digest((NS.prefix + name).encode())
         return f"/r/{NS.digest:016x}/{h & 0xFF:02x}/{file or f'~{h:016x}'}"
 
     for name in ("0000000000000007", "block_7.v=2-x", "x" * 120):

@@ -19,13 +19,14 @@ __all__ = [
     "StreamingChecksum",
     "checksum",
     "copy_checksum",
+    "digest",
     "kernel_sources",
     "namespace_seed",
     "prefix_hashes",
     "read_sealed",
     "read_stored",
     "store_path",
-    "unseal_span",
+    "unseal",
     "write_checksummed",
     "write_stored",
 ]
@@ -253,17 +254,21 @@ def namespace_seed(namespace: str) -> int: ...
 def kernel_sources() -> dict[str, str]:
     """The CUDA sources of kvtier's kernels (kernels/*.cu), by file name."""
 
-def checksum(*parts: npt.ArrayLike, seed: int = 0) -> int: ...
+def checksum(*parts: npt.ArrayLike) -> int:
+    """CRC-64/NVME of ``parts`` joined: the checksum of stored values."""
+
+def digest(*parts: npt.ArrayLike, seed: int = 0) -> int:
+    """xxh3-64 of ``parts`` joined, with ``seed``: the digest that names things."""
 
 @final
 class StreamingChecksum:
-    """xxh3-64 of bytes given in pieces: the value ``checksum`` gives for them joined."""
+    """The checksum of bytes given in pieces: the value ``checksum`` gives for them joined."""
 
-    def __new__(cls, seed: int = 0) -> StreamingChecksum: ...
+    def __new__(cls) -> StreamingChecksum: ...
     def update(self, *parts: npt.ArrayLike) -> None: ...
     def digest(self) -> int: ...
 
-def copy_checksum(out: npt.NDArray[np.uint8], *parts: npt.ArrayLike, seed: int = 0) -> int: ...
+def copy_checksum(out: npt.NDArray[np.uint8], *parts: npt.ArrayLike) -> int: ...
 def read_sealed(
     paths: list[str], digest: int, texts: list[bytes], threads: int = 1
 ) -> list[memoryview | OSError | PayloadError]: ...
@@ -276,14 +281,15 @@ def read_stored(
     threads: int = 1,
 ) -> list[memoryview | OSError | PayloadError | None]: ...
 def store_path(root: str, key: str) -> str: ...
-def unseal_span(
-    value: npt.ArrayLike,
+def unseal(
+    value: bytes | bytearray | memoryview | npt.NDArray[np.uint8],
     digest: int,
     texts: bytes,
     *,
-    received: int | None = None,
     verify: bool = True,
-) -> tuple[int, int]: ...
+) -> memoryview:
+    """The payload of a stored value as a read-only view, once every check passed."""
+
 def write_checksummed(
     tmp_paths: list[str],
     paths: list[str],

@@ -3,6 +3,7 @@
 
 use numpy::npyffi::PY_ARRAY_API;
 use numpy::{Element, PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyMemoryView};
@@ -64,4 +65,40 @@ pub fn wrap_bytes<'py>(obj: &Bound<'py, PyAny>) -> Option<PyReadonlyArray1<'py, 
     wrapped
         .and_then(|w| w.extract::<PyReadonlyArray1<'py, u8>>())
         .ok()
+}
+
+/// The buffer `value` exports, when it exports a C-contiguous one.
+pub(crate) fn contiguous_buffer(value: &Bound<'_, PyAny>) -> Option<PyUntypedBuffer> {
+    PyUntypedBuffer::get(value)
+        .ok()
+        .filter(PyUntypedBuffer::is_c_contiguous)
+}
+
+/// Bytes held by Python: a `bytes` (the commonest payload), or any other buffer, exported.
+pub(crate) enum Bytes<'py> {
+    Bytes(Bound<'py, PyBytes>),
+    Buffer(PyUntypedBuffer),
+}
+
+impl<'py> Bytes<'py> {
+    /// The bytes of a `bytes`, or of any object that exports a C-contiguous buffer.
+    pub(crate) fn of(value: &Bound<'py, PyAny>) -> Option<Self> {
+        match value.cast_exact::<PyBytes>() {
+            Ok(b) => Some(Bytes::Bytes(b.clone())),
+            Err(_) => contiguous_buffer(value).map(Bytes::Buffer),
+        }
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        match self {
+            Bytes::Bytes(b) => b.as_bytes(),
+            // SAFETY: a C-contiguous buffer of `len_bytes` bytes at `buf_ptr`, exported (so kept
+            // in place, unresized) until `buffer` is dropped. (Read without the GIL, a writable
+            // one may be written by another thread meanwhile: that changes what is read, which
+            // a checksum then refuses, as it would a value written while it was being stored.)
+            Bytes::Buffer(buffer) => unsafe {
+                std::slice::from_raw_parts(buffer.buf_ptr().cast::<u8>(), buffer.len_bytes())
+            },
+        }
+    }
 }

@@ -1,10 +1,9 @@
 //! Stored values in files (`kvtier.stores.DiskStore`): a batch read or written in one call,
-//! without the GIL, on several threads, each value hashed (xxh3-64, the stored-value checksum
-//! of `kvtier.stores.format`) and read or written with as few system calls as it takes.
+//! without the GIL, on several threads, each value checksummed (CRC-64/NVME, the stored-value
+//! checksum of `kvtier.stores.format`) and read or written with as few system calls as it takes.
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::hash::Hasher as _;
 use std::io::{self, IoSlice, Write as _};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -15,6 +14,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyMemoryView, PySlice};
 use twox_hash::XxHash3_64;
 
+use crate::checksum::Checksum;
 use crate::sealed::{check, payload_error, Expected};
 use crate::store_index::PyStoreIndex;
 
@@ -88,7 +88,7 @@ fn read_more(file: &File, data: &mut Vec<u8>, max: usize) -> io::Result<usize> {
     }
 }
 
-/// Reads one stored value whole: its bytes and the xxh3-64 of all but the last 8 (its own
+/// Reads one stored value whole: its bytes and the checksum of all but the last 8 (its own
 /// checksum field). The buffer is sized from the file's length and filled a `CHUNK` per
 /// `read` (a value up to `CHUNK` in one, and one that finds the end), each chunk hashed just
 /// after it is read, from cache: hashing a 2 MiB value once it was all read went back to
@@ -101,7 +101,7 @@ fn read_one(path: &str) -> io::Result<(Vec<u8>, u64)> {
     let size = usize::try_from(file.metadata()?.len()).unwrap_or(0);
     // One byte more: the read that finds the end needs room.
     let mut data = Vec::with_capacity(size.saturating_add(1));
-    let mut hasher = XxHash3_64::with_seed(0);
+    let mut sum = Checksum::new();
     let mut hashed = 0;
     loop {
         if data.len() == data.capacity() {
@@ -111,11 +111,11 @@ fn read_one(path: &str) -> io::Result<(Vec<u8>, u64)> {
         // The last 8 bytes so far may be the checksum field: hashed once more bytes follow.
         let upto = data.len().saturating_sub(8);
         if upto > hashed {
-            hasher.write(&data[hashed..upto]);
+            sum.update(&data[hashed..upto]);
             hashed = upto;
         }
         if n == 0 {
-            return Ok((data, hasher.finish()));
+            return Ok((data, sum.value()));
         }
     }
 }
@@ -167,7 +167,7 @@ fn create_temporary(tmp: &str) -> io::Result<(File, String)> {
 /// what starting the thread does (25-30 us).
 const HASH_ASIDE: usize = 1 << 20;
 
-/// Writes `head`, `payload` and the xxh3-64 of both (little-endian) to the new file `tmp`, then
+/// Writes `head`, `payload` and the checksum of both (little-endian) to the new file `tmp`, then
 /// closes it and renames it to `path`: a reader sees the old value or the new one, never part
 /// of one. On failure the temporary file is removed. With `spare_cpu`, a large value is hashed
 /// beside its writing (`HASH_ASIDE`); otherwise each `CHUNK` is hashed just after it is written.
@@ -184,10 +184,10 @@ fn write_one(
         let sum = if spare_cpu && payload.len() >= HASH_ASIDE {
             std::thread::scope(|s| {
                 let hash = s.spawn(|| {
-                    let mut hasher = XxHash3_64::with_seed(0);
-                    hasher.write(head);
-                    hasher.write(payload);
-                    hasher.finish()
+                    let mut sum = Checksum::new();
+                    sum.update(head);
+                    sum.update(payload);
+                    sum.value()
                 });
                 let written =
                     write_all_vectored(&file, &mut [IoSlice::new(head), IoSlice::new(payload)]);
@@ -195,16 +195,16 @@ fn write_one(
                 written.map(|()| sum)
             })?
         } else {
-            let mut hasher = XxHash3_64::with_seed(0);
+            let mut sum = Checksum::new();
             let mut lead = head;
             for chunk in payload.chunks(CHUNK) {
                 write_all_vectored(&file, &mut [IoSlice::new(lead), IoSlice::new(chunk)])?;
-                hasher.write(lead);
-                hasher.write(chunk);
+                sum.update(lead);
+                sum.update(chunk);
                 lead = &[];
             }
-            hasher.write(lead); // the header of an empty value
-            let sum = hasher.finish();
+            sum.update(lead); // the header of an empty value
+            let sum = sum.value();
             if !lead.is_empty() {
                 write_all_vectored(&file, &mut [IoSlice::new(lead)])?;
             }
@@ -462,7 +462,7 @@ fn check_lengths(n: usize, columns: &[(&'static str, usize)]) -> PyResult<()> {
 }
 
 /// Writes stored values on up to `threads` threads, without the GIL: value `i` is `heads[i]`,
-/// then `payloads[i]` (bytes-like), then the xxh3-64 of both, written to the new file
+/// then `payloads[i]` (bytes-like), then the checksum of both, written to the new file
 /// `tmp_paths[i]` (or, where a file of that name is there, a new name that starts with it) and
 /// renamed over `paths[i]` (with `fsync`, the file is synced before and its
 /// directory after the rename, so the value survives a power loss). For each value in order,

@@ -21,7 +21,6 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use numpy::PyArrayMethods;
-use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::gc::{PyTraverseError, PyVisit};
@@ -29,16 +28,11 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyMemoryView, PyString};
 
-use crate::sealed::{self, Expected};
+use crate::arrays::{contiguous_buffer, Bytes};
+use crate::sealed::{self, Expected, FIXED, FORMAT_VERSION, MAGIC, SUM};
 use crate::store_index::PyStoreIndex;
 use crate::store_stats::{PyStoreStats, StoreCounts};
 
-const MAGIC: &[u8; 4] = b"KVTR";
-const FORMAT_VERSION: u16 = 1;
-/// Magic, version, header length, payload length, namespace digest.
-const FIXED: usize = 24;
-/// The trailing checksum field (0 here: never verified).
-const SUM: usize = 8;
 /// The longest key text a stored key may add to its namespace's prefix.
 const KEY_TEXT_MAX: usize = 200;
 
@@ -178,31 +172,6 @@ fn payload<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bytes<'py>> {
     contiguous_buffer(&view)
         .map(Bytes::Buffer)
         .ok_or_else(|| invalid_argument(value.py(), "value: expected a contiguous buffer".into()))
-}
-
-fn contiguous_buffer(value: &Bound<'_, PyAny>) -> Option<PyUntypedBuffer> {
-    PyUntypedBuffer::get(value)
-        .ok()
-        .filter(PyUntypedBuffer::is_c_contiguous)
-}
-
-/// Bytes held by Python: a `bytes` (the commonest payload), or any other buffer, exported.
-enum Bytes<'py> {
-    Bytes(Bound<'py, PyBytes>),
-    Buffer(PyUntypedBuffer),
-}
-
-impl Bytes<'_> {
-    fn as_slice(&self) -> &[u8] {
-        match self {
-            Bytes::Bytes(b) => b.as_bytes(),
-            // SAFETY: a C-contiguous buffer of `len_bytes` bytes at `buf_ptr`, exported (so kept
-            // in place, unresized) until `buffer` is dropped, and read only under the GIL.
-            Bytes::Buffer(buffer) => unsafe {
-                std::slice::from_raw_parts(buffer.buf_ptr().cast::<u8>(), buffer.len_bytes())
-            },
-        }
-    }
 }
 
 /// A value a host store holds, sealed (header, payload, checksum field). Its buffer is its

@@ -69,10 +69,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
     m.add_function(wrap_pyfunction!(checksum::copy_checksum, m)?)?;
     m.add_function(wrap_pyfunction!(checksum::checksum, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum::digest, m)?)?;
     m.add_function(wrap_pyfunction!(files::read_sealed, m)?)?;
     m.add_function(wrap_pyfunction!(files::read_stored, m)?)?;
     m.add_function(wrap_pyfunction!(files::store_path, m)?)?;
-    m.add_function(wrap_pyfunction!(sealed::unseal_span, m)?)?;
+    m.add_function(wrap_pyfunction!(sealed::unseal, m)?)?;
     m.add_function(wrap_pyfunction!(files::write_checksummed, m)?)?;
     m.add_function(wrap_pyfunction!(files::write_stored, m)?)?;
     Ok(())

@@ -1,18 +1,22 @@
 //! The checks a stored value passes before its payload is served, for every store: the layout
 //! is `kvtier.stores.format`'s (magic, format version, header length, payload length, namespace
-//! digest, four length-prefixed texts, payload, xxh3-64 of everything before it).
+//! digest, four length-prefixed texts, payload, CRC-64/NVME of everything before it).
 
-use std::hash::Hasher as _;
-
+use pyo3::intern;
 use pyo3::prelude::*;
-use twox_hash::XxHash3_64;
+use pyo3::types::{PyMemoryView, PySlice};
 
-const MAGIC: &[u8] = b"KVTR";
-const FORMAT_VERSION: u16 = 1;
+use crate::arrays::Bytes;
+
+use crate::checksum::Checksum;
+
+pub(crate) const MAGIC: &[u8; 4] = b"KVTR";
+/// 2: the checksum became CRC-64/NVME (1: xxh3-64); a value of another version is a miss.
+pub(crate) const FORMAT_VERSION: u16 = 2;
 /// Magic, version, header length, payload length, namespace digest.
-const FIXED: usize = 24;
+pub(crate) const FIXED: usize = 24;
 /// The trailing checksum.
-const SUM: usize = 8;
+pub(crate) const SUM: usize = 8;
 const TEXTS: [&str; 4] = ["key", "codec", "dtype", "shape"];
 
 fn u16_at(b: &[u8], at: usize) -> u16 {
@@ -48,7 +52,7 @@ impl Expected<'_> {
 }
 
 /// The payload's byte range in `value` once every check passed, else which check failed.
-/// `hashed` is the xxh3-64 of all but the last 8 bytes when the reader computed it while
+/// `hashed` is the checksum of all but the last 8 bytes when the reader computed it while
 /// reading; `verify = false` skips only the checksum (values that never left this process).
 pub(crate) fn check(
     value: &[u8],
@@ -94,11 +98,7 @@ pub(crate) fn check(
     }
     if verify {
         let stored = u64_at(value, n - SUM);
-        let got = hashed.unwrap_or_else(|| {
-            let mut h = XxHash3_64::with_seed(0);
-            h.write(&value[..n - SUM]);
-            h.finish()
-        });
+        let got = hashed.unwrap_or_else(|| Checksum::of(&value[..n - SUM]));
         if got != stored {
             return Err("checksum mismatch: the value is corrupt".into());
         }
@@ -156,25 +156,51 @@ pub(crate) fn payload_error(py: Python<'_>, reason: String) -> PyErr {
     }
 }
 
-/// The payload's `(start, stop)` in a stored value (a uint8 array) after every check of
-/// `format.unseal`: raises `PayloadError` naming the check that failed. `received` is the
-/// checksum of all but the last 8 bytes when the reader already computed it.
+/// The payload of a stored value (a `bytes` or any contiguous buffer) as a read-only
+/// memoryview, after every check of `format.unseal`, the checksum computed here without the
+/// GIL (`verify = false` skips only it); raises `PayloadError` naming the check that failed.
 #[pyfunction]
-#[pyo3(signature = (value, digest, texts, *, received = None, verify = true))]
-pub fn unseal_span(
-    py: Python<'_>,
-    value: &Bound<'_, PyAny>,
+#[pyo3(signature = (value, digest, texts, *, verify = true))]
+pub fn unseal<'py>(
+    py: Python<'py>,
+    value: &Bound<'py, PyAny>,
     digest: u64,
     texts: &[u8],
-    received: Option<u64>,
     verify: bool,
-) -> PyResult<(usize, usize)> {
-    let value = crate::arrays::bytes_array(value, "value")?;
-    let bytes = value.as_slice()?;
+) -> PyResult<Bound<'py, PyAny>> {
+    let bytes = Bytes::of(value).ok_or_else(|| {
+        crate::errors::to_py(kvtier::Error::InvalidArgument {
+            what: "value",
+            reason: format!(
+                "expected bytes or a contiguous buffer, got {}",
+                value
+                    .get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ),
+        })
+    })?;
     let want = Expected {
         digest,
         texts: &[texts],
     };
-    py.detach(|| check(bytes, received, &want, verify))
-        .map_err(|reason| payload_error(py, reason))
+    let sealed = bytes.as_slice();
+    let (start, stop) = py
+        .detach(|| check(sealed, None, &want, verify))
+        .map_err(|reason| payload_error(py, reason))?;
+    let (readonly, bytewise) = match &bytes {
+        Bytes::Bytes(_) => (true, true),
+        Bytes::Buffer(b) => (b.readonly(), b.dimensions() == 1 && b.format() == c"B"),
+    };
+    let mut view = PyMemoryView::from(value)?.into_any();
+    if !bytewise {
+        view = view.call_method1(intern!(py, "cast"), ("B",))?; // slices count bytes
+    }
+    // Spans within one allocation, so within isize.
+    let view = view.get_item(PySlice::new(py, start as isize, stop as isize, 1))?;
+    if readonly {
+        Ok(view)
+    } else {
+        view.call_method0(intern!(py, "toreadonly"))
+    }
 }

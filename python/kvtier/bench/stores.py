@@ -17,7 +17,7 @@ A dict and files have no batch call: their batch-64 rows repeat the one-by-one l
 runs rounds of one pass of the store and one of the baseline, interleaved a slice of ~1 MiB (or
 one batch) at a time; its overhead is the median over the rounds of store time / baseline time
 - 1 (the target: <= 10 %), its times each side's best pass. Passes replace the values of the pass before, as a cache in steady state
-does. Every get is checked by the store (header and xxh3 checksum), and the bytes read back are
+does. Every get is checked by the store (header and checksum), and the bytes read back are
 compared with the bytes written for two values of every cell. Disk figures go through the page
 cache: they measure memory more than the device.
 

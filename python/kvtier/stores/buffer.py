@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .._core import checksum
+from .._core import digest
 from ..errors import InvalidArgumentError, KvtierError, PayloadError, require
 from .base import KVStore
 
@@ -67,7 +67,7 @@ _DIM = struct.Struct("<Q")
 #: The integer dtypes token ids may come in (hashed as int64 either way).
 _TOKEN_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 #: Seeds the digest of the selected tokens, so it differs from every other xxh3 in kvtier.
-_TOKENS_SEED = checksum(np.frombuffer(b"kvtier lookup buffer tokens", np.uint8))
+_TOKENS_SEED = digest(b"kvtier lookup buffer tokens")
 _ENTRY_PREFIX = "tokens-"
 
 _B = TypeVar("_B", bound="_Buffer")
@@ -347,7 +347,7 @@ def _miss() -> list[Tensor | None]:
 
 def _entry_key(selected: Tensor) -> str:
     data = np.ascontiguousarray(selected.numpy(), dtype="<i8").view(np.uint8)
-    return f"{_ENTRY_PREFIX}{len(selected)}-{checksum(data, seed=_TOKENS_SEED):016x}"
+    return f"{_ENTRY_PREFIX}{len(selected)}-{digest(data, seed=_TOKENS_SEED):016x}"
 
 
 class KVStoreBuffer(_Buffer):

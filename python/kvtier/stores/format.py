@@ -10,17 +10,19 @@ Layout of a value (little-endian)::
     ns      u64      digest of the namespace (model, tenant, codec, dtype, shape)
     key, codec, dtype, shape   each a u16 length + UTF-8 text
     payload
-    xxh3-64 of everything before it (u64; 0 in the host store, whose values never leave the
-            process and are never verified)
+    CRC-64/NVME of everything before it (u64; 0 in the host store, whose values never leave
+            the process and are never verified)
 
 The header names the key it was written under, so a value copied or renamed to another key is a
 miss too. Reading checks every field against what the reader expects: a value from another
 namespace, codec, shape or format version, a truncated one or one with a flipped bit is refused
 (:class:`~kvtier.errors.PayloadError`), never returned. No pickle.
 
-Values are sealed here and checked by the extension (``_core.unseal_span``; for files
+Values are sealed here and checked by the extension (``_core.unseal``; for files
 ``_core.read_stored`` and ``read_sealed``; all in ``crates/kvtier-py/src/sealed.rs``): a change
-to the layout changes both, and ``FORMAT_VERSION``.
+to the layout or the checksum changes both, and ``FORMAT_VERSION``. Version 2 checksums with
+CRC-64/NVME, version 1 did with xxh3-64: a value of version 1 is a miss (a cache loses nothing
+it cannot compute again).
 """
 
 from __future__ import annotations
@@ -30,15 +32,16 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from .._core import StreamingChecksum, checksum, copy_checksum, unseal_span
+from .._core import StreamingChecksum, copy_checksum, digest
+from .._core import unseal as _unseal
 from ..errors import InvalidArgumentError
 
 MAGIC = b"KVTR"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _FIXED = struct.Struct("<4sHHQQ")
 _TEXT_LEN = struct.Struct("<H")
 _SUM = struct.Struct("<Q")
@@ -99,7 +102,7 @@ class Namespace:
         text = "\0".join(
             ("kvtier-namespace", self.model, self.tenant, self.codec, self.dtype, self.shape)
         )
-        return checksum(np.frombuffer(text.encode(), np.uint8))
+        return digest(text.encode())
 
     @cached_property
     def packed_texts(self) -> bytes:
@@ -204,21 +207,6 @@ class Sealed:
         yield _SUM.pack(digest.digest())
 
 
-class Received(NamedTuple):
-    """A stored value read in together with the checksum of what it holds before its own
-    checksum field (hashed while it was received): ``unseal`` compares with it instead of
-    hashing the value once more."""
-
-    data: np.ndarray
-    digest: int
-
-
-def received(blob: bytes) -> Received:
-    """A stored value just read in whole, hashed now, while it is still in cache."""
-    data = np.frombuffer(blob, np.uint8)
-    return Received(data, checksum(data[: max(0, len(data) - _SUM.size)]))
-
-
 def seal_joined(
     ns: Namespace,
     key: str,
@@ -241,34 +229,21 @@ def seal_joined(
     end = len(head) + len(body)
     out = (alloc or _empty)(end + _SUM.size)[: end + _SUM.size]
     if checksummed:
-        digest = copy_checksum(out, head, body)
+        total = copy_checksum(out, head, body)
     else:
         out[: len(head)] = head
         out[len(head) : end] = body
-        digest = 0
-    out[end:] = np.frombuffer(_SUM.pack(digest), np.uint8)
+        total = 0
+    out[end:] = np.frombuffer(_SUM.pack(total), np.uint8)
     return out
 
 
 def unseal(ns: Namespace, key: str, blob: Any, *, verify: bool = True) -> memoryview:
-    """The payload of a stored value as a read-only view, after checking everything
-    (``_core.unseal_span``); raises :class:`PayloadError` saying which check failed.
-    ``verify=False`` skips only the checksum, for values that never left this process's
-    memory."""
-    received = None
-    if isinstance(blob, Received):
-        blob, received = blob.data, blob.digest
-    view = memoryview(blob)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    start, stop = unseal_span(
-        np.frombuffer(view, np.uint8),
-        ns.digest,
-        header_texts(ns, key),
-        received=received,
-        verify=verify,
-    )
-    return view[start:stop].toreadonly()
+    """The payload of a stored value (bytes or any contiguous buffer) as a read-only view,
+    after checking everything (``_core.unseal``, which also computes the checksum); raises
+    :class:`PayloadError` saying which check failed. ``verify=False`` skips only the checksum,
+    for values that never left this process's memory."""
+    return _unseal(blob, ns.digest, header_texts(ns, key), verify=verify)
 
 
 def read_key(blob: Any) -> str | None:

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..errors import InvalidArgumentError, require
-from .base import KVStore, StoredForm
-from .format import Namespace, Sealed, received, seal_joined
+from .base import Checked, KVStore, StoredForm
+from .format import Namespace, Sealed, seal_joined
 
 
 class RedisStore(KVStore):
@@ -193,23 +193,23 @@ class RedisStore(KVStore):
         return self._on_connection("put", send_sets, len(keys), False)
 
     def _get(self, keys: list[str]) -> list[Any]:
+        def fill(pipe: Any) -> None:
+            for key in keys:
+                pipe.get(key)
+
+        return self._run("get", fill, len(keys), None)
+
+    def _get_checked(self, keys: list[str]) -> list[Checked]:
         if self.cluster:
+            return super()._get_checked(keys)
 
-            def fill(pipe: Any) -> None:
-                for key in keys:
-                    pipe.get(key)
-
-            return self._run("get", fill, len(keys), None)
-
-        def send_gets(conn: Any) -> list[Any]:
+        def send_gets(conn: Any) -> list[Checked]:
             get = b"*2\r\n$3\r\nGET\r\n"
             conn.send_packed_command([b"".join(get + _bulk(k.encode()) for k in keys)])
-            # Each value is hashed as soon as it is in, while it is in cache, not after the
+            # Each value is checked as soon as it is in, while it is in cache, not after the
             # whole batch has pushed it out.
-            return [
-                None if blob is None else received(blob)
-                for blob in self._replies(conn, "get", len(keys), None)
-            ]
+            replies = self._replies(conn, "get", len(keys), None)
+            return [self._unseal(k, blob) for k, blob in zip(keys, replies, strict=True)]
 
         return self._on_connection("get", send_gets, len(keys), None)
 
