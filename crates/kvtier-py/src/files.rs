@@ -162,55 +162,27 @@ fn create_temporary(tmp: &str) -> io::Result<(File, String)> {
     }
 }
 
-/// A value at least this large, written while a CPU is spare, is hashed on a thread of its own
-/// while this one writes it: its hash (~140 us for 2 MiB, even from cache) then costs about
-/// what starting the thread does (25-30 us).
-const HASH_ASIDE: usize = 1 << 20;
-
 /// Writes `head`, `payload` and the checksum of both (little-endian) to the new file `tmp`, then
 /// closes it and renames it to `path`: a reader sees the old value or the new one, never part
-/// of one. On failure the temporary file is removed. With `spare_cpu`, a large value is hashed
-/// beside its writing (`HASH_ASIDE`); otherwise each `CHUNK` is hashed just after it is written.
-fn write_one(
-    tmp: &str,
-    path: &str,
-    head: &[u8],
-    payload: &[u8],
-    fsync: bool,
-    spare_cpu: bool,
-) -> io::Result<()> {
+/// of one. On failure the temporary file is removed. Each `CHUNK` is checksummed just after it
+/// is written. (Checksumming a large value on a thread of its own beside its writing paid when
+/// the checksum was xxh3; with CRC-64 it made 1-2 MiB puts 5 points slower, 2-CPU VM.)
+fn write_one(tmp: &str, path: &str, head: &[u8], payload: &[u8], fsync: bool) -> io::Result<()> {
     let (file, tmp) = create_temporary(tmp)?;
     let write = |file: File| -> io::Result<()> {
-        let sum = if spare_cpu && payload.len() >= HASH_ASIDE {
-            std::thread::scope(|s| {
-                let hash = s.spawn(|| {
-                    let mut sum = Checksum::new();
-                    sum.update(head);
-                    sum.update(payload);
-                    sum.value()
-                });
-                let written =
-                    write_all_vectored(&file, &mut [IoSlice::new(head), IoSlice::new(payload)]);
-                let sum = hash.join().expect("a hashing thread panicked");
-                written.map(|()| sum)
-            })?
-        } else {
-            let mut sum = Checksum::new();
-            let mut lead = head;
-            for chunk in payload.chunks(CHUNK) {
-                write_all_vectored(&file, &mut [IoSlice::new(lead), IoSlice::new(chunk)])?;
-                sum.update(lead);
-                sum.update(chunk);
-                lead = &[];
-            }
-            sum.update(lead); // the header of an empty value
-            let sum = sum.value();
-            if !lead.is_empty() {
-                write_all_vectored(&file, &mut [IoSlice::new(lead)])?;
-            }
-            sum
-        };
-        write_all_vectored(&file, &mut [IoSlice::new(&sum.to_le_bytes())])?;
+        let mut sum = Checksum::new();
+        let mut lead = head;
+        for chunk in payload.chunks(CHUNK) {
+            write_all_vectored(&file, &mut [IoSlice::new(lead), IoSlice::new(chunk)])?;
+            sum.update(lead);
+            sum.update(chunk);
+            lead = &[];
+        }
+        sum.update(lead); // the header of an empty value
+        if !lead.is_empty() {
+            write_all_vectored(&file, &mut [IoSlice::new(lead)])?;
+        }
+        write_all_vectored(&file, &mut [IoSlice::new(&sum.value().to_le_bytes())])?;
         if fsync {
             file.sync_all()?;
         }
@@ -433,8 +405,7 @@ fn write_batch(
     make_dirs: bool,
 ) -> Vec<io::Result<()>> {
     let items: Vec<usize> = (0..paths.len()).collect();
-    let spare_cpu = paths.len() < threads;
-    let write = |i: usize| write_one(&tmps[i], &paths[i], heads[i], bodies[i], fsync, spare_cpu);
+    let write = |i: usize| write_one(&tmps[i], &paths[i], heads[i], bodies[i], fsync);
     let mut written = parallel_map(&items, threads, |&i| match write(i) {
         Err(e) if make_dirs && e.kind() == io::ErrorKind::NotFound => {
             make_parent(&paths[i], fsync).and_then(|()| write(i))
