@@ -86,4 +86,7 @@ def test_bench_stores_quick_prints_figures_beside_baselines() -> None:
     for r in result["rows"]:
         assert r["gb_per_s"] > 0 and r["values_per_s"] > 0 and r["baseline_gb_per_s"] > 0
         assert r["bytes"] == r["values"] * r["size"] and r["values"] % r["batch"] == 0
+        # the checksum's own share beside the stores that checksum; none beside the host store
+        assert (r["checksum_pct"] is None) == (r["store"] == "host")
+        assert r["checksum_pct"] is None or r["checksum_pct"] > 0
     assert result["evictions"] == dict.fromkeys(kinds, 0), "the budgets hold every value"
