@@ -336,6 +336,37 @@ def test_a_value_of_format_version_1_is_refused() -> None:
         fmt.unseal(NS, NS.key(5), bytes(v1))
 
 
+def test_another_format_versions_values_are_neither_read_nor_removed(open_store: Any) -> None:
+    """A rolling upgrade: kvtier 1 (format 1, its namespace digest without the version) and this
+    one share a directory or a Redis. Neither sees the other's keys, so neither removes the
+    other's values as foreign."""
+    from kvtier import pymodel
+    from kvtier._core import store_path
+
+    store = open_store(NS)
+    if store.kind == "host":
+        pytest.skip("a host store's values live and die with its process")
+    fields = (NS.model, NS.tenant, NS.codec, NS.dtype, NS.shape)
+    v1_digest = pymodel.xxh3_64("\0".join(("kvtier-namespace", *fields)).encode())
+    v1_key = f"kvtier:{v1_digest:016x}:{NS.key(5).rsplit(':', 1)[1]}"
+    texts = fmt._pack_text(v1_key) + NS.packed_texts
+    head = fmt._FIXED.pack(fmt.MAGIC, 1, fmt._FIXED.size + len(texts), 3, v1_digest) + texts
+    v1_value = head + b"old" + pymodel.xxh3_64(head + b"old").to_bytes(8, "little")
+    if store.kind == "disk":
+        v1_file = Path(store_path(os.fspath(store.root), v1_key))
+        v1_file.parent.mkdir(parents=True)
+        v1_file.write_bytes(v1_value)
+        still_there = v1_file.read_bytes
+    else:
+        raw = store._client()
+        raw.set(v1_key, v1_value)
+        still_there = lambda: raw.get(v1_key)  # noqa: E731
+    assert v1_key != NS.key(5) and store.get(5) is None
+    assert store.put(5, b"new") and bytes(store.get(5)) == b"new"
+    assert list(store.keys()) == [NS.key(5).rsplit(":", 1)[1]]
+    assert still_there() == v1_value and store.stats.corrupt == 0
+
+
 def test_any_contiguous_buffer_unseals_to_a_read_only_view_of_its_payload() -> None:
     blob = sealed()
     array = np.frombuffer(blob, np.uint8).copy()

@@ -7,7 +7,7 @@ Layout of a value (little-endian)::
     version u16      FORMAT_VERSION
     hdrlen  u16      bytes of the header, magic included
     length  u64      bytes of the payload
-    ns      u64      digest of the namespace (model, tenant, codec, dtype, shape)
+    ns      u64      digest of the namespace (model, tenant, codec, dtype, shape; format version)
     key, codec, dtype, shape   each a u16 length + UTF-8 text
     payload
     CRC-64/NVME of everything before it (u64; 0 in the host store, whose values never leave
@@ -21,8 +21,9 @@ namespace, codec, shape or format version, a truncated one or one with a flipped
 Values are sealed here and checked by the extension (``_core.unseal``; for files
 ``_core.read_stored`` and ``read_sealed``; all in ``crates/kvtier-py/src/sealed.rs``): a change
 to the layout or the checksum changes both, and ``FORMAT_VERSION``. Version 2 checksums with
-CRC-64/NVME, version 1 did with xxh3-64: a value of version 1 is a miss (a cache loses nothing
-it cannot compute again).
+CRC-64/NVME, version 1 did with xxh3-64. The namespace digest covers the version, so values of
+another version live under other keys and are never read (a cache loses nothing it cannot
+compute again); one found under this version's key anyway is refused for its version.
 """
 
 from __future__ import annotations
@@ -99,9 +100,12 @@ class Namespace:
 
     @cached_property
     def digest(self) -> int:
-        text = "\0".join(
-            ("kvtier-namespace", self.model, self.tenant, self.codec, self.dtype, self.shape)
-        )
+        """Names the namespace in stored keys and headers. It covers the format version, so
+        engines running two versions of kvtier on one Redis or directory (a rolling upgrade)
+        never read each other's values, nor remove them as foreign: each version's values
+        age out by eviction."""
+        fields = (self.model, self.tenant, self.codec, self.dtype, self.shape)
+        text = "\0".join(("kvtier-namespace", f"format {FORMAT_VERSION}", *fields))
         return digest(text.encode())
 
     @cached_property
