@@ -91,42 +91,63 @@ impl HeaderSpec {
     /// The stored key of `key`, as `Namespace.key` makes it: a text key of printable ASCII
     /// without spaces, or a 64-bit hash as 16 hex digits; other types go to `Namespace.key`.
     fn key(&self, key: &Bound<'_, PyAny>) -> PyResult<String> {
-        if let Ok(text) = key.cast_exact::<PyString>() {
-            let text = text.to_str()?;
+        self.with_key(key, str::to_owned)
+    }
+
+    /// `f` of the stored key of `key` (see `key`), built on the stack where it can be: a get
+    /// needs the key only to look it up, and allocating it cost a tenth of a small get.
+    fn with_key<R>(&self, key: &Bound<'_, PyAny>, f: impl FnOnce(&str) -> R) -> PyResult<R> {
+        let digits: [u8; 16];
+        let text: &[u8] = if let Ok(text) = key.cast_exact::<PyString>() {
+            let text = text.to_str()?.as_bytes();
             let ok = (1..=KEY_TEXT_MAX).contains(&text.len())
-                && text.bytes().all(|c| (0x21..=0x7e).contains(&c));
-            if ok {
-                return Ok(self.prefixed(text.as_bytes()));
+                && text.iter().all(|c| (0x21..=0x7e).contains(c));
+            if !ok {
+                return self.python_key(key).map(|k| f(&k));
             }
-        } else if let Ok(int) = key.cast_exact::<PyInt>() {
-            if let Ok(hash) = int.extract::<u64>() {
-                const HEX: &[u8; 16] = b"0123456789abcdef";
-                let digits: [u8; 16] =
-                    std::array::from_fn(|i| HEX[(hash >> (60 - 4 * i)) as usize & 15]);
-                return Ok(self.prefixed(&digits));
-            }
+            text
+        } else if let Some(hash) = key
+            .cast_exact::<PyInt>()
+            .ok()
+            .and_then(|int| int.extract::<u64>().ok())
+        {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            digits = std::array::from_fn(|i| HEX[(hash >> (60 - 4 * i)) as usize & 15]);
+            &digits
+        } else {
+            return self.python_key(key).map(|k| f(&k));
+        };
+        // Prefixes are 24 bytes (kvtier:<16 hex digits>:), texts at most KEY_TEXT_MAX.
+        let mut buf = [0u8; 256];
+        let n = self.prefix.len() + text.len();
+        if n > buf.len() {
+            return self.python_key(key).map(|k| f(&k));
         }
-        // Bad text, a negative or wide int, numpy ints, anything else: the Python rules (and
-        // their messages) decide.
+        buf[..self.prefix.len()].copy_from_slice(self.prefix.as_bytes());
+        buf[self.prefix.len()..n].copy_from_slice(text);
+        // Printable ASCII, the prefix (kvtier:<hex>:) and the text alike.
+        Ok(f(
+            std::str::from_utf8(&buf[..n]).expect("stored keys are ASCII")
+        ))
+    }
+
+    /// The stored key of a key only the Python rules (and their messages) decide on: bad
+    /// text, a negative or wide int, numpy ints, anything else.
+    fn python_key(&self, key: &Bound<'_, PyAny>) -> PyResult<String> {
         self.namespace
             .bind(key.py())
             .call_method1("key", (key,))?
             .extract()
     }
 
-    /// The prefix and then `text` (printable ASCII), in one allocation: `format!` costs a
-    /// tenth of a small get.
-    fn prefixed(&self, text: &[u8]) -> String {
-        let mut key = String::with_capacity(self.prefix.len() + text.len());
-        key.push_str(&self.prefix);
-        key.extend(text.iter().map(|&c| c as char));
-        key
+    /// The length of the header of a value stored under `key`.
+    fn header_len(&self, key: &str) -> usize {
+        FIXED + 2 + key.len() + self.texts.len()
     }
 
-    /// The header of a value of `length` payload bytes stored under `key`.
-    fn header(&self, key: &str, length: usize) -> Vec<u8> {
-        let size = FIXED + 2 + key.len() + self.texts.len();
-        let mut head = Vec::with_capacity(size);
+    /// Appends to `head` the header of a value of `length` payload bytes stored under `key`.
+    fn write_header(&self, head: &mut Vec<u8>, key: &str, length: usize) {
+        let size = self.header_len(key);
         head.extend_from_slice(MAGIC);
         head.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
         head.extend_from_slice(&(size as u16).to_le_bytes());
@@ -135,7 +156,6 @@ impl HeaderSpec {
         head.extend_from_slice(&(key.len() as u16).to_le_bytes());
         head.extend_from_slice(key.as_bytes());
         head.extend_from_slice(&self.texts);
-        head
     }
 
     /// The payload's span in `sealed`, a value read under `key`, once its header checks pass;
@@ -316,17 +336,19 @@ impl PyHostValues {
 
     /// `payload` sealed under `key`, in one copy.
     fn seal(&self, py: Python<'_>, key: &str, payload: &[u8]) -> PyResult<Py<HostValue>> {
-        let head = self.spec.header(key, payload.len());
-        let size = head.len() + payload.len() + SUM;
+        let head_len = self.spec.header_len(key);
+        let size = head_len + payload.len() + SUM;
         let memory = match &self.alloc {
             None => {
                 let mut bytes = Vec::with_capacity(size);
-                bytes.extend_from_slice(&head);
+                self.spec.write_header(&mut bytes, key, payload.len());
                 bytes.extend_from_slice(payload);
                 bytes.extend_from_slice(&[0; SUM]);
                 Memory::Own(bytes.into_boxed_slice())
             }
             Some(alloc) => {
+                let mut head = Vec::with_capacity(head_len);
+                self.spec.write_header(&mut head, key, payload.len());
                 let buffer = alloc.bind(py).call1((size,))?;
                 let addr = {
                     let array = buffer.cast::<numpy::PyArray1<u8>>()?;
@@ -346,8 +368,13 @@ impl PyHostValues {
                 }
             }
         };
-        let head = head.len();
-        Py::new(py, HostValue { memory, head })
+        Py::new(
+            py,
+            HostValue {
+                memory,
+                head: head_len,
+            },
+        )
     }
 
     /// What a get hands out for `value` found (or not) under `key`: a view of its payload once
@@ -400,24 +427,17 @@ impl PyHostValues {
     /// and how many values it evicted. What leaves is released after the lock.
     fn admit(&self, key: String, value: Py<HostValue>) -> (bool, u64) {
         let size = value.get().sealed().len() as u64;
-        let mut released = Vec::new();
-        let admitted = {
-            let mut values = self.shared.values();
-            let mut index = self.shared.index.get().lock();
-            match index.admit(&key, size) {
-                Some(victims) => {
-                    released.extend(victims.iter().filter_map(|v| values.remove(v)));
-                    released.extend(values.insert(key, value));
-                    Some(victims.len() as u64)
-                }
-                None => {
-                    released.push(value);
-                    None
-                }
-            }
+        let mut values = self.shared.values();
+        let mut index = self.shared.index.get().lock();
+        let Some(victims) = index.admit(&key, size) else {
+            drop((index, values));
+            return (false, 0); // `value` is released here, after the locks
         };
-        drop(released);
-        admitted.map_or((false, 0), |evicted| (true, evicted))
+        let evicted: Vec<_> = victims.iter().filter_map(|v| values.remove(v)).collect();
+        let replaced = values.insert(key, value);
+        drop((index, values));
+        drop((evicted, replaced));
+        (true, victims.len() as u64)
     }
 
     /// Seals and admits each value in turn, so that what a value replaces is released before
@@ -437,10 +457,14 @@ impl PyHostValues {
             done.push(stored);
         }
         let stored = done.iter().filter(|&&d| d).count() as u64;
-        let counts = &self.shared.counts;
-        counts.count_puts(stored, stored_bytes, done.len() as u64 - stored);
-        counts.evictions.fetch_add(evicted, Relaxed);
+        self.count_puts(stored, stored_bytes, done.len() as u64 - stored, evicted);
         Ok(done)
+    }
+
+    fn count_puts(&self, stored: u64, stored_bytes: u64, refused: u64, evicted: u64) {
+        let counts = &self.shared.counts;
+        counts.count_puts(stored, stored_bytes, refused);
+        counts.evictions.fetch_add(evicted, Relaxed);
     }
 
     fn keys_of(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
@@ -523,8 +547,18 @@ impl PyHostValues {
         value: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
         self.check_open(py)?;
-        let checked = vec![(self.spec.key(key)?, payload(value)?)];
-        Ok(self.store(py, checked)?[0])
+        let (key, payload) = (self.spec.key(key)?, payload(value)?);
+        let bytes = payload.as_slice();
+        let sealed = self.seal(py, &key, bytes)?;
+        let (stored, evicted) = self.admit(key, sealed);
+        let n = bytes.len() as u64;
+        self.count_puts(
+            u64::from(stored),
+            if stored { n } else { 0 },
+            u64::from(!stored),
+            evicted,
+        );
+        Ok(stored)
     }
 
     /// The payloads under `keys`, as read-only views; None for a miss. A value that fails a
@@ -573,28 +607,30 @@ impl PyHostValues {
     /// `get_many` of one key.
     fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         self.check_open(py)?;
-        let full = self.spec.key(key)?;
-        let value = self.shared.values().get(&full).map(|v| v.clone_ref(py));
-        if value.is_some() {
-            self.shared.index.get().lock().touch(&[&full]);
-        }
-        self.serve_one(py, &full, value)
+        self.spec.with_key(key, |full| {
+            let value = self.shared.values().get(full).map(|v| v.clone_ref(py));
+            if value.is_some() {
+                self.shared.index.get().lock().touch(&[full]);
+            }
+            self.serve_one(py, full, value)
+        })?
     }
 
     /// Takes the value out and returns its payload (checked, as for `get`); None for a miss.
     fn pop<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         self.check_open(py)?;
-        let full = self.spec.key(key)?;
-        let value = self.shared.values().remove(&full);
-        self.shared.index.get().lock().remove(&full);
-        self.serve_one(py, &full, value)
+        self.spec.with_key(key, |full| {
+            let value = self.shared.values().remove(full);
+            self.shared.index.get().lock().remove(full);
+            self.serve_one(py, full, value)
+        })?
     }
 
     /// Whether a value is stored under `key`.
     fn contains(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         self.check_open(key.py())?;
-        let full = self.spec.key(key)?;
-        Ok(self.shared.values().contains_key(&full))
+        self.spec
+            .with_key(key, |full| self.shared.values().contains_key(full))
     }
 
     /// Deletes the values under `keys`; returns which there were.

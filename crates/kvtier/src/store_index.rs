@@ -102,7 +102,16 @@ impl StoreIndex {
         if bytes > self.budget {
             return None;
         }
-        self.remove(key);
+        // A key already held gives its bytes back and keeps its row (a replacement allocates
+        // nothing); out of the queue (its entries read stale), it is never evicted to make
+        // room for itself.
+        let held = self.by_key.get(key).copied();
+        if let Some(r) = held {
+            let row = &mut self.rows[r as usize];
+            row.live = false;
+            row.version = row.version.wrapping_add(1);
+            self.bytes -= row.bytes;
+        }
         let mut evicted = Vec::new();
         while self.bytes + bytes > self.budget {
             let victim = self.lowest().expect("bytes are held by some key");
@@ -110,23 +119,24 @@ impl StoreIndex {
             evicted.push(row.key.clone());
             self.remove(&evicted[evicted.len() - 1]);
         }
-        let r = self.free_rows.pop().unwrap_or_else(|| {
-            self.rows.push(Row::default());
-            (self.rows.len() - 1) as u32
+        let r = held.unwrap_or_else(|| {
+            let r = self.free_rows.pop().unwrap_or_else(|| {
+                self.rows.push(Row::default());
+                (self.rows.len() - 1) as u32
+            });
+            self.rows[r as usize].key.push_str(key); // a freed row's key keeps its buffer
+            self.by_key.insert(key.to_owned(), r);
+            r
         });
         self.clock += 1;
-        let version = self.rows[r as usize].version;
-        self.rows[r as usize] = Row {
-            key: key.to_owned(),
-            bytes,
-            reads: 1.0,
-            reads_step: self.step,
-            last_access: self.clock,
-            score: 0.0,
-            version,
-            live: true,
-        };
-        self.by_key.insert(key.to_owned(), r);
+        let (step, clock) = (self.step, self.clock);
+        let row = &mut self.rows[r as usize];
+        row.bytes = bytes;
+        row.reads = 1.0;
+        row.reads_step = step;
+        row.last_access = clock;
+        row.score = 0.0;
+        row.live = true;
         self.bytes += bytes;
         self.rank(r);
         Some(evicted)
@@ -308,6 +318,24 @@ mod tests {
         assert_eq!(ix.remove("a"), Some(5));
         assert_eq!(ix.remove("a"), None);
         assert_eq!(ix.used_bytes(), 10);
+    }
+
+    #[test]
+    fn a_replacement_that_needs_room_evicts_the_others_never_itself() {
+        for policy in [PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::Importance] {
+            let mut ix = index(policy, 30);
+            for k in ["a", "b", "c"] {
+                ix.admit(k, 10);
+            }
+            ix.touch(&["a", "a"]);
+            // Growing `a` must evict `b` (then `c`), in rank order, never `a` itself.
+            assert_eq!(ix.admit("a", 15), Some(vec!["b".to_owned()]), "{policy:?}");
+            assert_eq!((ix.len(), ix.used_bytes()), (2, 25), "{policy:?}");
+            assert_eq!(ix.admit("a", 30), Some(vec!["c".to_owned()]), "{policy:?}");
+            assert_eq!(ix.eviction_order(), ["a"], "{policy:?}");
+            ix.admit("d", 1);
+            assert_eq!(ix.eviction_order(), ["d"], "{policy:?}");
+        }
     }
 
     #[test]
