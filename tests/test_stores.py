@@ -793,14 +793,34 @@ def test_redis_corrupt_and_foreign_values_are_misses(redis_server: Any) -> None:
     assert store.stats.corrupt == 3 and raw.exists(NS.key(11), NS.key(12), NS.key(13)) == 0
 
 
+@pytest.fixture(params=["hiredis", "python"])
+def reply_parser(request: Any) -> Any:
+    """redis-py's reply parsers: hiredis (kvtier's `redis` extra installs it) and its own
+    pure-Python one (what a plain `pip install redis` gets)."""
+    from redis._parsers import _HiredisParser, _RESP2Parser
+    from redis.utils import HIREDIS_AVAILABLE
+
+    if request.param == "hiredis" and not HIREDIS_AVAILABLE:
+        pytest.skip("hiredis is not installed")
+    return _HiredisParser if request.param == "hiredis" else _RESP2Parser
+
+
+def parsing_with(store: RedisStore, parser: Any) -> RedisStore:
+    """``store``, its connections (none made yet) reading replies with ``parser``."""
+    store._client().connection_pool.connection_kwargs["parser_class"] = parser
+    return store
+
+
 @pytest.mark.redis
-def test_redis_refusing_one_get_misses_that_value_only(redis_server: Any) -> None:
+def test_redis_refusing_one_get_misses_that_value_only(
+    redis_server: Any, reply_parser: Any
+) -> None:
     """A key that holds no string (the server answers WRONGTYPE) is a miss, counted once; the
     other values of the batch are read in step, and the server is not taken for gone."""
     import redis
 
     raw = redis.Redis.from_url(redis_server.url)
-    store = RedisStore(redis_server.url, NS)
+    store = parsing_with(RedisStore(redis_server.url, NS), reply_parser)
     values = [payload(70_000 + i) for i in range(3)]
     store.put_many([21, 23, 24], values)
     raw.rpush(NS.key(22), b"a list, not a value")
@@ -811,7 +831,9 @@ def test_redis_refusing_one_get_misses_that_value_only(redis_server: Any) -> Non
 
 
 @pytest.mark.redis
-def test_redis_values_are_the_sealed_bytes_with_their_ttl(redis_server: Any) -> None:
+def test_redis_values_are_the_sealed_bytes_with_their_ttl(
+    redis_server: Any, reply_parser: Any
+) -> None:
     """A put writes its own SET commands around the caller's payload: what the server holds
     must be exactly the joined sealed value, with the TTL asked for."""
     import redis
@@ -819,7 +841,7 @@ def test_redis_values_are_the_sealed_bytes_with_their_ttl(redis_server: Any) -> 
     raw = redis.Redis.from_url(redis_server.url)
     values = [payload(n) for n in (0, 1, 7000, 300_000, 3 * fmt.CHUNK + 5)]
     for ttl in (None, 60.0):
-        store = RedisStore(redis_server.url, NS, ttl=ttl)
+        store = parsing_with(RedisStore(redis_server.url, NS, ttl=ttl), reply_parser)
         keys = [f"ttl-{ttl}-{n}" for n in range(len(values))]
         assert store.put_many(keys, values) == [True] * len(values)
         for key, value in zip(keys, values, strict=True):

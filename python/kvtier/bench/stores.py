@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -384,6 +385,9 @@ def _redis(
         "cluster": store.cluster,
         "started_for_the_run": started,
         "redis_py": redis.__version__,
+        # hiredis changes both sides: it parses replies in C (gets), and redis-py then packs
+        # each SET by joining the value into one buffer, a copy its own packer avoids (puts).
+        "parser": "hiredis" if importlib.util.find_spec("hiredis") else "python",
     }
     return store, RedisSide(client), info
 
@@ -472,7 +476,10 @@ def _table(result: dict[str, Any]) -> str:
     if redis:
         how = "started for the run" if redis["started_for_the_run"] else "given"
         cluster = ", a cluster" if redis["cluster"] else ""
-        lines.append(f"redis: server {redis['version']} at {redis['url']} ({how}{cluster})")
+        lines.append(
+            f"redis: server {redis['version']} at {redis['url']} ({how}{cluster}); redis-py "
+            f"{redis['redis_py']}, {redis['parser']} reply parser"
+        )
     for kind, reason in result["skipped"].items():
         lines.append(f"{kind}: skipped: {reason}")
     lines.append("baselines: " + "; ".join(f"{k}: {v}" for k, v in result["baselines"].items()))
