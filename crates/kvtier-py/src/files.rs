@@ -9,9 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use numpy::PyReadonlyArray1;
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyMemoryView, PySlice};
 use twox_hash::XxHash3_64;
 
 use crate::checksum::Checksum;
@@ -252,12 +250,7 @@ fn served(py: Python<'_>, read: Read) -> PyResult<Py<PyAny>> {
     Ok(match read {
         Ok((data, Ok((start, stop)))) => {
             let array = numpy::PyArray1::from_vec(py, data);
-            // Within a Vec, so within isize.
-            let payload = PySlice::new(py, start as isize, stop as isize, 1);
-            PyMemoryView::from(array.as_any())?
-                .get_item(payload)?
-                .call_method0(intern!(py, "toreadonly"))?
-                .unbind()
+            crate::sealed::read_only_span(array.as_any(), start, stop, true, false)?.unbind()
         }
         Ok((_, Err(reason))) => payload_error(py, reason).into_value(py).into_any(),
         Err(e) => PyErr::from(e).into_value(py).into_any(),

@@ -7,7 +7,6 @@ use pyo3::prelude::*;
 use pyo3::types::{PyMemoryView, PySlice};
 
 use crate::arrays::Bytes;
-
 use crate::checksum::Checksum;
 
 pub(crate) const MAGIC: &[u8; 4] = b"KVTR";
@@ -192,6 +191,19 @@ pub fn unseal<'py>(
         Bytes::Bytes(_) => (true, true),
         Bytes::Buffer(b) => (b.readonly(), b.dimensions() == 1 && b.format() == c"B"),
     };
+    read_only_span(value, start, stop, bytewise, readonly)
+}
+
+/// Bytes `start..stop` of `value`'s buffer as a read-only memoryview (`bytewise`: its buffer
+/// is already 1-D bytes; `readonly`: it is already read-only).
+pub(crate) fn read_only_span<'py>(
+    value: &Bound<'py, PyAny>,
+    start: usize,
+    stop: usize,
+    bytewise: bool,
+    readonly: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = value.py();
     let mut view = PyMemoryView::from(value)?.into_any();
     if !bytewise {
         view = view.call_method1(intern!(py, "cast"), ("B",))?; // slices count bytes
