@@ -724,6 +724,37 @@ def test_a_host_store_dropped_without_close_is_freed() -> None:
     assert [r() for r in refs] == [None, None]
 
 
+def test_a_put_racing_close_leaves_nothing_in_the_closed_store() -> None:
+    """A put on another thread that passed its open check just before ``close`` (here while
+    its value goes through ``format.payload_view``, Python code the thread can be switched out
+    of) is refused, not left in the closed store's values."""
+    import array
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(100):
+            store = HostStore(NS, 1 << 24)
+            values = store._values
+            value = array.array("B", bytes(1000))  # not a type the store reads directly
+
+            def put_until_closed(store: HostStore = store, value: Any = value) -> None:
+                try:
+                    while store.put(1, value):
+                        pass
+                except StoreClosedError:
+                    pass
+
+            putter = threading.Thread(target=put_until_closed)
+            putter.start()
+            time.sleep(1e-4)
+            store.close()
+            putter.join()
+            assert len(values) == 0
+    finally:
+        sys.setswitchinterval(switch)
+
+
 def _budgeted(kind: str, tmp_path: Path, budget: int, policy: str) -> KVStore:
     if kind == "host":
         return HostStore(NS, budget, policy=policy)

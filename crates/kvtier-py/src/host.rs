@@ -428,6 +428,13 @@ impl PyHostValues {
     fn admit(&self, key: String, value: Py<HostValue>) -> (bool, u64) {
         let size = value.get().sealed().len() as u64;
         let mut values = self.shared.values();
+        // A put that passed its open check while `close` ran: `close` marks the store closed
+        // before it empties the map, so under the map's lock this sees it and refuses (else
+        // the value would stay in a closed store's map).
+        if self.shared.closed.load(Relaxed) {
+            drop(values);
+            return (false, 0);
+        }
         let mut index = self.shared.index.get().lock();
         let Some(victims) = index.admit(&key, size) else {
             drop((index, values));
