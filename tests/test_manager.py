@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from kvtier import (  # noqa: E402
     KvtierConfig,
     OutOfCapacityError,
 )
+from kvtier._core import Plan  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 3, 2, 32, 16
 
@@ -593,10 +595,24 @@ def test_disk_tier_serves_exactly_what_a_host_tier_would(tmp_path: Path) -> None
     assert not any(tmp_path.iterdir())
 
 
+def a_file_on_disk(bm: BlockManager, seqs: Iterable[int]) -> Path:
+    """The file of a block of one of ``seqs`` that sits on the disk tier. (The tier holds other
+    files too: a slot a block left keeps its value until a block reuses it, as a pool slot
+    does.)"""
+    disk = Plan.TIERS.index("disk")
+    for seq in seqs:
+        info = bm.core.block_info(bm.core.sequence_blocks(seq))
+        for tier, level, slot in zip(info["tier"], info["level"], info["slot"], strict=True):
+            if tier == disk:
+                store = bm.stores["disk", int(level)]
+                return Path(store._path(store.namespace.key(f"{bm.instance}.{slot}")))
+    raise AssertionError("no block of these sequences is on disk")
+
+
 def test_a_block_corrupted_on_disk_is_lost_never_served(tmp_path: Path) -> None:
     bm = manager(**SPILL, disk_budget=4 << 20, disk_path=str(tmp_path))
     seqs = spill(bm)
-    victim = max(tmp_path.rglob("*"), key=lambda p: p.stat().st_mtime if p.is_file() else 0)
+    victim = a_file_on_disk(bm, seqs)
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     victim.write_bytes(bytes(raw))
