@@ -862,6 +862,23 @@ def test_redis_refusing_one_get_misses_that_value_only(
 
 
 @pytest.mark.redis
+def test_a_redis_store_without_hiredis_says_so_once(
+    redis_server: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    import redis.utils
+
+    from kvtier.stores import remote
+
+    remote._warn_no_hiredis.cache_clear()
+    monkeypatch.setattr(redis.utils, "HIREDIS_AVAILABLE", False)
+    with caplog.at_level("WARNING", logger="kvtier.stores"):
+        RedisStore(redis_server.url, NS).close()
+        RedisStore(redis_server.url, NS).close()
+    said = [r.getMessage() for r in caplog.records if "hiredis" in r.getMessage()]
+    assert len(said) == 1 and "pip install 'kvtier[redis]'" in said[0]
+
+
+@pytest.mark.redis
 def test_redis_values_are_the_sealed_bytes_with_their_ttl(
     redis_server: Any, reply_parser: Any
 ) -> None:

@@ -15,6 +15,7 @@ policy bound what it holds (set ``ttl`` to let values expire).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..errors import InvalidArgumentError, require
-from .base import Checked, KVStore, StoredForm
+from .base import Checked, KVStore, StoredForm, log
 from .format import Namespace, Sealed, seal_joined
 
 
@@ -49,6 +50,8 @@ class RedisStore(KVStore):
     ) -> None:
         super().__init__(namespace)
         redis = require("redis", "redis", purpose="RedisStore needs redis-py")
+        if not redis.utils.HIREDIS_AVAILABLE:
+            _warn_no_hiredis()
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise InvalidArgumentError(
                 f"url: expected redis://host:port, rediss://host:port (TLS) or unix://path, "
@@ -244,6 +247,15 @@ class RedisStore(KVStore):
     def _close(self) -> None:
         if self._clients[0] is not None:
             self._clients[0].close()
+
+
+@functools.cache
+def _warn_no_hiredis() -> None:
+    # Measured here: a 2 MiB GET took 2.1-4.4 ms with redis-py's own parser, ~1.5 ms with hiredis.
+    log.warning(
+        "redis-py is parsing replies in Python (hiredis is not installed): large gets run "
+        "slower and unsteadily; pip install 'kvtier[redis]' or hiredis"
+    )
 
 
 def _bulk(arg: bytes) -> bytes:
