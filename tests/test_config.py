@@ -57,6 +57,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert cfg.scissorhands_window == 8
     assert (cfg.write_through, cfg.evict_on_full) == (False, False)
     assert cfg.namespace == "default"
+    assert (cfg.remote_timeout, cfg.remote_ttl) == (1.0, None)
 
 
 @pytest.mark.parametrize(("field", "var", "alias", "from_alias", "from_var", "explicit"), ALIASED)
@@ -126,6 +127,7 @@ def test_environment_values_are_parsed_by_type() -> None:
         "KVTIER_DECAY": "0.5",
         "KVTIER_WRITE_THROUGH": "yes",
         "KVTIER_NAMESPACE": "llama3/int8",
+        "KVTIER_REMOTE_TTL": "3600",
     }
     cfg = KvtierConfig.from_env(environ=env)
     assert cfg.enable_compression is False
@@ -140,6 +142,7 @@ def test_environment_values_are_parsed_by_type() -> None:
     assert cfg.decay == 0.5
     assert cfg.write_through is True
     assert cfg.namespace == "llama3/int8"
+    assert cfg.remote_ttl == 3600.0
 
 
 @pytest.mark.parametrize(
@@ -227,6 +230,8 @@ def test_parse_bytes_rejects_with_the_expected_form(text: str) -> None:
         ("write_through", 2),
         ("namespace", ""),
         ("remote_tls_ca", "/no/such/ca.crt"),
+        ("remote_ttl", 0),
+        ("remote_ttl", float("inf")),
     ],
 )
 def test_each_invalid_value_is_a_config_error_naming_the_field(field: str, value: object) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -646,6 +647,33 @@ def test_remote_tier_serves_exactly_what_a_host_tier_would(redis_server: Any) ->
     assert mine() > 0
     bm.close()
     assert mine() == 0
+
+
+@pytest.mark.redis
+def test_remote_values_expire_after_remote_ttl(redis_server: Any) -> None:
+    """A crashed engine's values leave the server by themselves; a block that outlives them is
+    lost (a miss), and every block still served is exactly what a host tier serves."""
+    import redis
+
+    bm = manager(**SPILL, remote_budget=4 << 20, remote_url=redis_server.url, remote_ttl=0.5)
+    ref = manager(**SPILL, host_budget=4 << 20)
+    seqs = spill(bm)
+    spill(ref)
+    server = redis.Redis.from_url(redis_server.url)
+    mine = f"kvtier:*:{bm.instance}.*"
+    ttls = [server.pttl(k) for k in server.scan_iter(match=mine)]
+    assert ttls and all(0 < t <= 500 for t in ttls), ttls
+    time.sleep(0.6)
+    lost = 0
+    for seq in seqs:
+        try:
+            got = bm.gather(seq, 0)
+        except BlockLostError:
+            lost += 1
+            continue
+        assert all(torch.equal(a, b) for a, b in zip(got, ref.gather(seq, 0), strict=True))
+    assert 0 < lost < len(seqs) and not list(server.scan_iter(match=mine))
+    bm.close()
 
 
 @pytest.mark.redis

@@ -244,6 +244,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "is detected",
     ),
     _var("remote_timeout", "float", "seconds to wait for the remote server to connect or reply"),
+    _var(
+        "remote_ttl",
+        "float",
+        "seconds a remote-tier value lives after its write, so a crashed engine's values expire "
+        "(a block left there longer is lost: its sequence recomputes); unset = until evicted",
+    ),
     _var("remote_tls_ca", "str", "CA certificate file that signed the server's (`rediss://` only)"),
     _var(
         "remote_tls_cert",
@@ -325,6 +331,7 @@ class KvtierConfig:
     remote_budget: int | None = None
     remote_url: str | None = None
     remote_timeout: float = 1.0
+    remote_ttl: float | None = None
     remote_tls_ca: str | None = None
     remote_tls_cert: str | None = None
     remote_tls_key: str | None = None
@@ -438,6 +445,8 @@ class KvtierConfig:
         set_("decay", _number(self, "decay", 0.0, 1.0, lo_open=True))
         set_("attention_ema", _number(self, "attention_ema", 0.0, 1.0, lo_open=True))
         set_("remote_timeout", _number(self, "remote_timeout", 0.0, math.inf, lo_open=True))
+        if self.remote_ttl is not None:
+            set_("remote_ttl", _number(self, "remote_ttl", 0.0, math.inf, lo_open=True))
 
         set_("block_size", _integer(self, "block_size", 1))
         set_("recent_window", _integer(self, "recent_window", 0))

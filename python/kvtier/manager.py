@@ -17,13 +17,14 @@ prefix hash only once complete; a sequence that reuses a cached prefix skips wri
 
 Tiers: ``device`` and ``host`` pools are tensors; ``disk`` and ``remote`` are
 :mod:`kvtier.stores` (a directory, a Redis server), whose values are keyed by this manager's
-instance id, level and slot, so the core addresses them exactly like a pool: as in a pool, a slot a
-block leaves keeps its bytes until a block reuses it (no delete per move; the values stay within
-the tier's budget, and :meth:`BlockManager.close` deletes them all). Moves to and from a
-store go in one batch per pool pair and carry each level's packed bytes (an INT4 block moves a
-quarter of an fp16 one). A block a store cannot give back (corrupt, evicted, server gone) is
-*lost*: never shared again, and :class:`BlockLostError` for its sequence, never wrong K/V. A
-store that refuses a write (full, server gone) is left out of plans for ``STORE_RETRY_S``.
+instance id, level and slot, so the core addresses them exactly like a pool: as in a pool, a
+slot a block leaves keeps its bytes until a block reuses it (no delete per move; the values stay
+within the tier's budget, :meth:`BlockManager.close` deletes them all, and ``remote_ttl`` lets a
+crashed engine's remote values expire). Moves to and from a store go in one batch per pool pair
+and carry each level's packed bytes (an INT4 block moves a quarter of an fp16 one). A block a
+store cannot give back (corrupt, evicted, server gone) is *lost*: never shared again, and
+:class:`BlockLostError` for its sequence, never wrong K/V. A store that refuses a write (full,
+server gone) is left out of plans for ``STORE_RETRY_S``.
 
 Thread safety: one lock guards the core and the pools' bookkeeping; :meth:`step` copies bytes
 outside it (a plan's sources stay valid and its destinations reserved until commit, and appends
@@ -372,6 +373,7 @@ class BlockManager:
                     cfg.remote_url,
                     base_ns,
                     timeout=cfg.remote_timeout,
+                    ttl=cfg.remote_ttl,
                     retry_after=STORE_RETRY_S,
                     tls_ca=cfg.remote_tls_ca,
                     tls_cert=cfg.remote_tls_cert,
