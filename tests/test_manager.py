@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ torch = pytest.importorskip("torch")
 from kvtier import (  # noqa: E402
     BlockLostError,
     BlockManager,
+    ConfigError,
     InvalidArgumentError,
     InvalidSequenceError,
     KvtierConfig,
@@ -674,6 +676,109 @@ def test_remote_values_expire_after_remote_ttl(redis_server: Any) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got, ref.gather(seq, 0), strict=True))
     assert 0 < lost < len(seqs) and not list(server.scan_iter(match=mine))
     bm.close()
+
+
+def sharing(url: str, **cfg: Any) -> tuple[BlockManager, BlockManager]:
+    """Two engines of one model that share prefixes through the server at ``url`` (in a
+    namespace of their own: the server lives for the whole run)."""
+    base = {"remote_budget": 4 << 20, "remote_url": url, "namespace": f"share-{uuid.uuid4()}"}
+    base.update(cfg)
+    return manager(share_prefixes=True, **base), manager(share_prefixes=True, **base)
+
+
+@pytest.mark.redis
+def test_an_engine_takes_the_prompt_blocks_another_engine_published(redis_server: Any) -> None:
+    a, b = sharing(redis_server.url)
+    x, ids = kv(5 * BS + 3, seed=40), np.arange(5 * BS + 3) + 1000
+    append_all(a, a.add_sequence(ids), x)
+    assert b.num_tokens(b.add_sequence(ids)) == 0  # nothing published before a step
+    a.step()  # publishes what became complete
+    assert a.stats().counters["prefix_published"] == 5
+    seq = b.add_sequence(ids[: 4 * BS + 2])
+    assert b.num_tokens(seq) == 4 * BS and b.stats().counters["prefix_fetched"] == 4
+    append_all(b, seq, x[:, :, 4 * BS : 4 * BS + 2])  # only the rest is computed
+    for layer in range(LAYERS):
+        k, v = b.gather(seq, layer)
+        assert torch.equal(k, x[layer, 0, : 4 * BS + 2]) and torch.equal(
+            v, x[layer, 1, : 4 * BS + 2]
+        )
+    assert b.lookup(ids) == 4 * BS  # now cached here as well
+    b.step()
+    assert b.stats().counters["prefix_published"] == 0  # what it fetched is there already
+    a.close()
+    c = manager(
+        share_prefixes=True,
+        remote_budget=4 << 20,
+        remote_url=redis_server.url,
+        namespace=b.config.namespace,
+    )
+    assert c.num_tokens(c.add_sequence(ids)) == 5 * BS  # what a published outlives it
+
+
+@pytest.mark.redis
+def test_a_damaged_shared_block_is_computed_again_never_served(redis_server: Any) -> None:
+    import redis
+
+    a, b = sharing(redis_server.url)
+    x, ids = kv(4 * BS, seed=41), np.arange(4 * BS) + 7
+    append_all(a, a.add_sequence(ids), x)
+    a.step()
+    store = a.stores["remote", 0]
+    third = store.namespace.key(int(a.core.block_info(a.core.sequence_blocks(0))["hash"][2]))
+    server = redis.Redis.from_url(redis_server.url)
+    value = bytearray(server.get(third))
+    value[len(value) // 2] ^= 1
+    server.set(third, bytes(value))
+    seq = b.add_sequence(ids)
+    assert b.num_tokens(seq) == 2 * BS  # the blocks before the damaged one
+    assert not server.exists(third)  # dropped from the server, so nobody else takes it
+    append_all(b, seq, x[:, :, 2 * BS :])
+    assert torch.equal(b.gather(seq, 1)[0], x[1, 0])
+
+
+@pytest.mark.redis
+def test_engines_of_another_model_or_namespace_share_nothing(redis_server: Any) -> None:
+    a, same = sharing(redis_server.url)
+    ids = np.arange(2 * BS)
+    append_all(a, a.add_sequence(ids), kv(2 * BS, seed=42))
+    a.step()
+    tier = {"share_prefixes": True, "remote_budget": 4 << 20, "remote_url": redis_server.url}
+    ns = a.config.namespace
+    other_dtype = manager(dtype=torch.bfloat16, namespace=ns, **tier)
+    other_ns = manager(namespace=ns + "-other", **tier)
+    for other in (other_dtype, other_ns):
+        assert other.num_tokens(other.add_sequence(ids)) == 0
+    assert same.num_tokens(same.add_sequence(ids)) == 2 * BS
+
+
+def test_sharing_prefixes_needs_a_remote_tier_and_a_named_model() -> None:
+    with pytest.raises(ConfigError, match="share_prefixes: needs a remote tier"):
+        manager(share_prefixes=True, host_budget=1 << 20)
+    with pytest.raises(ConfigError, match="share_prefixes: set namespace to name the model"):
+        manager(share_prefixes=True, remote_budget=1 << 20, remote_url="redis://127.0.0.1:9")
+
+
+@pytest.mark.redis
+def test_a_shared_prefix_server_that_is_gone_is_a_miss() -> None:
+    from conftest import local_redis
+
+    server = local_redis()
+    try:
+        a, b = sharing(server.url, remote_timeout=0.5)
+        ids = np.arange(3 * BS)
+        x = kv(3 * BS, seed=43)
+        append_all(a, a.add_sequence(ids), x)
+        a.step()
+        assert a.stats().counters["prefix_published"] == 3
+        server.kill()
+        seq = b.add_sequence(ids)  # computes its prompt itself
+        assert b.num_tokens(seq) == 0
+        append_all(b, seq, x)
+        b.step()
+        assert b.stats().counters["prefix_published"] == 0
+        assert torch.equal(b.gather(seq, 2)[1], x[2, 1])
+    finally:
+        server.stop()
 
 
 @pytest.mark.redis

@@ -250,6 +250,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "seconds a remote-tier value lives after its write, so a crashed engine's values expire "
         "(a block left there longer is lost: its sequence recomputes); unset = until evicted",
     ),
+    _var(
+        "share_prefixes",
+        "bool",
+        "publish each complete prompt block to the remote server under its prefix hash, and "
+        "take a new prompt's blocks from there when another engine published them (needs a "
+        "`namespace` that names the model)",
+    ),
     _var("remote_tls_ca", "str", "CA certificate file that signed the server's (`rediss://` only)"),
     _var(
         "remote_tls_cert",
@@ -332,6 +339,7 @@ class KvtierConfig:
     remote_url: str | None = None
     remote_timeout: float = 1.0
     remote_ttl: float | None = None
+    share_prefixes: bool = False
     remote_tls_ca: str | None = None
     remote_tls_cert: str | None = None
     remote_tls_key: str | None = None
@@ -438,6 +446,7 @@ class KvtierConfig:
         set_("enable_compression", _bool(self, "enable_compression"))
         set_("write_through", _bool(self, "write_through"))
         set_("evict_on_full", _bool(self, "evict_on_full"))
+        set_("share_prefixes", _bool(self, "share_prefixes"))
 
         set_("compression_ratio", _number(self, "compression_ratio", 0.0, 1.0))
         set_("headroom", _number(self, "headroom", 0.0, 1.0, hi_open=True))

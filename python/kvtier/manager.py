@@ -26,6 +26,13 @@ store cannot give back (corrupt, evicted, server gone) is *lost*: never shared a
 :class:`BlockLostError` for its sequence, never wrong K/V. A store that refuses a write (full,
 server gone) is left out of plans for ``STORE_RETRY_S``.
 
+Prefix sharing between engines (``share_prefixes``): each step first publishes the prompt blocks
+completed since the last one to the remote server, at level 0 and keyed by their prefix hash in
+the tier's level-0 namespace (so only engines of the same model, dtype, shape and namespace ever
+read them); :meth:`BlockManager.add_sequence` takes the blocks of a prompt that this manager
+lacks from there, up to the first miss. The server's ``maxmemory`` policy (or ``remote_ttl``)
+bounds what is published; ``close()`` leaves it for the other engines.
+
 Thread safety: one lock guards the core and the pools' bookkeeping; :meth:`step` copies bytes
 outside it (a plan's sources stay valid and its destinations reserved until commit, and appends
 only write pinned blocks, which plans never move), so appends and gathers proceed meanwhile.
@@ -267,6 +274,18 @@ class BlockManager:
                 "write_through: needs a tier after the device to keep full-precision copies in; "
                 "set host_budget (or host_blocks), disk_budget or remote_budget"
             )
+        if config.share_prefixes and "remote" not in budgets:
+            raise ConfigError(
+                "share_prefixes: needs a remote tier to share through: set remote_budget and "
+                "remote_url"
+            )
+        if config.share_prefixes and config.namespace == KvtierConfig().namespace:
+            # Keys say tokens, shape and dtype, not which weights: only the namespace does.
+            raise ConfigError(
+                "share_prefixes: set namespace to name the model and its weights (e.g. "
+                "'SmolLM2-135M@rev'): engines share blocks within a namespace, and two models of "
+                "one shape under the default name would read each other's K/V"
+            )
         shares = config.pool_shares or default_shares(
             len(self.ladder), self.level_bytes, config.compression_ratio
         )
@@ -329,6 +348,12 @@ class BlockManager:
         self._lost = np.zeros(0, dtype=bool)
         self._lock = threading.RLock()
         self._step_lock = threading.Lock()
+        # Prefix sharing: the remote tier's level-0 namespace, keyed by prefix hash (never by
+        # this instance's slots, so close() leaves them), and the complete blocks (with their
+        # hash) that the next step publishes.
+        self._shared = self.stores["remote", 0] if config.share_prefixes else None
+        self._unpublished: dict[int, int] = {}
+        self._counters = {"prefix_published": 0, "prefix_fetched": 0}
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -420,7 +445,9 @@ class BlockManager:
     def add_sequence(self, token_ids: Any = None) -> int:
         """A new sequence; with ``token_ids`` (its prompt), the longest cached prefix of them is
         shared rather than stored again: :meth:`num_tokens` then says how many leading tokens
-        already have their K/V, and appends start after them."""
+        already have their K/V, and appends start after them. With ``share_prefixes``, the
+        blocks that follow are taken from the remote server where another engine published
+        them (one round trip)."""
         tokens = None if token_ids is None else _token_array(token_ids)
         with self._lock:
             seq = self.core.add_sequence()
@@ -434,7 +461,9 @@ class BlockManager:
                     self.core.free_sequence(seq)
                     raise
                 state.lengths[:] = self._cached_prefix(self.core.sequence_blocks(seq))
-            return seq
+        if self._shared is not None and tokens is not None:
+            self._fetch_shared(seq)
+        return seq
 
     def add_tokens(self, seq: int, token_ids: Any) -> None:
         """Declares the ids of tokens about to be appended (e.g. each generated token), so their
@@ -599,6 +628,8 @@ class BlockManager:
         summary. ``room_bytes``: also free that much of the device budget for blocks about to be
         allocated."""
         with self._step_lock:
+            if self._unpublished:
+                self._publish()
             with self._lock:
                 self._resume_stores()
                 plan = self.core.plan(room_bytes)
@@ -644,6 +675,79 @@ class BlockManager:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    # -- prefix sharing -------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        """Puts the blocks completed since the last step on the remote server, each under its
+        prefix hash. They are still at level 0 on the device (only a step moves a complete
+        block); one whose id now holds another block is skipped. A failed put costs nothing
+        but the sharing."""
+        torch = torch_module()
+        with self._lock:
+            queued, self._unpublished = self._unpublished, {}
+            blocks = np.fromiter(queued, dtype=np.uint32, count=len(queued))
+            hashes = np.fromiter(queued.values(), dtype=np.uint64, count=len(queued))
+            info = self.core.block_info(blocks)
+            here = (info["hash"] == hashes) & (info["tier"] == 0) & (info["level"] == 0)
+            slots = torch.from_numpy(info["slot"][here].astype(np.int64)).to(self.device)
+            rows = self.pools["device", 0].index_select(0, slots).cpu()
+        if not len(rows):
+            return
+        raw = rows.reshape(len(rows), -1).view(torch.uint8).numpy()
+        assert self._shared is not None
+        done = self._shared.put_many([int(h) for h in hashes[here]], list(raw))
+        self._counters["prefix_published"] += sum(done)
+
+    def _fetch_shared(self, seq: int) -> None:
+        """Fills the leading blocks of a new sequence's prompt that this manager lacks from what
+        other engines published (a value that fails its checks is a miss, so the engine computes
+        that block and the rest). The server is asked outside the lock: nobody else knows the
+        sequence yet, and its unwritten blocks stay pinned where they are."""
+        torch = torch_module()
+        bs = self.block_size
+        with self._lock:
+            first = int(self._seqs[seq].lengths[0]) // bs
+            blocks = self.core.sequence_blocks(seq)[first:]
+            hashes = self.core.block_info(blocks)["hash"]
+            n = len(hashes) if hashes.all() else int(np.argmin(hashes != 0))
+            blocks, hashes = blocks[:n], hashes[:n]
+        if not n:
+            return
+        assert self._shared is not None
+        values = self._shared.get_many([int(h) for h in hashes])
+        hits: list[memoryview] = []
+        for v in values:
+            if v is None or len(v) != self.level_bytes[0]:
+                break
+            hits.append(v)
+        if not hits:
+            return
+        rows = self._rows(hits, 0)
+        with self._lock:
+            blocks = blocks[: len(hits)]
+            info = self.core.block_info(blocks)
+            untouched = (self._written[blocks] == 0).all(axis=1) & self._pinned[blocks]
+            k = len(blocks) if untouched.all() else int(np.argmin(untouched))
+            if not k:
+                return
+            blocks, rows = blocks[:k], rows[:k].to(self.device)
+            slots = torch.from_numpy(info["slot"][:k].astype(np.int64)).to(self.device)
+            self.pools["device", 0][slots] = rows
+            self._written[blocks] = bs
+            # The magnitude signal as appends would have left it: the mean over heads of each
+            # token's key norm, averaged over the block's tokens and layers.
+            norms = rows[:, :, 0].float().norm(dim=-1).mean(dim=2)  # [blocks, layers, tokens]
+            self._norm_sum[blocks] = norms.sum(dim=(1, 2)).cpu().numpy()
+            self._norm_count[blocks] = norms[0].numel()
+            self.core.set_magnitude(
+                blocks, (self._norm_sum[blocks] / self._norm_count[blocks]).astype(np.float32)
+            )
+            self.core.unpin(blocks)
+            self._pinned[blocks] = False
+            self._counters["prefix_fetched"] += k
+            state = self._seqs[seq]
+            state.lengths[:] = self._cached_prefix(self.core.sequence_blocks(seq))
+
     # -- store tiers ----------------------------------------------------------------------------
 
     def _slot_keys(self, slots: np.ndarray) -> list[str]:
@@ -655,7 +759,6 @@ class BlockManager:
     def _load(self, key: tuple[str, int], slots: np.ndarray, blocks: np.ndarray) -> torch.Tensor:
         """Rows of a store pool as a CPU tensor ``[n, *row]``; raises :class:`_Lost` naming the
         blocks the store could not give back."""
-        torch = torch_module()
         level = key[1]
         values = self.stores[key].get_many(self._slot_keys(slots))
         nbytes = self.level_bytes[level]
@@ -663,8 +766,13 @@ class BlockManager:
         if len(got) < len(values):
             lost = [i for i, v in enumerate(values) if v is None or len(v) != nbytes]
             raise _Lost(key[0], blocks[lost])
-        raw = np.empty((len(got), nbytes), dtype=np.uint8)
-        for i, v in enumerate(got):
+        return self._rows(got, level)
+
+    def _rows(self, values: list[memoryview], level: int) -> torch.Tensor:
+        """Values of a level's size as a CPU tensor of its rows, ``[n, *row]``."""
+        torch = torch_module()
+        raw = np.empty((len(values), self.level_bytes[level]), dtype=np.uint8)
+        for i, v in enumerate(values):
             raw[i] = np.frombuffer(v, np.uint8)
         rows = torch.from_numpy(raw)
         if level == 0:
@@ -752,7 +860,7 @@ class BlockManager:
                 pools=pools,
                 held_bytes=sum(p.bytes for p in pools),
                 level0_bytes=sum(p.blocks for p in pools) * self.level_bytes[0],
-                counters=self.core.counters(),
+                counters={**self.core.counters(), **self._counters},
                 sequences=len(self._seqs),
                 tokens=tokens,
             )
@@ -912,6 +1020,11 @@ class BlockManager:
         if len(done):
             self.core.unpin(done)
             self._pinned[done] = False
+            if self._shared is not None:
+                hashes = self.core.block_info(done)["hash"]
+                self._unpublished.update(
+                    (int(b), int(h)) for b, h in zip(done, hashes, strict=True) if h
+                )
 
     def _locations(
         self, blocks: np.ndarray
