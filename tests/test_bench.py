@@ -9,6 +9,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 
 def _bench(*args: str) -> Any:
     out = subprocess.run(
@@ -90,3 +92,15 @@ def test_bench_stores_quick_prints_figures_beside_baselines() -> None:
         assert (r["checksum_pct"] is None) == (r["store"] == "host")
         assert r["checksum_pct"] is None or r["checksum_pct"] > 0
     assert result["evictions"] == dict.fromkeys(kinds, 0), "the budgets hold every value"
+
+
+@pytest.mark.redis
+def test_bench_share_quick_prints_figures_beside_baselines() -> None:
+    result = _bench("share", "--quick")
+    assert result["blocks"] == result["prompt_tokens"] // 16
+    assert result["bytes"] == result["blocks"] * 2 * 32 * 8 * 16 * 128 * 2
+    take, publish = result["take"], result["publish"]
+    assert take["baseline_ms"] > 0, "the named baseline is measured in the run"
+    assert take["add_sequence_ms"] > 0 and take["ratio_vs_baseline"] > 0
+    assert publish["step_ms"] > 0 and publish["step_ms_without_sharing"] >= 0
+    assert result["append_prompt_ms"] > 0 and result["redis"]["version"]

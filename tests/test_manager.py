@@ -716,6 +716,21 @@ def test_an_engine_takes_the_prompt_blocks_another_engine_published(redis_server
 
 
 @pytest.mark.redis
+def test_a_prompt_freed_and_pressed_out_before_the_step_is_still_published(
+    redis_server: Any,
+) -> None:
+    a, b = sharing(redis_server.url, device_blocks=6, evict_on_full=True, enable_compression=False)
+    ids, x = np.arange(4 * BS) + 77, kv(4 * BS, seed=44)
+    seq = a.add_sequence(ids)
+    append_all(a, seq, x)
+    a.free(seq)
+    append_all(a, a.add_sequence(), kv(4 * BS, seed=45))  # needs the freed prompt's room
+    assert a.stats().counters["prefix_published"] == 4
+    got = b.add_sequence(ids)
+    assert b.num_tokens(got) == 4 * BS and torch.equal(b.gather(got, 2)[0], x[2, 0])
+
+
+@pytest.mark.redis
 def test_a_damaged_shared_block_is_computed_again_never_served(redis_server: Any) -> None:
     import redis
 

@@ -679,23 +679,26 @@ class BlockManager:
 
     def _publish(self) -> None:
         """Puts the blocks completed since the last step on the remote server, each under its
-        prefix hash. They are still at level 0 on the device (only a step moves a complete
-        block); one whose id now holds another block is skipped. A failed put costs nothing
-        but the sharing."""
+        prefix hash. They have stayed pinned at level 0 on the device since then, so their pool
+        rows are sent as they are (on the CPU without a copy), outside the lock. A failed put
+        costs the sharing only."""
         torch = torch_module()
         with self._lock:
             queued, self._unpublished = self._unpublished, {}
             blocks = np.fromiter(queued, dtype=np.uint32, count=len(queued))
-            hashes = np.fromiter(queued.values(), dtype=np.uint64, count=len(queued))
-            info = self.core.block_info(blocks)
-            here = (info["hash"] == hashes) & (info["tier"] == 0) & (info["level"] == 0)
-            slots = torch.from_numpy(info["slot"][here].astype(np.int64)).to(self.device)
-            rows = self.pools["device", 0].index_select(0, slots).cpu()
-        if not len(rows):
-            return
-        raw = rows.reshape(len(rows), -1).view(torch.uint8).numpy()
-        assert self._shared is not None
-        done = self._shared.put_many([int(h) for h in hashes[here]], list(raw))
+            slots = torch.from_numpy(self.core.block_info(blocks)["slot"].astype(np.int64))
+        try:
+            pool = self.pools["device", 0]
+            if pool.device.type == "cpu":
+                rows = [pool[s].view(-1).view(torch.uint8).numpy() for s in slots.tolist()]
+            else:
+                host = pool.index_select(0, slots.to(pool.device)).cpu()
+                rows = list(host.reshape(len(slots), -1).view(torch.uint8).numpy())
+            assert self._shared is not None
+            done = self._shared.put_many(list(queued.values()), rows)
+        finally:
+            with self._lock:
+                self.core.unpin(blocks)
         self._counters["prefix_published"] += sum(done)
 
     def _fetch_shared(self, seq: int) -> None:
@@ -1022,8 +1025,12 @@ class BlockManager:
             self._pinned[done] = False
             if self._shared is not None:
                 hashes = self.core.block_info(done)["hash"]
+                # Pinned again (the core counts pins) until the next step has published it: no
+                # plan moves it nor eviction frees it before its bytes are sent.
+                hashed = hashes != 0
+                self.core.pin(done[hashed])
                 self._unpublished.update(
-                    (int(b), int(h)) for b, h in zip(done, hashes, strict=True) if h
+                    zip(done[hashed].tolist(), hashes[hashed].tolist(), strict=True)
                 )
 
     def _locations(
