@@ -703,6 +703,13 @@ def test_an_engine_takes_the_prompt_blocks_another_engine_published(redis_server
             v, x[layer, 1, : 4 * BS + 2]
         )
     assert b.lookup(ids) == 4 * BS  # now cached here as well
+    # the magnitude signal the scheduler ranks by, as if b had appended the blocks itself
+    mine, theirs = b.core.sequence_blocks(seq)[:4], a.core.sequence_blocks(0)[:4]
+    np.testing.assert_allclose(
+        b._norm_sum[mine] / b._norm_count[mine],
+        a._norm_sum[theirs] / a._norm_count[theirs],
+        rtol=1e-5,
+    )
     b.step()
     assert b.stats().counters["prefix_published"] == 0  # what it fetched is there already
     a.close()

@@ -725,23 +725,32 @@ class BlockManager:
             hits.append(v)
         if not hits:
             return
-        rows = self._rows(hits, 0)
         with self._lock:
             blocks = blocks[: len(hits)]
-            info = self.core.block_info(blocks)
             untouched = (self._written[blocks] == 0).all(axis=1) & self._pinned[blocks]
             k = len(blocks) if untouched.all() else int(np.argmin(untouched))
             if not k:
                 return
-            blocks, rows = blocks[:k], rows[:k].to(self.device)
-            slots = torch.from_numpy(info["slot"][:k].astype(np.int64)).to(self.device)
-            self.pools["device", 0][slots] = rows
+            blocks, hits = blocks[:k], hits[:k]
+            slots = self.core.block_info(blocks)["slot"].astype(np.int64)
+            pool = self.pools["device", 0]
+            if pool.device.type == "cpu":
+                # Block by block, each value straight into its row, whose keys' norms are then
+                # taken while the row is in cache (2.5x faster than whole-batch passes).
+                sums = np.empty(k)
+                for i, (slot, value) in enumerate(zip(slots.tolist(), hits, strict=True)):
+                    row = pool[slot]
+                    row.view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(value, np.uint8)
+                    sums[i] = float(_key_norm_sums(row[None])[0])
+            else:
+                rows = self._rows(hits, 0).to(self.device)
+                pool[torch.from_numpy(slots).to(self.device)] = rows
+                sums = _key_norm_sums(rows).cpu().numpy()
             self._written[blocks] = bs
-            # The magnitude signal as appends would have left it: the mean over heads of each
-            # token's key norm, averaged over the block's tokens and layers.
-            norms = rows[:, :, 0].float().norm(dim=-1).mean(dim=2)  # [blocks, layers, tokens]
-            self._norm_sum[blocks] = norms.sum(dim=(1, 2)).cpu().numpy()
-            self._norm_count[blocks] = norms[0].numel()
+            # The magnitude signal as appends would have left it (the mean over heads of each
+            # token's key norm, averaged over the block's tokens and layers).
+            self._norm_sum[blocks] = sums
+            self._norm_count[blocks] = self.shape.layers * bs
             self.core.set_magnitude(
                 blocks, (self._norm_sum[blocks] / self._norm_count[blocks]).astype(np.float32)
             )
@@ -1084,6 +1093,12 @@ class _Lost(Exception):
     def __init__(self, tier: str, blocks: np.ndarray) -> None:
         super().__init__(f"{len(blocks)} block(s) lost from the {tier} tier")
         self.tier, self.blocks = tier, blocks
+
+
+def _key_norm_sums(rows: torch.Tensor) -> torch.Tensor:
+    """Per level-0 row ``[n, layers, 2, kv_heads, block_size, head_dim]``: the sum over its
+    layers and tokens of each token's key norm averaged over heads."""
+    return rows[:, :, 0].float().norm(dim=-1).mean(dim=2).sum(dim=(1, 2))
 
 
 def _token_array(token_ids: Any) -> np.ndarray:
