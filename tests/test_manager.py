@@ -694,6 +694,8 @@ def test_an_engine_takes_the_prompt_blocks_another_engine_published(redis_server
     assert b.num_tokens(b.add_sequence(ids)) == 0  # nothing published before a step
     a.step()  # publishes what became complete
     assert a.stats().counters["prefix_published"] == 5
+    assert b.lookup(ids[: 4 * BS + 2]) == 4 * BS and b.lookup(ids) == 5 * BS
+    assert b.lookup(ids + 1) == 0
     seq = b.add_sequence(ids[: 4 * BS + 2])
     assert b.num_tokens(seq) == 4 * BS and b.stats().counters["prefix_fetched"] == 4
     append_all(b, seq, x[:, :, 4 * BS : 4 * BS + 2])  # only the rest is computed
@@ -702,7 +704,7 @@ def test_an_engine_takes_the_prompt_blocks_another_engine_published(redis_server
         assert torch.equal(k, x[layer, 0, : 4 * BS + 2]) and torch.equal(
             v, x[layer, 1, : 4 * BS + 2]
         )
-    assert b.lookup(ids) == 4 * BS  # now cached here as well
+    assert b.lookup(ids) == 5 * BS  # 4 blocks cached here now, the 5th on the server
     # the magnitude signal the scheduler ranks by, as if b had appended the blocks itself
     mine, theirs = b.core.sequence_blocks(seq)[:4], a.core.sequence_blocks(0)[:4]
     np.testing.assert_allclose(
@@ -751,8 +753,10 @@ def test_a_damaged_shared_block_is_computed_again_never_served(redis_server: Any
     value = bytearray(server.get(third))
     value[len(value) // 2] ^= 1
     server.set(third, bytes(value))
+    assert b.lookup(ids) == 4 * BS  # found on the server, checked only when taken
     seq = b.add_sequence(ids)
     assert b.num_tokens(seq) == 2 * BS  # the blocks before the damaged one
+    assert b.lookup(ids) == 2 * BS
     assert not server.exists(third)  # dropped from the server, so nobody else takes it
     append_all(b, seq, x[:, :, 2 * BS :])
     assert torch.equal(b.gather(seq, 1)[0], x[1, 0])

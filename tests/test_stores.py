@@ -55,6 +55,7 @@ def test_round_trip_single_and_batched(store: KVStore) -> None:
     assert np.array_equal(np.frombuffer(store.get("text-key"), np.float32), np.arange(100))
     assert sorted(store.keys()) == sorted([f"{k:016x}" for k in keys] + ["text-key"])
     assert store.contains(keys[2]) and not store.contains(12345)
+    assert store.contains_many([keys[2], 12345, "text-key"]) == [True, False, True]
     # overwrite, delete, pop
     assert store.put(keys[0], b"new") and bytes(store.get(keys[0])) == b"new"
     assert store.delete(keys[1]) and not store.delete(keys[1]) and store.get(keys[1]) is None
@@ -113,6 +114,7 @@ def test_bad_input_is_refused_and_changes_nothing(store: KVStore) -> None:
         lambda s: s.put(7, b"x"),
         lambda s: s.put_many([7], [b"x"]),
         lambda s: s.contains(7),
+        lambda s: s.contains_many([7]),
         lambda s: s.delete(7),
         lambda s: list(s.keys()),
     ]
@@ -942,6 +944,7 @@ def test_redis_killed_mid_run_then_back(first_call: str) -> None:
             assert store.get(1) is None  # a miss, not an exception
         assert store.put_many([2, 3], [b"x", b"y"]) == [False, False]
         assert store.get_many([1, 2]) == [None, None] and not store.contains(1)
+        assert store.contains_many([1, 2]) == [False, False]
         assert time.monotonic() - start < 2.0  # no waiting on a dead server per call
         assert store.stats.errors >= 1 and store.stats.put_failures == 2
         server.start(server.ports[0])

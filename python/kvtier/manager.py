@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._core import Core, Plan
+from ._core import Core, Plan, prefix_hashes
 from .codecs import BlockShape, Codec, get_codec
 from .codecs.base import as_tensor, dtype_name, torch_dtype, torch_module
 from .config import KvtierConfig, normalize_dtype
@@ -484,10 +484,19 @@ class BlockManager:
             return list(self._seqs)
 
     def lookup(self, token_ids: Any) -> int:
-        """How many leading tokens of ``token_ids`` have their K/V cached (whole blocks)."""
+        """How many leading tokens of ``token_ids`` have their K/V cached (whole blocks). With
+        ``share_prefixes``, the blocks after those that the server holds count too (one round
+        trip; a value is checked only when :meth:`add_sequence` takes it, so a damaged one can
+        make that take fewer)."""
         tokens = _token_array(token_ids)
         with self._lock:
-            return self._cached_prefix(self.core.lookup_tokens(tokens))
+            here = self._cached_prefix(self.core.lookup_tokens(tokens))
+        if self._shared is None:
+            return here
+        bs = self.block_size
+        hashes = prefix_hashes(tokens, bs, self.config.namespace)[here // bs :]
+        found = [*self._shared.contains_many([int(h) for h in hashes]), False]
+        return here + found.index(False) * bs
 
     def fork(self, seq: int) -> int:
         """A child sequence sharing ``seq``'s blocks (beam search, parallel sampling): full blocks

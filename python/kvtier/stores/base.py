@@ -105,6 +105,11 @@ class KVStore(ABC):
         self._check_open()
         return self._contains(self.namespace.key(key))
 
+    def contains_many(self, keys: Sequence[str | int]) -> list[bool]:
+        """:meth:`contains` of each key, in one round trip to a server."""
+        self._check_open()
+        return self._contains_many([self.namespace.key(k) for k in keys])
+
     def delete(self, key: str | int) -> bool:
         """Deletes ``key``; True when there was a value."""
         return self.delete_many([key])[0]
@@ -195,6 +200,9 @@ class KVStore(ABC):
 
     def _contains(self, key: str) -> bool:
         raise NotImplementedError
+
+    def _contains_many(self, keys: list[str]) -> list[bool]:
+        return [self._contains(k) for k in keys]
 
     def _delete(self, keys: list[str]) -> list[bool]:
         """Deletes full keys; which held a value."""

@@ -99,6 +99,9 @@ class HostStore(BudgetedStore):
     def contains(self, key: str | int) -> bool:
         return self._values.contains(key)
 
+    def contains_many(self, keys: Sequence[str | int]) -> list[bool]:
+        return [self._values.contains(k) for k in keys]
+
     def delete_many(self, keys: Sequence[str | int]) -> list[bool]:
         return self._values.delete_many(keys)
 

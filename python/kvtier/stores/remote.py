@@ -220,7 +220,14 @@ class RedisStore(KVStore):
         return self._run("pop", lambda pipe: pipe.getdel(key), 1, None)[0]
 
     def _contains(self, key: str) -> bool:
-        return bool(self._run("contains", lambda pipe: pipe.exists(key), 1, 0)[0])
+        return self._contains_many([key])[0]
+
+    def _contains_many(self, keys: list[str]) -> list[bool]:
+        def fill(pipe: Any) -> None:
+            for key in keys:
+                pipe.exists(key)
+
+        return [bool(r) for r in self._run("contains", fill, len(keys), 0)]
 
     def _delete(self, keys: list[str]) -> list[bool]:
         def fill(pipe: Any) -> None:
