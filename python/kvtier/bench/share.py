@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ..config import KvtierConfig
-from ..errors import KvtierError
+from ..errors import KvtierError, require
 from ..manager import BlockManager
 from ..stores.local_redis import LocalRedis
 
@@ -81,7 +81,7 @@ def _ms(seconds: list[float]) -> float:
 
 
 def run(prompt: int, rounds: int, url: str, log: Callable[..., None]) -> dict[str, Any]:
-    redis = importlib.import_module("redis")
+    redis = require("redis", "redis", purpose="kvtier bench share needs redis-py")
     blocks = prompt // BLOCK_SIZE
     ids = np.arange(prompt) + 1
     g = torch.Generator().manual_seed(0)
