@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
 import importlib.util
 import json
 import statistics
