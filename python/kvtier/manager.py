@@ -31,7 +31,10 @@ completed since the last one to the remote server, at level 0 and keyed by their
 the tier's level-0 namespace (so only engines of the same model, dtype, shape and namespace ever
 read them); :meth:`BlockManager.add_sequence` takes the blocks of a prompt that this manager
 lacks from there, up to the first miss. The server's ``maxmemory`` policy (or ``remote_ttl``)
-bounds what is published; ``close()`` leaves it for the other engines.
+bounds what is published; ``close()`` leaves it for the other engines. As for the local prefix
+cache, a block's K/V must follow from its token ids alone within a namespace: add a request whose
+K/V also depends on something else (an adapter, an image behind placeholder ids) without token ids,
+so that its blocks are never shared, or give it a manager of its own namespace.
 
 Thread safety: one lock guards the core and the pools' bookkeeping; :meth:`step` copies bytes
 outside it (a plan's sources stay valid and its destinations reserved until commit, and appends
