@@ -87,13 +87,17 @@ def forward(model: Any, bm: BlockManager, seq: int, ids: torch.Tensor) -> torch.
 def generate(
     model: Any, bm: BlockManager, prompt_ids: torch.Tensor, max_new_tokens: int
 ) -> list[int]:
-    """Greedy decoding through ``bm``; stops at an end-of-sequence token like HF does. The
-    sequence stays in ``bm`` (so its stats count it) until ``bm.free``."""
+    """Greedy decoding through ``bm``; stops at an end-of-sequence token like HF does. Prompt
+    tokens whose K/V ``bm`` already has (cached, or taken from another engine) are not computed
+    again. The sequence stays in ``bm`` (so its stats count it) until ``bm.free``."""
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    seq = bm.add_sequence()
+    # The prompt's ids let its blocks serve later prompts (here, or in other engines with
+    # share_prefixes); the last one is declared apart, so it is always computed for its logits.
+    seq = bm.add_sequence(prompt_ids[:-1])
+    bm.add_tokens(seq, prompt_ids[-1:])
     out: list[int] = []
-    logits = forward(model, bm, seq, prompt_ids)
+    logits = forward(model, bm, seq, prompt_ids[bm.num_tokens(seq) :])
     while len(out) < max_new_tokens:
         out.append(int(logits.argmax()))
         if out[-1] in eos or len(out) == max_new_tokens:

@@ -79,3 +79,24 @@ def test_with_the_ladder_blocks_are_demoted_and_greedy_text_holds(engine, setup)
     assert stats["memory_saved_mb"] > 0 and stats["avg_compression_ratio"] > 1.0
     # int8/int4 keys perturb attention a little: the first tokens must still be HF's.
     assert tokens[:5] == reference[:5]
+
+
+@pytest.mark.redis
+def test_a_second_engine_takes_the_prompt_from_the_first_and_generates_the_same(engine, setup):
+    from kvtier.stores.local_redis import LocalRedis
+
+    model, ids, reference = setup
+    with LocalRedis() as server:
+        config = engine.EXACT.replace(
+            block_size=4,  # several blocks of the short prompt
+            remote_budget=1 << 20,
+            remote_url=server.url,
+            share_prefixes=True,
+            namespace="SmolLM2-135M-Instruct-Q4_1",
+        )
+        first, second = (engine.make_manager(model, config) for _ in range(2))
+        assert engine.generate(model, first, ids, 10) == reference[:10]
+        taken = second.lookup(ids[:-1])
+        assert taken == (len(ids) - 1) // 4 * 4 >= 8
+        assert engine.generate(model, second, ids, 10) == reference[:10]
+        assert second.stats().counters["prefix_fetched"] == taken // config.block_size
