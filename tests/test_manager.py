@@ -740,6 +740,75 @@ def test_a_prompt_freed_and_pressed_out_before_the_step_is_still_published(
 
 
 @pytest.mark.redis
+def test_publishing_and_taking_race_with_appends_and_steps(redis_server: Any) -> None:
+    """Engine a writes two prompts from two threads while a third steps (publishing, demoting);
+    engine b takes them meanwhile: whatever b gets at any moment is exactly a's K/V."""
+    a, b = sharing(redis_server.url, device_blocks=48, host_blocks=64, recent_window=16)
+    n = 6 * BS
+    prompts = [(np.arange(n) + 1000 * i, kv(n, seed=50 + i)) for i in range(2)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    taken: list[int] = []
+
+    def guarded(fn: Any) -> Any:
+        def run(*args: Any) -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        return run
+
+    @guarded
+    def writer(i: int) -> None:
+        ids, x = prompts[i]
+        seq = a.add_sequence(ids)
+        for at in range(0, n, 5):
+            for layer in range(LAYERS):
+                a.append(seq, layer, x[layer, 0, at : at + 5], x[layer, 1, at : at + 5])
+
+    @guarded
+    def stepper() -> None:
+        while not stop.is_set():
+            a.step()
+
+    @guarded
+    def taker() -> None:
+        while not stop.is_set():
+            for ids, x in prompts:
+                seq = b.add_sequence(ids)
+                got = b.num_tokens(seq)
+                taken.append(got)
+                for layer in range(LAYERS):
+                    k, v = b.gather(seq, layer)
+                    assert torch.equal(k, x[layer, 0, :got]) and torch.equal(v, x[layer, 1, :got])
+                b.free(seq)
+
+    writers = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+    others = [threading.Thread(target=stepper), threading.Thread(target=taker)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so that races show
+    try:
+        for t in others + writers:
+            t.start()
+        for t in writers:
+            t.join()
+        stop.set()
+        for t in others:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors, errors
+    assert taken, "the taker ran"
+    a.step()  # publishes whatever completed after the stepper's last step
+    assert a.stats().counters["prefix_published"] == 12
+    assert a.get_compression_stats()["demotions"] > 0  # the blocks moved on after publishing
+    for ids, x in prompts:
+        seq = b.add_sequence(ids)
+        assert b.num_tokens(seq) == n and torch.equal(b.gather(seq, 1)[1], x[1, 1])
+
+
+@pytest.mark.redis
 def test_a_damaged_shared_block_is_computed_again_never_served(redis_server: Any) -> None:
     import redis
 
