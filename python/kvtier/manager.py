@@ -423,7 +423,8 @@ class BlockManager:
                 if isinstance(store, DiskStore):
                     shutil.rmtree(store.root, ignore_errors=True)
                 else:
-                    mine = [k for k in store.keys() if k.startswith(self.instance)]  # noqa: SIM118
+                    # Slot keys only (instance.slot), never the published prefix hashes.
+                    mine = [k for k in store.keys() if k.startswith(f"{self.instance}.")]  # noqa: SIM118
                     store.delete_many(mine)
                 if level == len(self.ladder) - 1:
                     store.close()
