@@ -1,2 +1,19 @@
 """Benchmarks behind ``kvtier bench``: each prints figures beside a named baseline measured in the
 same run, and never passes or fails on time."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def bench_parser(
+    suite: str, doc: str | None, quick: str, json: str = "print one JSON object, no table"
+) -> argparse.ArgumentParser:
+    """The arguments every ``kvtier bench SUITE`` takes: ``--json`` and ``--quick`` (a smoke run
+    of ``quick``'s size)."""
+    ap = argparse.ArgumentParser(
+        prog=f"kvtier bench {suite}", description=doc.splitlines()[0] if doc else None
+    )
+    ap.add_argument("--json", action="store_true", help=json)
+    ap.add_argument("--quick", action="store_true", help=f"{quick} (a smoke run)")
+    return ap

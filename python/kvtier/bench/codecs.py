@@ -17,7 +17,6 @@ Prints a table on stderr and JSON on stdout (``--json``: JSON only). Figures, ne
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from ..codecs import Backend, BlockShape, Codec, get_codec
+from . import bench_parser
 from .core import best_of
 
 SHAPE = BlockShape(layers=32, kv_heads=8, block_size=16, head_dim=128, dtype="fp16")
@@ -206,13 +206,9 @@ def run_gpu(repeats: int, tokens: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier bench codecs", description=__doc__.splitlines()[0])
-    ap.add_argument("--json", action="store_true", help="print only the JSON")
+    ap = bench_parser("codecs", __doc__, f"{QUICK_TOKENS} tokens, one run", "print only the JSON")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per figure (CPU: best)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU figures")
-    ap.add_argument(
-        "--quick", action="store_true", help=f"{QUICK_TOKENS} tokens, one run (a smoke run)"
-    )
     ap.add_argument("--no-quanto", action="store_true", help="skip the optimum-quanto peer")
     args = ap.parse_args(argv)
     tokens = QUICK_TOKENS if args.quick else TOKENS

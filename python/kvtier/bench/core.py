@@ -15,7 +15,6 @@ replay TRACE.jsonl`` (the LRU replay).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ from .. import pymodel
 from .._core import Core
 from ..simulate import SimulationConfig, run
 from ..traces import Trace, bundled_trace_path, load_trace
+from . import bench_parser
 
 MOONCAKE = "traces/mooncake_conversation.jsonl"
 
@@ -228,13 +228,7 @@ def bench_simulate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="kvtier bench core", description=__doc__.splitlines()[0] if __doc__ else None
-    )
-    ap.add_argument("--json", action="store_true", help="print only the JSON")
-    ap.add_argument(
-        "--quick", action="store_true", help="100k blocks and the bundled trace (a smoke run)"
-    )
+    ap = bench_parser("core", __doc__, "100k blocks and the bundled trace", "print only the JSON")
     ap.add_argument(
         "--trace", type=Path, default=None, help="Mooncake trace (default: ../shared, else bundled)"
     )

@@ -24,7 +24,6 @@ Runs on the CPU, and on CUDA when ``torch.cuda.is_available()``. Prints a table 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -38,6 +37,7 @@ import torch
 
 from ..config import KvtierConfig
 from ..manager import BlockManager
+from . import bench_parser
 from .core import best_of
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -415,15 +415,11 @@ def _table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="kvtier bench manager", description=__doc__.splitlines()[0] if __doc__ else None
-    )
-    ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"{QUICK.sequences} x ({QUICK.prompt} + {QUICK.steps}) tokens, memory at "
-        f"{QUICK_MEMORY.length} (a smoke run)",
+    ap = bench_parser(
+        "manager",
+        __doc__,
+        f"{QUICK.sequences} x ({QUICK.prompt} + {QUICK.steps}) tokens, memory at "
+        f"{QUICK_MEMORY.length}",
     )
     ap.add_argument("--sequences", type=int, default=None, help="S (default: 4, quick: 2)")
     ap.add_argument("--prompt", type=int, default=None, help="P tokens (default: 512, quick: 256)")

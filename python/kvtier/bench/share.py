@@ -20,7 +20,6 @@ Every round checks that B gathers exactly A's K/V. Starts a redis-server on loop
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import importlib.util
@@ -39,6 +38,7 @@ from ..config import KvtierConfig
 from ..errors import KvtierError, require
 from ..manager import BlockManager
 from ..stores.local_redis import LocalRedis
+from . import bench_parser
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.float16
@@ -189,15 +189,7 @@ def _table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="kvtier bench share", description=__doc__.splitlines()[0] if __doc__ else None
-    )
-    ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"a {QUICK_PROMPT}-token prompt, {QUICK_ROUNDS} round (a smoke run)",
-    )
+    ap = bench_parser("share", __doc__, f"a {QUICK_PROMPT}-token prompt, {QUICK_ROUNDS} round")
     ap.add_argument("--prompt", type=int, default=None, help=f"P tokens (default: {PROMPT})")
     ap.add_argument("--rounds", type=int, default=None, help=f"rounds (default: {ROUNDS})")
     ap.add_argument(

@@ -59,6 +59,7 @@ from ..errors import ConfigError, KvtierError
 from ..report import human_bytes
 from ..stores import DiskStore, HostStore, KVStore, Namespace, RedisStore
 from ..stores.local_redis import LocalRedis, RedisUnavailableError
+from . import bench_parser
 
 KiB, MiB = 2**10, 2**20
 SIZES = (64 * KiB, 256 * KiB, 2 * MiB)
@@ -519,15 +520,11 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="kvtier bench stores", description=__doc__.splitlines()[0] if __doc__ else None
-    )
-    ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"{', '.join(human_bytes(s) for s in QUICK_SIZES)} values, "
-        f"{human_bytes(QUICK_DATA)} per pass, one pass (a smoke run)",
+    ap = bench_parser(
+        "stores",
+        __doc__,
+        f"{', '.join(human_bytes(s) for s in QUICK_SIZES)} values, "
+        f"{human_bytes(QUICK_DATA)} per pass, one pass",
     )
     ap.add_argument(
         "--sizes",
