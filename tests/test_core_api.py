@@ -174,7 +174,19 @@ def test_negative_ids_and_counts_are_invalid_arguments_that_change_nothing(
     ]
     for call, *args in calls:
         msg = unchanged(core, kvtier.InvalidArgumentError, call, *args)
-        assert "-1 is out of range: expected a non-negative integer" in msg, msg
+        assert "-1 is out of range: expected an integer from 0 to " in msg, msg
+
+
+@pytest.mark.parametrize("big", [2**32, 2**64, 2**200])
+def test_ids_and_counts_beyond_the_cores_range_are_invalid_arguments(
+    core: kvtier.Core, big: int
+) -> None:
+    calls = [(core.extend, big, 4), (core.fork, big), (core.sequence_tokens, big)]
+    for call, *args in calls:
+        msg = unchanged(core, kvtier.InvalidArgumentError, call, *args)
+        assert "seq: " in msg and "out of range: expected an integer from 0 to 4294967295" in msg
+    msg = unchanged(core, kvtier.InvalidArgumentError, core.extend, core.sequences()[0], 2**64)
+    assert "n: 18446744073709551616 is out of range" in msg
 
 
 def test_append_blocks_after_a_partial_block_is_refused(core: kvtier.Core) -> None:
@@ -254,6 +266,25 @@ def test_negative_budgets_and_sizes_are_refused_and_change_nothing(core: kvtier.
             kvtier.Core([64], **kwargs)
     with pytest.raises(kvtier.ConfigError, match="level_bytes"):
         kvtier.Core([-64])
+
+
+@pytest.mark.parametrize("big", [2**64, 10**30, 2**200])
+def test_budgets_and_sizes_beyond_u64_are_config_errors_naming_the_field(
+    core: kvtier.Core, big: int
+) -> None:
+    """Not PyO3's bare OverflowError: the error names the field and the largest value."""
+    for kwargs, field in (
+        ({"tiers": [("device", big)]}, "tiers (budget bytes)"),
+        ({"max_move_bytes": big}, "max_move_bytes"),
+        ({"pool_slots": [("device", 0, big)]}, "pool_slots"),
+    ):
+        with pytest.raises(kvtier.ConfigError, match=re.escape(field)) as info:
+            kvtier.Core([64], **kwargs)
+        assert "out of range: expected an integer from 0 to" in str(info.value)
+    with pytest.raises(kvtier.ConfigError, match="level_bytes"):
+        kvtier.Core([big])
+    msg = unchanged(core, kvtier.ConfigError, core.set_budget, "device", big)
+    assert "budget: " in msg and "out of range" in msg
 
 
 # ---- plans ----------------------------------------------------------------------------------

@@ -411,7 +411,7 @@ class ModelCore:
         attention_ema: float = 0.5,
         scissorhands_window: int = 8,
         write_through: bool = False,
-        evict_on_full: bool = False,
+        evict_on_full: bool = True,
         namespace: str = "default",
         pool_slots: Sequence[tuple[str, int, int]] = (),
     ) -> None:
@@ -727,7 +727,8 @@ class ModelCore:
         slots_ok = n <= free_slots + cached0
         if not self.evict_on_full or not bytes_ok or not slots_ok:
             free = max(0, budget - self.tier_bytes)
-            if slots_ok or free < need:
+            bytes_short = not bytes_ok if self.evict_on_full else free < need
+            if bytes_short:
                 raise OutOfCapacityError(
                     f"out of capacity in device/level 0: requested {need} bytes, {free} free of a "
                     f"{budget}-byte budget"

@@ -6,6 +6,7 @@ use std::sync::Mutex;
 
 use kvtier::{Config, Core, Error, PolicyKind, Tier, TierConfig};
 use numpy::PyArray1;
+use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -71,26 +72,72 @@ impl PyCore {
     }
 }
 
-/// An id or count argument in the core's range, or an `InvalidArgumentError` naming it: a
-/// negative number would otherwise end in PyO3's bare `OverflowError`.
-fn int_arg<T: TryFrom<i64>>(what: &'static str, v: i64) -> PyResult<T> {
-    T::try_from(v).map_err(|_| {
-        to_py(Error::InvalidArgument {
-            what,
-            reason: format!("{v} is out of range: expected a non-negative integer"),
-        })
-    })
+/// An integer argument of any size, as Python gave it (`None`: beyond +-2**127), so that one
+/// out of the core's range is refused with an error naming the argument rather than PyO3's bare
+/// `OverflowError`.
+#[derive(Clone, Copy)]
+pub struct Int(Option<i128>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<i128>() {
+            Ok(v) => Ok(Int(Some(v))),
+            Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => Ok(Int(None)),
+            Err(e) => Err(e),
+        }
+    }
 }
 
-/// A non-negative integer config value, or a `ConfigError` naming the field (PyO3's own
-/// conversion error would not say which argument was wrong).
-fn config_int<T: TryFrom<i64>>(field: &'static str, v: i64) -> PyResult<T> {
-    T::try_from(v).map_err(|_| {
-        to_py(Error::InvalidConfig {
-            field,
-            reason: format!("{v} is out of range: expected a non-negative integer"),
-        })
-    })
+/// The unsigned types arguments convert to, with their largest value for the message.
+pub trait Unsigned: TryFrom<i128> {
+    const MAX: u128;
+}
+
+impl Unsigned for u8 {
+    const MAX: u128 = u8::MAX as u128;
+}
+impl Unsigned for u32 {
+    const MAX: u128 = u32::MAX as u128;
+}
+impl Unsigned for u64 {
+    const MAX: u128 = u64::MAX as u128;
+}
+
+impl From<i64> for Int {
+    fn from(v: i64) -> Int {
+        Int(Some(v.into()))
+    }
+}
+
+impl Int {
+    fn to<T: Unsigned>(self) -> Result<T, String> {
+        let out_of_range = || {
+            let got = self
+                .0
+                .map_or("an integer beyond 2**127".to_string(), |v| v.to_string());
+            format!(
+                "{got} is out of range: expected an integer from 0 to {}",
+                T::MAX
+            )
+        };
+        self.0
+            .and_then(|v| T::try_from(v).ok())
+            .ok_or_else(out_of_range)
+    }
+}
+
+/// An id or count argument in the core's range, or an `InvalidArgumentError` naming it.
+fn int_arg<T: Unsigned>(what: &'static str, v: Int) -> PyResult<T> {
+    v.to()
+        .map_err(|reason| to_py(Error::InvalidArgument { what, reason }))
+}
+
+/// A config value in the core's range, or a `ConfigError` naming the field.
+fn config_int<T: Unsigned>(field: &'static str, v: Int) -> PyResult<T> {
+    v.to()
+        .map_err(|reason| to_py(Error::InvalidConfig { field, reason }))
 }
 
 fn config_tier(name: &str) -> PyResult<Tier> {
@@ -102,7 +149,7 @@ fn config_tier(name: &str) -> PyResult<Tier> {
     })
 }
 
-fn parse_tiers(tiers: Vec<(String, Option<i64>)>) -> PyResult<Vec<TierConfig>> {
+fn parse_tiers(tiers: Vec<(String, Option<Int>)>) -> PyResult<Vec<TierConfig>> {
     tiers
         .into_iter()
         .map(|(name, budget)| {
@@ -125,13 +172,13 @@ impl PyCore {
         policy = "importance", enable_compression = true, pressure_only = false, compression_ratio = 0.5,
         recent_window = 128, sink_blocks = 1, weights = (0.4, 0.4, 0.2), headroom = 0.1,
         hysteresis = 0.1, max_move_bytes = None, decay = 0.9, attention_ema = 0.5,
-        scissorhands_window = 8, write_through = false, evict_on_full = false,
+        scissorhands_window = 8, write_through = false, evict_on_full = true,
         namespace = "default", pool_slots = vec![], pool_headroom = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        level_bytes: Vec<i64>,
-        tiers: Vec<(String, Option<i64>)>,
+        level_bytes: Vec<Int>,
+        tiers: Vec<(String, Option<Int>)>,
         block_size: i64,
         policy: &str,
         enable_compression: bool,
@@ -142,14 +189,14 @@ impl PyCore {
         weights: (f32, f32, f32),
         headroom: f32,
         hysteresis: f32,
-        max_move_bytes: Option<i64>,
+        max_move_bytes: Option<Int>,
         decay: f32,
         attention_ema: f32,
         scissorhands_window: i64,
         write_through: bool,
         evict_on_full: bool,
         namespace: &str,
-        pool_slots: Vec<(String, i64, i64)>,
+        pool_slots: Vec<(String, Int, Int)>,
         pool_headroom: bool,
     ) -> PyResult<Self> {
         let pool_slots = pool_slots
@@ -167,15 +214,15 @@ impl PyCore {
             .map(|b| config_int("level_bytes", b))
             .collect::<PyResult<Vec<u64>>>()?;
         let cfg = Config {
-            block_size: config_int("block_size", block_size)?,
+            block_size: config_int("block_size", block_size.into())?,
             level_bytes,
             tiers: parse_tiers(tiers)?,
             policy: PolicyKind::parse(policy).py_err()?,
             enable_compression,
             pressure_only,
             compression_ratio,
-            recent_window: config_int("recent_window", recent_window)?,
-            sink_blocks: config_int("sink_blocks", sink_blocks)?,
+            recent_window: config_int("recent_window", recent_window.into())?,
+            sink_blocks: config_int("sink_blocks", sink_blocks.into())?,
             weights: [weights.0, weights.1, weights.2],
             headroom,
             hysteresis,
@@ -184,7 +231,7 @@ impl PyCore {
                 .transpose()?,
             decay,
             attention_ema,
-            scissorhands_window: config_int("scissorhands_window", scissorhands_window)?,
+            scissorhands_window: config_int("scissorhands_window", scissorhands_window.into())?,
             write_through,
             evict_on_full,
             namespace: kvtier::namespace_seed(namespace),
@@ -234,7 +281,7 @@ impl PyCore {
     fn append_tokens<'py>(
         &self,
         py: Python<'py>,
-        seq: i64,
+        seq: Int,
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<AppendedArrays<'py>> {
         let seq = int_arg("seq", seq)?;
@@ -251,7 +298,7 @@ impl PyCore {
     fn append_blocks<'py>(
         &self,
         py: Python<'py>,
-        seq: i64,
+        seq: Int,
         hashes: &Bound<'py, PyAny>,
     ) -> PyResult<AppendedArrays<'py>> {
         let seq = int_arg("seq", seq)?;
@@ -266,7 +313,7 @@ impl PyCore {
 
     /// Appends `n` tokens without ids (their K/V only); the sequence stops being hashed.
     /// Returns `(block_ids, shared)` for the blocks added (none shared).
-    fn extend<'py>(&self, py: Python<'py>, seq: i64, n: i64) -> PyResult<AppendedArrays<'py>> {
+    fn extend<'py>(&self, py: Python<'py>, seq: Int, n: Int) -> PyResult<AppendedArrays<'py>> {
         let (seq, n) = (int_arg("seq", seq)?, int_arg("n", n)?);
         let out = self.with(py, |c| c.extend(seq, n)).py_err()?;
         Ok((
@@ -277,7 +324,7 @@ impl PyCore {
 
     /// Forks a sequence; returns `(child, copy)` where `copy` is `(src_block, dst_block)` of
     /// the partial block whose bytes the engine must copy, or `None`.
-    fn fork(&self, py: Python<'_>, seq: i64) -> PyResult<(u32, Option<(u32, u32)>)> {
+    fn fork(&self, py: Python<'_>, seq: Int) -> PyResult<(u32, Option<(u32, u32)>)> {
         let seq = int_arg("seq", seq)?;
         let f = self.with(py, |c| c.fork(seq)).py_err()?;
         Ok((f.child, f.copy))
@@ -290,7 +337,7 @@ impl PyCore {
         self.with(py, |c| c.forget(ids)).py_err()
     }
 
-    fn free_sequence(&self, py: Python<'_>, seq: i64) -> PyResult<()> {
+    fn free_sequence(&self, py: Python<'_>, seq: Int) -> PyResult<()> {
         let seq = int_arg("seq", seq)?;
         self.with(py, |c| c.free_sequence(seq)).py_err()
     }
@@ -298,7 +345,7 @@ impl PyCore {
     fn sequence_blocks<'py>(
         &self,
         py: Python<'py>,
-        seq: i64,
+        seq: Int,
     ) -> PyResult<Bound<'py, PyArray1<u32>>> {
         let seq = int_arg("seq", seq)?;
         let v = self
@@ -307,7 +354,7 @@ impl PyCore {
         Ok(PyArray1::from_vec(py, v))
     }
 
-    fn sequence_tokens(&self, py: Python<'_>, seq: i64) -> PyResult<u64> {
+    fn sequence_tokens(&self, py: Python<'_>, seq: Int) -> PyResult<u64> {
         let seq = int_arg("seq", seq)?;
         self.with(py, |c| c.sequence_tokens(seq)).py_err()
     }
@@ -391,18 +438,18 @@ impl PyCore {
     /// (demoting and offloading before anything is evicted).
     #[pyo3(signature = (room_bytes = 0))]
     fn plan(&self, py: Python<'_>, room_bytes: i64) -> PyResult<PyPlan> {
-        let room_bytes = int_arg("room_bytes", room_bytes)?;
+        let room_bytes = int_arg("room_bytes", room_bytes.into())?;
         // Columns are built from the pending plan in place: no copy of the move list.
         self.with(py, |c| c.plan_with_room(room_bytes).map(PyPlan::from))
             .py_err()
     }
 
-    fn commit(&self, py: Python<'_>, plan_id: i64) -> PyResult<()> {
+    fn commit(&self, py: Python<'_>, plan_id: Int) -> PyResult<()> {
         let plan_id = int_arg("plan_id", plan_id)?;
         self.with(py, |c| c.commit(plan_id)).py_err()
     }
 
-    fn abort(&self, py: Python<'_>, plan_id: i64) -> PyResult<()> {
+    fn abort(&self, py: Python<'_>, plan_id: Int) -> PyResult<()> {
         let plan_id = int_arg("plan_id", plan_id)?;
         self.with(py, |c| c.abort(plan_id)).py_err()
     }
@@ -452,6 +499,26 @@ impl PyCore {
         usage_rows(self.with(py, |c| c.usage()))
     }
 
+    /// Cached blocks an eviction could free now, per pool: `[(tier, level, blocks, bytes)]`.
+    fn reclaimable(&self, py: Python<'_>) -> Vec<(&'static str, u8, u64, u64)> {
+        self.with(py, |c| c.reclaimable())
+            .into_iter()
+            .map(|(t, level, n, bytes)| (t.name(), level, n, bytes))
+            .collect()
+    }
+
+    /// Whether an allocation that does not fit evicts cached blocks (lowest-ranked first)
+    /// instead of failing.
+    #[getter]
+    fn evict_on_full(&self) -> bool {
+        self.config().evict_on_full
+    }
+
+    #[setter]
+    fn set_evict_on_full(&self, py: Python<'_>, on: bool) {
+        self.with(py, |c| c.set_evict_on_full(on));
+    }
+
     /// Bytes in use per configured tier.
     fn tier_bytes(&self, py: Python<'_>) -> Vec<(&'static str, u64)> {
         let cfg = self.config();
@@ -459,7 +526,7 @@ impl PyCore {
         cfg.tiers.iter().map(|t| t.tier.name()).zip(bytes).collect()
     }
 
-    fn set_budget(&self, py: Python<'_>, tier: &str, budget: Option<i64>) -> PyResult<()> {
+    fn set_budget(&self, py: Python<'_>, tier: &str, budget: Option<Int>) -> PyResult<()> {
         let tier = Tier::parse(tier).py_err()?;
         let budget = budget.map(|b| config_int("budget", b)).transpose()?;
         self.with(py, |c| c.set_budget(tier, budget)).py_err()

@@ -136,7 +136,8 @@ pub struct Config {
     /// On demotion, keep the block's higher-precision bytes in the next tier so a later promotion
     /// restores it exactly.
     pub write_through: bool,
-    /// Evict cached (unreferenced) blocks when an allocation does not fit, instead of failing.
+    /// Evict cached (unreferenced) blocks when an allocation does not fit, instead of failing
+    /// (the default: a block nobody references is reclaimable, as in vLLM's prefix cache).
     pub evict_on_full: bool,
     /// Seed of the prefix hash chain: different namespaces never share hashes.
     pub namespace: u64,
@@ -171,7 +172,7 @@ impl Default for Config {
             attention_ema: 0.5,
             scissorhands_window: 8,
             write_through: false,
-            evict_on_full: false,
+            evict_on_full: true,
             namespace: 0,
             pool_slots: Vec::new(),
             pool_headroom: false,

@@ -1017,9 +1017,13 @@ impl Core {
             <= u128::from(budget) + u128::from(reclaimable);
         let free_slots = u64::from(self.pools[pool0].free_count());
         let slots_ok = n <= free_slots + self.evictable[pool0].count;
-        if !self.cfg.evict_on_full || !bytes_ok || !slots_ok {
+        let evict = self.cfg.evict_on_full;
+        if !evict || !bytes_ok || !slots_ok {
             let free = budget.saturating_sub(self.tier_bytes[0]);
-            return Err(if slots_ok || free < need {
+            // Name the limit that stops it: the byte budget, else the level-0 pool's slots (a
+            // byte error with enough bytes free would contradict itself).
+            let bytes_short = if evict { !bytes_ok } else { free < need };
+            return Err(if bytes_short {
                 Error::OutOfCapacity {
                     tier: Tier::Device,
                     level: 0,
@@ -1560,6 +1564,30 @@ impl Core {
 
     pub fn cached_blocks(&self) -> u64 {
         self.evictable.iter().map(|e| e.count).sum()
+    }
+
+    /// What evicting could free now, per pool: `(tier, level, blocks, bytes)` of its cached
+    /// (unreferenced, unpinned, not moving) blocks.
+    pub fn reclaimable(&self) -> Vec<(Tier, u8, u64, u64)> {
+        let levels = self.cfg.num_levels();
+        self.evictable
+            .iter()
+            .enumerate()
+            .map(|(p, e)| {
+                (
+                    self.cfg.tiers[p / levels].tier,
+                    (p % levels) as u8,
+                    e.count,
+                    e.bytes(),
+                )
+            })
+            .collect()
+    }
+
+    /// Whether allocations may evict cached blocks (`Config::evict_on_full`). An engine that
+    /// lets a plan demote and offload first allows it only for its retry.
+    pub fn set_evict_on_full(&mut self, on: bool) {
+        self.cfg.evict_on_full = on;
     }
 }
 

@@ -692,9 +692,10 @@ impl Core {
     }
 
     /// Pass 4 (with `pool_headroom`), for one explicitly sized pool filled past `1 - headroom`
-    /// of its slots: its lowest-ranked movable blocks are demoted when the next level's pool has
-    /// a free slot, else offloaded when the next tier has room; cached blocks of a completely
-    /// full pool are evicted. Protected blocks stay.
+    /// of its slots (for the device's level-0 pool, also past the slots of the room asked
+    /// for): its lowest-ranked movable blocks are demoted when the next level's pool has a free
+    /// slot, else offloaded when the next tier has room; cached blocks of a completely full pool
+    /// are evicted. Protected blocks stay.
     fn relieve_pool(&mut self, pass: &mut Pass, t: usize, level: u8, wishes: &[Wish]) {
         let levels = self.cfg.num_levels();
         let p = t * levels + usize::from(level);
@@ -708,7 +709,15 @@ impl Core {
         if !explicit || cap == 0 {
             return;
         }
-        let keep_free = ((f64::from(cap) * f64::from(self.cfg.headroom)).ceil() as u32).min(cap);
+        let headroom = (f64::from(cap) * f64::from(self.cfg.headroom)).ceil() as u32;
+        // The device's level-0 pool is where the blocks that asked for room will go.
+        let room = if tier == Tier::Device && level == 0 {
+            let slots = pass.reserved[t].div_ceil(self.level_bytes(0));
+            u32::try_from(slots).unwrap_or(u32::MAX)
+        } else {
+            0
+        };
+        let keep_free = headroom.max(room).min(cap);
         let soft = cap - keep_free;
         // Slots this plan already empties at commit (every move but a backup frees the block's
         // current slot).

@@ -189,6 +189,7 @@ fn a_full_device_refuses_or_evicts_cached_blocks() {
         tier: Tier::Device,
         budget_bytes: Some(3 * 64),
     }];
+    cfg.evict_on_full = false;
     let mut c = core(cfg.clone());
     let (s, _) = seq_with(&mut c, 1, 3);
     let s2 = c.add_sequence();
@@ -546,4 +547,81 @@ fn a_plan_with_room_offloads_cached_blocks_so_that_new_ones_evict_nothing() {
         ]
     );
     c.abort(plan.id).unwrap();
+}
+
+#[test]
+fn a_full_level_0_pool_with_bytes_to_spare_names_its_slots_and_reclaims_when_allowed() {
+    // Level 0 holds 2 blocks; the other levels' slots leave bytes free in the budget.
+    let mut cfg = cfg();
+    cfg.tiers = vec![TierConfig {
+        tier: Tier::Device,
+        budget_bytes: Some(2 * 64 + 4 * 32 + 4 * 16),
+    }];
+    cfg.pool_slots = vec![
+        (Tier::Device, 0, 2),
+        (Tier::Device, 1, 4),
+        (Tier::Device, 2, 4),
+    ];
+    cfg.evict_on_full = false;
+    let mut c = core(cfg);
+    let (s, _) = seq_with(&mut c, 1, 2);
+    c.free_sequence(s).unwrap();
+    assert_eq!(
+        c.reclaimable()[0],
+        (Tier::Device, 0, 2, 128),
+        "two cached level-0 blocks"
+    );
+    let s2 = c.add_sequence();
+    let err = c.append_blocks(s2, &[9]).unwrap_err();
+    // Not "requested 64 bytes, 192 free": the bytes are there, the slots are not.
+    assert!(
+        matches!(
+            err,
+            Error::OutOfSlots {
+                requested: 1,
+                free: 0,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    c.set_evict_on_full(true);
+    c.append_blocks(s2, &[9]).unwrap();
+    assert_eq!(c.counters().evictions, 1);
+    assert_eq!(c.reclaimable()[0], (Tier::Device, 0, 1, 64));
+}
+
+#[test]
+fn a_plan_with_room_frees_that_many_level_0_slots_by_demoting() {
+    // Eight level-0 slots; the pool's own headroom (10 %) would free one. Asking for the room
+    // of four blocks demotes four cached blocks (nothing is evicted for the room itself).
+    let mut cfg = cfg();
+    cfg.recent_window = 0;
+    cfg.sink_blocks = 0;
+    cfg.tiers = vec![TierConfig {
+        tier: Tier::Device,
+        budget_bytes: Some(8 * 64 + 8 * 32 + 8 * 16),
+    }];
+    cfg.pool_slots = vec![
+        (Tier::Device, 0, 8),
+        (Tier::Device, 1, 8),
+        (Tier::Device, 2, 8),
+    ];
+    cfg.pool_headroom = true;
+    cfg.evict_on_full = false;
+    let mut c = core(cfg);
+    let (s, _) = seq_with(&mut c, 1, 8);
+    c.free_sequence(s).unwrap();
+    let plan = c.plan_with_room(4 * 64).unwrap().clone();
+    let out_of_level_0 = plan
+        .moves
+        .iter()
+        .filter(|m| m.src.level == 0 && m.kind != MoveKind::Backup)
+        .count();
+    assert!(out_of_level_0 >= 4, "{:?}", plan.moves);
+    assert!(plan.moves.iter().all(|m| m.kind != MoveKind::Evict));
+    c.commit(plan.id).unwrap();
+    let s2 = c.add_sequence();
+    c.append_blocks(s2, &[20, 21, 22, 23]).unwrap();
+    assert_eq!(c.counters().evictions, 0);
 }
