@@ -308,3 +308,37 @@ def test_kvtier_eval_cache_rejects_bad_options_before_loading_the_model(
     error, hint = [line for line in err.splitlines() if line.startswith(("error:", "hint:"))]
     assert error.startswith("error: ") and in_error in error
     assert hint.startswith("hint: ") and len(hint) > len("hint: ")
+
+
+def test_caches_on_a_shared_manager_free_their_rows_however_they_end(smollm2):
+    """One small manager, a cache per request: the rows are freed when the cache is closed,
+    when a ``with`` block ends, when it is reset for the next batch, and when it is simply
+    dropped. Twelve requests on a manager that holds about two never run out (on a manager
+    that kept the rows, the third would), and every one generates DynamicCache's tokens."""
+    from kvtier import BlockManager
+
+    model, tok = smollm2
+    ids = prompt_ids(tok)
+    want = generate(model, ids, DynamicCache(config=model.config), max_new_tokens=6)
+    cfg = EXACT.replace(device_blocks=8)  # blocks of 8 tokens: a request takes 3
+    bm = BlockManager(
+        cfg, num_layers=30, num_kv_heads=3, head_dim=64, dtype=model.dtype, device="cpu"
+    )
+    reused = TieredCache(model, manager=bm)
+    for i in range(12):
+        how = ("dropped", "with", "reset", "close")[i % 4]
+        if how == "with":
+            with TieredCache(model, manager=bm) as cache:
+                got = generate(model, ids, cache, max_new_tokens=6)
+        elif how == "reset":
+            reused.reset()
+            got = generate(model, ids, reused, max_new_tokens=6)
+            reused.reset()
+        else:
+            cache = TieredCache(model, manager=bm)
+            got = generate(model, ids, cache, max_new_tokens=6)
+            if how == "close":
+                cache.close()
+            del cache
+        assert torch.equal(got, want), (i, how)
+        assert bm.sequences() == [], (i, how)

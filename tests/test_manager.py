@@ -105,10 +105,13 @@ def snapshot(bm: BlockManager) -> tuple[Any, ...]:
     return stats, pools, seqs, bm.core.counters()
 
 
-def assert_same(a: tuple[Any, ...], b: tuple[Any, ...], *, planned: int = 0) -> None:
-    """Equal stats, pools and sequences; ``planned`` plans (that moved nothing) allowed."""
-    counters = dict(b[3], plans=b[3]["plans"] - planned)
-    stats = dict(b[0], counters=dict(b[0]["counters"], plans=b[0]["counters"]["plans"] - planned))
+def assert_same(
+    a: tuple[Any, ...], b: tuple[Any, ...], *, planned: int = 0, aborted: int = 0
+) -> None:
+    """Equal stats, pools and sequences; ``planned`` plans (that moved nothing), ``aborted`` of
+    them aborted, allowed."""
+    counters = dict(b[3], plans=b[3]["plans"] - planned, aborts=b[3]["aborts"] - aborted)
+    stats = dict(b[0], counters=dict(b[0]["counters"], **counters))
     assert a[0] == stats and a[2] == b[2] and a[3] == counters
     for key in a[1]:
         assert torch.equal(a[1][key].view(torch.uint8), b[1][key].view(torch.uint8)), key
@@ -350,8 +353,8 @@ def test_a_full_device_refuses_an_append_naming_the_budget_and_writes_nothing() 
     before = snapshot(bm)
     with pytest.raises(OutOfCapacityError, match="budget"):
         bm.append(seq, 0, x[0, 0, 4 * BS :], x[0, 1, 4 * BS :])
-    # The append let one step() try to make room; with nowhere to move blocks it moved none.
-    assert_same(before, snapshot(bm), planned=1)
+    # The append let one plan try to make room; it could not, so it was aborted: nothing moved.
+    assert_same(before, snapshot(bm), planned=1, aborted=1)
 
 
 def test_a_full_device_offloads_to_the_host_instead_of_failing() -> None:
@@ -395,6 +398,105 @@ def test_evict_on_full_makes_room_from_cached_blocks() -> None:
     append_all(bm, b, x)
     assert bm.get_compression_stats()["evictions"] == 2
     assert torch.equal(bm.gather(b, 1)[0], x[1, 0])
+
+
+def poison(x: Any, value: float = float("nan")) -> Any:
+    """A copy of ``x`` with one element (in its last token) non-finite."""
+    y = x.clone()
+    y[-1, -1, -1] = value if value != 1 else float("inf")
+    return y
+
+
+def test_a_freed_prompts_blocks_are_reclaimed_by_default_so_the_device_never_wedges() -> None:
+    """Default settings, a small device: prompt after prompt (each freed once done) never runs
+    out, whether the freed blocks are demoted first or not; the cached blocks are evicted,
+    lowest-ranked first, once nothing else makes room."""
+    for cfg in ({"enable_compression": False}, {}):
+        bm = manager(device_blocks=8, **cfg)
+        for i in range(12):
+            seq = bm.add_sequence(np.arange(4 * BS) + 1000 * i)
+            x = kv(4 * BS, seed=i)
+            append_all(bm, seq, x)
+            assert_gathers(bm, seq, x)
+            bm.free(seq)
+        assert bm.get_compression_stats()["evictions"] > 0, cfg
+        # A cached prefix that still fits is shared, not recomputed.
+        again = bm.add_sequence(np.arange(4 * BS) + 11000)
+        assert bm.num_tokens(again, 0) > 0
+
+
+def test_out_of_capacity_means_the_live_sequences_do_not_fit_and_says_what_holds_the_device() -> (
+    None
+):
+    bm = manager(device_blocks=4, enable_compression=False)  # 4 level-0 slots
+    old = bm.add_sequence(np.arange(2 * BS))
+    append_all(bm, old, kv(2 * BS, seed=1))
+    bm.free(old)  # 2 cached blocks
+    seq = bm.add_sequence()
+    append_all(bm, seq, kv(4 * BS, seed=2))  # takes the cached blocks' room
+    before = snapshot(bm)
+    with pytest.raises(OutOfCapacityError) as info:
+        bm.append(seq, 0, *kv(BS, seed=3)[0])
+    msg = str(info.value)
+    b0 = bm.level_bytes[0]
+    assert "the live sequences do not fit" in msg, msg
+    assert f"live sequences hold {4 * b0} B" in msg and "cached blocks 0 B" in msg, msg
+    assert f"device budget {4 * b0} B" in msg, msg
+    assert_same(before, snapshot(bm), planned=1, aborted=1)
+
+    # With eviction off, the cached blocks are what holds the device, and the message says so.
+    kept = manager(device_blocks=4, enable_compression=False, evict_on_full=False)
+    old = kept.add_sequence(np.arange(3 * BS))
+    append_all(kept, old, kv(3 * BS, seed=1))
+    kept.free(old)
+    seq = kept.add_sequence()
+    with pytest.raises(OutOfCapacityError, match="evict_on_full is off") as info:
+        append_all(kept, seq, kv(2 * BS, seed=2))
+    assert f"cached blocks {3 * b0} B (3 level-0 slots)" in str(info.value), str(info.value)
+
+
+def test_a_failed_append_stores_nothing_and_a_retry_stores_its_kv() -> None:
+    """NaN or inf in K or V is refused before a byte moves (K and V alike), so the retry with
+    good K/V is written, not skipped as already there; K/V that require grad are stored
+    detached."""
+    bm = manager()
+    seq = bm.add_sequence()
+    x = kv(BS + 3, seed=21)
+    for bad in (poison(x[0, 0]), poison(x[0, 0], 1)):
+        before = snapshot(bm)
+        for k, v in ((bad, x[0, 1]), (x[0, 0], bad)):
+            with pytest.raises(InvalidArgumentError, match="expected finite values"):
+                bm.append(seq, 0, k, v)
+            assert_same(before, snapshot(bm))
+    grad = x.clone().requires_grad_(True)
+    append_all(bm, seq, grad)
+    assert_gathers(bm, seq, x)
+    assert not bm.gather(seq, 0)[0].requires_grad
+
+
+def test_a_fork_on_a_full_device_makes_room_for_its_partial_block() -> None:
+    bm = manager(device_blocks=4, enable_compression=False)
+    old = bm.add_sequence(np.arange(3 * BS))
+    append_all(bm, old, kv(3 * BS, seed=1))
+    bm.free(old)
+    seq = bm.add_sequence()
+    x = kv(BS // 2, seed=2)
+    append_all(bm, seq, x)  # one partial block; three cached fill the device
+    child = bm.fork(seq)
+    assert_gathers(bm, child, x)
+
+
+def test_budgets_the_pools_cannot_have_are_config_errors_naming_the_budget() -> None:
+    from kvtier import ConfigError
+
+    with pytest.raises(ConfigError, match="more than the 4294967295 a pool can index"):
+        manager(device_blocks=None, device_budget=1 << 50)  # a PiB
+    with pytest.raises(ConfigError, match=r"device budget: the pools take \d+ B of cpu memory"):
+        manager(device_blocks=None, device_budget=1 << 44)  # 16 TiB
+    with pytest.raises(ConfigError, match="device and host budget"):
+        manager(host_budget=1 << 44)
+    with pytest.raises(ConfigError, match="disk budget"):
+        manager(disk_budget=1 << 62, disk_path="/nonexistent")
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -442,6 +544,13 @@ def test_evict_on_full_makes_room_from_cached_blocks() -> None:
             lambda bm, s, k: bm.append(s, 0, "k", "v"),
             InvalidArgumentError,
             "DLPack",
+        ),
+        ("NaN in K", lambda bm, s, k: bm.append(s, 0, poison(k), k), InvalidArgumentError, "k: "),
+        (
+            "inf in V",
+            lambda bm, s, k: bm.append(s, 0, k, poison(k, 1)),
+            InvalidArgumentError,
+            "v: ",
         ),
     ],
 )

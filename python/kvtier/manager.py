@@ -43,16 +43,18 @@ only write pinned blocks, which plans never move), so appends and gathers procee
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -74,6 +76,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.manager")
 
+_T = TypeVar("_T")
+
 __all__ = ["BlockManager", "ManagerStats", "PoolStats"]
 
 TIERS = ("device", "host", "disk", "remote")
@@ -85,6 +89,8 @@ STORE_RETRY_S = 1.0
 #: the free CUDA memory, or a fixed amount of CPU memory.
 DEFAULT_CUDA_SHARE = 0.5
 DEFAULT_CPU_BYTES = 1 << 30
+#: Slots one pool can index (the core's slot ids are 32-bit).
+MAX_POOL_SLOTS = (1 << 32) - 1
 
 
 def default_shares(levels: int, level_bytes: Sequence[int], ratio: float) -> tuple[float, ...]:
@@ -303,6 +309,7 @@ class BlockManager:
                 f"{self.level_bytes[0]} B at level-0 share {shares[0]:g}: raise device_budget "
                 "or device_blocks"
             )
+        self._check_pool_sizes(budgets)
         self._tiers = list(budgets)
         self.core = Core(
             self.level_bytes,
@@ -324,14 +331,14 @@ class BlockManager:
             attention_ema=config.attention_ema,
             scissorhands_window=config.scissorhands_window,
             write_through=config.write_through,
-            evict_on_full=config.evict_on_full,
+            # Allocations never evict at once: a plan demotes and offloads first, and only the
+            # retry after it may evict cached blocks (when config.evict_on_full), see _with_room.
+            evict_on_full=False,
             namespace=config.namespace,
             pool_slots=[(t, lv, n) for (t, lv), n in self.slots.items()],
             pool_headroom=True,
         )
         self.instance = uuid.uuid4().hex[:16]
-        self.stores = self._open_stores(budgets)
-        self._suspended: dict[str, float] = {}
         self.pools: dict[tuple[str, int], Any] = {}
         for (tier, level), n in self.slots.items():
             if tier in STORE_TIERS:
@@ -340,7 +347,15 @@ class BlockManager:
             pin = tier == "host" and self.device.type == "cuda"
             shape = (n, *self.shape.dims) if level == 0 else (n, self.level_bytes[level])
             dt = self.dtype if level == 0 else torch.uint8
-            self.pools[tier, level] = torch.empty(shape, dtype=dt, device=on, pin_memory=pin)
+            try:
+                self.pools[tier, level] = torch.empty(shape, dtype=dt, device=on, pin_memory=pin)
+            except RuntimeError as exc:  # torch's out-of-memory errors among them
+                raise ConfigError(
+                    f"{tier} budget: could not allocate its level-{level} pool of "
+                    f"{n * self.level_bytes[level]} B on {on} ({exc}); lower the {tier} budget"
+                ) from None
+        self.stores = self._open_stores(budgets)
+        self._suspended: dict[str, float] = {}
         self._seqs: dict[int, _Seq] = {}
         # Per block id (grown on demand): tokens written per layer, pinned while incomplete,
         # and the running key-norm sum behind its magnitude signal.
@@ -357,6 +372,8 @@ class BlockManager:
         self._shared = self.stores["remote", 0] if config.share_prefixes else None
         self._unpublished: dict[int, int] = {}
         self._counters = {"prefix_published": 0, "prefix_fetched": 0}
+        # Sequences that free_later() handed over, freed between calls.
+        self._orphans: list[int] = []
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -378,6 +395,33 @@ class BlockManager:
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * DEFAULT_CUDA_SHARE)
         return DEFAULT_CPU_BYTES
+
+    def _check_pool_sizes(self, budgets: dict[str, int]) -> None:
+        """Refuses budgets the pools cannot have, before anything is allocated or opened: more
+        slots than a pool can index, or tensor pools larger than the memory they live in."""
+        for (tier, level), n in self.slots.items():
+            if n > MAX_POOL_SLOTS:
+                raise ConfigError(
+                    f"{tier} budget {budgets[tier]} B makes {n} slots of "
+                    f"{self.level_bytes[level]} B at level {level}, more than the "
+                    f"{MAX_POOL_SLOTS} a pool can index: lower the {tier} budget or raise "
+                    "block_size"
+                )
+        wanted: dict[str, tuple[int, list[str]]] = {}
+        for (tier, level), n in self.slots.items():
+            if tier not in STORE_TIERS:
+                where = self.device.type if tier == "device" else "cpu"
+                nbytes, tiers = wanted.get(where, (0, []))
+                wanted[where] = (nbytes + n * self.level_bytes[level], [*tiers, tier])
+        for where, (nbytes, tiers) in wanted.items():
+            have = _memory_of(where, self.device)
+            if have is not None and nbytes > have:
+                names = " and ".join(dict.fromkeys(tiers))
+                raise ConfigError(
+                    f"{names} budget: the pools take {nbytes} B of {where} memory, allocated "
+                    f"when the manager is built, but the {where} has {have} B: lower the "
+                    f"{names} budget"
+                )
 
     def _open_stores(self, budgets: dict[str, int]) -> dict[tuple[str, int], KVStore]:
         """One store per store tier, seen through one namespace per level (its codec)."""
@@ -454,12 +498,16 @@ class BlockManager:
         them (one round trip)."""
         tokens = None if token_ids is None else _token_array(token_ids)
         with self._lock:
+            self._free_orphans()
             seq = self.core.add_sequence()
             state = _Seq(np.zeros(self.shape.layers, dtype=np.int64))
             self._seqs[seq] = state
             if tokens is not None and len(tokens):
+                cached = len(self.core.lookup_tokens(tokens))
                 try:
-                    self._grow(seq, lambda: self.core.append_tokens(seq, tokens), len(tokens))
+                    self._grow(
+                        seq, lambda: self.core.append_tokens(seq, tokens), len(tokens), cached
+                    )
                 except BaseException:
                     del self._seqs[seq]
                     self.core.free_sequence(seq)
@@ -485,6 +533,7 @@ class BlockManager:
 
     def sequences(self) -> list[int]:
         with self._lock:
+            self._free_orphans()
             return list(self._seqs)
 
     def lookup(self, token_ids: Any) -> int:
@@ -507,7 +556,7 @@ class BlockManager:
         are shared, the partial last block is copied."""
         with self._lock:
             parent = self._seq(seq)
-            child, copy = self.core.fork(seq)
+            child, copy = self._with_room(lambda: self.core.fork(seq), 1)
             self._seqs[child] = _Seq(parent.lengths.copy())
             if copy is not None:
                 src, dst = copy
@@ -523,8 +572,9 @@ class BlockManager:
             return child
 
     def free(self, seq: int) -> None:
-        """Drops a sequence. Its complete blocks stay cached for later prompts (until evicted);
-        blocks some layer never finished are forgotten, so they are never shared."""
+        """Drops a sequence. Its complete blocks stay cached for later prompts until new blocks
+        need their room (``evict_on_full``, the default); blocks some layer never finished are
+        forgotten, so they are never shared."""
         with self._lock:
             self._seq(seq)
             blocks = self.core.sequence_blocks(seq)
@@ -537,19 +587,39 @@ class BlockManager:
             self.core.free_sequence(seq)
             del self._seqs[seq]
 
+    def free_later(self, seqs: Iterable[int]) -> None:
+        """Frees ``seqs`` at the manager's next :meth:`add_sequence`, :meth:`step`,
+        :meth:`stats` or :meth:`sequences` (or when appends need room). Safe where :meth:`free` is not: in a finalizer, which a garbage
+        collector may run inside any call of this manager in the same thread."""
+        self._orphans.extend(seqs)
+
+    def _free_orphans(self) -> None:
+        """Frees what :meth:`free_later` was given; called holding the lock, between calls."""
+        while self._orphans:
+            seq = self._orphans.pop()
+            if seq in self._seqs:
+                self.free(seq)
+
     # -- K/V ------------------------------------------------------------------------------------
 
     def append(self, seq: int, layer: int, k: Any, v: Any) -> None:
         """Appends K/V of new tokens, ``[num_tokens, num_kv_heads, head_dim]`` each, to one layer
         of ``seq``. The first layer to pass the sequence's end allocates its blocks; when the
-        device is full, a ``step()`` makes room or :class:`OutOfCapacityError` says which budget
-        ran out (nothing is written then)."""
+        device is full, a plan demotes and offloads to make room, then cached blocks are
+        evicted (``evict_on_full``), and only when the live sequences do not fit does
+        :class:`OutOfCapacityError` say so. Everything is checked before anything changes:
+        shape, dtype, device, finite values (NaN or inf in K or V is refused), sequence, layer
+        and room; a call that raises leaves the K/V, the pools and the counters as they were,
+        so a retry with good K/V stores it. K/V that require grad are stored detached."""
         k, v = self._check_kv(k, "k"), self._check_kv(v, "v")
         if k.shape != v.shape:
             raise InvalidArgumentError(
                 f"expected k and v of one shape, got {list(k.shape)} and {list(v.shape)}"
             )
         layer = self._layer(layer)
+        _check_finite(k, v)
+        # A cache holds values: gradients do not flow into it.
+        k, v = k.detach(), v.detach()
         n = int(k.shape[0])
         with self._lock:
             state = self._seq(seq)
@@ -558,6 +628,7 @@ class BlockManager:
             if n == 0:
                 return
             have = self.core.sequence_tokens(seq)
+            self._check_writable(seq, layer, start, min(end, have))
             if end > have:
                 self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
             self._write(seq, layer, start, end, k, v)
@@ -595,7 +666,8 @@ class BlockManager:
             if m:
                 self.core.record_reads(blocks)
         kv = out.permute(1, 0, 3, 2, 4).reshape(2, m * bs, *self.shape.dims[2:5:2])
-        return kv[0, :tokens], kv[1, :tokens]
+        # One block reshapes to a strided view, not a copy: contiguous as promised.
+        return kv[0, :tokens].contiguous(), kv[1, :tokens].contiguous()
 
     # -- signals --------------------------------------------------------------------------------
 
@@ -644,21 +716,27 @@ class BlockManager:
             if self._unpublished:
                 self._publish()
             with self._lock:
+                self._free_orphans()
                 self._resume_stores()
                 plan = self.core.plan(room_bytes)
-            try:
-                self._execute(plan)
-            except (_StoreRefused, _Lost) as exc:
-                with self._lock:
-                    self.core.abort(plan.id)
-                    return {**plan.summary(), **self._store_failed(exc)}
-            except BaseException:
-                with self._lock:
-                    self.core.abort(plan.id)
-                raise
+            return self._run(plan)
+
+    def _run(self, plan: Plan) -> dict[str, int]:
+        """Executes a plan and commits it (aborts it if a copy fails); called holding the step
+        lock, not the lock."""
+        try:
+            self._execute(plan)
+        except (_StoreRefused, _Lost) as exc:
             with self._lock:
-                self.core.commit(plan.id)
-            return plan.summary()
+                self.core.abort(plan.id)
+                return {**plan.summary(), **self._store_failed(exc)}
+        except BaseException:
+            with self._lock:
+                self.core.abort(plan.id)
+            raise
+        with self._lock:
+            self.core.commit(plan.id)
+        return plan.summary()
 
     def _execute(self, plan: Plan) -> None:
         if not len(plan):
@@ -868,6 +946,7 @@ class BlockManager:
     def stats(self) -> ManagerStats:
         """Pool occupancy, bytes saved and move counters, read from the core."""
         with self._lock:
+            self._free_orphans()
             pools = tuple(
                 PoolStats(
                     tier=tier,
@@ -938,39 +1017,103 @@ class BlockManager:
             )
         return t
 
-    def _grow(self, seq: int, call: Any, tokens: int) -> None:
-        """Runs a core call that allocates blocks for ``tokens`` more tokens; when the device is
-        full, lets ``step()`` make room for them (demote, offload) once and retries. New blocks
-        are pinned until complete."""
-        try:
-            added, shared = call()
-        except OutOfCapacityError:
-            # Room for the blocks the tokens add beyond the sequence's last one (at most: some
-            # may be shared).
-            have = len(self.core.sequence_blocks(seq))
-            total = -(-(self.core.sequence_tokens(seq) + tokens) // self.block_size)
-            room = max(0, total - have) * self.level_bytes[0]
-            self._lock.release()  # step() takes the step lock, then this one: never hold both
-            try:
-                self.step(room)
-            finally:
-                self._lock.acquire()
-            try:
-                added, shared = call()
-            except OutOfCapacityError as exc:
-                raise OutOfCapacityError(
-                    f"{exc} (after a step() to make room); {self._room()}"
-                ) from None
-        new = added[~shared]
+    def _grow(self, seq: int, call: Callable[[], Any], tokens: int, shared: int = 0) -> None:
+        """Runs a core call that allocates blocks for ``tokens`` more tokens of ``seq`` (of
+        which the first ``shared`` blocks may come from the prefix cache) and tracks the new
+        blocks, pinned until complete."""
+        have = len(self.core.sequence_blocks(seq))
+        total = -(-(self.core.sequence_tokens(seq) + tokens) // self.block_size)
+        added, is_shared = self._with_room(call, max(0, total - have - shared))
+        new = added[~is_shared]
         self._track(new)
         self._pin(new)
 
-    def _room(self) -> str:
-        budgets = ", ".join(
-            f"{t} {sum(self.slots[t, lv] * b for lv, b in enumerate(self.level_bytes))} B"
-            for t in self._tiers
+    def _with_room(self, call: Callable[[], _T], blocks: int) -> _T:
+        """Runs a core call that needs at most ``blocks`` new level-0 blocks on the device. When
+        they do not fit: a plan demotes and offloads to make room (run only if it, with the
+        cached blocks an eviction may take, makes enough; else aborted, nothing moved), then
+        the call is retried, evicting cached blocks lowest-ranked first when ``evict_on_full``.
+        If it still fails, :class:`OutOfCapacityError` says what holds the device, and nothing
+        changed but the count of the aborted plan. Called with the lock held."""
+        try:
+            return call()
+        except OutOfCapacityError:
+            pass
+        if self._orphans:
+            self._free_orphans()
+            with contextlib.suppress(OutOfCapacityError):
+                return call()
+        self._lock.release()  # the step lock comes first: never wait for it holding this one
+        try:
+            self._make_room(blocks)
+        finally:
+            self._lock.acquire()
+        self.core.evict_on_full = self.config.evict_on_full
+        try:
+            return call()
+        except OutOfCapacityError:
+            raise OutOfCapacityError(self._full(blocks)) from None
+        finally:
+            self.core.evict_on_full = False
+
+    def _make_room(self, blocks: int) -> None:
+        """Runs a plan that frees ``blocks`` level-0 device slots by demoting and offloading,
+        if it (with the cached blocks an eviction may then take) frees enough."""
+        with self._step_lock:
+            if self._unpublished:
+                self._publish()
+            with self._lock:
+                self._resume_stores()
+                plan = self.core.plan(blocks * self.level_bytes[0])
+                if self._slots_after(plan) < blocks:
+                    self.core.abort(plan.id)
+                    return
+            self._run(plan)
+
+    def _slots_after(self, plan: Plan) -> int:
+        """Level-0 device slots free once ``plan`` commits, counting the cached blocks an
+        eviction may take then (with ``evict_on_full``)."""
+        device = Plan.TIERS.index("device")
+        _, _, used, cap, _ = self._pool_usage("device", 0)
+        # Every move out of the pool but a backup (a copy) frees its slot.
+        leaving = (plan.src_tier == device) & (plan.src_level == 0)
+        leaving &= plan.kind != Plan.KINDS.index("backup")
+        free = cap - used + int(leaving.sum())
+        if self.config.evict_on_full:
+            free += next(n for t, lv, n, _ in self.core.reclaimable() if (t, lv) == ("device", 0))
+        return free
+
+    def _pool_usage(self, tier: str, level: int) -> tuple[str, int, int, int, int]:
+        return next(u for u in self.core.usage() if u[:2] == (tier, level))
+
+    def _full(self, blocks: int) -> str:
+        """Why ``blocks`` new level-0 blocks do not fit: what the live sequences and the cached
+        blocks hold on the device, against its budget and its level-0 slots."""
+        live = np.unique(
+            np.concatenate(
+                [self.core.sequence_blocks(s) for s in self._seqs] + [np.zeros(0, np.uint32)]
+            )
         )
-        return f"budgets: {budgets}; raise device_budget/host_budget or free sequences"
+        info = self.core.block_info(live)
+        on_device = info["tier"] == Plan.TIERS.index("device")
+        level_bytes = np.asarray(self.level_bytes, dtype=np.int64)
+        live_bytes = int(level_bytes[info["level"][on_device]].sum())
+        live0 = int((on_device & (info["level"] == 0)).sum())
+        device_bytes = dict(self.core.tier_bytes())["device"]
+        _, _, used0, cap0, _ = self._pool_usage("device", 0)
+        cached_bytes, cached0 = device_bytes - live_bytes, used0 - live0
+        if cached_bytes and not self.config.evict_on_full:
+            why = "the device is full and evict_on_full is off, so its cached blocks are kept"
+            fix = "set evict_on_full, free sequences, or raise device_budget/device_blocks"
+        else:
+            why = "the live sequences do not fit on the device"
+            fix = "free sequences, or raise device_budget/device_blocks (or add a host tier)"
+        return (
+            f"{why}: {blocks} more level-0 block(s) of {self.level_bytes[0]} B needed; live "
+            f"sequences hold {live_bytes} B there ({live0} of the {cap0} level-0 slots, where "
+            f"new K/V goes), cached blocks {cached_bytes} B ({cached0} level-0 slots), device "
+            f"budget {self._tier_budget('device')} B; {fix}"
+        )
 
     def _track(self, new: np.ndarray) -> None:
         if not len(new):
@@ -1002,6 +1145,25 @@ class BlockManager:
         n = len(complete) if complete.all() else int(np.argmin(complete))
         return n * self.block_size
 
+    def _check_writable(self, seq: int, layer: int, start: int, stop: int) -> None:
+        """Raises unless each token of ``[start, stop)`` (of blocks the sequence has) that is
+        still to be written lies in a block at level 0 on the device, where appends write."""
+        if stop <= start:
+            return
+        positions = np.arange(start, stop)
+        blocks = self.core.sequence_blocks(seq)[positions // self.block_size]
+        fresh = blocks[positions % self.block_size >= self._written[blocks, layer]]
+        if not len(fresh):
+            return
+        fresh = np.unique(fresh)
+        info = self.core.block_info(fresh)
+        moved = (info["tier"] != 0) | (info["level"] != 0)
+        if moved.any():
+            raise InvalidArgumentError(
+                f"sequence {seq} layer {layer}: block {int(fresh[moved.argmax()])} is no longer "
+                "at level 0 on the device, so tokens cannot be written into it"
+            )
+
     def _write(self, seq: int, layer: int, start: int, end: int, k: Any, v: Any) -> None:
         torch = torch_module()
         bs = self.block_size
@@ -1017,13 +1179,6 @@ class BlockManager:
         info = self.core.block_info(blocks)
         where = np.nonzero(fresh)[0]
         local = index[where] - index[0]
-        moved = (info["tier"][local] != 0) | (info["level"][local] != 0)
-        if moved.any():
-            b = int(tok_blocks[where[moved.argmax()]])
-            raise InvalidArgumentError(
-                f"sequence {seq} layer {layer}: block {b} is no longer at level 0 on the device, "
-                "so tokens cannot be written into it"
-            )
         slots = torch.from_numpy(info["slot"][local].astype(np.int64)).to(self.device)
         offs = torch.from_numpy(offset[where]).to(self.device)
         sel = torch.from_numpy(where).to(self.device)
@@ -1034,7 +1189,8 @@ class BlockManager:
         # Bookkeeping after the writes: a block's written count is its highest written offset.
         touched = tok_blocks[where]
         np.maximum.at(self._written[:, layer], touched, offset[where] + 1)
-        norms = ks.float().norm(dim=-1).mean(dim=-1).cpu().numpy()
+        # Clamped: the keys are finite, but an fp32 key's norm can overflow.
+        norms = ks.float().norm(dim=-1).mean(dim=-1).clamp(max=_F32_MAX).cpu().numpy()
         np.add.at(self._norm_sum, touched, norms)
         np.add.at(self._norm_count, touched, 1)
         uniq = np.unique(touched)
@@ -1106,6 +1262,33 @@ class _Lost(Exception):
     def __init__(self, tier: str, blocks: np.ndarray) -> None:
         super().__init__(f"{len(blocks)} block(s) lost from the {tier} tier")
         self.tier, self.blocks = tier, blocks
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _memory_of(where: str, device: Any) -> int | None:
+    """Bytes of memory of the CPU (physical) or of the CUDA device; None where unknown."""
+    if where == "cuda":
+        torch = torch_module()
+        return int(torch.cuda.mem_get_info(device)[1])
+    if where != "cpu":
+        return None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_finite(k: torch.Tensor, v: torch.Tensor) -> None:
+    """NaN or inf in K or V would reach attention as garbage (one NaN key poisons the softmax
+    of every query that sees it): refused, K and V alike, before anything is stored."""
+    torch = torch_module()
+    for x, what in ((k, "k"), (v, "v")):
+        if not bool(torch.isfinite(x).all()):
+            raise InvalidArgumentError(
+                f"{what}: expected finite values, got NaN or inf; nothing was stored"
+            )
 
 
 def _key_norm_sums(rows: torch.Tensor) -> torch.Tensor:

@@ -172,8 +172,9 @@ class TieredCache(Cache):
             else (manager.config if manager is not None else KvtierConfig.from_env())
         )
         self.step_every = step_every
-        self._owns_manager = manager is None
-        self.manager: BlockManager | None = manager
+        self._rows = _Rows(manager, owns=manager is None)
+        # Frees the rows when the cache is garbage-collected (and closes a manager it built).
+        weakref.finalize(self, self._rows.close, collected=True)
         if manager is not None:
             want = (self.num_layers, self.num_kv_heads, self.head_dim)
             have = (manager.shape.layers, manager.shape.kv_heads, manager.shape.head_dim)
@@ -186,12 +187,28 @@ class TieredCache(Cache):
             self.manager = self._new_manager(model.dtype, model.device)
         if feedback and _attn_implementation(model) == "eager":
             attention_feedback(model)
-        #: manager sequence of each batch row (empty until the first update)
-        self.sequences: list[int] = []
         self.forwards = 0
         #: move counts summed over this cache's steps
         self.moves: dict[str, int] = {}
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.num_layers)])
+
+    @property
+    def manager(self) -> BlockManager | None:
+        """The manager the K/V live in (None until the first update when built from a config)."""
+        return self._rows.manager
+
+    @manager.setter
+    def manager(self, manager: BlockManager | None) -> None:
+        self._rows.manager = manager
+
+    @property
+    def sequences(self) -> list[int]:
+        """The manager sequence of each batch row (empty until the first update)."""
+        return self._rows.sequences
+
+    @sequences.setter
+    def sequences(self, sequences: list[int]) -> None:
+        self._rows.sequences = sequences
 
     def _new_manager(self, dtype: Any, device: Any) -> BlockManager:
         return BlockManager(
@@ -268,11 +285,9 @@ class TieredCache(Cache):
         return self._length(layer_idx) if layer_idx < self.num_layers else 0
 
     def reset(self) -> None:
-        """Frees every sequence (their complete blocks stay cached in the manager for reuse)."""
-        if self.manager is not None:
-            for seq in self.sequences:
-                self.manager.free(seq)
-        self.sequences = []
+        """Frees every row's sequence (their complete blocks stay cached in the manager for
+        reuse); the cache then takes a new batch."""
+        self._rows.release()
         self.forwards = 0
         for layer in self.layers:
             layer.reset()
@@ -337,10 +352,45 @@ class TieredCache(Cache):
         }
 
     def close(self) -> None:
-        """Frees the sequences, and closes the manager if this cache built it."""
+        """Frees the sequences, and closes the manager if this cache built it. Leaving a
+        ``with TieredCache(...) as cache:`` block, or dropping the cache, does it too."""
         self.reset()
-        if self._owns_manager and self.manager is not None:
-            self.manager.close()
+        self._rows.close()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Rows:
+    """The manager and the sequences of a cache's rows: what its finalizer frees, kept apart
+    from the cache so that the finalizer does not keep the cache alive."""
+
+    def __init__(self, manager: BlockManager | None, *, owns: bool) -> None:
+        self.manager = manager
+        self.owns = owns
+        self.sequences: list[int] = []
+
+    def release(self, *, collected: bool = False) -> None:
+        """Frees the rows' sequences; for a collected cache at the manager's next call (a
+        garbage collector may run the finalizer inside any manager call of this thread)."""
+        bm, seqs = self.manager, self.sequences
+        self.sequences = []
+        if bm is None or not seqs:
+            return
+        if collected:
+            bm.free_later(seqs)
+        else:
+            for seq in seqs:
+                bm.free(seq)
+
+    def close(self, *, collected: bool = False) -> None:
+        self.release(collected=collected)
+        if self.owns and self.manager is not None:
+            if not collected:  # a collected cache's own manager goes with it
+                self.manager.close()
             self.manager = None
 
 
