@@ -34,6 +34,7 @@ from kvtier.codecs import (  # noqa: E402
     unregister_codec,
 )
 from kvtier.codecs.learned import LearnedCodec, LinearCompressor, fit_pca  # noqa: E402
+from kvtier.config import KvtierConfig  # noqa: E402
 from kvtier.errors import ConfigError, InvalidArgumentError, PayloadError  # noqa: E402
 from kvtier.shapes import model_shape  # noqa: E402
 
@@ -95,6 +96,62 @@ def test_bytes_per_block_follow_the_group_size_and_refuse_unpackable_shapes() ->
     )
     with pytest.raises(InvalidArgumentError, match="group_size"):
         Int4Codec(group_size=32).bytes_per_block(BlockShape(2, 2, 16, 48))
+
+
+@pytest.mark.parametrize(
+    ("make", "head_dim", "listed", "call"),
+    [
+        (Int4Codec, 10, "2, 10", "get_codec('int4', group_size=10)"),
+        (Int4Codec, 6, "2, 6", "get_codec('int4', group_size=6)"),
+        (Int4Codec, 48, "2, 4, 6, 8, 12, 16, 24, 48", "get_codec('int4', group_size=24)"),
+        (
+            lambda: Int4Codec(asymmetric=False, key_per_channel=False, group_size=16),
+            20,
+            "2, 4, 10, 20",
+            "get_codec('int4', group_size=10, asymmetric=False, key_per_channel=False)",
+        ),
+        (lambda: Int8Codec(group_size=32), 20, "2, 4, 10, 20", "get_codec('int8', group_size=20)"),
+    ],
+    ids=["int4-head10", "int4-head6", "int4-head48", "int4-sym-tok-g16-head20", "int8-g32-head20"],
+)
+def test_a_group_size_that_does_not_divide_head_dim_says_which_do_and_how_to_use_one(
+    make: Callable[[], QuantCodec], head_dim: int, listed: str, call: str
+) -> None:
+    """A small head (head_dim 10 under int4's groups of 32) is refused with the group sizes
+    that fit it and code that builds such a codec, for get_codec and for a ladder; both work."""
+    shape = BlockShape(2, 2, 16, head_dim)
+    codec = make()
+    with pytest.raises(InvalidArgumentError) as info:
+        codec.bytes_per_block(shape)
+    message = str(info.value)
+    assert f"one of {listed}, None (the whole head);" in message
+    # each listed size packs the shape; every other even size does not
+    for size in [*range(2, head_dim + 1, 2), None]:
+        if size is None or str(size) in listed.split(", "):
+            assert type(codec)(group_size=size).bytes_per_block(shape) > 0
+        else:
+            with pytest.raises(InvalidArgumentError):
+                type(codec)(group_size=size).bytes_per_block(shape)
+    # the advice is code that runs: the codec it names packs the shape with the same options
+    assert call in message
+    suggested = eval(call, {"get_codec": get_codec})
+    assert suggested.bytes_per_block(shape) > 0
+    assert (suggested.asymmetric, suggested.key_per_channel) == (
+        codec.asymmetric,
+        codec.key_per_channel,
+    )
+    registration = re.search(r"register_codec\((.*)\), then ladder=\(\.\.\., '([^']+)'\)", message)
+    assert registration, message
+    name = registration.group(2)
+    try:
+        eval(
+            f"register_codec({registration.group(1)})",
+            {"register_codec": register_codec, "Int4Codec": Int4Codec, "Int8Codec": Int8Codec},
+        )
+        assert get_codec(name).bytes_per_block(shape) == suggested.bytes_per_block(shape)
+        assert KvtierConfig(ladder=("fp16", name)).ladder == ("fp16", name)
+    finally:
+        unregister_codec(name)
 
 
 # ---- 2. round trips -----------------------------------------------------------------------------

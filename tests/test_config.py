@@ -55,7 +55,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert cfg.max_move_bytes is None
     assert (cfg.headroom, cfg.hysteresis, cfg.decay, cfg.attention_ema) == (0.1, 0.1, 0.9, 0.5)
     assert cfg.scissorhands_window == 8
-    assert (cfg.write_through, cfg.evict_on_full) == (False, False)
+    assert (cfg.write_through, cfg.evict_on_full) == (False, True)
     assert cfg.namespace == "default"
     assert (cfg.remote_timeout, cfg.remote_ttl) == (1.0, None)
 
@@ -219,7 +219,10 @@ def test_parse_bytes_rejects_with_the_expected_form(text: str) -> None:
         ("device_budget", -1),
         ("host_budget", -5),
         ("disk_budget", 1.5),
-        ("remote_budget", "8GiB"),
+        ("remote_budget", "8 gigs"),
+        ("device_blocks", 0),
+        ("host_blocks", "1e3"),
+        ("host_blocks", 2.0),
         ("max_move_bytes", -1),
         ("headroom", 1.0),
         ("hysteresis", 2.0),
@@ -240,6 +243,86 @@ def test_each_invalid_value_is_a_config_error_naming_the_field(field: str, value
     assert isinstance(info.value, ValueError)
     assert str(info.value).startswith(f"{field}:")
     assert "expected" in str(info.value)
+
+
+BYTE_FIELDS = ["device_budget", "host_budget", "disk_budget", "remote_budget", "max_move_bytes"]
+
+
+@pytest.mark.parametrize("field", BYTE_FIELDS)
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("16GiB", 16 * 2**30), ("512MB", 512 * 10**6), ("1e9", 10**9), (" 4096 ", 4096)],
+)
+def test_every_byte_field_takes_the_sizes_its_variable_takes(
+    field: str, text: str, expected: int
+) -> None:
+    """``KvtierConfig(host_budget="16GiB")`` and ``from_env(host_budget="16GiB")`` give what
+    ``KVTIER_HOST_BUDGET=16GiB`` gives; an int is still bytes."""
+    from_var = KvtierConfig.from_env(environ={f"KVTIER_{field.upper()}": text})
+    assert getattr(from_var, field) == expected
+    assert getattr(KvtierConfig(**{field: text}), field) == expected  # type: ignore[arg-type]
+    assert getattr(KvtierConfig.from_env(environ={}, **{field: text}), field) == expected
+    assert getattr(KvtierConfig(**{field: expected}), field) == expected
+
+
+def test_the_readme_block_manager_config() -> None:
+    cfg = KvtierConfig.from_env(environ={}, device_blocks=4096, host_budget="16GiB")
+    assert (cfg.device_blocks, cfg.host_budget) == (4096, 16 * 2**30)
+
+
+@pytest.mark.parametrize("field", ["device_blocks", "host_blocks"])
+def test_a_block_budget_takes_an_int_or_its_variables_digits(field: str) -> None:
+    assert getattr(KvtierConfig(**{field: 4096}), field) == 4096
+    assert getattr(KvtierConfig(**{field: "4096"}), field) == 4096  # type: ignore[arg-type]
+    from_var = KvtierConfig.from_env(environ={f"KVTIER_{field.upper()}": "4096"})
+    assert getattr(from_var, field) == 4096
+
+
+@pytest.mark.parametrize("field", BYTE_FIELDS)
+def test_a_bad_size_string_names_the_field_and_the_form_expected(field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        KvtierConfig.from_env(environ={}, **{field: "16 gigs"})
+    message = str(info.value)
+    assert message.startswith(f"{field}: invalid size '16 gigs'")
+    assert "expected a non-negative number with an optional unit" in message
+    assert "'8GiB'" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("device_budget", "1e30"),
+        ("host_budget", 2**64),
+        ("disk_budget", "16777216TiB"),  # 2**64 exactly
+        ("remote_budget", str(2**64)),
+        ("max_move_bytes", 10**30),
+        ("device_blocks", 2**64),
+        ("host_blocks", str(2**64)),
+    ],
+)
+def test_a_count_beyond_u64_is_a_config_error_that_says_the_maximum(
+    field: str, value: object
+) -> None:
+    # The core counts bytes and blocks in u64: beyond it, an OverflowError would surface later.
+    with pytest.raises(ConfigError) as info:
+        KvtierConfig(**{field: value})  # type: ignore[arg-type]
+    assert str(info.value).startswith(f"{field}:")
+    assert "at most 18,446,744,073,709,551,615 (2**64 - 1" in str(info.value)
+
+
+def test_the_largest_size_is_exact_and_allowed() -> None:
+    top = 2**64 - 1
+    assert parse_bytes(str(top)) == top  # not rounded through a float to 2**64
+    assert KvtierConfig(device_budget=str(top)).device_budget == top  # type: ignore[arg-type]
+    assert KvtierConfig(host_budget=top).host_budget == top
+    assert KvtierConfig(device_blocks=top).device_blocks == top
+
+
+def test_a_size_variable_beyond_u64_names_the_variable_and_the_maximum() -> None:
+    with pytest.raises(ConfigError) as info:
+        KvtierConfig.from_env(environ={"KVTIER_HOST_BUDGET": "1e30"})
+    assert str(info.value).startswith("KVTIER_HOST_BUDGET (config field 'host_budget')")
+    assert "at most 18,446,744,073,709,551,615" in str(info.value)
 
 
 def test_ladder_wins_over_levels_and_names_are_normalised() -> None:

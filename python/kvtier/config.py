@@ -18,6 +18,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from numbers import Integral, Real
 from typing import Any
 
@@ -25,6 +26,7 @@ from .errors import ConfigError
 
 __all__ = [
     "ENV_VARS",
+    "MAX_SIZE",
     "POLICIES",
     "EnvVar",
     "KvtierConfig",
@@ -67,24 +69,33 @@ _UNITS = {
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
+#: Largest byte count (or block count) kvtier takes: the core counts in unsigned 64-bit integers.
+MAX_SIZE = 2**64 - 1
+_MAX_SIZE_TEXT = f"at most {MAX_SIZE:,} (2**64 - 1, 16 EiB)"
+
 
 def parse_bytes(text: str) -> int:
     """Parse a size such as ``8GiB``, ``512MB``, ``1.5 KiB``, ``1e9`` or ``4096`` into bytes.
 
     Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) powers of
-    1000; units are case-insensitive; a bare number is bytes. Raises :class:`ConfigError`.
+    1000; units are case-insensitive; a bare number is bytes, exactly (a fraction of a byte is
+    rounded to the nearest). At most :data:`MAX_SIZE` (2**64 - 1). Raises :class:`ConfigError`.
     """
-    m = _SIZE.match(text)
+    m = _SIZE.match(text) if isinstance(text, str) else None
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
         raise ConfigError(
             f"invalid size {text!r}: expected a non-negative number with an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '8GiB', '512MB', '1e9'"
         )
-    value = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(value):
-        raise ConfigError(f"invalid size {text!r}: expected a finite number of bytes")
-    return round(value)
+    # The float only bounds the magnitude (so '1e999999999' is never computed exactly); the
+    # value itself is exact, so that '18446744073709551615' is that many bytes.
+    if not float(m.group(1)) * _UNITS[unit] <= 2.0**65:
+        raise ConfigError(f"invalid size {text!r}: expected {_MAX_SIZE_TEXT} bytes")
+    value = round(Fraction(m.group(1)) * _UNITS[unit])
+    if value > MAX_SIZE:
+        raise ConfigError(f"invalid size {text!r}: expected {_MAX_SIZE_TEXT} bytes")
+    return value
 
 
 def normalize_dtype(name: str) -> str:
@@ -289,8 +300,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var(
         "evict_on_full",
         "bool",
-        "when a new block does not fit, evict cached (unreferenced) blocks, lowest-ranked "
-        "first, instead of failing",
+        "when a new block does not fit even after demoting and offloading, evict cached "
+        "blocks (those no live sequence references), lowest-ranked first; 0: keep them and fail",
     ),
     _var("namespace", "str", "namespace of prefix hashes and stored keys (model, codec, tenant)"),
 )
@@ -350,7 +361,7 @@ class KvtierConfig:
     attention_ema: float = 0.5
     scissorhands_window: int = 8
     write_through: bool = False
-    evict_on_full: bool = False
+    evict_on_full: bool = True
     namespace: str = "default"
 
     # -- construction ---------------------------------------------------------------------------
@@ -461,20 +472,14 @@ class KvtierConfig:
         set_("recent_window", _integer(self, "recent_window", 0))
         set_("sink_blocks", _integer(self, "sink_blocks", 0))
         set_("scissorhands_window", _integer(self, "scissorhands_window", 1))
-        for name in (
-            "device_budget",
-            "host_budget",
-            "disk_budget",
-            "remote_budget",
-            "max_move_bytes",
-        ):
+        for name in _BYTE_FIELDS:
             if getattr(self, name) is not None:
-                set_(name, _integer(self, name, 0, what="a byte count"))
+                set_(name, _byte_count(self, name))
 
         for tier in ("device", "host"):
             blocks = f"{tier}_blocks"
             if getattr(self, blocks) is not None:
-                set_(blocks, _integer(self, blocks, 1, what="a block count"))
+                set_(blocks, _block_count(self, blocks))
                 if getattr(self, f"{tier}_budget") is not None:
                     raise ConfigError(
                         f"{blocks}: expected either {tier}_budget (bytes) or {blocks}, not both"
@@ -622,6 +627,51 @@ def _integer(cfg: KvtierConfig, name: str, lo: int, *, what: str = "an integer")
     if isinstance(value, bool) or not isinstance(value, Integral) or int(value) < lo:
         bound = "non-negative" if lo == 0 else f">= {lo}"
         raise ConfigError(f"{name}: expected {what} {bound}, got {value!r}")
+    return int(value)
+
+
+#: Fields in bytes. Each takes what its variable takes (``8GiB``, ``512MB``, ``1e9``, ``4096``)
+#: as well as an int.
+_BYTE_FIELDS = ("device_budget", "host_budget", "disk_budget", "remote_budget", "max_move_bytes")
+
+
+def _byte_count(cfg: KvtierConfig, name: str) -> int:
+    value = getattr(cfg, name)
+    if isinstance(value, str):
+        try:
+            return parse_bytes(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, Integral) or int(value) < 0:
+        raise ConfigError(
+            f"{name}: expected a byte count: a non-negative int or a size such as '16GiB', "
+            f"'512MB', '1e9', got {value!r}"
+        )
+    if int(value) > MAX_SIZE:
+        raise ConfigError(f"{name}: expected {_MAX_SIZE_TEXT} bytes, got {value!r}")
+    return int(value)
+
+
+def _block_count(cfg: KvtierConfig, name: str) -> int:
+    """A budget in blocks: an int >= 1, or its variable's text (a plain integer such as '4096')."""
+    value = getattr(cfg, name)
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ConfigError(
+                f"{name}: expected a block count: an integer >= 1 (or its digits, e.g. '4096'), "
+                f"got {getattr(cfg, name)!r}"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, Integral) or int(value) < 1:
+        raise ConfigError(
+            f"{name}: expected a block count: an integer >= 1 (or its digits, e.g. '4096'), "
+            f"got {value!r}"
+        )
+    if int(value) > MAX_SIZE:
+        raise ConfigError(
+            f"{name}: expected a block count of at most {MAX_SIZE:,} (2**64 - 1), got {value!r}"
+        )
     return int(value)
 
 

@@ -39,6 +39,13 @@ def _fp16_round(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-_FP16_MAX, _FP16_MAX).half().float()
 
 
+#: The grouping options of the built-in ``int4`` and ``int8`` codecs, by bits.
+_BUILTIN_OPTIONS = {
+    4: {"asymmetric": True, "key_per_channel": True},
+    8: {"asymmetric": False, "key_per_channel": False},
+}
+
+
 class QuantCodec(Codec):
     """Integer codes with fp16 scales per group; the shared machinery of ``int8`` and ``int4``."""
 
@@ -81,16 +88,37 @@ class QuantCodec(Codec):
         return shape.head_dim if self.group_size is None else self.group_size
 
     def check_shape(self, shape: BlockShape) -> None:
+        D = shape.head_dim
+        if self.bits == 4 and D % 2:  # no group size helps: say so first
+            raise InvalidArgumentError(
+                f"head_dim {D} is odd: int4 packs two values a byte along it"
+            )
         g = self.group(shape)
-        if shape.head_dim % g:
-            raise InvalidArgumentError(
-                f"head_dim {shape.head_dim} is not divisible by group_size {g} of codec "
-                f"{self.name!r}: pick a group_size that divides it"
-            )
-        if self.bits == 4 and shape.head_dim % 2:
-            raise InvalidArgumentError(
-                f"head_dim {shape.head_dim} is odd: int4 packs two values a byte along it"
-            )
+        if D % g:
+            raise InvalidArgumentError(self._group_advice(D, g))
+
+    def _group_advice(self, head_dim: int, group: int) -> str:
+        """Why ``group`` does not fit ``head_dim``, the group sizes that do, and how to use one."""
+        fits = [n for n in range(2, head_dim + 1, 2) if head_dim % n == 0]
+        sizes = ", ".join([*map(str, fits), "None (the whole head)"])
+        # the nearest to the chosen trade-off of bytes against error: the largest one below it
+        pick = max((n for n in fits if n < group), default=None)
+        base = f"int{self.bits}"
+        # the built-in codec of these bits, with this codec's other options kept
+        options = f"group_size={pick}" + "".join(
+            f", {k}={getattr(self, k)}"
+            for k, v in _BUILTIN_OPTIONS[self.bits].items()
+            if getattr(self, k) != v
+        )
+        cls = "Int4Codec" if self.bits == 4 else "Int8Codec"
+        named = f"{base}-g{pick if pick is not None else 'head'}"
+        return (
+            f"head_dim {head_dim} is not divisible by group_size {group} of codec "
+            f"{self.name!r}: expected a group_size that divides it, one of {sizes}; "
+            f"e.g. get_codec({base!r}, {options}) or {cls}({options}), and in a ladder under "
+            f"a name of its own: register_codec({named!r}, lambda: {cls}({options}, "
+            f"name={named!r})), then ladder=(..., {named!r})"
+        )
 
     def key_groups(self, shape: BlockShape) -> int:
         """Groups of one (layer, head) of keys in a block."""
