@@ -107,4 +107,32 @@ BAD_TRACES: dict[str, tuple[Callable[[Path], Path], str]] = {
         r"line 3: timestamp is earlier than the one on line 2",
     ),
     "directory": (_directory, r"is a directory"),
+    "empty file": (_bytes("empty.jsonl", b""), r"the trace holds no requests \(the file is empty"),
+    "empty csv": (_bytes("empty.csv", b""), r"the trace holds no requests"),
+    "only blank lines inside gzip": (
+        _bytes("blank.jsonl.gz", gzip.compress(b"\n  \n\n")),
+        r"the trace holds no requests \(the file is empty or holds only blank lines\)",
+    ),
+    "csv header without rows": (
+        _text("header.csv", CSV_HEADER + "\n"),
+        r"the trace holds no requests \(it has a header line but no rows\)",
+    ),
+    # Prefix-chained ids: an id stands for its whole prefix, so it has one position and parent.
+    "hash id at two positions": (
+        _text("depth.jsonl", f"{_row(ids=[0, 1])}\n{_row(input_length=300, ids=[1])}\n"),
+        r"line 2: hash id 1 is block 0 of the request, but block 1 on line 1",
+    ),
+    "hash id repeated in a row": (
+        _text("repeat.jsonl", f"{_row(ids=[0, 1])}\n{_row(ids=[2, 2])}\n"),
+        r"line 2: hash id 2 is block 1 of the request, but block 0 on line 2",
+    ),
+    "hash id after two parents": (
+        # What two traces with their own id counters give when concatenated.
+        _text(
+            "parents.jsonl",
+            f"{_row(ids=[0, 1])}\n\n{_row(ids=[2, 3])}\n{_row(ids=[2, 1])}\n",
+        ),
+        r"line 4: hash id 1 \(block 1\) follows id 2, but follows id 0 on line 1; "
+        r"hash_ids must be prefix-chained",
+    ),
 }

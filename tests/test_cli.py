@@ -302,6 +302,9 @@ def test_simulate_plot(
         "not UTF-8",
         "hash id >= 2**64",
         "csv length over the request limit",
+        "empty file",
+        "csv header without rows",
+        "hash id after two parents",
     ],
 )
 def test_a_bad_trace_file_is_one_error_line_naming_it(
@@ -379,3 +382,91 @@ def test_simulate_plot_without_a_suffix_reports_the_png_it_wrote(
     assert (tmp_path / "sim.png").read_bytes().startswith(b"\x89PNG")
     assert not (tmp_path / "sim").exists()
     assert f"wrote {tmp_path / 'sim.png'}\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--device-bytes", "1e30"], "--device-bytes: invalid size '1e30': expected at most"),
+        (["--host-bytes", str(2**64)], "--host-bytes: invalid size"),
+        (["--remote-bytes", "1e20"], "(2**64 - 1, 16 EiB) bytes"),
+        (
+            ["--device-blocks", str(2**64)],
+            "--device-blocks: expected an integer from 1 to 2**64 - 1",
+        ),
+        # It fits the type, but not in bytes: 3e11 blocks of 64 MiB is above 2**64 - 1 bytes.
+        (["--device-blocks", "300000000000"], "expected at most 274,877,906,943 blocks"),
+        (["--limit", str(10**30)], "--limit: expected an integer from 1 to 2**63 - 1"),
+        (["--block-tokens", "0"], "--block-tokens: expected an integer from 1 to 2**32 - 1"),
+        (["--block-tokens", str(2**32)], "--block-tokens: expected an integer from 1 to 2**32 - 1"),
+        (["--step-every", str(2**64)], "--step-every: expected an integer from 1 to 2**64 - 1"),
+    ],
+)
+def test_an_out_of_range_size_or_count_says_what_range_was_expected(
+    fake_sim: dict[str, Any],
+    trace_file: Path,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    expected: str,
+) -> None:
+    assert main(["simulate", str(trace_file), "--no-progress", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "Traceback" not in err
+    error, _ = _error_lines(err)
+    assert expected in error, error
+    assert not fake_sim  # nothing was replayed
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "expected"),
+    [
+        ("KVTIER_DEVICE_BUDGET", "1e30", "KVTIER_DEVICE_BUDGET"),
+        ("KVTIER_HOST_BUDGET", str(2**64), "KVTIER_HOST_BUDGET"),
+        ("KVTIER_DEVICE_BLOCKS", str(2**64), "KVTIER_DEVICE_BLOCKS"),
+        ("KVTIER_HOST_BLOCKS", str(10**12), "KVTIER_HOST_BLOCKS: 1000000000000 blocks"),
+    ],
+)
+def test_an_out_of_range_budget_variable_is_reported_by_name(
+    fake_sim: dict[str, Any],
+    trace_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    var: str,
+    value: str,
+    expected: str,
+) -> None:
+    monkeypatch.setenv(var, value)
+    assert main(["simulate", str(trace_file), "--no-progress"]) == 2
+    error, hint = _error_lines(capsys.readouterr().err)
+    assert expected in error and "2**64 - 1" in error, error
+    assert len(hint) > len("hint: ")
+    assert not fake_sim  # nothing was replayed
+
+
+def test_an_out_of_range_value_in_the_real_simulator_is_an_error_not_a_traceback(
+    trace_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Past the u32 the core takes (and past int64, where PyO3 raised a bare OverflowError).
+    monkeypatch.setenv("KVTIER_RECENT_WINDOW", str(2**64))
+    assert main(["simulate", str(trace_file), "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    error, hint = _error_lines(err)
+    assert "recent_window" in error and "expected 0 to 2**32 - 1" in error, error
+    assert "KVTIER_" in hint
+
+
+def test_an_overflow_in_the_replay_is_an_error_not_a_traceback(
+    fake_sim: dict[str, Any],
+    trace_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def run(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise OverflowError("out of range integral type conversion attempted")
+
+    monkeypatch.setattr(sys.modules["kvtier.simulate"], "run", run)
+    assert main(["simulate", str(trace_file), "--no-progress"]) == 2
+    error, _ = _error_lines(capsys.readouterr().err)
+    assert "out of the range the core takes" in error, error

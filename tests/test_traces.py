@@ -311,3 +311,62 @@ def test_a_row_hashed_with_another_block_size_says_which_sizes_it_fits(tmp_path:
     )
     with pytest.raises(TraceError, match=r"line 1: .*; no block size fits this row"):
         load_trace(corrupt)
+
+
+@pytest.mark.parametrize("limit", [0, -1])
+def test_limit_must_keep_at_least_one_request(limit: int) -> None:
+    with pytest.raises(
+        ValueError, match=rf"limit must be >= 1 \(None: every request\), got {limit}"
+    ):
+        load_trace(bundled_trace_path(), limit=limit)
+
+
+def _first_unchained_line(rows: list[list[int]]) -> int | None:
+    """The line of the first id whose whole prefix differs from the one it had first, found
+    one id at a time: the reference for the loader's vectorised check."""
+    seen: dict[int, tuple[int, ...]] = {}
+    for line, ids in enumerate(rows, start=1):
+        for j, h in enumerate(ids):
+            if seen.setdefault(h, tuple(ids[: j + 1])) != tuple(ids[: j + 1]):
+                return line
+    return None
+
+
+def test_the_prefix_chain_check_agrees_with_a_per_id_reference(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 8 * 512, size=200)
+    off, ids = synthesize_hashes(lengths, seed=5)
+    chained = [ids[off[i] : off[i + 1]].tolist() for i in range(len(lengths))]
+    broken = 0
+    for case in range(40):
+        rows = [list(r) for r in chained]
+        i = int(rng.integers(len(rows)))
+        j = int(rng.integers(len(rows[i])))
+        # Odd cases reuse an id from elsewhere, even ones bring a new id (which breaks only the
+        # chain of the id after it, if that id is used again).
+        rows[i][j] = int(rng.choice(ids)) if case % 2 else int(ids.max()) + 1
+        path = _write_jsonl(
+            tmp_path / f"m{case}.jsonl",
+            [
+                {"timestamp": 0, "input_length": 512 * len(r), "output_length": 1, "hash_ids": r}
+                for r in rows
+            ],
+        )
+        expected = _first_unchained_line(rows)
+        if expected is None:
+            assert load_trace(path).block_refs == len(ids)
+        else:
+            broken += 1
+            with pytest.raises(TraceError, match=rf": line {expected}: hash id "):
+                load_trace(path)
+    assert broken >= 10
+    # The same trace unbroken loads, and so does a row that reuses a prefix of another.
+    rows = [*chained, chained[0][:1]]
+    path = _write_jsonl(
+        tmp_path / "ok.jsonl",
+        [
+            {"timestamp": 0, "input_length": 512 * len(r), "output_length": 1, "hash_ids": r}
+            for r in rows
+        ],
+    )
+    assert load_trace(path).num_requests == len(rows)

@@ -12,11 +12,11 @@ import importlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import POLICIES, KvtierConfig, normalize_dtype, parse_bytes
+from .config import MAX_SIZE, MAX_U32, POLICIES, KvtierConfig, normalize_dtype, parse_bytes
 from .errors import ConfigError, KvtierError, require
 from .shapes import MODELS, model_shape
 
@@ -32,6 +32,9 @@ MODEL_DTYPES = {"llama3-8b": "bf16", "llama2-7b": "fp16", "smollm2-135m": "bf16"
 DEFAULT_DEVICE_BYTES = 64 * 2**30
 
 EXIT_ERROR = 2
+
+#: Most requests --limit may keep: a trace's rows are counted in int64.
+MAX_REQUESTS = 2**63 - 1
 
 
 class _UsageError(KvtierError):
@@ -53,7 +56,7 @@ class CommandParser(argparse.ArgumentParser):
 
 def _size(text: str) -> int:
     try:
-        return parse_bytes(text)
+        return parse_bytes(text)  # at most MAX_SIZE
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -66,6 +69,23 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _int_range(lo: int, hi: int, hi_text: str) -> Callable[[str], int]:
+    """An argument type for integers from ``lo`` to ``hi`` (``hi_text``: how to write it)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = lo - 1
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer from {lo} to {hi_text}, got {text!r}"
+            )
+        return value
+
+    return parse
 
 
 def non_negative_int(text: str) -> int:
@@ -170,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     device.add_argument(
         "--device-blocks",
-        type=positive_int,
+        type=_int_range(1, MAX_SIZE, "2**64 - 1"),
         metavar="N",
         help="device tier budget as N full-precision blocks",
     )
@@ -210,18 +230,21 @@ def build_parser() -> argparse.ArgumentParser:
         "own ladder, e.g. lru:bf16,importance:bf16+int8+int4",
     )
     sim.add_argument(
-        "--limit", type=positive_int, metavar="N", help="replay only the first N requests"
+        "--limit",
+        type=_int_range(1, MAX_REQUESTS, "2**63 - 1"),
+        metavar="N",
+        help="replay only the first N requests",
     )
     sim.add_argument(
         "--block-tokens",
-        type=positive_int,
+        type=_int_range(1, MAX_U32, "2**32 - 1"),
         metavar="N",
         help="tokens per simulated block (default: 512, the block size of Mooncake's hashes; "
         "traces without hashes are cut into blocks of this size)",
     )
     sim.add_argument(
         "--step-every",
-        type=positive_int,
+        type=_int_range(1, MAX_SIZE, "2**64 - 1"),
         default=1,
         metavar="N",
         help="run the scheduler's step() every N requests (default: 1)",
@@ -319,6 +342,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         plot_path = resolve_plot_path(args.plot)
 
     traces = importlib.import_module("kvtier.traces")
+    block_tokens = args.block_tokens or traces.MOONCAKE_BLOCK_TOKENS
+    _check_budgets(args, base, model_shape(args.model).block_bytes(dtype, block_tokens))
     if args.trace is None:
         trace_path = Path(traces.bundled_trace_path())
     else:
@@ -364,7 +389,10 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     with Progress(label="replaying", mode="off" if args.no_progress else None) as progress:
-        result = simulate.run(trace, config, policies=policies, progress=progress)
+        try:
+            result = simulate.run(trace, config, policies=policies, progress=progress)
+        except OverflowError as exc:  # an integer past the core's range that no check caught
+            raise ConfigError(f"a value is out of the range the core takes: {exc}") from exc
 
     if args.json:
         json.dump(result, sys.stdout, indent=2, default=_json_default)
@@ -377,6 +405,21 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         written = plot(result, plot_path)
         print(f"kvtier simulate: wrote {written}", file=sys.stderr)
     return 0
+
+
+def _check_budgets(args: argparse.Namespace, base: KvtierConfig, block_bytes: int) -> None:
+    """Budgets in blocks against the core's range, before the trace is read: their bytes depend
+    on the model, dtype and block size (budgets in bytes were checked as they were parsed)."""
+    for field, flag in (("device_blocks", args.device_blocks), ("host_blocks", None)):
+        blocks = getattr(base, field)
+        if blocks is None or blocks * block_bytes <= MAX_SIZE:
+            continue
+        given = "--" + field.replace("_", "-") if flag is not None else f"KVTIER_{field.upper()}"
+        raise ConfigError(
+            f"{given}: {blocks} blocks of {block_bytes:,} bytes are out of range: expected at "
+            f"most {MAX_SIZE // block_bytes:,} blocks of that size (2**64 - 1 bytes, 16 EiB)",
+            hint="give fewer blocks, or the budget in bytes",
+        )
 
 
 def _policies_and_ladders(policies: list[str], ladder: tuple[str, ...]) -> str:

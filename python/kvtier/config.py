@@ -27,6 +27,7 @@ from .errors import ConfigError
 __all__ = [
     "ENV_VARS",
     "MAX_SIZE",
+    "MAX_U32",
     "POLICIES",
     "EnvVar",
     "KvtierConfig",
@@ -71,6 +72,8 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$
 
 #: Largest byte count (or block count) kvtier takes: the core counts in unsigned 64-bit integers.
 MAX_SIZE = 2**64 - 1
+#: Largest count the core keeps in 32 bits (tokens per block, windows, slots).
+MAX_U32 = 2**32 - 1
 _MAX_SIZE_TEXT = f"at most {MAX_SIZE:,} (2**64 - 1, 16 EiB)"
 
 

@@ -84,9 +84,10 @@ class PayloadError(KvtierError, ValueError):
 
 
 class TraceError(KvtierError, ValueError):
-    """A trace file can't be read as a request trace: a directory, not UTF-8, truncated gzip,
-    a row with a missing, malformed or out-of-range value, or a timestamp that is not finite or
-    goes backwards. The message names the file, and the line where there is one."""
+    """A trace file can't be read as a request trace: a directory, no requests, not UTF-8,
+    truncated gzip, a row with a missing, malformed or out-of-range value, a timestamp that is
+    not finite or goes backwards, or hash ids that are not prefix-chained. The message names the
+    file, and the line where there is one."""
 
     hint = (
         "a trace is Mooncake JSON lines (.jsonl, optionally .gz), an Azure CSV or a CSV with "

@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any
 
 import numpy as np
 
 from ._core import Core, Simulator
-from .config import KvtierConfig
+from .config import MAX_SIZE, MAX_U32, KvtierConfig
 from .errors import ConfigError
 from .shapes import KVShape, PrefillCost, model_shape
 from .traces import Trace
@@ -28,6 +29,14 @@ TIMELINE_POINTS = 200
 #: Progress updates per replay. Each is a return to Python that leaves the core's caches
 #: colder, and a whole replay takes 20 ms to a few seconds: a coarse bar is enough.
 PROGRESS_STEPS = 20
+
+_BYTES_RANGE = "0 to 2**64 - 1 bytes (16 EiB)"
+
+
+def _check_int(name: str, value: object, lo: int, hi: int, expected: str) -> None:
+    # Checked here so that a bad value is a ConfigError naming it, not PyO3's OverflowError.
+    if isinstance(value, bool) or not isinstance(value, Integral) or not lo <= int(value) <= hi:
+        raise ConfigError(f"{name}: {value!r} is out of range: expected {expected}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,20 @@ class SimulationConfig:
     split_live: bool = False
     cost: PrefillCost = field(default_factory=PrefillCost)
 
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "host_bytes", "disk_bytes", "remote_bytes"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_SIZE, _BYTES_RANGE)
+        if self.device_blocks is not None:
+            _check_int("device_blocks", self.device_blocks, 1, MAX_SIZE, "1 to 2**64 - 1 blocks")
+        _check_int("block_tokens", self.block_tokens, 1, MAX_U32, "1 to 2**32 - 1 tokens")
+        _check_int("step_every", self.step_every, 1, MAX_SIZE, "1 to 2**64 - 1 requests")
+        base = self.base
+        for name in ("recent_window", "sink_blocks", "scissorhands_window"):
+            _check_int(name, getattr(base, name), 0, MAX_U32, "0 to 2**32 - 1")
+        if base.max_move_bytes is not None:
+            _check_int("max_move_bytes", base.max_move_bytes, 0, MAX_SIZE, _BYTES_RANGE)
+
     def shape(self) -> KVShape:
         return model_shape(self.model)
 
@@ -60,7 +83,14 @@ class SimulationConfig:
                 "give the device budget either in bytes or in blocks, not both or neither"
             )
         if self.device_blocks is not None:
-            return self.device_blocks * self.shape().block_bytes(self.dtype, self.block_tokens)
+            block_bytes = self.shape().block_bytes(self.dtype, self.block_tokens)
+            if self.device_blocks * block_bytes > MAX_SIZE:
+                raise ConfigError(
+                    f"device_blocks: {self.device_blocks} blocks of {block_bytes} bytes are "
+                    f"out of range: expected at most {MAX_SIZE // block_bytes:,} blocks "
+                    f"({_BYTES_RANGE})"
+                )
+            return self.device_blocks * block_bytes
         assert self.device_bytes is not None
         return self.device_bytes
 

@@ -12,7 +12,8 @@ Supported inputs (``load_trace`` detects the format from the name and the first 
     JSON lines with ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``,
     as published with the Mooncake FAST '25 paper (github.com/kvcache-ai/Mooncake,
     ``FAST25-release/traces``). Plain or gzip-compressed. Every row must satisfy
-    ``len(hash_ids) == ceil(input_length / block_tokens)``.
+    ``len(hash_ids) == ceil(input_length / block_tokens)``, and the ids must be prefix-chained:
+    an id always at the same position, after the same id.
 ``azure``
     The Azure LLM inference traces (github.com/Azure/AzurePublicDataset, 2023 and 2024):
     CSV with header ``TIMESTAMP,ContextTokens,GeneratedTokens`` and wall-clock timestamps such
@@ -244,11 +245,24 @@ def _lines(path: Path) -> Generator[tuple[int, str], None, None]:
             ) from None
 
 
+def _no_requests(path: Path, why: str) -> TraceError:
+    # Replaying nothing would report "0 requests" and exit 0: a truncated copy or the wrong file.
+    return TraceError(
+        f"{path}: the trace holds no requests ({why})",
+        hint="check that this is the trace file and that it was written completely",
+    )
+
+
+_BLANK = "the file is empty or holds only blank lines"
+
+
 def _detect_format(path: Path) -> TraceFormat:
     name = path.name.lower()
     name = name.removesuffix(".gz")
     with contextlib.closing(_lines(path)) as lines:
         first = next((text.strip() for _, text in lines if text.strip()), "")
+    if not first:
+        raise _no_requests(path, _BLANK)
     if first.startswith("{"):
         return "mooncake"
     header = [c.strip() for c in first.split(",")]
@@ -293,6 +307,52 @@ def _check_arrival_order(path: Path, ts: np.ndarray, linenos: list[int]) -> None
             hint="sort the rows by timestamp, keeping ties in file order "
             "(for JSON lines: jq -c -s 'sort_by(.timestamp)[]')",
         )
+
+
+def _check_prefix_chained(
+    path: Path, offsets: np.ndarray, ids: np.ndarray, linenos: list[int]
+) -> None:
+    """Every id must sit at one position after one parent (the id before it; none at position
+    0): equal ids are equal prefixes, which the replay's prefix lookup relies on. Vectorised,
+    as a real trace holds hundreds of thousands of ids."""
+    if not len(ids):
+        return
+    counts = np.diff(offsets)
+    row = np.repeat(np.arange(len(counts)), counts)
+    depth = np.arange(len(ids), dtype=np.int64) - offsets[row]
+    parent = np.empty_like(ids)
+    parent[0] = 0
+    parent[1:] = ids[:-1]
+    parent[depth == 0] = 0  # depth tells "no parent" apart from a parent of id 0
+    # A stable sort keeps each id's uses in file order, so its first use leads its group.
+    order = np.argsort(ids, kind="stable")
+    s_ids, s_depth, s_parent = ids[order], depth[order], parent[order]
+    new_id = s_ids[1:] != s_ids[:-1]
+    if not np.any(~new_id & ((s_depth[1:] != s_depth[:-1]) | (s_parent[1:] != s_parent[:-1]))):
+        return  # each use agrees with the one before it of the same id
+    starts = np.flatnonzero(np.r_[True, new_id])
+    first = np.repeat(starts, np.diff(np.r_[starts, len(s_ids)]))
+    bad = np.flatnonzero((s_depth != s_depth[first]) | (s_parent != s_parent[first]))
+    if not len(bad):
+        return
+    # The earliest use in the file that disagrees with the id's first use.
+    k = int(bad[np.argmin(order[bad])])
+    at, seen = int(order[k]), int(order[first[k]])
+    h, j, j0 = int(ids[at]), int(depth[at]), int(depth[seen])
+    line, line0 = linenos[int(row[at])], linenos[int(row[seen])]
+    if j != j0:
+        what = f"hash id {h} is block {j} of the request, but block {j0} on line {line0}"
+    else:
+        what = (
+            f"hash id {h} (block {j}) follows id {int(parent[at])}, "
+            f"but follows id {int(parent[seen])} on line {line0}"
+        )
+    raise TraceError(
+        f"{path}: line {line}: {what}; hash_ids must be prefix-chained "
+        "(an id stands for its whole prefix)",
+        hint="each id must always follow the same ids: check that the rows come from one "
+        "trace (two traces' ids cannot be mixed) and that hash_ids were not reordered",
+    )
 
 
 def _block_sizes_fitting(n_in: int, count: int) -> tuple[int, int | None] | None:
@@ -380,6 +440,8 @@ def _load_mooncake(path: Path, block_tokens: int, limit: int | None) -> Trace:
             counts.append(len(h))
             chunks.append(h)
             linenos.append(lineno)
+    if not ts:
+        raise _no_requests(path, _BLANK)
     timestamps = np.array(ts, dtype=np.float64)
     _check_arrival_order(path, timestamps, linenos)
     offsets = np.zeros(len(counts) + 1, dtype=np.int64)
@@ -387,6 +449,7 @@ def _load_mooncake(path: Path, block_tokens: int, limit: int | None) -> Trace:
     hash_ids = np.fromiter(
         itertools.chain.from_iterable(chunks), dtype=np.uint64, count=int(offsets[-1])
     )
+    _check_prefix_chained(path, offsets, hash_ids, linenos)
     return Trace(
         timestamps_ms=timestamps,
         input_lengths=np.array(ins, dtype=np.int64),
@@ -407,7 +470,7 @@ def _csv_rows(
         try:
             header = next(reader, None)
             if header is None:
-                return
+                raise _no_requests(path, _BLANK)
             header = [c.strip() for c in header]
             try:
                 idx = [header.index(c) for c in columns]
@@ -428,6 +491,8 @@ def _csv_rows(
                     )
                 emitted += 1
                 yield reader.line_num, [row[i].strip() for i in idx]
+            if not emitted:
+                raise _no_requests(path, "it has a header line but no rows")
         except csv.Error as exc:  # e.g. a NUL byte
             raise TraceError(f"{path}: line {reader.line_num}: {exc}") from None
 
@@ -527,16 +592,16 @@ def load_trace(
     """Load a request trace.
 
     ``format`` is detected when not given (see the module docstring). ``limit`` keeps only the
-    first that-many requests. ``block_tokens`` is the number of tokens per hash id; for a
-    Mooncake trace it must be the block size the hashes were made with (512). The remaining
-    keyword arguments parametrise the prefix-sharing model used for traces without hashes and
-    are ignored for Mooncake traces.
+    first that-many requests (at least 1). ``block_tokens`` is the number of tokens per hash id;
+    for a Mooncake trace it must be the block size the hashes were made with (512). The
+    remaining keyword arguments parametrise the prefix-sharing model used for traces without
+    hashes and are ignored for Mooncake traces.
 
     Raises :class:`kvtier.TraceError` (a ``ValueError``) naming the file, and the line where
-    there is one, for a file that is not a trace: a directory, bytes that are not UTF-8, a
-    truncated gzip stream, a malformed or out-of-range value, a timestamp that is not finite or
-    earlier than the one before it (requests are replayed in file order, which must be the
-    arrival order).
+    there is one, for a file that is not a trace: a directory, a file with no requests, bytes
+    that are not UTF-8, a truncated gzip stream, a malformed or out-of-range value, a timestamp
+    that is not finite or earlier than the one before it (requests are replayed in file order,
+    which must be the arrival order), Mooncake hash_ids that are not prefix-chained.
     """
     p = Path(path)
     if p.is_dir():
@@ -546,6 +611,9 @@ def load_trace(
         )
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    if limit is not None and limit < 1:
+        # An empty replay is an error (see _no_requests), so keeping no rows is one too.
+        raise ValueError(f"limit must be >= 1 (None: every request), got {limit}")
     fmt = format or _detect_format(p)
     if fmt == "mooncake":
         return _load_mooncake(p, block_tokens, limit)
