@@ -766,15 +766,16 @@ def test_remote_values_expire_after_remote_ttl(redis_server: Any) -> None:
     lost (a miss), and every block still served is exactly what a host tier serves."""
     import redis
 
-    bm = manager(**SPILL, remote_budget=4 << 20, remote_url=redis_server.url, remote_ttl=0.5)
+    # Long enough that a busy machine's slow spill still finds the last values alive.
+    bm = manager(**SPILL, remote_budget=4 << 20, remote_url=redis_server.url, remote_ttl=2.0)
     ref = manager(**SPILL, host_budget=4 << 20)
     seqs = spill(bm)
     spill(ref)
     server = redis.Redis.from_url(redis_server.url)
     mine = f"kvtier:*:{bm.instance}.*"
     ttls = [server.pttl(k) for k in server.scan_iter(match=mine)]
-    assert ttls and all(0 < t <= 500 for t in ttls), ttls
-    time.sleep(0.6)
+    assert ttls and all(0 < t <= 2000 for t in ttls), ttls
+    time.sleep(2.1)
     lost = 0
     for seq in seqs:
         try:
