@@ -617,9 +617,9 @@ class BlockManager:
                 f"expected k and v of one shape, got {list(k.shape)} and {list(v.shape)}"
             )
         layer = self._layer(layer)
-        _check_finite(k, v)
         # A cache holds values: gradients do not flow into it.
         k, v = k.detach(), v.detach()
+        norms = _key_norms(k, v)
         n = int(k.shape[0])
         with self._lock:
             state = self._seq(seq)
@@ -628,10 +628,11 @@ class BlockManager:
             if n == 0:
                 return
             have = self.core.sequence_tokens(seq)
-            self._check_writable(seq, layer, start, min(end, have))
+            if start < have:
+                self._check_writable(seq, layer, start, min(end, have))
             if end > have:
                 self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
-            self._write(seq, layer, start, end, k, v)
+            self._write(seq, layer, start, end, k, v, norms)
             state.lengths[layer] = end
 
     def gather(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1150,9 +1151,13 @@ class BlockManager:
         still to be written lies in a block at level 0 on the device, where appends write."""
         if stop <= start:
             return
+        bs = self.block_size
+        blocks = self.core.sequence_blocks(seq)[start // bs : (stop - 1) // bs + 1]
+        if self._pinned[blocks].all():
+            return  # pinned blocks never move (the usual case: the block being filled)
         positions = np.arange(start, stop)
-        blocks = self.core.sequence_blocks(seq)[positions // self.block_size]
-        fresh = blocks[positions % self.block_size >= self._written[blocks, layer]]
+        blocks = blocks[positions // bs - start // bs]
+        fresh = blocks[(positions % bs >= self._written[blocks, layer]) & ~self._pinned[blocks]]
         if not len(fresh):
             return
         fresh = np.unique(fresh)
@@ -1164,7 +1169,9 @@ class BlockManager:
                 "at level 0 on the device, so tokens cannot be written into it"
             )
 
-    def _write(self, seq: int, layer: int, start: int, end: int, k: Any, v: Any) -> None:
+    def _write(
+        self, seq: int, layer: int, start: int, end: int, k: Any, v: Any, norms: np.ndarray
+    ) -> None:
         torch = torch_module()
         bs = self.block_size
         positions = np.arange(start, end)
@@ -1189,9 +1196,7 @@ class BlockManager:
         # Bookkeeping after the writes: a block's written count is its highest written offset.
         touched = tok_blocks[where]
         np.maximum.at(self._written[:, layer], touched, offset[where] + 1)
-        # Clamped: the keys are finite, but an fp32 key's norm can overflow.
-        norms = ks.float().norm(dim=-1).mean(dim=-1).clamp(max=_F32_MAX).cpu().numpy()
-        np.add.at(self._norm_sum, touched, norms)
+        np.add.at(self._norm_sum, touched, norms[where])
         np.add.at(self._norm_count, touched, 1)
         uniq = np.unique(touched)
         self.core.set_magnitude(
@@ -1280,15 +1285,28 @@ def _memory_of(where: str, device: Any) -> int | None:
         return None
 
 
-def _check_finite(k: torch.Tensor, v: torch.Tensor) -> None:
-    """NaN or inf in K or V would reach attention as garbage (one NaN key poisons the softmax
-    of every query that sees it): refused, K and V alike, before anything is stored."""
-    torch = torch_module()
-    for x, what in ((k, "k"), (v, "v")):
-        if not bool(torch.isfinite(x).all()):
+def _key_norms(k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
+    """Per token, the mean over heads of its key's norm (the magnitude signal), once K and V
+    are known to be finite: NaN or inf would reach attention as garbage (one NaN key poisons
+    the softmax of every query that sees it), so either is refused before anything is stored.
+    K's check rides on its norms; only a non-finite norm looks at K itself."""
+    norms = k.float().norm(dim=-1).mean(dim=-1).cpu().numpy()
+    if not np.isfinite(norms).all():
+        if not _all_finite(k):
             raise InvalidArgumentError(
-                f"{what}: expected finite values, got NaN or inf; nothing was stored"
+                "k: expected finite values, got NaN or inf; nothing was stored"
             )
+        norms = np.minimum(np.nan_to_num(norms, posinf=_F32_MAX), _F32_MAX)  # fp32 overflow
+    if not _all_finite(v):
+        raise InvalidArgumentError("v: expected finite values, got NaN or inf; nothing was stored")
+    return norms
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    torch = torch_module()
+    if x.device.type == "cpu" and x.dtype != torch.bfloat16:
+        return bool(np.isfinite(x.numpy()).all())  # numpy: a fraction of torch's dispatch cost
+    return bool(torch.isfinite(x).all())
 
 
 def _key_norm_sums(rows: torch.Tensor) -> torch.Tensor:
