@@ -4,6 +4,7 @@ capacity, bad input that changes nothing, and threads."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -704,6 +705,15 @@ def test_disk_tier_serves_exactly_what_a_host_tier_would(tmp_path: Path) -> None
     overhead = {s - b for s in sizes for b in bm.level_bytes[1:]}
     assert min(overhead) < 400 and max(sizes) < bm.level_bytes[0]
     bm.close()
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_manager_dropped_without_close_takes_its_disk_tier_along(tmp_path: Path) -> None:
+    bm = manager(**SPILL, disk_budget=4 << 20, disk_path=str(tmp_path))
+    spill(bm)
+    assert any(p.is_file() for p in tmp_path.rglob("*"))  # blocks were offloaded to disk
+    del bm
+    gc.collect()
     assert not any(tmp_path.iterdir())
 
 

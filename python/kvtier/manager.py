@@ -51,6 +51,7 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -436,6 +437,9 @@ class BlockManager:
                 # allows for the headers.
                 root = Path(cfg.disk_path) / f"manager-{self.instance}"
                 store: KVStore = DiskStore(root, base_ns, 2 * budgets[tier])
+                # Its files are this manager's slots, of no use to anyone else: a manager
+                # dropped without close() (a collected TieredCache's own) takes them along.
+                weakref.finalize(self, shutil.rmtree, root, ignore_errors=True)
             else:
                 if cfg.remote_url is None:
                     raise ConfigError(
