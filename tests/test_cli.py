@@ -457,6 +457,20 @@ def test_an_out_of_range_value_in_the_real_simulator_is_an_error_not_a_traceback
     assert "KVTIER_" in hint
 
 
+def test_blocks_too_small_for_the_ladder_say_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At a few tokens a block, int4's scales outweigh its data: the error says that, not the
+    core's bare "non-increasing bytes per level"."""
+    trace = tmp_path / "lengths.csv"
+    trace.write_text("timestamp,input_length,output_length\n0,100,10\n5,200,10\n")
+    assert main(["simulate", str(trace), "--block-tokens", "2", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    error, hint = _error_lines(err)
+    assert out == "" and "block_tokens (--block-tokens) 2" in error and "at int4" in error, error
+    assert "larger blocks" in hint
+
+
 def test_an_overflow_in_the_replay_is_an_error_not_a_traceback(
     fake_sim: dict[str, Any],
     trace_file: Path,

@@ -124,8 +124,18 @@ def build_core(config: SimulationConfig, policy: str, ladder: tuple[str, ...]) -
         raise ConfigError(
             f"ladder {'+'.join(ladder)} must start with the model dtype {config.dtype}"
         )
+    level_bytes = config.shape().ladder_bytes(ladder, config.block_tokens)
+    bigger = [k for k in range(1, len(ladder)) if level_bytes[k] > level_bytes[k - 1]]
+    if bigger:
+        k = bigger[0]
+        raise ConfigError(
+            f"block_tokens (--block-tokens) {config.block_tokens}: a block of that many tokens "
+            f"takes {level_bytes[k]} bytes at {ladder[k]} (its scales outweigh the data) against "
+            f"{level_bytes[k - 1]} at {ladder[k - 1]}: a lower level must not be larger",
+            hint="use larger blocks (the default is 512 tokens), or a ladder without that level",
+        )
     return Core(
-        config.shape().ladder_bytes(ladder, config.block_tokens),
+        level_bytes,
         tiers=config.tiers(),
         block_size=config.block_tokens,
         policy=policy,
