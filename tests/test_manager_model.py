@@ -800,20 +800,20 @@ class Int4Ladder(ManagerVsReference):
 
 MACHINES = [Fp16Only, Int8Ladder, Int4Ladder]
 HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
-FAST = settings(
-    max_examples=int(os.environ.get("KVTIER_MODEL_EXAMPLES", "40")),
-    stateful_step_count=40,
-    deadline=None,
-    derandomize=False,
-    suppress_health_check=HEALTH,
-)
-SLOW = settings(
-    max_examples=int(os.environ.get("KVTIER_MODEL_EXAMPLES_SLOW", "500")),
-    stateful_step_count=50,
-    deadline=None,
-    derandomize=False,
-    suppress_health_check=HEALTH,
-)
+
+
+def _settings(examples_var: str, examples: int, steps: int) -> settings:
+    return settings(
+        max_examples=int(os.environ.get(examples_var, str(examples))),
+        stateful_step_count=steps,
+        deadline=None,
+        derandomize=False,
+        suppress_health_check=HEALTH,
+    )
+
+
+FAST = _settings("KVTIER_MODEL_EXAMPLES", 40, 40)
+SLOW = _settings("KVTIER_MODEL_EXAMPLES_SLOW", 500, 50)
 
 
 @pytest.mark.parametrize("machine", MACHINES, ids=lambda m: m.family)
