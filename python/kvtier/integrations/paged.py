@@ -1,0 +1,184 @@
+"""Reading and writing whole blocks of a paged KV cache the way its attention backend reads them.
+
+vLLM hands each attention layer's cache to connectors as a ``[num_blocks, kv_heads, block_size,
+2 * head_dim]`` view (its logical ``[B, H, N, C]``; the memory order behind it varies). The view's
+shape is the same everywhere, but *where K and V of a token are* is the backend's business:
+
+- ``channels`` (FLASH_ATTN, TRITON_ATTN, FLASHINFER, ... on CUDA): token ``n`` of head ``h`` is
+  ``[b, h, n]``; its first ``head_dim`` channels are K, the rest V.
+- ``rows`` (vLLM's CPU_ATTN): a block's ``[H, N, 2D]`` bytes are read as ``[H, 2N, D]``; K of
+  token ``n`` is row ``n`` and V row ``N + n``, so the logical token axis means nothing there.
+
+A :class:`PagedLayout` moves K/V between such a cache and kvtier's token-major
+``[num_tokens, kv_heads, head_dim]`` form, whole blocks at a time, on whatever device the cache
+is (the index and the copies stay there). Anything else is refused by :func:`layout_for_backend`
+rather than guessed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..codecs.base import torch_module
+from ..errors import ConfigError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..manager import BlockManager
+
+__all__ = ["PagedLayout", "layout_for_backend", "load_blocks", "save_blocks"]
+
+Split = Literal["channels", "rows"]
+
+#: Attention backends whose block interior is read as K rows, then V rows.
+ROW_SPLIT_BACKENDS = frozenset({"CPU_ATTN"})
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Where K and V of each token sit in one layer's ``[B, H, N, 2D]`` paged cache."""
+
+    split: Split
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+
+    @property
+    def name(self) -> str:
+        """Names the layout in stored keys: blocks of one layout never load into another."""
+        return f"{self.split}-h{self.num_kv_heads}-n{self.block_size}-d{self.head_dim}"
+
+    def check(self, cache: torch.Tensor, what: str = "kv cache") -> None:
+        """Refuses a cache that is not ``[B, H, N, 2D]`` of this layout."""
+        want = (self.num_kv_heads, self.block_size, 2 * self.head_dim)
+        if cache.dim() != 4 or tuple(cache.shape[1:]) != want:
+            raise InvalidArgumentError(
+                f"{what}: expected a [num_blocks, {want[0]}, {want[1]}, {want[2]}] paged cache "
+                f"(kv_heads, block_size, 2 * head_dim), got {list(cache.shape)}"
+            )
+        if self.split == "rows" and not _rows_viewable(cache):
+            raise InvalidArgumentError(
+                f"{what}: the {self.split} layout reads each block's [H, N, 2D] bytes as "
+                "[H, 2N, D], which needs them contiguous (head-major); got strides "
+                f"{list(cache.stride())}"
+            )
+
+    def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
+        """The cache as ``[B, H, 2, N, D]`` (rows) or ``[B, H, N, 2, D]`` (channels)."""
+        b, h, n, _ = cache.shape
+        if self.split == "rows":
+            return cache.view(b, h, 2, n, self.head_dim)
+        return cache.unflatten(3, (2, self.head_dim))
+
+    def read(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """K and V of whole blocks: ``[2, len(block_ids) * N, H, D]`` (K first), a new tensor on
+        the cache's device; ``block_ids`` is an int64 tensor on that device."""
+        picked = self._blocks(cache).index_select(0, block_ids)
+        # -> [2, blocks, N, H, D]
+        kv = (
+            picked.permute(2, 0, 3, 1, 4) if self.split == "rows" else picked.permute(3, 0, 2, 1, 4)
+        )
+        return kv.reshape(2, -1, self.num_kv_heads, self.head_dim)
+
+    def write(self, cache: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
+        """Writes ``kv`` (``[2, len(block_ids) * N, H, D]``, the form :meth:`read` returns) into
+        whole blocks of ``cache``."""
+        n = len(block_ids)
+        want = (2, n * self.block_size, self.num_kv_heads, self.head_dim)
+        if tuple(kv.shape) != want:
+            raise InvalidArgumentError(f"kv: expected shape {list(want)}, got {list(kv.shape)}")
+        per_block = kv.reshape(2, n, self.block_size, self.num_kv_heads, self.head_dim)
+        if self.split == "rows":
+            rows = per_block.permute(1, 3, 0, 2, 4)  # [blocks, H, 2, N, D]
+        else:
+            rows = per_block.permute(1, 3, 2, 0, 4)  # [blocks, H, N, 2, D]
+        self._blocks(cache).index_copy_(0, block_ids, rows.to(cache.dtype))
+
+
+def _rows_viewable(cache: torch.Tensor) -> bool:
+    """Whether each block's ``[H, N, 2D]`` is one contiguous run (blocks may be apart)."""
+    _, h, n, c = cache.shape
+    return cache.stride()[1:] == (n * c, c, 1) or h * n * c == 0
+
+
+def layout_for_backend(
+    backend_name: str, cache: Any, *, num_kv_heads: int, block_size: int, head_dim: int
+) -> PagedLayout:
+    """The layout of an attention backend's per-layer cache, checked against the tensor.
+
+    ``backend_name`` is ``AttentionBackend.get_name()``; ``cache`` the layer's tensor as vLLM
+    registers it. Raises :class:`ConfigError` for a cache that is not one of the two layouts
+    above (MLA's latent cache, a kernel block size below the block size, a quantized cache).
+    """
+    split: Split = "rows" if backend_name in ROW_SPLIT_BACKENDS else "channels"
+    layout = PagedLayout(split, num_kv_heads, block_size, head_dim)
+    try:
+        layout.check(cache, f"{backend_name} cache")
+    except InvalidArgumentError as exc:
+        raise ConfigError(
+            f"{exc}; kvtier's vLLM connector supports full attention with a paged "
+            "[num_blocks, kv_heads, block_size, 2 * head_dim] cache per layer"
+        ) from None
+    return layout
+
+
+def save_blocks(
+    manager: BlockManager,
+    layout: PagedLayout,
+    caches: Sequence[torch.Tensor],
+    seq: int,
+    block_ids: Sequence[int],
+) -> int:
+    """Appends to manager sequence ``seq`` the K/V it lacks among whole paged blocks
+    ``block_ids`` (the sequence's blocks from its first token; its token ids declared), reading
+    each layer's cache once, in one gather per layer. Returns the blocks written at the last
+    layer (those a cached prefix already held are skipped)."""
+    torch = torch_module()
+    bs = layout.block_size
+    end = len(block_ids) * bs
+    written = 0
+    for layer, cache in enumerate(caches):
+        start = manager.num_tokens(seq, layer)
+        if start >= end:
+            continue
+        if start % bs:
+            raise InvalidArgumentError(
+                f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of {bs}"
+            )
+        ids = torch.tensor(block_ids[start // bs :], dtype=torch.int64, device=cache.device)
+        kv = layout.read(cache, ids).to(manager.device)
+        manager.append(seq, layer, kv[0], kv[1])
+        written = len(ids)
+    return written
+
+
+def load_blocks(
+    manager: BlockManager,
+    layout: PagedLayout,
+    caches: Sequence[torch.Tensor],
+    seq: int,
+    start: int,
+    end: int,
+    block_ids: Sequence[int],
+) -> int:
+    """Writes the K/V of tokens ``start:end`` of manager sequence ``seq`` (decoded to the
+    model dtype) into whole paged blocks ``block_ids``, as far as the sequence holds them.
+    Returns how many of ``block_ids`` were written, from the first: the rest must be
+    recomputed. A block the tiers lost raises :class:`~kvtier.BlockLostError` (some layers
+    may have been written: the caller recomputes them all)."""
+    torch = torch_module()
+    bs = layout.block_size
+    have = min(manager.num_tokens(seq, len(caches) - 1), end)
+    ok = min(len(block_ids), max(0, (have - start) // bs))
+    if not ok:
+        return 0
+    device = caches[0].device
+    ids = torch.tensor(list(block_ids[:ok]), dtype=torch.int64, device=device)
+    for layer, cache in enumerate(caches):
+        k, v = manager.gather(seq, layer)
+        kv = torch.stack((k[start : start + ok * bs], v[start : start + ok * bs]))
+        layout.write(cache, ids, kv.to(device, non_blocking=True))
+    return ok

@@ -1,0 +1,514 @@
+"""``KVTierConnector``: vLLM's KV kept in kvtier's compressed tiers behind vLLM's own pool.
+
+Load it with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_budget": "8GiB", "ladder": "bf16,int8,int4"}}'
+
+vLLM's paged pool stays vLLM's. Each prompt block vLLM computes is saved, after the step that
+completed it, into a :class:`~kvtier.BlockManager` that lives in host memory (its ``device``
+tier is this connector's *host* tier), optionally backed by a disk directory and a Redis server.
+There the Rust core ranks blocks and demotes cold ones down the ladder (bf16 → int8 → int4) and
+out to disk, and promotes them back when they are hit. A later request whose prompt starts with
+saved blocks loads them into the blocks vLLM allocated for it instead of recomputing them.
+
+- **Keys** are prefix hashes of token ids in a namespace of model, dtype, layout, block size
+  and parallel rank, so a change of any of them misses rather than loads foreign bytes. With
+  ``remote_url`` the complete prompt blocks are also published to the server at level 0 under
+  those keys (``share_prefixes``), where another engine of the same namespace, or this one after
+  a restart, finds them; a prefill engine (``kv_producer``) hands its KV to a decode engine
+  (``kv_consumer``) that way.
+- **Loads** are synchronous, before the forward pass. A block the tiers cannot give back (a
+  corrupt value, an evicted one, a server that went away) is reported through
+  ``get_block_ids_with_load_errors`` and vLLM recomputes it: a miss, never wrong K/V (the
+  connector sets vLLM's ``kv_load_failure_policy`` to ``recompute`` unless
+  ``kv_connector_extra_config`` says ``"load_failure_policy": "fail"``).
+- **Importance**: key magnitude at save time and access frequency from hits; vLLM exposes no
+  attention weights to connectors, so that signal's weight is renormalised away.
+
+Supported: decoder-only models with full attention in one KV-cache group, tensor and pipeline
+parallel size 1, the scheduler and the worker in one process (vLLM's default single-device
+executor). Refused with a clear error: hybrid and sliding-window models, MLA, several workers.
+Requests with a ``cache_salt`` are neither saved nor loaded (their keys would need the salt).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..config import KvtierConfig, parse_bytes
+from ..errors import ConfigError, KvtierError, require
+from ..manager import BlockManager
+from .paged import PagedLayout, layout_for_backend, load_blocks, save_blocks
+
+require("vllm", "vllm", purpose="kvtier.integrations.vllm plugs into vLLM")
+import torch  # noqa: E402  (vLLM brings torch)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.vllm")
+
+__all__ = ["KVTierConnector", "KVTierMetadata", "connector_config"]
+
+#: The host tier's budget when the extra config names none.
+DEFAULT_HOST_BUDGET = "2GiB"
+#: Keys of ``kv_connector_extra_config`` that are the connector's own, not KvtierConfig fields.
+CONNECTOR_KEYS = frozenset({"load_failure_policy"})
+#: KvtierConfig fields vLLM decides, not the user.
+VLLM_OWNED = {
+    "block_size": "vLLM's block size (--block-size)",
+    "device_budget": "vLLM's own KV pool (--gpu-memory-utilization); use host_budget",
+    "device_blocks": "vLLM's own KV pool (--num-gpu-blocks-override); use host_blocks",
+}
+
+
+def connector_config(
+    extra: Mapping[str, Any], *, block_size: int, environ: Mapping[str, str] | None = None
+) -> KvtierConfig:
+    """The :class:`KvtierConfig` of the connector's tiers from ``kv_connector_extra_config``
+    (KvtierConfig field names; sizes as ``"64GiB"``; lists as ``"bf16,int8,int4"`` or JSON
+    lists) over ``KVTIER_*`` and the original ``VLLM_*`` variables. ``host_budget`` (default
+    2 GiB) becomes the manager's device budget: the manager lives in host memory."""
+    extra = {k: v for k, v in extra.items() if k not in CONNECTOR_KEYS}
+    for name, owner in VLLM_OWNED.items():
+        if extra.get(name) is not None:
+            raise ConfigError(f"kv_connector_extra_config: {name} is set by {owner}")
+    overrides: dict[str, Any] = {}
+    for name, value in extra.items():
+        if isinstance(value, str) and name in ("ladder", "weights", "pool_shares"):
+            value = tuple(s.strip() for s in value.split(",") if s.strip())
+        if name in ("ladder", "weights", "pool_shares") and isinstance(value, list):
+            value = tuple(value)
+        overrides[name] = value
+    env = KvtierConfig.from_env(environ=environ, **overrides)
+    host = env.host_budget
+    if host is None and env.host_blocks is None:
+        host = parse_bytes(DEFAULT_HOST_BUDGET)
+    remote = env.remote_budget
+    if env.remote_url is not None and remote is None:
+        remote = 4 * (host or 0) or parse_bytes(DEFAULT_HOST_BUDGET)
+    return env.replace(
+        block_size=block_size,
+        device_budget=host,
+        device_blocks=env.host_blocks,
+        host_budget=None,
+        host_blocks=None,
+        remote_budget=remote,
+        share_prefixes=env.remote_url is not None,
+    )
+
+
+# -- what the scheduler tells the worker each step ---------------------------------------------
+
+
+@dataclass
+class LoadSpec:
+    """Copy the blocks of sequence ``seq`` (a manager sequence pinning them) from token
+    ``start`` up to ``end`` into vLLM blocks ``block_ids`` (one per ``block_size`` tokens)."""
+
+    req_id: str
+    seq: int | None
+    start: int
+    end: int
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    """Save the K/V of ``tokens`` (complete blocks, all of them computed by now) that the
+    manager lacks, reading vLLM blocks ``block_ids``."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    """The scheduler's view of a running request."""
+
+    tokens: list[int]
+    block_ids: list[int]
+    saved: int = 0  # prompt tokens sent to the worker for saving
+
+
+@dataclass
+class _Counters:
+    lookups: int = 0
+    hit_tokens: int = 0
+    loaded_blocks: int = 0
+    load_errors: int = 0
+    saved_blocks: int = 0
+    save_failures: int = 0
+
+
+# Worker-side state, found by the scheduler of the same engine in the same process.
+_ENGINES: dict[str, _Tiers] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+@dataclass
+class _Tiers:
+    manager: BlockManager
+    layout: PagedLayout
+    caches: list[torch.Tensor]
+    counters: _Counters = field(default_factory=_Counters)
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """vLLM's KV connector (v1 API) over kvtier's tiers. Both roles are this class: vLLM makes
+    one for the scheduler and one for each worker."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self._engine = str(transfer.engine_id)
+        extra = dict(transfer.kv_connector_extra_config or {})
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self.config = connector_config(extra, block_size=self._block_size)
+        self._saves_kv = transfer.kv_role in ("kv_producer", "kv_both")
+        self._loads_kv = transfer.kv_role in ("kv_consumer", "kv_both")
+        parallel = vllm_config.parallel_config
+        if parallel.world_size != 1:
+            raise ConfigError(
+                "KVTierConnector supports one worker (tensor_parallel_size=1, "
+                f"pipeline_parallel_size=1) for now; this engine has {parallel.world_size}"
+            )
+        self._spec = _attention_spec(kv_cache_config)
+        self._namespace = _namespace(vllm_config, self._spec, self.config.namespace)
+        self.config = self.config.replace(namespace=self._namespace)
+        if role == KVConnectorRole.SCHEDULER:
+            policy = extra.get("load_failure_policy", "recompute")
+            if policy not in ("recompute", "fail"):
+                raise ConfigError(
+                    f"load_failure_policy: expected 'recompute' or 'fail', got {policy!r}"
+                )
+            # A block the tiers cannot give back is a miss: vLLM recomputes it.
+            transfer.kv_load_failure_policy = policy
+        # scheduler side
+        self._requests: dict[str, _Request] = {}
+        self._hits: dict[str, tuple[int, int]] = {}  # req -> (vLLM's own hit, end of ours)
+        self._loads: list[LoadSpec] = []
+        # worker side
+        self._tiers: _Tiers | None = None
+        self._failed_blocks: set[int] = set()
+
+    # -- shared ----------------------------------------------------------------------------------
+
+    @property
+    def tiers(self) -> _Tiers:
+        """The engine's manager, layout and caches (the worker's, also seen by its scheduler)."""
+        if self._tiers is None:
+            with _ENGINES_LOCK:
+                tiers = _ENGINES.get(self._engine)
+            if tiers is None:
+                raise KvtierError(
+                    "KVTierConnector: the worker has not registered its KV caches in this "
+                    "process; the connector needs the scheduler and its worker in one process "
+                    "(vLLM's single-device executor)"
+                )
+            self._tiers = tiers
+        return self._tiers
+
+    def get_compression_stats(self) -> dict[str, Any]:
+        """The tiers' figures (``memory_saved_mb``, ``avg_compression_ratio``, bytes per tier
+        and level: the manager's ``device`` tier is this connector's host tier) and the
+        connector's own counters (lookups, hit tokens, loaded and saved blocks, load errors)."""
+        tiers = self.tiers
+        stats = tiers.manager.get_compression_stats()
+        stats["connector"] = dict(vars(tiers.counters))
+        return stats
+
+    def shutdown(self) -> None:
+        if self._tiers is not None and self.role == KVConnectorRole.WORKER:
+            with _ENGINES_LOCK:
+                if _ENGINES.get(self._engine) is self._tiers:
+                    del _ENGINES[self._engine]
+            self._tiers.manager.close()
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = list(self._spec_layers)
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"KVTierConnector: no KV cache registered for layers {missing}")
+        caches = [kv_caches[n] for n in names]
+        backend = _backend_name(self._vllm_config, names[0])
+        spec = self._spec
+        layouts = {
+            layout_for_backend(
+                backend,
+                c,
+                num_kv_heads=spec.num_kv_heads,
+                block_size=self._block_size,
+                head_dim=spec.head_size,
+            )
+            for c in caches
+        }
+        if len(layouts) != 1:
+            raise ConfigError(f"KVTierConnector: layers differ in layout: {sorted(x.name for x in layouts)}")
+        layout = layouts.pop()
+        manager = BlockManager(
+            self.config.replace(namespace=f"{self._namespace}/{layout.name}"),
+            num_layers=len(caches),
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_size,
+            dtype=caches[0].dtype,
+            device="cpu",
+        )
+        self._tiers = _Tiers(manager, layout, caches)
+        with _ENGINES_LOCK:
+            _ENGINES[self._engine] = self._tiers
+        log.info(
+            "kvtier: %d layers, layout %s, tiers %s, ladder %s",
+            len(caches),
+            layout.name,
+            [t for t, _ in manager.core.tiers],
+            ",".join(manager.ladder),
+        )
+
+    @property
+    def _spec_layers(self) -> list[str]:
+        return list(self._kv_cache_config.kv_cache_groups[0].layer_names)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        for load in meta.loads:
+            self._load(load)
+
+    def _load(self, load: LoadSpec) -> None:
+        tiers = self.tiers
+        manager = tiers.manager
+        ok = 0  # blocks of load.block_ids written
+        if load.seq is None:
+            self._failed(load, ok)
+            return
+        try:
+            ok = load_blocks(
+                manager, tiers.layout, tiers.caches, load.seq, load.start, load.end, load.block_ids
+            )
+        except KvtierError as exc:  # a block lost in the tiers: vLLM recomputes them all
+            log.warning("kvtier: load of request %s failed (%s); recomputing", load.req_id, exc)
+            ok = 0
+        finally:
+            manager.free(load.seq)
+        self._failed(load, ok)
+
+    def _failed(self, load: LoadSpec, ok: int) -> None:
+        """Counts the ``ok`` blocks loaded and reports the rest for vLLM to recompute."""
+        failed = load.block_ids[ok:]
+        self._failed_blocks.update(failed)
+        counters = self.tiers.counters
+        counters.loaded_blocks += ok
+        counters.load_errors += len(failed)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # saves read every layer after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        for save in meta.saves:
+            self._save(save)
+        if meta.saves:
+            self.tiers.manager.step()
+
+    def _save(self, save: SaveSpec) -> None:
+        """Saves what the tiers lack of the request's complete blocks so far: a sequence of
+        them shares the prefix the tiers hold, the rest is read from vLLM's blocks (all
+        computed by now), and it is freed at once, leaving its blocks cached."""
+        tiers = self.tiers
+        manager = tiers.manager
+        try:
+            seq = manager.add_sequence(save.tokens)
+        except KvtierError as exc:  # a save that fails is a future miss, nothing worse
+            log.warning("kvtier: save of request %s failed (%s)", save.req_id, exc)
+            tiers.counters.save_failures += 1
+            return
+        try:
+            tiers.counters.saved_blocks += save_blocks(
+                manager, tiers.layout, tiers.caches, seq, save.block_ids
+            )
+        except KvtierError as exc:
+            log.warning("kvtier: save of request %s failed (%s)", save.req_id, exc)
+            tiers.counters.save_failures += 1
+        finally:
+            manager.free(seq)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # -- scheduler side --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self._loads_kv or request.cache_salt is not None:
+            return 0, False
+        tokens = list(request.prompt_token_ids or [])
+        # vLLM computes at least the prompt's last token itself.
+        try:
+            hit = self.tiers.manager.lookup(tokens[: len(tokens) - 1])
+        except KvtierError as exc:
+            log.warning("kvtier: lookup failed (%s); a miss", exc)
+            return 0, False
+        counters = self.tiers.counters
+        counters.lookups += 1
+        if hit <= num_computed_tokens:
+            self._hits.pop(request.request_id, None)
+            return 0, False
+        self._hits[request.request_id] = (num_computed_tokens, hit)
+        counters.hit_tokens += hit - num_computed_tokens
+        return hit - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens == 0 or hit is None:
+            return
+        start, end = hit
+        end = min(end, start + num_external_tokens)
+        bs = self._block_size
+        block_ids = list(blocks.get_block_ids()[0])[start // bs : end // bs]
+        # The sequence pins the blocks until the worker has copied them; without one (the
+        # tiers could not take the prompt) every block is a load error, recomputed.
+        seq = None
+        try:
+            seq = self.tiers.manager.add_sequence(list(request.prompt_token_ids or [])[:end])
+        except KvtierError as exc:
+            log.warning("kvtier: could not pin request %s's blocks (%s)", request.request_id, exc)
+        self._loads.append(LoadSpec(request.request_id, seq, start, end, block_ids))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVTierMetadata(loads=self._loads)
+        self._loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.prompt_token_ids is None:
+                continue  # prompt embeddings: no token ids to key them by
+            req = _Request(list(new.prompt_token_ids), list(new.block_ids[0]))
+            self._requests[new.req_id] = req
+            self._plan_save(meta, new.req_id, req, new.num_computed_tokens + scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            known = self._requests.get(req_id)
+            if known is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                known.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                known.block_ids.extend(new_ids[0])
+            self._plan_save(meta, req_id, known, cached.num_computed_tokens[i] + scheduled[req_id])
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        return meta
+
+    def _plan_save(self, meta: KVTierMetadata, req_id: str, req: _Request, computed: int) -> None:
+        """Saves the prompt's blocks that are complete once this step has run."""
+        if not self._saves_kv:
+            return
+        end = min(computed, len(req.tokens)) // self._block_size * self._block_size
+        if end <= req.saved:
+            return
+        req.saved = end
+        blocks = end // self._block_size
+        meta.saves.append(SaveSpec(req_id, req.tokens[:end], req.block_ids[:blocks]))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
+        return False, None
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _attention_spec(kv_cache_config: KVCacheConfig) -> Any:
+    """The one full-attention spec the connector supports, or a clear refusal."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    if len(groups) != 1:
+        raise ConfigError(
+            f"KVTierConnector supports models with one KV-cache group (full attention in every "
+            f"layer); this model has {len(groups)}: {kinds} (hybrid or sliding-window models "
+            "are not supported yet)"
+        )
+    spec = groups[0].kv_cache_spec
+    if isinstance(spec, MLAAttentionSpec) or type(spec) is not FullAttentionSpec:
+        raise ConfigError(
+            f"KVTierConnector supports full attention (FullAttentionSpec); this model's KV cache "
+            f"is {kinds[0]} (MLA, sliding-window and state-space caches are not supported yet)"
+        )
+    if getattr(spec, "sliding_window", None):
+        raise ConfigError("KVTierConnector does not support sliding-window attention yet")
+    return spec
+
+
+def _backend_name(vllm_config: VllmConfig, layer_name: str) -> str:
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    backend = getattr(layer, "attn_backend", None)
+    if backend is None:
+        raise ConfigError(f"KVTierConnector: layer {layer_name} has no attention backend")
+    return str(backend.get_name())
+
+
+def _namespace(vllm_config: VllmConfig, spec: Any, user: str) -> str:
+    """What stored blocks depend on besides their tokens: the model and its revision, the KV
+    dtype, the block size and parallel rank (the layout is added when the worker knows it),
+    and the user's namespace (a tenant, a weights version)."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    dtype = str(spec.dtype).removeprefix("torch.")
+    parts = [
+        "vllm",
+        str(model.model),
+        str(model.revision or "main"),
+        dtype,
+        f"bs{spec.block_size}",
+        f"tp0of{parallel.tensor_parallel_size}",  # one worker (checked at construction)
+        user,
+    ]
+    return "|".join(parts)

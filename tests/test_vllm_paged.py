@@ -1,0 +1,175 @@
+"""The vLLM connector's data path without vLLM: paged layouts (where K and V of each token sit in
+an attention backend's cache) and the save/load of whole blocks through a BlockManager, on the
+CPU and, on a GPU, on CUDA caches laid out as vLLM's CUDA backends lay them, byte for byte
+against the CPU path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvtier import BlockManager, ConfigError, KvtierConfig
+from kvtier.integrations.paged import PagedLayout, layout_for_backend, load_blocks, save_blocks
+
+torch = pytest.importorskip("torch")
+
+H, N, D = 3, 16, 64  # kv heads, block size, head dim
+
+
+def per_token_kv(blocks: int, seed: int) -> Any:
+    """K and V of ``blocks * N`` tokens, ``[2, tokens, H, D]``, bf16, all distinct."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((2, blocks * N, H, D), generator=g).to(torch.bfloat16)
+
+
+def cpu_backend_cache(num_blocks: int, kv: Any, block_ids: list[int]) -> Any:
+    """A cache as vLLM's CPU backend writes it: each block's ``[H, N, 2D]`` read as ``[H, 2N,
+    D]``, K of token n in row n, V in row N + n (vLLM's cpu_attn.do_kv_cache_update)."""
+    cache = torch.zeros((num_blocks, H, N, 2 * D), dtype=torch.bfloat16)
+    rows = cache.view(num_blocks, H, 2 * N, D)
+    for i, b in enumerate(block_ids):
+        k = kv[0, i * N : (i + 1) * N]  # [N, H, D]
+        v = kv[1, i * N : (i + 1) * N]
+        rows[b, :, :N] = k.transpose(0, 1)
+        rows[b, :, N:] = v.transpose(0, 1)
+    return cache
+
+
+def flash_cache(num_blocks: int, kv: Any, block_ids: list[int], *, nhd: bool) -> Any:
+    """A cache as vLLM's CUDA backends see it: ``[B, H, N, 2D]`` split along the channels
+    (``kv_cache.transpose(1, 2).split(head_size, -1)``), in memory ``[B, N, H, 2D]`` (``nhd``,
+    the LBNHC layout) or ``[B, H, N, 2D]`` (LBHNC)."""
+    if nhd:
+        cache = torch.zeros((num_blocks, N, H, 2 * D), dtype=torch.bfloat16).transpose(1, 2)
+    else:
+        cache = torch.zeros((num_blocks, H, N, 2 * D), dtype=torch.bfloat16)
+    for i, b in enumerate(block_ids):
+        k = kv[0, i * N : (i + 1) * N].transpose(0, 1)  # [H, N, D]
+        v = kv[1, i * N : (i + 1) * N].transpose(0, 1)
+        cache[b] = torch.cat((k, v), dim=-1)
+    return cache
+
+
+CASES = {
+    "cpu": ("CPU_ATTN", lambda nb, kv, ids: cpu_backend_cache(nb, kv, ids)),
+    "flash-nhd": ("FLASH_ATTN", lambda nb, kv, ids: flash_cache(nb, kv, ids, nhd=True)),
+    "flash-hnd": ("FLASH_ATTN", lambda nb, kv, ids: flash_cache(nb, kv, ids, nhd=False)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_layout_reads_and_writes_what_its_backend_means(case: str) -> None:
+    backend, make = CASES[case]
+    kv = per_token_kv(3, seed=1)
+    ids = [5, 0, 2]
+    cache = make(8, kv, ids)
+    layout = layout_for_backend(backend, cache, num_kv_heads=H, block_size=N, head_dim=D)
+    assert layout.split == ("rows" if backend == "CPU_ATTN" else "channels")
+    assert torch.equal(layout.read(cache, torch.tensor(ids)), kv)
+    # Writing into other blocks makes the same cache the backend would have written.
+    other = [1, 7, 3]
+    got = make(8, per_token_kv(3, seed=2), [4])  # unrelated content elsewhere
+    before = got.clone()
+    layout.write(got, torch.tensor(other), kv)
+    want = make(8, kv, other)
+    for b in range(8):
+        assert torch.equal(got[b], want[b] if b in other else before[b]), b
+
+
+def test_a_cache_that_is_not_a_supported_layout_is_refused_clearly() -> None:
+    mla = torch.zeros((4, 1, N, 576), dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"expected a \[num_blocks, 3, 16, 128\] paged cache"):
+        layout_for_backend("FLASHMLA", mla, num_kv_heads=H, block_size=N, head_dim=D)
+    strided = torch.zeros((4, N, H, 2 * D), dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(ConfigError, match="needs them contiguous"):
+        layout_for_backend("CPU_ATTN", strided, num_kv_heads=H, block_size=N, head_dim=D)
+    layout = PagedLayout("channels", H, N, D)
+    with pytest.raises(kvtier_error(), match=r"kv: expected shape \[2, 32, 3, 64\]"):
+        layout.write(torch.zeros((4, H, N, 2 * D)), torch.tensor([0, 1]), per_token_kv(1, 0))
+
+
+def kvtier_error() -> Any:
+    from kvtier import InvalidArgumentError
+
+    return InvalidArgumentError
+
+
+LAYERS = 2
+
+
+def manager(ladder: str = "bf16") -> BlockManager:
+    cfg = KvtierConfig(
+        block_size=N, device_budget=1 << 20, ladder=tuple(ladder.split(",")), recent_window=0
+    )
+    return BlockManager(cfg, LAYERS, H, D, dtype="bf16", device="cpu")
+
+
+def caches_for(case: str, blocks: int, ids: list[int], seed: int, device: str = "cpu") -> Any:
+    backend, make = CASES[case]
+    kvs = [per_token_kv(blocks, seed + layer) for layer in range(LAYERS)]
+    caches = [make(8, kv, ids).to(device) for kv in kvs]
+    layout = layout_for_backend(backend, caches[0], num_kv_heads=H, block_size=N, head_dim=D)
+    return layout, caches, kvs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_saved_blocks_load_back_exactly_into_other_blocks(case: str) -> None:
+    bm = manager()
+    tokens = list(range(100, 100 + 3 * N))
+    layout, caches, kvs = caches_for(case, 3, [6, 1, 4], seed=10)
+    seq = bm.add_sequence(tokens)
+    assert save_blocks(bm, layout, caches, seq, [6, 1, 4]) == 3
+    bm.free(seq)
+    # A second request with the same first two blocks: vLLM gave it blocks 0 and 2.
+    pin = bm.add_sequence(tokens[: 2 * N])
+    assert bm.num_tokens(pin) == 2 * N  # both cached
+    _, fresh, _ = caches_for(case, 1, [7], seed=99)
+    assert load_blocks(bm, layout, fresh, pin, 0, 2 * N, [0, 2]) == 2
+    for layer in range(LAYERS):
+        assert torch.equal(layout.read(fresh[layer], torch.tensor([0, 2])), kvs[layer][:, : 2 * N])
+    # A load of more than the tiers hold writes what they hold and says so.
+    assert load_blocks(bm, layout, fresh, pin, N, 3 * N, [3, 5]) == 1
+
+
+def test_a_saved_prefix_is_not_written_twice() -> None:
+    bm = manager()
+    tokens = list(range(3 * N))
+    layout, caches, _ = caches_for("cpu", 3, [0, 1, 2], seed=3)
+    first = bm.add_sequence(tokens[: 2 * N])
+    assert save_blocks(bm, layout, caches, first, [0, 1]) == 2
+    bm.free(first)
+    again = bm.add_sequence(tokens)
+    assert bm.num_tokens(again) == 2 * N
+    assert save_blocks(bm, layout, caches, again, [0, 1, 2]) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["flash-nhd", "flash-hnd"])
+@pytest.mark.parametrize("ladder", ["bf16", "bf16,int8,int4"])
+def test_gpu_save_and_load_equal_the_cpu_path_byte_for_byte(
+    torch_cuda: Any, case: str, ladder: str
+) -> None:
+    """The worker's path on CUDA caches laid out as vLLM's CUDA backends lay them: what it
+    loads back (after the manager demoted the blocks down the ladder) equals the same path on
+    CPU caches, byte for byte."""
+    out = {}
+    cfg = KvtierConfig(
+        block_size=N,
+        device_budget=1 << 20,
+        ladder=tuple(ladder.split(",")),
+        recent_window=0,
+        sink_blocks=0,
+    )
+    for device in ("cpu", "cuda"):
+        bm = BlockManager(cfg, LAYERS, H, D, dtype="bf16", device="cpu")
+        layout, caches, _ = caches_for(case, 4, [3, 0, 6, 2], seed=20, device=device)
+        seq = bm.add_sequence(list(range(4 * N)))
+        save_blocks(bm, layout, caches, seq, [3, 0, 6, 2])
+        moves = bm.step()
+        assert moves.get("demote", 0) == (4 if "int4" in ladder else 0)
+        _, fresh, _ = caches_for(case, 1, [7], seed=5, device=device)
+        assert load_blocks(bm, layout, fresh, seq, 0, 4 * N, [1, 4, 5, 7]) == 4
+        out[device] = [c.cpu() for c in fresh]
+    for a, b in zip(out["cpu"], out["cuda"], strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
