@@ -35,5 +35,6 @@ run pytest-gpu "${GPU_CHECK_PYTEST_TIMEOUT:-300}" python3 -m pytest -p no:cachep
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     run bench-codecs 180 python3 -m kvtier bench codecs --no-quanto --no-cpu
     run bench-manager 120 python3 -m kvtier bench manager --no-cpu
+    run bench-vllm-paths 120 python3 benchmarks/vllm_paths.py --device cuda
 fi
 printf '%s\n' "${status[@]}" | tee "$OUT/summary.txt"

@@ -1,0 +1,101 @@
+"""GB/s of the vLLM connector's save and load paths (kvtier.integrations.paged) on one device's
+paged caches, beside a plain copy of the same bytes between the device and host memory (the
+baseline: what moving the blocks costs with nothing else done).
+
+    python benchmarks/vllm_paths.py [--device cuda] [--layout channels|rows] [--blocks 64]
+
+Shape: Llama-3-8B's KV (32 layers, 8 KV heads, head_dim 128, bf16), vLLM block size 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from kvtier import BlockManager, KvtierConfig
+from kvtier.integrations.paged import PagedLayout, load_blocks, save_blocks
+
+L, H, N, D = 32, 8, 16, 128
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def best(fn, device: str, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layout", default=None, help="channels (CUDA backends) or rows (CPU)")
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    split = args.layout or ("channels" if args.device.startswith("cuda") else "rows")
+    layout = PagedLayout(split, H, N, D)
+    nb = args.blocks
+    pool = 2 * nb + 8
+    caches = [
+        torch.randn((pool, H, N, 2 * D), device=args.device).to(torch.bfloat16) for _ in range(L)
+    ]
+    ids = list(range(0, 2 * nb, 2))
+    dst = list(range(1, 2 * nb, 2))
+    nbytes = nb * L * H * N * 2 * D * 2
+    cfg = KvtierConfig(block_size=N, device_budget=4 * nbytes, ladder=("bf16",), recent_window=0)
+    bm = BlockManager(cfg, L, H, D, dtype="bf16", device="cpu")
+    tokens = list(range(nb * N))
+
+    def save() -> None:
+        seq = bm.add_sequence(tokens)
+        save_blocks(bm, layout, caches, seq, ids)
+        bm.free(seq)
+        bm.core.forget(bm.core.lookup_tokens(tokens))  # the next repeat saves again
+
+    save_s = best(save, args.device, args.repeats)
+    seq = bm.add_sequence(tokens)
+    save_blocks(bm, layout, caches, seq, ids)
+    load_s = best(
+        lambda: load_blocks(bm, layout, caches, seq, 0, nb * N, dst), args.device, args.repeats
+    )
+    src = torch.cat([c[:nb].reshape(-1) for c in caches])
+    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=args.device.startswith("cuda"))
+    d2h_s = best(lambda: host.copy_(src), args.device, args.repeats)
+    h2d_s = best(lambda: src.copy_(host), args.device, args.repeats)
+    gb = nbytes / 1e9
+    res = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "layout": split,
+        "blocks": nb,
+        "bytes": nbytes,
+        "save_gb_s": gb / save_s,
+        "load_gb_s": gb / load_s,
+        "copy_to_host_gb_s": gb / d2h_s,
+        "copy_from_host_gb_s": gb / h2d_s,
+    }
+    res["save_x_copy"] = res["save_gb_s"] / res["copy_to_host_gb_s"]
+    res["load_x_copy"] = res["load_gb_s"] / res["copy_from_host_gb_s"]
+    print(
+        f"{res['device']} {split}: {nb} blocks, {nbytes / 1e6:.0f} MB: save {res['save_gb_s']:.2f} GB/s "
+        f"({res['save_x_copy']:.2f}x a plain copy to host at {res['copy_to_host_gb_s']:.2f}), "
+        f"load {res['load_gb_s']:.2f} GB/s ({res['load_x_copy']:.2f}x a plain copy from host at "
+        f"{res['copy_from_host_gb_s']:.2f})"
+    )
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
