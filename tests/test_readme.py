@@ -41,6 +41,12 @@ untagged blocks (output, not commands)
     each bracketed name an optional positional (in any case: the README writes placeholders in
     capitals), and nothing else but optional options.
 
+``json``
+    A vLLM ``--kv-transfer-config`` value: it must parse, name the connector class of the module
+    it names (imported when vLLM is installed), and its ``kv_connector_extra_config`` must make
+    a valid :func:`kvtier.integrations.vllm.connector_config` (every key a config field, every
+    value of the right kind).
+
 Any other block (another language, other output) fails: run it or give it a rule here.
 Cases that need transformers are marked ``hf``, those that need redis-server ``redis``.
 """
@@ -421,6 +427,16 @@ def output_checker(block: Block) -> Callable[[Block, dict[str, str]], None] | No
     return None
 
 
+def check_kv_transfer_config(block: Block, env: dict[str, str]) -> None:
+    import json
+
+    config = json.loads(block.text)
+    assert config["kv_connector"] == "KVTierConnector", f"README.md:{block.line}"
+    module = pytest.importorskip(config["kv_connector_module_path"])
+    assert hasattr(module, config["kv_connector"])
+    module.connector_config(config["kv_connector_extra_config"], block_size=16, environ=env)
+
+
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=_marks(b)) for b in BLOCKS])
 def test_readme_block(
     block: Block, request: pytest.FixtureRequest, clean_env: dict[str, str]
@@ -429,6 +445,8 @@ def test_readme_block(
         run_python(block, request)
     elif block.lang in SH_LANGS:
         run_sh(block, clean_env)
+    elif block.lang == "json":
+        check_kv_transfer_config(block, clean_env)
     else:
         check = output_checker(block)
         assert check is not None, (

@@ -98,8 +98,9 @@ def loadable_blocks(p: list[int]) -> int:
     return (len(p) - 1) // BLOCK
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def host_engine(vllm_model_dir: Any) -> Iterator[Any]:
+    # One engine at a time: vLLM keeps one worker-side connector per process.
     llm = make_engine(vllm_model_dir, host_budget="256MiB", ladder="bf16")
     yield llm
     close(llm)
@@ -125,9 +126,42 @@ def test_a_second_pass_loads_every_prompt_from_the_host_tier_exactly(
         assert list(a.token_ids) == list(b.token_ids)
 
 
-@pytest.fixture(scope="module")
-def vllm_model_dir() -> Any:  # TEMP until conftest has it
-    pytest.importorskip("vllm")
-    from kvtier.eval.model import smollm2_hf_dir
+@pytest.mark.redis
+def test_another_engine_loads_prompts_through_redis_and_a_corrupt_value_is_recomputed(
+    vllm_model_dir: Any, prompts: list[list[int]], redis_server: Any
+) -> None:
+    """One engine publishes its prompt blocks to a real redis-server; a fresh engine (nothing
+    in its own tiers) loads them from there and generates the same tokens. Values damaged on
+    the server fail their checksum: those blocks are recomputed, and the tokens stay exact."""
+    import redis
 
-    return smollm2_hf_dir()
+    url = redis_server.url
+    raw = redis.Redis.from_url(url)
+    raw.flushall()
+    extra = {"host_budget": "64MiB", "ladder": "bf16", "remote_url": url}
+    producer = make_engine(vllm_model_dir, **extra)
+    try:
+        want = generate(producer, prompts)
+    finally:
+        close(producer)
+    assert raw.dbsize() >= sum(len(p) // BLOCK for p in prompts)
+
+    consumer = make_engine(vllm_model_dir, **extra)
+    try:
+        got = generate(consumer, prompts[:2])
+        stats = connector(consumer).get_compression_stats()["connector"]
+        assert stats["loaded_blocks"] == sum(loadable_blocks(p) for p in prompts[:2])
+        assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want[:2]]
+        # Flip one byte in the middle of every value on the server.
+        for key in raw.scan_iter():
+            value = bytearray(raw.get(key) or b"")
+            if value:
+                value[len(value) // 2] ^= 0xFF
+                raw.set(key, bytes(value), keepttl=True)
+        got = generate(consumer, prompts[2:])
+        after = connector(consumer).get_compression_stats()["connector"]
+        assert after["loaded_blocks"] == stats["loaded_blocks"]  # nothing more was loaded
+        assert after["load_errors"] > stats["load_errors"]  # found, refused, recomputed
+        assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want[2:]]
+    finally:
+        close(consumer)
