@@ -126,42 +126,127 @@ def test_a_second_pass_loads_every_prompt_from_the_host_tier_exactly(
         assert list(a.token_ids) == list(b.token_ids)
 
 
+#: A prefill engine in its own process: kv_producer, publishing to the Redis server at argv[2];
+#: prints the greedy tokens of each prompt (JSON on stdin) as a JSON list.
+PRODUCER = """
+import json, sys
+sys.path.insert(0, sys.argv[3])
+from test_vllm_connector import generate, make_engine
+llm = make_engine(sys.argv[1], role="kv_producer", host_budget="64MiB", ladder="bf16",
+                  remote_url=sys.argv[2])
+outs = generate(llm, json.load(sys.stdin))
+print(json.dumps([list(o.token_ids) for o in outs]))
+"""
+
+
 @pytest.mark.redis
-def test_another_engine_loads_prompts_through_redis_and_a_corrupt_value_is_recomputed(
-    vllm_model_dir: Any, prompts: list[list[int]], redis_server: Any
+def test_a_decode_engine_loads_a_prefill_process_kv_through_redis_and_survives_faults(
+    vllm_model_dir: Any, prompts: list[list[int]]
 ) -> None:
-    """One engine publishes its prompt blocks to a real redis-server; a fresh engine (nothing
-    in its own tiers) loads them from there and generates the same tokens. Values damaged on
-    the server fail their checksum: those blocks are recomputed, and the tokens stay exact."""
+    """A prefill engine in another process (``kv_producer``) publishes its prompt blocks to a
+    real redis-server; a decode engine here (``kv_consumer``, nothing in its own tiers) loads
+    them and generates the same tokens. Then the faults: values damaged on the server fail
+    their checksum and are recomputed; the server killed mid-run is a miss, not a hang."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
     import redis
+    from conftest import local_redis
 
-    url = redis_server.url
-    raw = redis.Redis.from_url(url)
-    raw.flushall()
-    extra = {"host_budget": "64MiB", "ladder": "bf16", "remote_url": url}
-    producer = make_engine(vllm_model_dir, **extra)
+    server = local_redis()
     try:
-        want = generate(producer, prompts)
-    finally:
-        close(producer)
-    assert raw.dbsize() >= sum(len(p) // BLOCK for p in prompts)
+        raw = redis.Redis.from_url(server.url)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                PRODUCER,
+                str(vllm_model_dir),
+                server.url,
+                str(Path(__file__).parent),
+            ],
+            input=json.dumps(prompts),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        want = json.loads(done.stdout.strip().splitlines()[-1])
+        assert raw.dbsize() >= sum(len(p) // BLOCK for p in prompts)
 
-    consumer = make_engine(vllm_model_dir, **extra)
-    try:
-        got = generate(consumer, prompts[:2])
-        stats = connector(consumer).get_compression_stats()["connector"]
-        assert stats["loaded_blocks"] == sum(loadable_blocks(p) for p in prompts[:2])
-        assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want[:2]]
-        # Flip one byte in the middle of every value on the server.
-        for key in raw.scan_iter():
-            value = bytearray(raw.get(key) or b"")
-            if value:
+        consumer = make_engine(
+            vllm_model_dir,
+            role="kv_consumer",
+            host_budget="64MiB",
+            ladder="bf16",
+            remote_url=server.url,
+        )
+        try:
+            conn = connector(consumer)
+            got = generate(consumer, prompts[:2])
+            stats = dict(conn.get_compression_stats()["connector"])
+            assert stats["loaded_blocks"] == sum(loadable_blocks(p) for p in prompts[:2])
+            assert stats["saved_blocks"] == 0  # a consumer only loads
+            assert [list(o.token_ids) for o in got] == want[:2]
+            # Flip one byte in the middle of every value on the server.
+            for key in raw.scan_iter():
+                value = bytearray(raw.get(key) or b"")
                 value[len(value) // 2] ^= 0xFF
                 raw.set(key, bytes(value), keepttl=True)
-        got = generate(consumer, prompts[2:])
-        after = connector(consumer).get_compression_stats()["connector"]
-        assert after["loaded_blocks"] == stats["loaded_blocks"]  # nothing more was loaded
-        assert after["load_errors"] > stats["load_errors"]  # found, refused, recomputed
-        assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want[2:]]
+            got = generate(consumer, prompts[2:3])
+            after = dict(conn.get_compression_stats()["connector"])
+            assert after["loaded_blocks"] == stats["loaded_blocks"]  # nothing more was loaded
+            assert after["load_errors"] > stats["load_errors"]  # found, refused, recomputed
+            assert [list(o.token_ids) for o in got] == want[2:3]
+            server.kill()
+            t = time.monotonic()
+            got = generate(consumer, prompts[3:])
+            assert time.monotonic() - t < 120
+            assert [list(o.token_ids) for o in got] == want[3:]
+            assert (
+                conn.get_compression_stats()["connector"]["loaded_blocks"] == after["loaded_blocks"]
+            )
+        finally:
+            close(consumer)
     finally:
-        close(consumer)
+        server.stop()
+
+
+def test_blocks_offloaded_to_disk_load_back_exactly_and_a_deleted_file_is_recomputed(
+    vllm_model_dir: Any, prompts: list[list[int]], tmp_path: Any
+) -> None:
+    """A host tier of a few blocks, a disk tier behind it: the core offloads cold blocks to the
+    directory, a second pass loads them from there exactly; files deleted behind the manager's
+    back are load errors, recomputed."""
+    llm = make_engine(
+        vllm_model_dir,
+        host_budget="5MiB",
+        ladder="bf16",
+        disk_budget="64MiB",
+        disk_path=str(tmp_path),
+    )
+    try:
+        conn = connector(llm)
+        want = generate(llm, prompts)
+        pools = {(p.tier, p.level): p.blocks for p in conn.tiers.manager.stats().pools}
+        assert pools.get(("disk", 0), 0) > 0, pools
+        llm.reset_prefix_cache()
+        got = generate(llm, prompts)
+        stats = dict(conn.get_compression_stats()["connector"])
+        assert stats["load_errors"] == 0 and stats["loaded_blocks"] > 0
+        assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
+        files = [f for f in tmp_path.rglob("*") if f.is_file()]
+        assert files
+        for f in files:
+            f.unlink()
+        llm.reset_prefix_cache()
+        got = generate(llm, prompts)
+        after = conn.get_compression_stats()["connector"]
+        assert after["load_errors"] > 0
+        assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
+    finally:
+        close(llm)

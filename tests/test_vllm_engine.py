@@ -36,6 +36,7 @@ DTYPE = "float32"
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process: no EngineCore or worker processes
     "VLLM_HOST_IP": "127.0.0.1",  # otherwise vLLM binds to the machine's external interface
+    "GLOO_SOCKET_IFNAME": "lo",  # torch.distributed's gloo listeners too (else: the hostname's)
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV pool; unset, vLLM sizes it from free memory
 }

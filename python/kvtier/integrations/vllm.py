@@ -272,7 +272,9 @@ class KVTierConnector(KVConnectorBase_V1):
             for c in caches
         }
         if len(layouts) != 1:
-            raise ConfigError(f"KVTierConnector: layers differ in layout: {sorted(x.name for x in layouts)}")
+            raise ConfigError(
+                f"KVTierConnector: layers differ in layout: {sorted(x.name for x in layouts)}"
+            )
         layout = layouts.pop()
         manager = BlockManager(
             self.config.replace(namespace=f"{self._namespace}/{layout.name}"),
