@@ -27,16 +27,18 @@ saved blocks loads them into the blocks vLLM allocated for it instead of recompu
 - **Importance**: key magnitude at save time and access frequency from hits; vLLM exposes no
   attention weights to connectors, so that signal's weight is renormalised away.
 
+The tiers live with the worker; the scheduler asks them how much of a prompt they hold, directly
+when both share a process, else over the worker's Unix socket (:mod:`.worker_link`).
+
 Supported: decoder-only models with full attention in one KV-cache group, tensor and pipeline
-parallel size 1, the scheduler and the worker in one process (vLLM's default single-device
-executor). Refused with a clear error: hybrid and sliding-window models, MLA, several workers.
+parallel size 1. Refused with a clear error: hybrid and sliding-window models, MLA, several
+workers.
 Requests with a ``cache_salt`` are neither saved nor loaded (their keys would need the salt).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 from ..config import KvtierConfig, parse_bytes
 from ..errors import ConfigError, KvtierError, require
 from ..manager import BlockManager
-from .paged import PagedLayout, layout_for_backend, load_blocks, save_blocks
+from .paged import layout_for_backend, load_blocks, save_blocks
+from .worker_link import Counters, Link, WorkerTiers, forget, link_to_worker, serve
 
 require("vllm", "vllm", purpose="kvtier.integrations.vllm plugs into vLLM")
 import torch  # noqa: E402  (vLLM brings torch)
@@ -52,6 +55,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 
 if TYPE_CHECKING:
@@ -65,7 +72,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.vllm")
 
-__all__ = ["KVTierConnector", "KVTierMetadata", "connector_config"]
+__all__ = ["KVTierConnector", "KVTierMetadata", "KVTierStats", "connector_config"]
 
 #: The host tier's budget when the extra config names none.
 DEFAULT_HOST_BUDGET = "2GiB"
@@ -120,13 +127,12 @@ def connector_config(
 
 @dataclass
 class LoadSpec:
-    """Copy the blocks of sequence ``seq`` (a manager sequence pinning them) from token
-    ``start`` up to ``end`` into vLLM blocks ``block_ids`` (one per ``block_size`` tokens)."""
+    """Copy the K/V of ``tokens[start:]`` (whole blocks, which the tiers held at lookup) into
+    vLLM blocks ``block_ids`` (one per ``block_size`` tokens)."""
 
     req_id: str
-    seq: int | None
+    tokens: list[int]
     start: int
-    end: int
     block_ids: list[int]
 
 
@@ -156,26 +162,62 @@ class _Request:
 
 
 @dataclass
-class _Counters:
-    lookups: int = 0
-    hit_tokens: int = 0
-    loaded_blocks: int = 0
-    load_errors: int = 0
-    saved_blocks: int = 0
-    save_failures: int = 0
+class KVTierStats(KVConnectorStats):
+    """The connector's counters over an interval (``Counters`` fields), for vLLM's logs
+    ("KV Transfer metrics: ...") and its Prometheus endpoint (``vllm:kvtier_*_total``)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"kvtier_{name}": value for name, value in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
-# Worker-side state, found by the scheduler of the same engine in the same process.
-_ENGINES: dict[str, _Tiers] = {}
-_ENGINES_LOCK = threading.Lock()
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per connector counter, per engine."""
 
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        helps = {
+            "lookups": "Prompts looked up in kvtier's tiers.",
+            "hit_tokens": "Prompt tokens kvtier's tiers could load.",
+            "loaded_blocks": "Blocks loaded from kvtier's tiers into vLLM's.",
+            "load_errors": "Blocks kvtier could not give back (recomputed by vLLM).",
+            "saved_blocks": "Blocks saved into kvtier's tiers.",
+            "save_failures": "Saves kvtier's tiers refused (a later miss).",
+        }
+        self.counters = {
+            name: {
+                engine: counter.labels(*values)
+                for engine, values in per_engine_labelvalues.items()
+                for counter in [
+                    self._counter_cls(
+                        name=f"vllm:kvtier_{name}", documentation=doc, labelnames=labelnames
+                    )
+                ]
+            }
+            for name, doc in helps.items()
+        }
 
-@dataclass
-class _Tiers:
-    manager: BlockManager
-    layout: PagedLayout
-    caches: list[torch.Tensor]
-    counters: _Counters = field(default_factory=_Counters)
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in self.counters and value:
+                counter: Any = self.counters[name][engine_idx]
+                counter.inc(value)
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -214,41 +256,69 @@ class KVTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (vLLM's own hit, end of ours)
         self._loads: list[LoadSpec] = []
+        self._link: Link | None = None
+        self._counters = Counters()  # the scheduler's: lookups and hits
+        self._reported: dict[str, int] = {}  # counters as last handed to vLLM's stats
         # worker side
-        self._tiers: _Tiers | None = None
+        self._tiers: WorkerTiers | None = None
+        self._listener: Any = None
         self._failed_blocks: set[int] = set()
 
     # -- shared ----------------------------------------------------------------------------------
 
     @property
-    def tiers(self) -> _Tiers:
-        """The engine's manager, layout and caches (the worker's, also seen by its scheduler)."""
+    def tiers(self) -> WorkerTiers:
+        """The worker's manager, layout and caches (worker side only)."""
         if self._tiers is None:
-            with _ENGINES_LOCK:
-                tiers = _ENGINES.get(self._engine)
-            if tiers is None:
-                raise KvtierError(
-                    "KVTierConnector: the worker has not registered its KV caches in this "
-                    "process; the connector needs the scheduler and its worker in one process "
-                    "(vLLM's single-device executor)"
-                )
-            self._tiers = tiers
+            raise KvtierError("KVTierConnector: no KV caches registered (worker side only)")
         return self._tiers
+
+    @property
+    def link(self) -> Link:
+        """The worker's tiers as the scheduler sees them: directly in one process, else over
+        the worker's socket."""
+        if self._link is None:
+            self._link = link_to_worker(self._engine)
+        return self._link
 
     def get_compression_stats(self) -> dict[str, Any]:
         """The tiers' figures (``memory_saved_mb``, ``avg_compression_ratio``, bytes per tier
-        and level: the manager's ``device`` tier is this connector's host tier) and the
-        connector's own counters (lookups, hit tokens, loaded and saved blocks, load errors)."""
-        tiers = self.tiers
-        stats = tiers.manager.get_compression_stats()
-        stats["connector"] = dict(vars(tiers.counters))
+        and level: the manager's ``device`` tier is this connector's host tier) and, under
+        ``connector``, what the connector did (lookups and hit tokens: the scheduler's; loaded
+        and saved blocks, load errors: the worker's). On the scheduler side it asks the worker."""
+        stats = self._tiers.stats() if self._tiers is not None else self.link.stats()
+        counters = stats.pop("worker")
+        if self.role == KVConnectorRole.SCHEDULER:
+            mine = self._counters.as_dict()
+            counters = {k: v + mine[k] for k, v in counters.items()}
+        stats["connector"] = counters
         return stats
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's counters since the last call (vLLM adds the two sides up)."""
+        counters = (self._tiers.counters if self._tiers is not None else self._counters).as_dict()
+        delta = {k: v - self._reported.get(k, 0) for k, v in counters.items()}
+        self._reported = counters
+        return KVTierStats(data=delta) if any(delta.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVTierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
-        if self._tiers is not None and self.role == KVConnectorRole.WORKER:
-            with _ENGINES_LOCK:
-                if _ENGINES.get(self._engine) is self._tiers:
-                    del _ENGINES[self._engine]
+        if self._tiers is not None:
+            forget(self._engine, self._tiers, self._listener)
+            self._listener = None
             self._tiers.manager.close()
 
     # -- worker side -----------------------------------------------------------------------------
@@ -284,9 +354,8 @@ class KVTierConnector(KVConnectorBase_V1):
             dtype=caches[0].dtype,
             device="cpu",
         )
-        self._tiers = _Tiers(manager, layout, caches)
-        with _ENGINES_LOCK:
-            _ENGINES[self._engine] = self._tiers
+        self._tiers = WorkerTiers(manager, layout, caches)
+        self._listener = serve(self._engine, self._tiers)
         log.info(
             "kvtier: %d layers, layout %s, tiers %s, ladder %s",
             len(caches),
@@ -306,30 +375,34 @@ class KVTierConnector(KVConnectorBase_V1):
             self._load(load)
 
     def _load(self, load: LoadSpec) -> None:
+        """Writes what the tiers give back; the rest goes to vLLM as load errors."""
         tiers = self.tiers
         manager = tiers.manager
         ok = 0  # blocks of load.block_ids written
-        if load.seq is None:
-            self._failed(load, ok)
-            return
         try:
-            ok = load_blocks(
-                manager, tiers.layout, tiers.caches, load.seq, load.start, load.end, load.block_ids
-            )
-        except KvtierError as exc:  # a block lost in the tiers: vLLM recomputes them all
+            seq = manager.add_sequence(load.tokens)
+        except KvtierError as exc:
             log.warning("kvtier: load of request %s failed (%s); recomputing", load.req_id, exc)
-            ok = 0
-        finally:
-            manager.free(load.seq)
-        self._failed(load, ok)
-
-    def _failed(self, load: LoadSpec, ok: int) -> None:
-        """Counts the ``ok`` blocks loaded and reports the rest for vLLM to recompute."""
+        else:
+            try:
+                ok = load_blocks(
+                    manager,
+                    tiers.layout,
+                    tiers.caches,
+                    seq,
+                    load.start,
+                    len(load.tokens),
+                    load.block_ids,
+                )
+            except KvtierError as exc:  # a block lost in the tiers: vLLM recomputes them all
+                log.warning("kvtier: load of request %s failed (%s); recomputing", load.req_id, exc)
+                ok = 0
+            finally:
+                manager.free(seq)
         failed = load.block_ids[ok:]
         self._failed_blocks.update(failed)
-        counters = self.tiers.counters
-        counters.loaded_blocks += ok
-        counters.load_errors += len(failed)
+        tiers.counters.loaded_blocks += ok
+        tiers.counters.load_errors += len(failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -387,11 +460,11 @@ class KVTierConnector(KVConnectorBase_V1):
         tokens = list(request.prompt_token_ids or [])
         # vLLM computes at least the prompt's last token itself.
         try:
-            hit = self.tiers.manager.lookup(tokens[: len(tokens) - 1])
+            hit = self.link.lookup(tokens[: len(tokens) - 1])
         except KvtierError as exc:
             log.warning("kvtier: lookup failed (%s); a miss", exc)
             return 0, False
-        counters = self.tiers.counters
+        counters = self._counters
         counters.lookups += 1
         if hit <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
@@ -410,14 +483,9 @@ class KVTierConnector(KVConnectorBase_V1):
         end = min(end, start + num_external_tokens)
         bs = self._block_size
         block_ids = list(blocks.get_block_ids()[0])[start // bs : end // bs]
-        # The sequence pins the blocks until the worker has copied them; without one (the
-        # tiers could not take the prompt) every block is a load error, recomputed.
-        seq = None
-        try:
-            seq = self.tiers.manager.add_sequence(list(request.prompt_token_ids or [])[:end])
-        except KvtierError as exc:
-            log.warning("kvtier: could not pin request %s's blocks (%s)", request.request_id, exc)
-        self._loads.append(LoadSpec(request.request_id, seq, start, end, block_ids))
+        # The worker loads before it saves anything this step: what the lookup found is there.
+        tokens = list(request.prompt_token_ids or [])[:end]
+        self._loads.append(LoadSpec(request.request_id, tokens, start, block_ids))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVTierMetadata(loads=self._loads)
