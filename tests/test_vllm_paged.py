@@ -144,6 +144,21 @@ def test_a_saved_prefix_is_not_written_twice() -> None:
     assert save_blocks(bm, layout, caches, again, [0, 1, 2]) == 1
 
 
+def test_gather_blocks_is_gather_in_the_stored_form() -> None:
+    bm = manager("bf16,int8,int4")
+    layout, caches, _ = caches_for("cpu", 3, [0, 1, 2], seed=8)
+    seq = bm.add_sequence(list(range(3 * N)))
+    save_blocks(bm, layout, caches, seq, [0, 1, 2])
+    bm.append(seq, 0, *per_token_kv(1, 9)[:, :5])  # a partial last block at layer 0
+    bm.step()  # some blocks at int8 / int4: both decode them alike
+    for layer in range(LAYERS):
+        k, v = bm.gather(seq, layer)
+        blocks = bm.gather_blocks(seq, layer)
+        assert blocks.shape == (3 + (layer == 0), 2, H, N, D)
+        tokens = blocks.permute(1, 0, 3, 2, 4).reshape(2, -1, H, D)[:, : len(k)]
+        assert torch.equal(tokens[0], k) and torch.equal(tokens[1], v)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["flash-nhd", "flash-hnd"])
 @pytest.mark.parametrize("ladder", ["bf16", "bf16,int8,int4"])

@@ -643,6 +643,20 @@ class BlockManager:
         """K and V of every token of ``seq`` at ``layer``, ``[num_tokens, num_kv_heads,
         head_dim]`` each, decoded to the model dtype, contiguous, on the device. Counts a read
         of each block for the scheduler."""
+        tokens, blocks = self._gather_blocks(seq, layer)
+        m, bs = blocks.shape[0], self.block_size
+        kv = blocks.permute(1, 0, 3, 2, 4).reshape(2, m * bs, *self.shape.dims[2:5:2])
+        # One block reshapes to a strided view, not a copy: contiguous as promised.
+        return kv[0, :tokens].contiguous(), kv[1, :tokens].contiguous()
+
+    def gather_blocks(self, seq: int, layer: int) -> torch.Tensor:
+        """The blocks of ``seq`` at ``layer`` as stored, decoded to the model dtype, on the
+        device: ``[num_blocks, 2, num_kv_heads, block_size, head_dim]`` (K then V), the last
+        block possibly partial (its rows past :meth:`num_tokens` undefined). For engines whose
+        own cache is paged: no token-major copy on the way. Counts a read of each block."""
+        return self._gather_blocks(seq, layer)[1]
+
+    def _gather_blocks(self, seq: int, layer: int) -> tuple[int, torch.Tensor]:
         torch = torch_module()
         layer = self._layer(layer)
         bs = self.block_size
@@ -670,9 +684,7 @@ class BlockManager:
                 out.index_copy_(0, rows, part)
             if m:
                 self.core.record_reads(blocks)
-        kv = out.permute(1, 0, 3, 2, 4).reshape(2, m * bs, *self.shape.dims[2:5:2])
-        # One block reshapes to a strided view, not a copy: contiguous as promised.
-        return kv[0, :tokens].contiguous(), kv[1, :tokens].contiguous()
+        return tokens, out
 
     # -- signals --------------------------------------------------------------------------------
 

@@ -83,6 +83,20 @@ class PagedLayout:
         )
         return kv.reshape(2, -1, self.num_kv_heads, self.head_dim)
 
+    def write_blocks(
+        self, cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor
+    ) -> None:
+        """Writes whole blocks in kvtier's form, ``[len(block_ids), 2, H, N, D]`` (what
+        :meth:`~kvtier.BlockManager.gather_blocks` returns), into ``cache``: one copy."""
+        want = (len(block_ids), 2, self.num_kv_heads, self.block_size, self.head_dim)
+        if tuple(blocks.shape) != want:
+            raise InvalidArgumentError(
+                f"blocks: expected shape {list(want)}, got {list(blocks.shape)}"
+            )
+        # -> [blocks, H, 2, N, D] (rows) or [blocks, H, N, 2, D] (channels)
+        order = (0, 2, 1, 3, 4) if self.split == "rows" else (0, 2, 3, 1, 4)
+        self._blocks(cache).index_copy_(0, block_ids, blocks.permute(order).to(cache.dtype))
+
     def write(self, cache: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
         """Writes ``kv`` (``[2, len(block_ids) * N, H, D]``, the form :meth:`read` returns) into
         whole blocks of ``cache``."""
@@ -171,14 +185,18 @@ def load_blocks(
     may have been written: the caller recomputes them all)."""
     torch = torch_module()
     bs = layout.block_size
+    if start % bs:
+        raise InvalidArgumentError(
+            f"start: expected a multiple of the block size {bs}, got {start}"
+        )
     have = min(manager.num_tokens(seq, len(caches) - 1), end)
     ok = min(len(block_ids), max(0, (have - start) // bs))
     if not ok:
         return 0
     device = caches[0].device
     ids = torch.tensor(list(block_ids[:ok]), dtype=torch.int64, device=device)
+    first = start // bs
     for layer, cache in enumerate(caches):
-        k, v = manager.gather(seq, layer)
-        kv = torch.stack((k[start : start + ok * bs], v[start : start + ok * bs]))
-        layout.write(cache, ids, kv.to(device, non_blocking=True))
+        blocks = manager.gather_blocks(seq, layer)[first : first + ok]
+        layout.write_blocks(cache, ids, blocks.to(device, non_blocking=True))
     return ok
