@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -104,3 +105,119 @@ def test_bench_share_quick_prints_figures_beside_baselines() -> None:
     assert take["add_sequence_ms"] > 0 and take["ratio_vs_baseline"] > 0
     assert publish["step_ms"] > 0 and publish["step_ms_without_sharing"] >= 0
     assert result["append_prompt_ms"] > 0 and result["redis"]["version"]
+
+
+# `kvtier bench vllm` drives real vLLM engines (minutes even with --quick on a CPU), so its run is
+# left to the benchmark; its workload and its command line are tested here.
+
+
+def _trace(requests: list[list[int]]) -> Any:
+    import numpy as np
+
+    from kvtier.traces import Trace
+
+    n = len(requests)
+    return Trace(
+        timestamps_ms=np.arange(n, dtype=np.float64),
+        input_lengths=np.array([512 * len(r) for r in requests]),
+        output_lengths=np.ones(n, dtype=np.int64),
+        hash_offsets=np.cumsum([0] + [len(r) for r in requests]),
+        hash_ids=np.array([h for r in requests for h in r], dtype=np.uint64),
+    )
+
+
+def test_bench_vllm_conversations_follow_shared_prefixes_beyond_the_first_block() -> None:
+    from kvtier.bench.vllm import conversations
+
+    trace = _trace([[0, 1, 2], [0, 5], [0, 1, 2, 3], [0, 5, 6], [0, 7], [0, 1, 2, 3, 4]])
+    # Every request shares block 0 (the system prompt): that alone makes no conversation.
+    assert conversations(trace) == {0: [0, 2, 5], 1: [1, 3], 4: [4]}
+    assert conversations(trace, min_shared=1) == {0: [0, 1, 2, 3, 4, 5]}
+
+
+def test_bench_vllm_scales_trace_blocks_to_a_few_tokens() -> None:
+    from kvtier.bench.vllm import scaled_length
+
+    assert scaled_length(512 * 4, 4, 16) == 64
+    assert scaled_length(512 * 3 + 256, 4, 16) == 56  # the partial last block in proportion
+    assert scaled_length(512 * 3 + 1, 4, 16) == 49  # ... and at least one token
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_bench_vllm_workload_keeps_the_bundled_traces_conversations(quick: bool) -> None:
+    from kvtier.bench.vllm import (
+        BLOCK,
+        FULL,
+        MIN_SHARED,
+        QUICK,
+        build_workload,
+        corpus_tokens_used,
+        distinct_blocks,
+        max_model_len,
+        scaled_length,
+    )
+    from kvtier.traces import bundled_trace_path, load_trace
+
+    s = QUICK if quick else FULL
+    per = s.tokens_per_trace_block
+    trace = load_trace(bundled_trace_path())
+    corpus = list(range(1, 100_001))  # every token differs: equal tokens mean the same block
+    turns = build_workload(
+        trace,
+        corpus,
+        tokens_per_trace_block=per,
+        max_prompt=s.max_prompt,
+        prompt_tokens=s.prompt_tokens,
+        max_turns=s.max_turns,
+    )
+    assert [t.index for t in turns] == sorted({t.index for t in turns}), "trace order, once each"
+    assert sum(len(t.tokens) for t in turns) <= s.prompt_tokens
+    assert max(len(t.tokens) for t in turns) + s.output_tokens <= max_model_len(s)
+    # vLLM's pool holds one request of the engine's context (plus its null block)
+    assert max_model_len(s) // BLOCK < s.vllm_blocks
+    conversations: dict[int, list[Any]] = {}
+    for t in turns:
+        conversations.setdefault(t.conversation, []).append(t)
+        lengths = scaled_length(int(trace.input_lengths[t.index]), len(t.hash_ids), per)
+        assert len(t.tokens) == lengths
+    assert len(conversations) >= 2, "several conversations, interleaved"
+    for conv in conversations.values():
+        assert [t.turn for t in conv] == list(range(len(conv)))
+        assert 2 <= len(conv) <= s.max_turns
+        for later in conv[1:]:
+            # a turn continues an earlier one of its conversation: same blocks, same text
+            earlier = [e for e in conv if e.index < later.index]
+            assert max(_common_prefix(e.hash_ids, later.hash_ids) for e in earlier) >= MIN_SHARED
+            for e in earlier:
+                blocks = _common_prefix(e.hash_ids, later.hash_ids)
+                tokens = min(blocks * per, len(e.tokens), len(later.tokens))
+                assert _common_prefix(e.tokens, later.tokens) >= tokens
+    # different blocks are different text
+    chunks = {
+        h: t.tokens[i * per : (i + 1) * per] for t in turns for i, h in enumerate(t.hash_ids[:-1])
+    }
+    assert len(set(chunks.values())) == len(chunks)
+    used = corpus_tokens_used(turns, per)
+    assert used == len({h for t in turns for h in t.hash_ids}) * per
+    assert max(max(t.tokens) for t in turns) <= used
+    if not quick:
+        # more to reuse than vLLM's own pool holds, and more than the host budget at bf16
+        assert distinct_blocks(turns) > s.host_blocks > s.vllm_blocks
+
+
+def test_bench_vllm_is_a_bench_suite() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtier", "bench", "vllm", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert "--quick" in out and "--json" in out and "--host-blocks" in out

@@ -319,7 +319,7 @@ def test_loads_from_int8_and_int4_levels_stay_close_to_recompute(vllm_model_dir:
         print(
             f"levels {levels}; greedy agreement {agreement:.3f}, mean |dlogprob| {mean_delta:.4f}"
         )
-        assert agreement >= 0.7
-        assert mean_delta <= 0.25
+        assert agreement >= 0.9  # measured 0.994 (2026-11-26)
+        assert mean_delta <= 0.1  # measured 0.031
     finally:
         close(llm)

@@ -259,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a benchmark; figures are printed, never judged pass/fail.",
     )
     bench.add_argument(
-        "suite", choices=("core", "codecs", "manager", "stores", "share"), help="which benchmark"
+        "suite",
+        choices=("core", "codecs", "manager", "stores", "share", "vllm"),
+        help="which benchmark",
     )
     bench.add_argument(
         "options",
