@@ -58,17 +58,16 @@ def make_engine(
         kv_role=role,
         kv_connector_extra_config=extra,
     )
-    return LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        max_model_len=1024,
-        block_size=BLOCK,
-        enforce_eager=True,
-        disable_log_stats=False,
-        seed=0,
-        kv_transfer_config=transfer,
-        **(engine or {}),
-    )
+    args: dict[str, Any] = {
+        "dtype": "bfloat16",
+        "max_model_len": 1024,
+        "block_size": BLOCK,
+        "enforce_eager": True,
+        "disable_log_stats": False,
+        "seed": 0,
+        "kv_transfer_config": transfer,
+    }
+    return LLM(model=str(model_dir), **{**args, **(engine or {})})
 
 
 def close(llm: Any) -> None:
@@ -80,10 +79,10 @@ def close(llm: Any) -> None:
     cleanup_dist_env_and_memory()
 
 
-def generate(llm: Any, prompts: list[list[int]]) -> list[Any]:
+def generate(llm: Any, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[Any]:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0] for o in outs]
 
@@ -323,3 +322,36 @@ def test_loads_from_int8_and_int4_levels_stay_close_to_recompute(vllm_model_dir:
         assert mean_delta <= 0.1  # measured 0.031
     finally:
         close(llm)
+
+
+def test_preempted_requests_resume_from_kvtier_with_the_tokens_of_a_plain_engine(
+    vllm_model_dir: Any, prompts: list[list[int]]
+) -> None:
+    """vLLM's pool too small for every request at once: it preempts some, frees their blocks
+    and resumes them later, when the connector is asked again and loads their prompts from the
+    tiers into new blocks. The tokens equal those of an engine without the connector."""
+    from vllm import LLM
+
+    # Four requests of 3 to 6 blocks growing by 48 tokens: 22 blocks, in a pool of 20.
+    small = {"num_gpu_blocks_override": 20, "max_model_len": 512}
+    llm = make_engine(vllm_model_dir, engine=small, host_budget="64MiB", ladder="bf16")
+    try:
+        got = generate(llm, prompts, max_new=48)
+        assert counter(llm, "vllm:num_preemptions") > 0
+        stats = connector(llm).get_compression_stats()["connector"]
+        assert stats["load_errors"] == 0
+    finally:
+        close(llm)
+    plain = LLM(
+        model=str(vllm_model_dir),
+        dtype="bfloat16",
+        max_model_len=512,
+        block_size=BLOCK,
+        enforce_eager=True,
+        seed=0,
+    )
+    try:
+        want = generate(plain, prompts, max_new=48)
+    finally:
+        close(plain)
+    assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
