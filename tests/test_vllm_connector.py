@@ -355,3 +355,35 @@ def test_preempted_requests_resume_from_kvtier_with_the_tokens_of_a_plain_engine
     finally:
         close(plain)
     assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
+
+
+def test_a_finished_requests_answer_is_saved_and_the_next_turn_loads_it(
+    host_engine: Any, prompts: list[list[int]], vllm_model_dir: Any
+) -> None:
+    """When a request ends, the blocks it generated are saved too (vLLM keeps them until the
+    save is done): the next turn of the conversation, prompt + answer + a new message, loads
+    them from kvtier, and generates what vLLM's own prefix cache gives."""
+    from transformers import AutoTokenizer
+
+    from kvtier.eval.model import wikitext_ids
+
+    llm = host_engine
+    conn = connector(llm)
+    new_message = [int(t) for t in wikitext_ids(AutoTokenizer.from_pretrained(vllm_model_dir), 90)][
+        -20:
+    ]
+    first = generate(llm, prompts[:2], max_new=40)
+    before = dict(conn.get_compression_stats()["connector"])
+    turn2 = [p + list(o.token_ids) + new_message for p, o in zip(prompts, first, strict=False)]
+    # vLLM's own cache still holds turn 1: this pass is the reference. Its first step also runs
+    # the saves of turn 1's answers.
+    want = generate(llm, turn2)
+    saved = conn.get_compression_stats()["connector"]["saved_blocks"] - before["saved_blocks"]
+    answer_blocks = sum((len(p) + 39) // BLOCK - len(p) // BLOCK for p in prompts[:2])
+    assert saved >= answer_blocks > 0
+    llm.reset_prefix_cache()
+    loaded = conn.get_compression_stats()["connector"]["loaded_blocks"]
+    got = generate(llm, turn2)
+    after = conn.get_compression_stats()["connector"]
+    assert after["loaded_blocks"] - loaded == sum(loadable_blocks(p) for p in turn2)
+    assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]

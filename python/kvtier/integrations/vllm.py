@@ -150,6 +150,8 @@ class SaveSpec:
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: finished requests whose blocks vLLM keeps until their save is done (get_finished)
+    finishing: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -256,6 +258,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         self._hits: dict[str, tuple[int, int]] = {}  # req -> (vLLM's own hit, end of ours)
         self._loads: list[LoadSpec] = []
+        self._finish_saves: list[SaveSpec] = []
         self._link: Link | None = None
         self._counters = Counters()  # the scheduler's: lookups and hits
         self._reported: dict[str, int] = {}  # counters as last handed to vLLM's stats
@@ -263,6 +266,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._tiers: WorkerTiers | None = None
         self._listener: Any = None
         self._failed_blocks: set[int] = set()
+        self._saved_finished: set[str] = set()
 
     # -- shared ----------------------------------------------------------------------------------
 
@@ -423,6 +427,12 @@ class KVTierConnector(KVConnectorBase_V1):
             self._save(save)
         if meta.saves:
             self.tiers.manager.step()
+        self._saved_finished |= meta.finishing
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose last blocks are saved: vLLM may free their blocks now."""
+        done, self._saved_finished = self._saved_finished, set()
+        return done or None, None
 
     def _save(self, save: SaveSpec) -> None:
         """Saves what the tiers lack of the request's complete blocks so far: a sequence of
@@ -488,8 +498,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self._loads.append(LoadSpec(request.request_id, tokens, start, block_ids))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVTierMetadata(loads=self._loads)
-        self._loads = []
+        meta = KVTierMetadata(loads=self._loads, saves=self._finish_saves)
+        meta.finishing = {save.req_id for save in self._finish_saves}
+        self._loads, self._finish_saves = [], []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             if new.prompt_token_ids is None:
@@ -526,9 +537,22 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
+        """Saves the request's complete blocks beyond its prompt (what it generated: the next
+        turn of a conversation starts with them) in the next step, and keeps vLLM from freeing
+        them until then."""
+        req = self._requests.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
-        return False, None
+        if req is None or not self._saves_kv:
+            return False, None
+        tokens = list(request.all_token_ids)[: request.num_computed_tokens]
+        end = len(tokens) // self._block_size * self._block_size
+        if end <= req.saved or len(block_ids) < end // self._block_size:
+            return False, None
+        save = SaveSpec(
+            request.request_id, tokens[:end], list(block_ids[: end // self._block_size])
+        )
+        self._finish_saves.append(save)
+        return True, None
 
 
 # -- helpers -------------------------------------------------------------------------------------
