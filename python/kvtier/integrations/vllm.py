@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..config import KvtierConfig, parse_bytes
+from ..config import ENV_VARS, KvtierConfig, parse_bytes
 from ..errors import ConfigError, KvtierError, require
 from ..manager import BlockManager
 from .paged import layout_for_backend, load_blocks, save_blocks
@@ -78,6 +78,7 @@ __all__ = ["KVTierConnector", "KVTierMetadata", "KVTierStats", "connector_config
 DEFAULT_HOST_BUDGET = "2GiB"
 #: Keys of ``kv_connector_extra_config`` that are the connector's own, not KvtierConfig fields.
 CONNECTOR_KEYS = frozenset({"load_failure_policy"})
+_VARS = {var.field: var for var in ENV_VARS}
 #: KvtierConfig fields vLLM decides, not the user.
 VLLM_OWNED = {
     "block_size": "vLLM's block size (--block-size)",
@@ -97,11 +98,17 @@ def connector_config(
     for name, owner in VLLM_OWNED.items():
         if extra.get(name) is not None:
             raise ConfigError(f"kv_connector_extra_config: {name} is set by {owner}")
+    # A string value reads as its KVTIER_* variable would ("64GiB", "bf16,int8,int4",
+    # "0.5,0.2,0.3", "true"); JSON numbers, lists and booleans pass as they are.
     overrides: dict[str, Any] = {}
     for name, value in extra.items():
-        if isinstance(value, str) and name in ("ladder", "weights", "pool_shares"):
-            value = tuple(s.strip() for s in value.split(",") if s.strip())
-        if name in ("ladder", "weights", "pool_shares") and isinstance(value, list):
+        var = _VARS.get(name)
+        if isinstance(value, str) and var is not None:
+            try:
+                value = var.parse(value)
+            except (ValueError, ConfigError) as exc:
+                raise ConfigError(f"kv_connector_extra_config: {name}: {exc}") from None
+        elif isinstance(value, list):
             value = tuple(value)
         overrides[name] = value
     env = KvtierConfig.from_env(environ=environ, **overrides)

@@ -1,0 +1,53 @@
+"""``kv_connector_extra_config`` → the connector's KvtierConfig, without an engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier import ConfigError
+
+pytestmark = pytest.mark.vllm
+vllm_integration = pytest.importorskip("kvtier.integrations.vllm", exc_type=ImportError)
+connector_config = vllm_integration.connector_config
+
+
+def test_values_read_as_json_or_as_their_kvtier_variables_would() -> None:
+    cfg = connector_config(
+        {
+            "host_budget": "64MiB",
+            "ladder": "bf16,int8,int4",
+            "pool_shares": "0.5,0.05,0.45",
+            "weights": [0.5, 0.5, 0.0],
+            "enable_compression": "true",
+            "compression_ratio": 0.3,
+            "remote_url": "redis://127.0.0.1:1",
+        },
+        block_size=32,
+        environ={},
+    )
+    # The host budget is the manager's device tier: the manager lives in host memory.
+    assert cfg.device_budget == 64 << 20 and cfg.host_budget is None
+    assert cfg.ladder == ("bf16", "int8", "int4") and cfg.pool_shares == (0.5, 0.05, 0.45)
+    assert cfg.weights == (0.5, 0.5, 0.0) and cfg.enable_compression is True
+    assert cfg.block_size == 32
+    assert cfg.share_prefixes and cfg.remote_budget == 4 * (64 << 20)
+
+
+def test_defaults_and_the_original_variables() -> None:
+    cfg = connector_config({}, block_size=128, environ={"VLLM_KV_COMPRESSION_RATIO": "0.25"})
+    assert cfg.device_budget == 2 << 30 and cfg.compression_ratio == 0.25
+    assert not cfg.share_prefixes and cfg.remote_budget is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"block_size": 16}, "block_size is set by vLLM's block size"),
+        ({"device_budget": "1GiB"}, "device_budget is set by vLLM's own KV pool"),
+        ({"pool_shares": "a,b"}, "pool_shares: expected comma-separated fractions"),
+        ({"no_such_field": 1}, "unknown config field"),
+    ],
+)
+def test_bad_keys_and_values_are_refused_clearly(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        connector_config(extra, block_size=32, environ={})
