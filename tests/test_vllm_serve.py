@@ -60,6 +60,7 @@ def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
     env = {
         **os.environ,
         "VLLM_HOST_IP": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",
         "HF_HUB_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_SERVER_DEV_MODE": "1",  # for /reset_prefix_cache

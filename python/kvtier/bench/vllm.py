@@ -95,6 +95,7 @@ CONNECTORS = {
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_HOST_IP": "127.0.0.1",
+    "GLOO_SOCKET_IFNAME": "lo",  # torch.distributed's listeners on loopback too
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",
