@@ -406,6 +406,95 @@ def test_namespaces_never_share_hashes() -> None:
     assert len(set(flat)) == len(flat)
 
 
+#: ``prefix_hashes(range(32), 16, salt="tenant-a")`` in the default namespace: salted keys are
+#: a key format too.
+FIXED_SALTED = [0x37B1C97212A83883, 0x3D258908B3EF8364]
+
+
+def test_salted_prefix_hashes_are_fixed_values_and_none_is_no_salt() -> None:
+    tokens = np.arange(32, dtype=U32)
+    assert kvtier.prefix_hashes(tokens, 16, salt="tenant-a").tolist() == FIXED_SALTED
+    assert kvtier.prefix_hashes(tokens, 16, "default", None).tolist() == FIXED
+    assert pymodel.prefix_hashes(list(range(32)), 16, salt="tenant-a") == FIXED_SALTED
+    assert pymodel.prefix_hashes(list(range(32)), 16, salt=None) == FIXED
+    # The chain goes on from the salted seed, as from the namespace seed.
+    seed = pymodel.salted_seed(DEFAULT_SEED, "tenant-a")
+    assert FIXED_SALTED[0] == pymodel.chain_hash(seed, list(range(16)))
+
+
+@pytest.mark.parametrize("salt", ["a", "ab", "abc", "abcd", "tenant-a", "é" * 3, "x" * 300])
+def test_salted_prefix_hashes_are_published_xxh3(salt: str) -> None:
+    """Every length class of the salted seed's input (1..3, 4..8, ..., > 240 bytes), against the
+    plain-Python transcription of XXH3."""
+    tokens = np.random.default_rng(len(salt)).integers(0, 2**32, 48, dtype=U32)
+    for ns in ["default", "tenant-ns"]:
+        want = pymodel.prefix_hashes(tokens.tolist(), 16, ns, salt=salt)
+        assert kvtier.prefix_hashes(tokens, 16, ns, salt=salt).tolist() == want
+
+
+def test_salts_never_share_hashes() -> None:
+    """Salts against each other, against no salt, across namespaces, and against a chain whose
+    first block spells the salt: all distinct."""
+    tokens = np.arange(64, dtype=U32)
+    chains = [
+        kvtier.prefix_hashes(tokens, 16, namespace=ns, salt=salt).tolist()
+        for ns in ["default", "tenant-a"]
+        for salt in [None, "tenant-a", "tenant-b", "default", "a", "abcd"]
+    ]
+    # "abcd" as one token id: a salt's seed is never that block's hash.
+    spelled = np.frombuffer(b"abcd", dtype="<u4").astype(U32)
+    chains.append(kvtier.prefix_hashes(np.concatenate([spelled, tokens]), 1).tolist())
+    flat = [h for chain in chains for h in chain]
+    assert len(set(flat)) == len(flat)
+    assert pymodel.salted_seed(DEFAULT_SEED, "abcd") != pymodel.chain_hash(
+        DEFAULT_SEED, spelled.tolist()
+    )
+
+
+@pytest.mark.parametrize("bad", ["", 7, b"tenant-a", ["a"]])
+def test_a_salt_must_be_a_non_empty_str(bad: Any) -> None:
+    core = kvtier.Core([64], block_size=16)
+    model = pymodel.ModelCore([64], block_size=16)
+    tokens = np.arange(32, dtype=U32)
+    for call in [
+        lambda: core.add_sequence(bad),
+        lambda: core.add_sequence(salt=bad),
+        lambda: core.lookup_tokens(tokens, bad),
+        lambda: kvtier.prefix_hashes(tokens, 16, salt=bad),
+        lambda: model.add_sequence(bad),
+        lambda: model.lookup_tokens(tokens.tolist(), bad),
+        lambda: pymodel.prefix_hashes(tokens.tolist(), 16, salt=bad),
+    ]:
+        with pytest.raises(kvtier.InvalidArgumentError, match="invalid salt: expected a non-empty"):
+            call()
+    assert core.sequences() == [] and model.sequences() == []
+
+
+def test_salted_sequences_share_within_their_salt_only() -> None:
+    core = kvtier.Core([64], block_size=16, namespace="tenants")
+    tokens = np.arange(1000, 1040, dtype=U32)  # 2 full blocks and a partial one
+    seqs = {salt: core.add_sequence(salt) for salt in [None, "tenant-a", "tenant-b"]}
+    for salt, seq in seqs.items():
+        got, shared = core.append_tokens(seq, tokens)
+        assert not shared.any(), salt
+        hashes = kvtier.prefix_hashes(tokens, 16, namespace="tenants", salt=salt)
+        assert core.block_info(got)["hash"].tolist() == [*hashes.tolist(), 0]
+        assert core.lookup_tokens(tokens, salt).tolist() == got.tolist()[:2]
+        assert core.lookup_tokens(tokens, salt=salt).tolist() == got.tolist()[:2]
+    assert core.lookup_tokens(tokens).tolist() == core.sequence_blocks(seqs[None]).tolist()[:2]
+    assert core.lookup_tokens(tokens, "tenant-c").tolist() == []
+    again = core.add_sequence(salt="tenant-b")
+    got, shared = core.append_tokens(again, tokens[:32])
+    assert shared.tolist() == [True, True]
+    assert got.tolist() == core.sequence_blocks(seqs["tenant-b"]).tolist()[:2]
+    # A fork keeps the salt: its next block is indexed in the salted chain.
+    child, _ = core.fork(again)
+    core.append_tokens(child, tokens[:16])
+    longer = np.concatenate([tokens[:32], tokens[:16]])
+    assert len(core.lookup_tokens(longer, "tenant-b")) == 3
+    assert len(core.lookup_tokens(longer)) == 2
+
+
 def test_prefix_hashes_refuse_a_zero_block_size() -> None:
     with pytest.raises(kvtier.InvalidArgumentError, match="block_size"):
         kvtier.prefix_hashes(np.arange(4, dtype=U32), 0)

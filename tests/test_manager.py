@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import kvtier  # noqa: E402
 from kvtier import (  # noqa: E402
     BlockLostError,
     BlockManager,
@@ -211,6 +212,52 @@ def test_a_cached_prefix_is_shared_and_not_written_again() -> None:
     for layer in range(LAYERS):
         k, _ = bm.gather(b, layer)
         assert torch.equal(k, x[layer, 0, : 3 * BS + 4])
+
+
+def test_a_salted_prefix_is_shared_within_its_salt_only() -> None:
+    bm = manager(enable_compression=False)
+    ids = np.arange(3 * BS + 5) + 500
+    x = {salt: kv(3 * BS + 5, seed=i) for i, salt in enumerate([None, "tenant-a", "tenant-b"])}
+    seqs = {}
+    for salt, kvs in x.items():
+        seqs[salt] = bm.add_sequence(ids, salt=salt)
+        assert bm.num_tokens(seqs[salt]) == 0, f"{salt} found another salt's blocks"
+        append_all(bm, seqs[salt], kvs)
+    blocks = {salt: set(bm.core.sequence_blocks(s).tolist()) for salt, s in seqs.items()}
+    assert not (blocks[None] & blocks["tenant-a"] or blocks[None] & blocks["tenant-b"])
+    assert not blocks["tenant-a"] & blocks["tenant-b"]
+    for salt in x:
+        assert bm.lookup(ids, salt=salt) == 3 * BS
+    assert bm.lookup(ids) == 3 * BS and bm.lookup(ids, salt="tenant-c") == 0
+    # Within a salt, a prompt shares as without salts, and reads its own salt's K/V.
+    for salt, kvs in x.items():
+        again = bm.add_sequence(ids[: 2 * BS + 1], salt=salt)
+        assert bm.num_tokens(again) == 2 * BS
+        assert set(bm.core.sequence_blocks(again)[:2].tolist()) <= blocks[salt]
+        for layer in range(LAYERS):
+            assert torch.equal(bm.gather(again, layer)[1], kvs[layer, 1, : 2 * BS])
+    # A fork keeps its parent's salt: the blocks it completes serve that salt only.
+    child = bm.fork(seqs["tenant-a"])
+    more = np.arange(BS - 5) + 9000
+    bm.add_tokens(child, more)
+    append_all(bm, child, kv(BS - 5, seed=9))
+    longer = np.concatenate([ids, more])
+    assert bm.lookup(longer, salt="tenant-a") == 4 * BS
+    assert bm.lookup(longer) == 3 * BS and bm.lookup(longer, salt="tenant-b") == 3 * BS
+
+
+def test_a_salt_must_be_a_non_empty_str() -> None:
+    bm = manager()
+    ids = np.arange(2 * BS)
+    append_all(bm, bm.add_sequence(ids), kv(2 * BS, seed=3))
+    before = snapshot(bm)
+    for bad in ["", 7, b"tenant", ["tenant"]]:
+        with pytest.raises(InvalidArgumentError, match="salt"):
+            bm.add_sequence(ids, salt=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="salt"):
+            bm.lookup(ids, salt=bad)  # type: ignore[arg-type]
+    assert_same(before, snapshot(bm))
+    assert bm.sequences() == [0]
 
 
 def test_a_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
@@ -964,6 +1011,37 @@ def test_engines_of_another_model_or_namespace_share_nothing(redis_server: Any) 
     for other in (other_dtype, other_ns):
         assert other.num_tokens(other.add_sequence(ids)) == 0
     assert same.num_tokens(same.add_sequence(ids)) == 2 * BS
+
+
+@pytest.mark.redis
+def test_a_salted_published_block_is_found_with_its_salt_only(redis_server: Any) -> None:
+    a, b = sharing(redis_server.url)
+    ids = np.arange(3 * BS) + 300
+    xa, xplain = kv(3 * BS, seed=46), kv(3 * BS, seed=47)
+    append_all(a, a.add_sequence(ids, salt="tenant-a"), xa)
+    a.step()
+    assert a.stats().counters["prefix_published"] == 3
+    # The keys on the server are the salted chain's, not the plain one's.
+    store = a.stores["remote", 0]
+    salted = kvtier.prefix_hashes(ids, BS, a.config.namespace, salt="tenant-a").tolist()
+    plain = kvtier.prefix_hashes(ids, BS, a.config.namespace).tolist()
+    assert store.contains_many(salted) == [True] * 3
+    assert store.contains_many(plain) == [False] * 3
+    assert b.lookup(ids, salt="tenant-a") == 3 * BS
+    assert b.lookup(ids) == 0 and b.lookup(ids, salt="tenant-b") == 0
+    for salt in (None, "tenant-b"):
+        seq = b.add_sequence(ids, salt=salt)
+        assert b.num_tokens(seq) == 0 and b.stats().counters["prefix_fetched"] == 0
+        b.free(seq)
+    seq = b.add_sequence(ids, salt="tenant-a")
+    assert b.num_tokens(seq) == 3 * BS and b.stats().counters["prefix_fetched"] == 3
+    assert torch.equal(b.gather(seq, 2)[0], xa[2, 0])
+    # An unsalted prompt of the same tokens publishes apart and is taken apart.
+    append_all(a, a.add_sequence(ids), xplain)
+    a.step()
+    assert store.contains_many(plain) == [True] * 3
+    seq = b.add_sequence(ids)
+    assert b.num_tokens(seq) == 3 * BS and torch.equal(b.gather(seq, 2)[0], xplain[2, 0])
 
 
 def test_sharing_prefixes_needs_a_remote_tier_and_a_named_model() -> None:

@@ -42,6 +42,9 @@ VALUES = st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5, 3.0, 7.75])
 #: Hashes and tokens from small pools, so that prefixes are shared often.
 HASHES = st.lists(st.integers(1, 16), max_size=6)
 TOKENS = st.lists(st.integers(0, 2), max_size=14)
+#: Sequence salts: none or two tenants (same tokens, apart); an empty salt is refused.
+SALTS = st.sampled_from([None, "a", "tenant-b"])
+ANY_SALT = st.one_of(SALTS, st.just(""))
 #: Requests served before the rules start: (hashes, tokens, by tokens?, finished?).
 Request = tuple[list[int], list[int], bool, bool]
 WARM_UP = st.lists(st.tuples(HASHES, TOKENS, st.booleans(), st.booleans()), max_size=6)
@@ -217,9 +220,9 @@ class CoreVsModel(RuleBasedStateMachine):
             if finished:
                 self.both("free_sequence", seq)
 
-    @rule()
-    def add_sequence(self) -> None:
-        got, want = self.both("add_sequence")
+    @rule(salt=ANY_SALT)
+    def add_sequence(self, salt: str | None) -> None:
+        got, want = self.both("add_sequence", salt)
         assert got == want
 
     def _room_check(self, before_bytes: int, err: bool) -> None:
@@ -241,12 +244,16 @@ class CoreVsModel(RuleBasedStateMachine):
             assert (got[0].tolist(), got[1].tolist()) == want
         self._room_check(before, got is None)
 
-    @rule(hashes=HASHES, tokens=TOKENS, by_tokens=st.booleans())
-    def new_request(self, hashes: list[int], tokens: list[int], by_tokens: bool) -> None:
-        self._request(hashes, tokens, by_tokens)
+    @rule(hashes=HASHES, tokens=TOKENS, by_tokens=st.booleans(), salt=SALTS)
+    def new_request(
+        self, hashes: list[int], tokens: list[int], by_tokens: bool, salt: str | None
+    ) -> None:
+        self._request(hashes, tokens, by_tokens, salt)
 
-    def _request(self, hashes: list[int], tokens: list[int], by_tokens: bool) -> int:
-        seq, _ = self.both("add_sequence")
+    def _request(
+        self, hashes: list[int], tokens: list[int], by_tokens: bool, salt: str | None = None
+    ) -> int:
+        seq, _ = self.both("add_sequence", salt)
         if by_tokens:
             self._append_tokens(seq, tokens)
         else:
@@ -451,8 +458,9 @@ class CoreVsModel(RuleBasedStateMachine):
         got, want = self.both("lookup", np.array(hashes, dtype=np.uint64))
         assert got.tolist() == want
         tokens = data.draw(TOKENS)
-        got, want = self.both("lookup_tokens", np.array(tokens, dtype=np.uint32))
-        assert got.tolist() == want
+        salt = data.draw(ANY_SALT)
+        got, want = self.both("lookup_tokens", np.array(tokens, dtype=np.uint32), salt)
+        assert (got is None and want is None) or got.tolist() == want
 
     @rule(budget=BUDGETS)
     def set_budget(self, budget: int | None) -> None:

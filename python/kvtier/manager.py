@@ -34,7 +34,10 @@ lacks from there, up to the first miss. The server's ``maxmemory`` policy (or ``
 bounds what is published; ``close()`` leaves it for the other engines. As for the local prefix
 cache, a block's K/V must follow from its token ids alone within a namespace: add a request whose
 K/V also depends on something else (an adapter, an image behind placeholder ids) without token ids,
-so that its blocks are never shared, or give it a manager of its own namespace.
+so that its blocks are never shared, or give it a manager of its own namespace. Requests that may
+share only among themselves (a tenant's, vLLM's ``cache_salt``) are added with a ``salt``: their
+blocks' hashes, so their cache entries and remote keys, are chained from it, and a request with
+another salt or none never finds them.
 
 Thread safety: one lock guards the core and the pools' bookkeeping; :meth:`step` copies bytes
 outside it (a plan's sources stay valid and its destinations reserved until commit, and appends
@@ -494,20 +497,25 @@ class BlockManager:
 
     # -- sequences ------------------------------------------------------------------------------
 
-    def add_sequence(self, token_ids: Any = None) -> int:
+    def add_sequence(self, token_ids: Any = None, *, salt: str | None = None) -> int:
         """A new sequence; with ``token_ids`` (its prompt), the longest cached prefix of them is
         shared rather than stored again: :meth:`num_tokens` then says how many leading tokens
         already have their K/V, and appends start after them. With ``share_prefixes``, the
         blocks that follow are taken from the remote server where another engine published
-        them (one round trip)."""
+        them (one round trip).
+
+        ``salt`` (a non-empty ``str``: a tenant id, vLLM's ``cache_salt``) keeps the sequence's
+        blocks, here and on the remote server, apart from those of sequences with another salt
+        or none: it shares only with sequences of the same salt (its forks keep it). Without a
+        salt, the blocks' hashes and keys are those of earlier versions."""
         tokens = None if token_ids is None else _token_array(token_ids)
         with self._lock:
             self._free_orphans()
-            seq = self.core.add_sequence()
+            seq = self.core.add_sequence(salt)
             state = _Seq(np.zeros(self.shape.layers, dtype=np.int64))
             self._seqs[seq] = state
             if tokens is not None and len(tokens):
-                cached = len(self.core.lookup_tokens(tokens))
+                cached = len(self.core.lookup_tokens(tokens, salt))
                 try:
                     self._grow(
                         seq, lambda: self.core.append_tokens(seq, tokens), len(tokens), cached
@@ -540,18 +548,19 @@ class BlockManager:
             self._free_orphans()
             return list(self._seqs)
 
-    def lookup(self, token_ids: Any) -> int:
-        """How many leading tokens of ``token_ids`` have their K/V cached (whole blocks). With
+    def lookup(self, token_ids: Any, *, salt: str | None = None) -> int:
+        """How many leading tokens of ``token_ids`` have their K/V cached (whole blocks), for a
+        sequence that :meth:`add_sequence` would add with this ``salt``. With
         ``share_prefixes``, the blocks after those that the server holds count too (one round
         trip; a value is checked only when :meth:`add_sequence` takes it, so a damaged one can
         make that take fewer)."""
         tokens = _token_array(token_ids)
         with self._lock:
-            here = self._cached_prefix(self.core.lookup_tokens(tokens))
+            here = self._cached_prefix(self.core.lookup_tokens(tokens, salt))
         if self._shared is None:
             return here
         bs = self.block_size
-        hashes = prefix_hashes(tokens, bs, self.config.namespace)[here // bs :]
+        hashes = prefix_hashes(tokens, bs, self.config.namespace, salt)[here // bs :]
         found = [*self._shared.contains_many([int(h) for h in hashes]), False]
         return here + found.index(False) * bs
 

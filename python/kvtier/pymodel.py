@@ -7,7 +7,8 @@ in their logic (numpy arrays given to them are turned into Python lists first).
 - :class:`ModelCore` — the rules of :class:`kvtier._core.Core` (block table, prefix index,
   statistics, scheduler) for one device tier; the Hypothesis test drives it and the core with the
   same random operations and compares them after every step;
-- :func:`xxh3_64`, :func:`prefix_hashes` — the prefix hash chain, without the extension;
+- :func:`xxh3_64`, :func:`prefix_hashes`, :func:`salted_seed` — the prefix hash chain (salted
+  or not), without the extension;
 - :func:`populate`, :func:`model_record_reads`, :func:`model_plan` — the same work for the core
   and the model, for the benchmark's "Rust vs plain Python" figures.
 """
@@ -38,6 +39,7 @@ __all__ = [
     "ModelCore",
     "ModelPlan",
     "chain_hash",
+    "chain_seed",
     "lru_replay",
     "model_plan",
     "model_record_reads",
@@ -45,6 +47,7 @@ __all__ = [
     "namespace_seed",
     "populate",
     "prefix_hashes",
+    "salted_seed",
     "xxh3_64",
 ]
 
@@ -270,14 +273,43 @@ def namespace_seed(namespace: str) -> int:
     return xxh3_64(namespace.encode())
 
 
+def salted_seed(seed: int, salt: str) -> int:
+    """Seed of the hash chain of a sequence salted with ``salt`` in the namespace of ``seed``
+    (``kvtier::salted_seed``): XXH3 of the salt's UTF-8 bytes and one or two 0xFF bytes (so
+    that the length is never a multiple of 4, as a block's always is), seeded with ``seed``."""
+    data = salt.encode() + b"\xff"
+    if len(data) % 4 == 0:
+        data += b"\xff"
+    return xxh3_64(data, seed)
+
+
+def chain_seed(seed: int, salt: str | None) -> int:
+    """The namespace seed ``seed`` without a salt, its :func:`salted_seed` with one; a salt
+    that is not a non-empty ``str`` is an :class:`InvalidArgumentError`, as in the core."""
+    if salt is None:
+        return seed
+    if not isinstance(salt, str):
+        raise InvalidArgumentError(
+            f"invalid salt: expected a non-empty str, or None for no salt; got {type(salt).__name__}"
+        )
+    if not salt:
+        raise InvalidArgumentError(
+            "invalid salt: expected a non-empty str, or None for no salt; got an empty one"
+        )
+    return salted_seed(seed, salt)
+
+
 def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     """Hash of one block of token ids given its parent's hash."""
     return xxh3_64(struct.pack(f"<{len(tokens)}I", *tokens), parent)
 
 
-def prefix_hashes(tokens: Sequence[int], block_size: int, namespace: str = "default") -> list[int]:
-    """Chained hashes of every full block of ``tokens`` (``kvtier.prefix_hashes`` in Python)."""
-    parent, out = namespace_seed(namespace), []
+def prefix_hashes(
+    tokens: Sequence[int], block_size: int, namespace: str = "default", salt: str | None = None
+) -> list[int]:
+    """Chained hashes of every full block of ``tokens`` (``kvtier.prefix_hashes`` in Python),
+    of a sequence salted with ``salt`` if given."""
+    parent, out = chain_seed(namespace_seed(namespace), salt), []
     for i in range(0, len(tokens) - block_size + 1, block_size):
         parent = chain_hash(parent, tokens[i : i + block_size])
         out.append(parent)
@@ -692,10 +724,11 @@ class ModelCore:
             raise InvalidSequenceError(f"unknown sequence {seq}: not created or already freed")
         return s
 
-    def add_sequence(self) -> int:
+    def add_sequence(self, salt: str | None = None) -> int:
+        seed = chain_seed(self.seed, salt)
         sid = self.next_seq
         self.next_seq = (self.next_seq + 1) & _U32_MAX
-        self.seqs[sid] = _Seq([], 0, self.seed)
+        self.seqs[sid] = _Seq([], 0, seed)
         return sid
 
     def sequences(self) -> list[int]:
@@ -907,9 +940,9 @@ class ModelCore:
             out.append(b)
         return out
 
-    def lookup_tokens(self, tokens: Iterable[int]) -> list[int]:
+    def lookup_tokens(self, tokens: Iterable[int], salt: str | None = None) -> list[int]:
         toks = _as_list(tokens)
-        out, parent, bs = [], self.seed, self.block_size
+        out, parent, bs = [], chain_seed(self.seed, salt), self.block_size
         for i in range(0, len(toks) - bs + 1, bs):
             parent = chain_hash(parent, toks[i : i + bs])
             b = self.index.get(parent)

@@ -135,6 +135,36 @@ impl Int {
     }
 }
 
+/// A `salt` argument: a `str` (the core refuses an empty one), `None` for no salt, anything
+/// else an `InvalidArgumentError` rather than PyO3's bare `TypeError`.
+pub struct Salt(pub String);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Salt {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<String>() {
+            Ok(s) => Ok(Salt(s)),
+            Err(_) => {
+                let got = obj
+                    .get_type()
+                    .name()
+                    .map_or_else(|_| "?".to_string(), |n| n.to_string());
+                Err(to_py(Error::InvalidArgument {
+                    what: "salt",
+                    reason: format!("expected a non-empty str, or None for no salt; got {got}"),
+                }))
+            }
+        }
+    }
+}
+
+impl Salt {
+    pub fn as_deref(salt: &Option<Salt>) -> Option<&str> {
+        salt.as_ref().map(|s| s.0.as_str())
+    }
+}
+
 /// An id or count argument in the core's range, or an `InvalidArgumentError` naming it.
 fn int_arg<T: Unsigned>(what: &'static str, v: Int) -> PyResult<T> {
     v.to()
@@ -280,8 +310,11 @@ impl PyCore {
         self.with(py, |c| c.step_clock())
     }
 
-    fn add_sequence(&self, py: Python<'_>) -> u32 {
-        self.with(py, |c| c.add_sequence())
+    /// A new sequence; with `salt`, its blocks are shared only with sequences of that salt.
+    #[pyo3(signature = (salt = None))]
+    fn add_sequence(&self, py: Python<'_>, salt: Option<Salt>) -> PyResult<u32> {
+        let salt = Salt::as_deref(&salt);
+        self.with(py, |c| c.add_sequence_salted(salt)).py_err()
     }
 
     /// Appends token ids; returns `(block_ids, shared)` for the blocks added.
@@ -381,18 +414,22 @@ impl PyCore {
         Ok(PyArray1::from_vec(py, self.with(py, |c| c.lookup(h))))
     }
 
-    /// Blocks of the longest cached prefix of these token ids.
+    /// Blocks of the longest cached prefix of these token ids (of sequences salted with
+    /// `salt`, or of unsalted ones).
+    #[pyo3(signature = (tokens, salt = None))]
     fn lookup_tokens<'py>(
         &self,
         py: Python<'py>,
         tokens: &Bound<'py, PyAny>,
+        salt: Option<Salt>,
     ) -> PyResult<Bound<'py, PyArray1<u32>>> {
         let tokens = array::<u32>(tokens, "tokens", "uint32")?;
         let t = tokens.as_slice()?;
-        Ok(PyArray1::from_vec(
-            py,
-            self.with(py, |c| c.lookup_tokens(t)),
-        ))
+        let salt = Salt::as_deref(&salt);
+        let blocks = self
+            .with(py, |c| c.lookup_tokens_salted(t, salt))
+            .py_err()?;
+        Ok(PyArray1::from_vec(py, blocks))
     }
 
     fn record_reads(&self, py: Python<'_>, blocks: &Bound<'_, PyAny>) -> PyResult<()> {

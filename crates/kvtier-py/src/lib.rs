@@ -16,14 +16,16 @@ mod store_stats;
 use pyo3::prelude::*;
 
 /// Chained 64-bit hashes of each full `block_size` block of `tokens` in a namespace — the
-/// same hashes `Core.append_tokens` indexes. Stable across processes and machines.
+/// same hashes `Core.append_tokens` indexes (for a sequence added with `salt`, give the same
+/// salt). Stable across processes and machines.
 #[pyfunction]
-#[pyo3(signature = (tokens, block_size, namespace = "default"))]
+#[pyo3(signature = (tokens, block_size, namespace = "default", salt = None))]
 fn prefix_hashes<'py>(
     py: Python<'py>,
     tokens: &Bound<'py, PyAny>,
     block_size: usize,
     namespace: &str,
+    salt: Option<core::Salt>,
 ) -> PyResult<Bound<'py, numpy::PyArray1<u64>>> {
     if block_size == 0 {
         return Err(errors::to_py(kvtier::Error::InvalidArgument {
@@ -33,7 +35,11 @@ fn prefix_hashes<'py>(
     }
     let tokens = arrays::array::<u32>(tokens, "tokens", "uint32")?;
     let t = tokens.as_slice()?;
-    let seed = kvtier::namespace_seed(namespace);
+    let seed = kvtier::chain_seed(
+        kvtier::namespace_seed(namespace),
+        core::Salt::as_deref(&salt),
+    )
+    .map_err(errors::to_py)?;
     let hashes = py.detach(|| kvtier::prefix_hashes(t, block_size, seed));
     Ok(numpy::PyArray1::from_vec(py, hashes))
 }

@@ -184,7 +184,8 @@ pub(crate) type Sequences = HashMap<u32, Sequence, BuildHasherDefault<SeqIdHashe
 pub(crate) struct Sequence {
     pub(crate) blocks: Vec<u32>,
     pub(crate) tokens: u64,
-    /// Hash of the last full block (the namespace seed before the first).
+    /// Hash of the last full block (before the first, the namespace seed, or the salted seed of
+    /// a salted sequence).
     chain: u64,
     /// Token ids of the trailing partial block, hashed when it fills.
     partial: Vec<u32>,
@@ -951,7 +952,21 @@ impl Core {
 
     // ---- sequences -----------------------------------------------------------------------------
 
+    /// A new, empty sequence, hashed in the core's namespace.
     pub fn add_sequence(&mut self) -> u32 {
+        self.add_sequence_seeded(self.cfg.namespace)
+    }
+
+    /// A new, empty sequence whose block hashes are salted with `salt` (a tenant id, vLLM's
+    /// `cache_salt`): it shares blocks only with sequences of the same salt, in this core and
+    /// through every key made of its hashes. `None` is [`Core::add_sequence`]; an empty salt is
+    /// refused. Its forks keep the salt (they continue its hash chain).
+    pub fn add_sequence_salted(&mut self, salt: Option<&str>) -> Result<u32> {
+        let seed = crate::prefix::chain_seed(self.cfg.namespace, salt)?;
+        Ok(self.add_sequence_seeded(seed))
+    }
+
+    fn add_sequence_seeded(&mut self, seed: u64) -> u32 {
         let id = self.next_seq;
         self.next_seq = self.next_seq.wrapping_add(1);
         let blocks = self.spare_block_lists.pop().unwrap_or_default();
@@ -959,7 +974,7 @@ impl Core {
             id,
             Sequence {
                 blocks,
-                chain: self.cfg.namespace,
+                chain: seed,
                 ..Sequence::default()
             },
         );
@@ -1395,8 +1410,18 @@ impl Core {
 
     /// Blocks of the longest indexed prefix of a token sequence (full blocks only).
     pub fn lookup_tokens(&self, tokens: &[u32]) -> Vec<u32> {
-        let hashes =
-            crate::prefix::prefix_hashes(tokens, self.cfg.block_size as usize, self.cfg.namespace);
+        self.lookup_seeded(tokens, self.cfg.namespace)
+    }
+
+    /// [`Core::lookup_tokens`] for a sequence salted with `salt` (see
+    /// [`Core::add_sequence_salted`]): only blocks of sequences with the same salt match.
+    pub fn lookup_tokens_salted(&self, tokens: &[u32], salt: Option<&str>) -> Result<Vec<u32>> {
+        let seed = crate::prefix::chain_seed(self.cfg.namespace, salt)?;
+        Ok(self.lookup_seeded(tokens, seed))
+    }
+
+    fn lookup_seeded(&self, tokens: &[u32], seed: u64) -> Vec<u32> {
+        let hashes = crate::prefix::prefix_hashes(tokens, self.cfg.block_size as usize, seed);
         self.lookup(&hashes)
     }
 
@@ -1902,5 +1927,138 @@ mod tests {
             }
         }
         assert!(apart.counters().evictions > 0 && apart.counters().shared_hits > 0);
+    }
+
+    fn salted_core() -> Core {
+        Core::new(Config {
+            block_size: 16,
+            level_bytes: vec![64],
+            namespace: crate::prefix::namespace_seed("default"),
+            ..Config::default()
+        })
+        .unwrap()
+    }
+
+    /// Hashes of `tokens` as the core indexed them (0 for a partial block).
+    fn hashes_of(core: &Core, seq: u32) -> Vec<u64> {
+        let blocks = core.sequence_blocks(seq).unwrap();
+        blocks
+            .iter()
+            .map(|&b| core.block_hash(b).unwrap().unwrap_or(0))
+            .collect()
+    }
+
+    /// Without a salt, the hashes are those of before salts existed, bit for bit (the values of
+    /// `prefix_hashes(range(32), 16)` in the default namespace, pinned in tests/test_core_api.py
+    /// before this change): keys persisted or published by earlier versions stay valid.
+    #[test]
+    fn an_unsalted_sequence_keeps_the_old_hashes() {
+        const FIXED: [u64; 2] = [0x6061_3E95_F4B4_2118, 0xF132_5E8B_0BB9_ABE5];
+        let tokens: Vec<u32> = (0..32).collect();
+        let seed = crate::prefix::namespace_seed("default");
+        assert_eq!(seed, 0x6C5B_964D_9473_AC1A);
+        assert_eq!(crate::prefix::chain_seed(seed, None).unwrap(), seed);
+        assert_eq!(crate::prefix::prefix_hashes(&tokens, 16, seed), FIXED);
+        let mut c = salted_core();
+        let (a, b) = (c.add_sequence(), c.add_sequence_salted(None).unwrap());
+        c.append_tokens(a, &tokens).unwrap();
+        let got = c.append_tokens(b, &tokens).unwrap();
+        assert_eq!(hashes_of(&c, a), FIXED);
+        assert_eq!(hashes_of(&c, b), FIXED);
+        assert_eq!(got.shared, [true, true], "None is no salt: it shares");
+        assert_eq!(c.lookup_tokens(&tokens), c.sequence_blocks(a).unwrap());
+        assert_eq!(
+            c.lookup_tokens_salted(&tokens, None).unwrap(),
+            c.lookup_tokens(&tokens)
+        );
+    }
+
+    /// Same tokens, different salts (or a salt and none): no block in common, and each lookup
+    /// finds its own salt's blocks only. Same salt: shared as without salts.
+    #[test]
+    fn salts_share_blocks_within_a_salt_only() {
+        let tokens: Vec<u32> = (100..140).collect(); // 2 full blocks and a partial one
+        let mut c = salted_core();
+        let plain = c.add_sequence();
+        let a = c.add_sequence_salted(Some("tenant-a")).unwrap();
+        let b = c.add_sequence_salted(Some("tenant-b")).unwrap();
+        let mut got = Vec::new();
+        for s in [plain, a, b] {
+            // Split where a block boundary falls inside a call: the chain goes on from the salt.
+            c.append_tokens(s, &tokens[..20]).unwrap();
+            got.push(c.append_tokens(s, &tokens[20..]).unwrap());
+        }
+        assert!(got.iter().all(|g| g.shared.iter().all(|&x| !x)));
+        let blocks: Vec<Vec<u32>> = [plain, a, b]
+            .iter()
+            .map(|&s| c.sequence_blocks(s).unwrap().to_vec())
+            .collect();
+        for i in 0..3 {
+            for j in 0..i {
+                assert!(blocks[i].iter().all(|x| !blocks[j].contains(x)));
+            }
+        }
+        let seed = c.cfg.namespace;
+        for (salt, seq) in [("tenant-a", a), ("tenant-b", b)] {
+            let salted = crate::prefix::salted_seed(seed, salt);
+            let want = crate::prefix::prefix_hashes(&tokens, 16, salted);
+            assert_eq!(hashes_of(&c, seq)[..2], want[..]);
+            let found = c.lookup_tokens_salted(&tokens, Some(salt)).unwrap();
+            assert_eq!(found, blocks[if salt == "tenant-a" { 1 } else { 2 }][..2]);
+        }
+        assert_eq!(c.lookup_tokens(&tokens), blocks[0][..2]);
+        assert!(c
+            .lookup_tokens_salted(&tokens, Some("tenant-c"))
+            .unwrap()
+            .is_empty());
+        // The same salt shares, and a fork keeps its parent's salt.
+        let a2 = c.add_sequence_salted(Some("tenant-a")).unwrap();
+        let again = c.append_tokens(a2, &tokens).unwrap();
+        assert_eq!(again.shared, [true, true, false]);
+        assert_eq!(again.blocks[..2], blocks[1][..2]);
+        let child = c.fork(a2).unwrap().child;
+        c.append_tokens(child, &(140..148).collect::<Vec<_>>())
+            .unwrap();
+        let longer: Vec<u32> = (100..148).collect();
+        assert_eq!(
+            c.lookup_tokens_salted(&longer, Some("tenant-a"))
+                .unwrap()
+                .len(),
+            3
+        );
+        assert_eq!(c.lookup_tokens(&longer).len(), 2);
+        // An empty salt is refused (None says "no salt").
+        let err = c.add_sequence_salted(Some("")).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { what: "salt", .. }));
+        assert!(c.lookup_tokens_salted(&tokens, Some("")).is_err());
+    }
+
+    /// A salted seed is never the hash of a block: its input is never a whole number of token
+    /// ids long, so a salt spelling token ids does not open the unsalted chain of those ids.
+    #[test]
+    fn a_salted_seed_is_not_a_block_hash() {
+        let seed = crate::prefix::namespace_seed("default");
+        // "abcd" as one token id, little-endian; and salts of every length class mod 4.
+        let token = u32::from_le_bytes(*b"abcd");
+        assert_ne!(
+            crate::prefix::salted_seed(seed, "abcd"),
+            crate::prefix::chain_hash(seed, &[token])
+        );
+        let salts = [
+            "a", "ab", "abc", "abcd", "abcde", "é", "tenant-a", "tenant-b",
+        ];
+        let seeds: Vec<u64> = salts
+            .iter()
+            .map(|s| crate::prefix::salted_seed(seed, s))
+            .collect();
+        for (i, x) in seeds.iter().enumerate() {
+            assert!(!seeds[..i].contains(x));
+            assert_ne!(*x, seed);
+        }
+        // Salted in another namespace: another seed.
+        assert_ne!(
+            crate::prefix::salted_seed(crate::prefix::namespace_seed("other"), "tenant-a"),
+            seeds[6]
+        );
     }
 }

@@ -21,6 +21,8 @@ pub mod store_index;
 pub use crate::config::{Config, PolicyKind, Tier, TierConfig};
 pub use crate::core::{Appended, Core, Counters, Forked, Key, Loc, PoolUsage, NO_SLOT};
 pub use crate::error::{Error, Result};
-pub use crate::prefix::{chain_hash, namespace_seed, prefix_hashes, PrefixIndex};
+pub use crate::prefix::{
+    chain_hash, chain_seed, namespace_seed, prefix_hashes, salted_seed, PrefixIndex,
+};
 pub use crate::scheduler::{Move, MoveKind, Plan};
 pub use crate::store_index::StoreIndex;

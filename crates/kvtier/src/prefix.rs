@@ -2,7 +2,8 @@
 //!
 //! A block's hash chains its parent's hash with its own token ids:
 //! `h(i) = xxh3_64(token ids of block i as little-endian u32, seed = h(i-1))`, with
-//! `h(-1) = namespace seed`. Equal hash ⇒ equal whole prefix, so a lookup walks a request's
+//! `h(-1) = namespace seed`, or for a salted sequence (a tenant, vLLM's `cache_salt`) the
+//! [`salted_seed`] of the namespace seed and the salt. Equal hash ⇒ equal whole prefix, so a lookup walks a request's
 //! hashes until the first one the index lacks. xxh3 is specified bit-for-bit, so hashes are
 //! stable across processes, machines and runs (unlike Python's `hash`).
 
@@ -11,6 +12,39 @@ use twox_hash::XxHash3_64;
 /// Seed of the hash chain for a namespace (model, codec, tenant...).
 pub fn namespace_seed(namespace: &str) -> u64 {
     XxHash3_64::oneshot(namespace.as_bytes())
+}
+
+/// Seed of the hash chain of a sequence salted with `salt` (a tenant id, vLLM's per-request
+/// `cache_salt`...) in the namespace of `namespace_seed`: sequences with the same tokens and
+/// different salts (or one salted, one not) never share a hash, so never a block.
+///
+/// `xxh3_64(salt as UTF-8, then one or two 0xFF bytes, seed = namespace_seed)`. UTF-8 never
+/// holds a 0xFF byte, so distinct salts hash distinct inputs; and the input's length is never a
+/// multiple of 4 while a block's (u32 token ids) always is, so a salted seed is never the hash
+/// of a block of any chain (a sequence starting with tokens that spell the salt, say) except by
+/// a 64-bit collision. xxh3 is not a cryptographic hash: salts keep honest tenants apart, they do
+/// not stop one who crafts collisions on purpose.
+pub fn salted_seed(namespace_seed: u64, salt: &str) -> u64 {
+    let mut bytes = Vec::with_capacity(salt.len() + 2);
+    bytes.extend_from_slice(salt.as_bytes());
+    bytes.push(0xFF);
+    if bytes.len() % 4 == 0 {
+        bytes.push(0xFF);
+    }
+    XxHash3_64::oneshot_with_seed(namespace_seed, &bytes)
+}
+
+/// Seed of a sequence's hash chain: the namespace seed without a salt (the hashes of unsalted
+/// sequences never change), its [`salted_seed`] with one. An empty salt is refused: say `None`.
+pub fn chain_seed(namespace_seed: u64, salt: Option<&str>) -> crate::Result<u64> {
+    match salt {
+        None => Ok(namespace_seed),
+        Some("") => Err(crate::Error::InvalidArgument {
+            what: "salt",
+            reason: "expected a non-empty str, or None for no salt; got an empty one".into(),
+        }),
+        Some(salt) => Ok(salted_seed(namespace_seed, salt)),
+    }
 }
 
 /// Hash of one block of token ids given its parent's hash.
