@@ -19,8 +19,11 @@ saved blocks loads them into the blocks vLLM allocated for it instead of recompu
   those keys (``share_prefixes``), where another engine of the same namespace, or this one after
   a restart, finds them; a prefill engine (``kv_producer``) hands its KV to a decode engine
   (``kv_consumer``) that way.
-- **Loads** are synchronous, before the forward pass. A block the tiers cannot give back (a
-  corrupt value, an evicted one, a server that went away) is reported through
+- **Loads** of blocks in host memory are synchronous, before the forward pass. A hit that
+  reaches disk or the server loads in the worker's background while the request waits and
+  the others run (vLLM's async load; ``"async_loads"``: ``auto``, ``always``, ``never``).
+  A block the tiers cannot give back (a corrupt value, an evicted one, a server that went
+  away) is reported through
   ``get_block_ids_with_load_errors`` and vLLM recomputes it: a miss, never wrong K/V (the
   connector sets vLLM's ``kv_load_failure_policy`` to ``recompute`` unless
   ``kv_connector_extra_config`` says ``"load_failure_policy": "fail"``).
@@ -39,7 +42,9 @@ Requests with a ``cache_salt`` are neither saved nor loaded (their keys would ne
 from __future__ import annotations
 
 import logging
+import queue
 from collections.abc import Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +82,9 @@ __all__ = ["KVTierConnector", "KVTierMetadata", "KVTierStats", "connector_config
 #: The host tier's budget when the extra config names none.
 DEFAULT_HOST_BUDGET = "2GiB"
 #: Keys of ``kv_connector_extra_config`` that are the connector's own, not KvtierConfig fields.
-CONNECTOR_KEYS = frozenset({"load_failure_policy"})
+CONNECTOR_KEYS = frozenset({"load_failure_policy", "async_loads"})
+#: ``async_loads``: when a hit loads in the worker's background while the request waits.
+ASYNC_LOADS = ("auto", "always", "never")
 _VARS = {var.field: var for var in ENV_VARS}
 #: KvtierConfig fields vLLM decides, not the user.
 VLLM_OWNED = {
@@ -141,6 +148,8 @@ class LoadSpec:
     tokens: list[int]
     start: int
     block_ids: list[int]
+    #: in the worker's background, the request waiting meanwhile (vLLM's async load)
+    background: bool = False
 
 
 @dataclass
@@ -159,6 +168,15 @@ class KVTierMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     #: finished requests whose blocks vLLM keeps until their save is done (get_finished)
     finishing: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Hit:
+    """What the tiers can load of a waiting request's prompt: ``tokens[start:end]``."""
+
+    start: int  # vLLM's own hit
+    end: int
+    background: bool
 
 
 @dataclass
@@ -261,9 +279,18 @@ class KVTierConnector(KVConnectorBase_V1):
                 )
             # A block the tiers cannot give back is a miss: vLLM recomputes it.
             transfer.kv_load_failure_policy = policy
+        async_loads = extra.get("async_loads", "auto")
+        if isinstance(async_loads, bool):  # JSON true/false
+            async_loads = "always" if async_loads else "never"
+        self._async_loads = str(async_loads).lower()
+        if self._async_loads not in ASYNC_LOADS:
+            raise ConfigError(
+                f"async_loads: expected one of {', '.join(ASYNC_LOADS)}, "
+                f"got {extra['async_loads']!r}"
+            )
         # scheduler side
         self._requests: dict[str, _Request] = {}
-        self._hits: dict[str, tuple[int, int]] = {}  # req -> (vLLM's own hit, end of ours)
+        self._hits: dict[str, _Hit] = {}
         self._loads: list[LoadSpec] = []
         self._finish_saves: list[SaveSpec] = []
         self._link: Link | None = None
@@ -274,6 +301,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._listener: Any = None
         self._failed_blocks: set[int] = set()
         self._saved_finished: set[str] = set()
+        self._loader: Executor | None = None  # background loads, one at a time
+        self._loaded: queue.SimpleQueue[tuple[str, int, list[int]]] = queue.SimpleQueue()
 
     # -- shared ----------------------------------------------------------------------------------
 
@@ -327,6 +356,9 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
         if self._tiers is not None:
             forget(self._engine, self._tiers, self._listener)
             self._listener = None
@@ -383,10 +415,29 @@ class KVTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         for load in meta.loads:
-            self._load(load)
+            if load.background:
+                self._loader = self._loader or ThreadPoolExecutor(1, "kvtier-load")
+                self._loader.submit(self._load_in_background, load)
+            else:
+                ok, failed = self._load(load)
+                self._count_load(ok, failed)
 
-    def _load(self, load: LoadSpec) -> None:
-        """Writes what the tiers give back; the rest goes to vLLM as load errors."""
+    def _load_in_background(self, load: LoadSpec) -> None:
+        try:
+            ok, failed = self._load(load)
+        except BaseException:  # never leave the request waiting: a failed load is recomputed
+            log.exception("kvtier: background load of request %s failed", load.req_id)
+            ok, failed = 0, load.block_ids
+        self._loaded.put((load.req_id, ok, failed))
+
+    def _count_load(self, ok: int, failed: list[int]) -> None:
+        self._failed_blocks.update(failed)
+        self.tiers.counters.loaded_blocks += ok
+        self.tiers.counters.load_errors += len(failed)
+
+    def _load(self, load: LoadSpec) -> tuple[int, list[int]]:
+        """Writes what the tiers give back into ``load.block_ids``: how many it wrote, and the
+        blocks it could not (vLLM's load errors, which it recomputes)."""
         tiers = self.tiers
         manager = tiers.manager
         ok = 0  # blocks of load.block_ids written
@@ -410,13 +461,10 @@ class KVTierConnector(KVConnectorBase_V1):
                 ok = 0
             finally:
                 manager.free(seq)
-        failed = load.block_ids[ok:]
-        self._failed_blocks.update(failed)
-        tiers.counters.loaded_blocks += ok
-        tiers.counters.load_errors += len(failed)
+        return ok, load.block_ids[ok:]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        return  # synchronous loads complete in start_load_kv
 
     def save_kv_layer(
         self,
@@ -437,9 +485,16 @@ class KVTierConnector(KVConnectorBase_V1):
         self._saved_finished |= meta.finishing
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose last blocks are saved: vLLM may free their blocks now."""
-        done, self._saved_finished = self._saved_finished, set()
-        return done or None, None
+        """Finished requests whose last blocks are saved (vLLM may free their blocks now), and
+        requests whose background load is over (they may run now). vLLM asks for load errors
+        right after this: a load's failed blocks are handed over with its request."""
+        saved, self._saved_finished = self._saved_finished, set()
+        loaded: set[str] = set()
+        while not self._loaded.empty():
+            req_id, ok, failed = self._loaded.get()
+            loaded.add(req_id)
+            self._count_load(ok, failed)
+        return saved or None, loaded or None
 
     def _save(self, save: SaveSpec) -> None:
         """Saves what the tiers lack of the request's complete blocks so far: a sequence of
@@ -472,12 +527,15 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        """Tokens beyond vLLM's own hit the tiers can load; loaded in the background (the
+        request waits, others run) when some of them are on disk or on the server
+        (``async_loads``: ``auto``), or always, or never."""
         if not self._loads_kv or request.cache_salt is not None:
             return 0, False
         tokens = list(request.prompt_token_ids or [])
         # vLLM computes at least the prompt's last token itself.
         try:
-            hit = self.link.lookup(tokens[: len(tokens) - 1])
+            hit, resident = self.link.lookup(tokens[: len(tokens) - 1])
         except KvtierError as exc:
             log.warning("kvtier: lookup failed (%s); a miss", exc)
             return 0, False
@@ -486,9 +544,12 @@ class KVTierConnector(KVConnectorBase_V1):
         if hit <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
             return 0, False
-        self._hits[request.request_id] = (num_computed_tokens, hit)
+        background = self._async_loads == "always" or (
+            self._async_loads == "auto" and resident < hit
+        )
+        self._hits[request.request_id] = _Hit(num_computed_tokens, hit, background)
         counters.hit_tokens += hit - num_computed_tokens
-        return hit - num_computed_tokens, False
+        return hit - num_computed_tokens, background
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -496,13 +557,14 @@ class KVTierConnector(KVConnectorBase_V1):
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens == 0 or hit is None:
             return
-        start, end = hit
-        end = min(end, start + num_external_tokens)
+        start = hit.start
+        end = min(hit.end, start + num_external_tokens)
         bs = self._block_size
         block_ids = list(blocks.get_block_ids()[0])[start // bs : end // bs]
-        # The worker loads before it saves anything this step: what the lookup found is there.
+        # A synchronous load runs before the step's saves: what the lookup found is there (a
+        # background one may find less, which is a load error: recomputed).
         tokens = list(request.prompt_token_ids or [])[:end]
-        self._loads.append(LoadSpec(request.request_id, tokens, start, block_ids))
+        self._loads.append(LoadSpec(request.request_id, tokens, start, block_ids, hit.background))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVTierMetadata(loads=self._loads, saves=self._finish_saves)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from ..errors import KvtierError
 
 if TYPE_CHECKING:
@@ -60,8 +62,16 @@ class WorkerTiers:
     caches: list[torch.Tensor]
     counters: Counters = field(default_factory=Counters)
 
-    def lookup(self, tokens: list[int]) -> int:
-        return self.manager.lookup(tokens)
+    def lookup(self, tokens: list[int]) -> tuple[int, int]:
+        """Leading tokens of ``tokens`` the tiers can load (whole blocks), and how many of them
+        lie in host memory (the manager's device tier), to be copied at once; the rest are on
+        disk or on the server."""
+        manager = self.manager
+        hit = manager.lookup(tokens)
+        blocks = manager.core.lookup_tokens(tokens)[: hit // manager.block_size]
+        away = np.flatnonzero(manager.core.block_info(blocks)["tier"] != 0)
+        resident = int(away[0]) if len(away) else len(blocks)
+        return hit, resident * manager.block_size
 
     def stats(self) -> dict[str, Any]:
         stats = self.manager.get_compression_stats()
@@ -70,7 +80,7 @@ class WorkerTiers:
 
 
 class Link(Protocol):
-    def lookup(self, tokens: list[int]) -> int: ...
+    def lookup(self, tokens: list[int]) -> tuple[int, int]: ...
     def stats(self) -> dict[str, Any]: ...
 
 
@@ -169,8 +179,9 @@ class _SocketLink:
             raise KvtierError(f"the worker's tiers failed: {value}")
         return value
 
-    def lookup(self, tokens: list[int]) -> int:
-        return int(self._ask("lookup", tokens))
+    def lookup(self, tokens: list[int]) -> tuple[int, int]:
+        hit, resident = self._ask("lookup", tokens)
+        return int(hit), int(resident)
 
     def stats(self) -> dict[str, Any]:
         value: dict[str, Any] = self._ask("stats", None)

@@ -1,0 +1,364 @@
+"""``KVTierConnector`` under vLLM's real ``Scheduler``, step by step, for what an engine run
+reaches only by chance: preemption, chunked prefill, aborted requests, background (async)
+loads that finish out of order or fail.
+
+The engine here is vLLM's own scheduler and block pool with both sides of the connector in this
+process; only the model is replaced, by a stand-in that writes, for each token it computes, K/V
+that are a function of the token's whole prefix into the paged cache (a CUDA-style ``[B, H, N,
+2D]`` layout, K in the first half of the channels), and before each step checks every token it
+did not compute this step: a token vLLM counts as computed must hold its prefix's K/V, whether
+vLLM's prefix cache kept it, kvtier loaded it, or vLLM recomputed it after a load error. Wrong
+K/V anywhere fails the test at the step it would have been read."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+HEADS = 2
+HEAD_DIM = 8
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def kv_of(prefix: tuple[int, ...]) -> Any:
+    """The stand-in model's K/V for the last token of ``prefix``: ``[HEADS, 2 * HEAD_DIM]``
+    small integers (exact in bf16), different for different prefixes."""
+    import torch
+
+    digest = hashlib.blake2b(repr(prefix).encode(), digest_size=HEADS * 2 * HEAD_DIM).digest()
+    return (torch.tensor(list(digest), dtype=torch.float32) - 128).view(HEADS, 2 * HEAD_DIM)
+
+
+class Engine:
+    """vLLM's scheduler and the connector's two sides, stepped by hand."""
+
+    def __init__(
+        self,
+        model_dir: Any,
+        *,
+        num_blocks: int,
+        max_tokens_per_step: int = 4 * BLOCK,
+        prefix_caching: bool = True,
+        **extra: Any,
+    ) -> None:
+        import torch
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from kvtier.integrations.vllm import KVTierConnector
+
+        model = ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0)
+        config = VllmConfig(
+            model_config=model,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8,
+                max_num_batched_tokens=max_tokens_per_step,
+                max_model_len=2048,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVTierConnector",
+                kv_connector_module_path="kvtier.integrations.vllm",
+                kv_role="kv_both",
+                kv_connector_extra_config={"ladder": "bf16", **extra},
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
+        config.cache_config.num_gpu_blocks = num_blocks
+        # What the model's attention layers tell connectors: their backend (here a CUDA one's
+        # name, whose cache splits K and V along the channels).
+        backend = SimpleNamespace(get_name=lambda: "FLASH_ATTN")
+        for name in LAYERS:
+            config.compilation_config.static_forward_context[name] = SimpleNamespace(
+                attn_backend=backend
+            )
+        spec = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16
+        )
+        kv_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        )
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.scheduler = Scheduler(
+            vllm_config=config,
+            kv_cache_config=kv_config,
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        self.worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_config)
+        self.caches = {
+            name: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
+            for name in LAYERS
+        }
+        self.worker.register_kv_caches(self.caches)
+        self.outputs: dict[str, list[int]] = {}
+        self.checked_tokens = 0
+        self.preempted = 0
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.scheduler.add_request(Request(req_id, prompt, params, None, block_hasher=self.hasher))
+        self.outputs[req_id] = []
+
+    def abort(self, req_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def step(self, before_finish: Callable[[], None] | None = None) -> Any:
+        """One engine step: schedule, load, check and compute, save, report back."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        sched = self.scheduler
+        out = sched.schedule()
+        self.preempted += len(out.preempted_req_ids or ())
+        worker = self.worker
+        worker.bind_connector_metadata(out.kv_connector_metadata)
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        sampled = {}
+        for req_id, start in starts.items():
+            request = sched.requests[req_id]
+            n = out.num_scheduled_tokens[req_id]
+            tokens = list(request.all_token_ids)
+            blocks = sched.kv_cache_manager.get_block_ids(req_id)[0]
+            self._check(tokens[:start], blocks)
+            self._compute(tokens, start, start + n, blocks)
+            if start + n >= request.num_prompt_tokens:  # a token is sampled
+                sampled[req_id] = 10 + sum(tokens) % 997
+        worker.wait_for_save()
+        if before_finish is not None:
+            before_finish()
+        sending, recving = worker.get_finished(out.finished_req_ids)
+        invalid = worker.get_block_ids_with_load_errors()
+        worker.clear_connector_metadata()
+        ids = list(starts)
+        result = ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in ids],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid
+            ),
+        )
+        for req_id in sampled:
+            self.outputs[req_id].append(sampled[req_id])
+        sched.update_from_output(out, result)
+        return out
+
+    def run(self, max_steps: int = 200) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError("the requests did not finish")
+
+    def _compute(self, tokens: list[int], start: int, end: int, blocks: list[int]) -> None:
+        for i in range(start, end):
+            kv = kv_of(tuple(tokens[: i + 1]))
+            for cache in self.caches.values():
+                cache[blocks[i // BLOCK], :, i % BLOCK] = kv
+
+    def _check(self, tokens: list[int], blocks: list[int]) -> None:
+        """Every computed token holds its prefix's K/V in every layer."""
+        import torch
+
+        for i in range(len(tokens)):
+            want = kv_of(tuple(tokens[: i + 1])).to(torch.bfloat16)
+            for name, cache in self.caches.items():
+                got = cache[blocks[i // BLOCK], :, i % BLOCK]
+                assert torch.equal(got, want), f"wrong K/V for token {i} in {name}"
+        self.checked_tokens += len(tokens)
+
+    def blocks_in_use(self) -> int:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.connector.shutdown()
+
+
+@pytest.fixture
+def engine_factory(vllm_model_dir: Any) -> Iterator[Callable[..., Engine]]:
+    engines: list[Engine] = []
+
+    def make(**kwargs: Any) -> Engine:
+        engine = Engine(vllm_model_dir, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def prompt(seed: int, blocks: int, extra: int = 5) -> list[int]:
+    return [100 + (seed * 7919 + i * 31) % 20000 for i in range(blocks * BLOCK + extra)]
+
+
+def stats(engine: Engine) -> dict[str, int]:
+    return dict(engine.connector.get_compression_stats()["connector"])
+
+
+class GatedLoader:
+    """An executor that runs submitted loads only when the test says, in the order it says:
+    the connector's background loads, finishing when a slow disk or server would let them."""
+
+    def __init__(self) -> None:
+        self.pending: list[Callable[[], None]] = []
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self.pending.append(lambda: fn(*args))
+
+    def run(self, index: int) -> None:
+        self.pending.pop(index)()
+
+    def shutdown(self, wait: bool = True) -> None:
+        while self.pending:
+            self.run(0)
+
+
+def test_chunked_prefill_and_preemption_reload_the_right_kv(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    """Prompts prefilled in chunks in a pool too small for all of them: vLLM preempts some and
+    resumes them later; the connector loads what it saved of their prompts into the new blocks
+    (vLLM's own prefix cache is off here, so that only kvtier can serve them). Every token read
+    holds its prefix's K/V."""
+    engine = engine_factory(num_blocks=16, max_tokens_per_step=2 * BLOCK, prefix_caching=False)
+    for i in range(4):
+        engine.add(f"r{i}", prompt(i, 3), max_tokens=80)
+    engine.run()
+    assert engine.preempted > 0 and engine.blocks_in_use() == 0
+    counters = stats(engine)
+    assert counters["saved_blocks"] >= 4 * 3
+    assert counters["loaded_blocks"] > 0, counters  # a resumed request loaded its prompt
+    assert counters["load_errors"] == 0
+    assert all(len(out) == 80 for out in engine.outputs.values())
+
+
+def saved_and_forgotten(engine: Engine, *prompts: list[int]) -> None:
+    """Runs ``prompts`` (the connector saves them), then empties vLLM's prefix cache."""
+    for i, p in enumerate(prompts):
+        engine.add(f"first-{i}", p)
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+
+
+def test_background_loads_that_finish_out_of_order(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    """Two requests whose prompts load in the background wait while a third runs; their loads
+    finish in the opposite order, and each request resumes when its own is done."""
+    engine = engine_factory(num_blocks=64, async_loads="always")
+    engine.worker._loader = loader = GatedLoader()
+    a, b, c = prompt(1, 3), prompt(2, 2), prompt(3, 2)
+    saved_and_forgotten(engine, a, b)
+    engine.add("a", a)
+    engine.add("b", b)
+    engine.step()
+    assert len(loader.pending) == 2  # both wait for their loads
+    engine.add("c", c)
+    engine.step()
+    assert engine.scheduler.requests["c"].num_computed_tokens > 0  # c runs meanwhile
+    engine.step(before_finish=lambda: loader.run(1))  # b's load finishes first
+    engine.step()
+    assert engine.outputs["b"] and not engine.outputs["a"]
+    engine.step(before_finish=lambda: loader.run(0))
+    engine.run()
+    counters = stats(engine)
+    assert counters["loaded_blocks"] == (len(a) - 1) // BLOCK + (len(b) - 1) // BLOCK
+    assert counters["load_errors"] == 0
+    assert engine.blocks_in_use() == 0
+
+
+def test_an_aborted_request_keeps_its_blocks_until_its_background_load_is_over(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    """A request aborted while its load runs keeps its blocks (the load writes into them) until
+    the worker reports the load over; a running request aborted mid-prefill frees at once."""
+    engine = engine_factory(num_blocks=64, async_loads="always")
+    engine.worker._loader = loader = GatedLoader()
+    saved_and_forgotten(engine, prompt(4, 3))
+    engine.add("a", prompt(4, 3))
+    engine.step()
+    assert len(loader.pending) == 1 and engine.blocks_in_use() > 0
+    engine.abort("a")
+    engine.step()
+    assert engine.blocks_in_use() > 0
+    engine.step(before_finish=lambda: loader.run(0))
+    assert engine.blocks_in_use() == 0 and not engine.scheduler.requests
+    engine.add("d", prompt(5, 6))
+    engine.step()
+    assert engine.blocks_in_use() > 0
+    engine.abort("d")
+    engine.run()
+    assert engine.blocks_in_use() == 0 and not engine.scheduler.requests
+
+
+def test_hits_on_disk_load_in_the_background_and_lost_files_are_recomputed(
+    engine_factory: Callable[..., Engine], tmp_path: Any
+) -> None:
+    """A host tier of four blocks with a disk tier behind it: blocks the core offloaded load in
+    the background (``async_loads`` auto), exactly. With the files gone, the blocks are load
+    errors reported with their request, and vLLM recomputes them."""
+    engine = engine_factory(
+        num_blocks=64, host_budget="16KiB", disk_budget="16MiB", disk_path=str(tmp_path)
+    )
+    a, b = prompt(6, 3), prompt(7, 3)
+    saved_and_forgotten(engine, a, b)
+    pools = {
+        (p["tier"], p["level"]): p["blocks"] for p in engine.worker.get_compression_stats()["pools"]
+    }
+    assert pools.get(("disk", 0), 0) > 0, pools
+    engine.add("a", a)
+    engine.step()
+    assert engine.scheduler.requests["a"].status.name == "WAITING_FOR_REMOTE_KVS"
+    engine.run()
+    counters = stats(engine)
+    assert counters["loaded_blocks"] == (len(a) - 1) // BLOCK and counters["load_errors"] == 0
+    assert engine.scheduler.reset_prefix_cache()
+    for f in tmp_path.rglob("*"):
+        if f.is_file():
+            f.unlink()
+    engine.add("a again", a)  # a's blocks, or b's, are on disk
+    engine.add("b", b)
+    engine.run()
+    after = stats(engine)
+    assert after["load_errors"] > 0
+    assert engine.blocks_in_use() == 0
