@@ -124,12 +124,15 @@ class Engine:
     def connector(self) -> Any:
         return self.scheduler.connector
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4) -> None:
+    def add(
+        self, req_id: str, prompt: list[int], max_tokens: int = 4, salt: str | None = None
+    ) -> None:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        self.scheduler.add_request(Request(req_id, prompt, params, None, block_hasher=self.hasher))
+        request = Request(req_id, prompt, params, None, cache_salt=salt, block_hasher=self.hasher)
+        self.scheduler.add_request(request)
         self.outputs[req_id] = []
 
     def abort(self, req_id: str) -> None:
@@ -362,3 +365,23 @@ def test_hits_on_disk_load_in_the_background_and_lost_files_are_recomputed(
     after = stats(engine)
     assert after["load_errors"] > 0
     assert engine.blocks_in_use() == 0
+
+
+def test_a_cache_salt_shares_blocks_with_its_own_salt_only(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    """Requests of a tenant (vLLM's ``cache_salt``) load what requests of the same salt saved,
+    never what another tenant or an unsalted request saved."""
+    engine = engine_factory(num_blocks=64)
+    a = prompt(8, 3)
+    engine.add("tenant-a", a, salt="a")
+    engine.run()
+    assert engine.scheduler.reset_prefix_cache()
+    loads = []
+    for req_id, salt in [("tenant-b", "b"), ("unsalted", None), ("tenant-a again", "a")]:
+        before = stats(engine)["loaded_blocks"]
+        engine.add(req_id, a, salt=salt)
+        engine.run()
+        loads.append(stats(engine)["loaded_blocks"] - before)
+        assert engine.scheduler.reset_prefix_cache()
+    assert loads == [0, 0, (len(a) - 1) // BLOCK]

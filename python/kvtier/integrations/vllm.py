@@ -36,7 +36,8 @@ when both share a process, else over the worker's Unix socket (:mod:`.worker_lin
 Supported: decoder-only models with full attention in one KV-cache group, tensor and pipeline
 parallel size 1. Refused with a clear error: hybrid and sliding-window models, MLA, several
 workers.
-Requests with a ``cache_salt`` are neither saved nor loaded (their keys would need the salt).
+A request's ``cache_salt`` seeds its blocks' hashes: requests share stored blocks (here, on
+disk, on the server) only with requests of the same salt.
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class LoadSpec:
     vLLM blocks ``block_ids`` (one per ``block_size`` tokens)."""
 
     req_id: str
+    salt: str | None  # the request's cache_salt
     tokens: list[int]
     start: int
     block_ids: list[int]
@@ -158,6 +160,7 @@ class SaveSpec:
     manager lacks, reading vLLM blocks ``block_ids``."""
 
     req_id: str
+    salt: str | None
     tokens: list[int]
     block_ids: list[int]
 
@@ -183,6 +186,7 @@ class _Hit:
 class _Request:
     """The scheduler's view of a running request."""
 
+    salt: str | None
     tokens: list[int]
     block_ids: list[int]
     saved: int = 0  # prompt tokens sent to the worker for saving
@@ -291,6 +295,8 @@ class KVTierConnector(KVConnectorBase_V1):
         # scheduler side
         self._requests: dict[str, _Request] = {}
         self._hits: dict[str, _Hit] = {}
+        #: each admitted request's cache_salt (a request of unknown salt is never saved)
+        self._salts: dict[str, str | None] = {}
         self._loads: list[LoadSpec] = []
         self._finish_saves: list[SaveSpec] = []
         self._link: Link | None = None
@@ -442,7 +448,7 @@ class KVTierConnector(KVConnectorBase_V1):
         manager = tiers.manager
         ok = 0  # blocks of load.block_ids written
         try:
-            seq = manager.add_sequence(load.tokens)
+            seq = manager.add_sequence(load.tokens, salt=load.salt)
         except KvtierError as exc:
             log.warning("kvtier: load of request %s failed (%s); recomputing", load.req_id, exc)
         else:
@@ -503,7 +509,7 @@ class KVTierConnector(KVConnectorBase_V1):
         tiers = self.tiers
         manager = tiers.manager
         try:
-            seq = manager.add_sequence(save.tokens)
+            seq = manager.add_sequence(save.tokens, salt=save.salt)
         except KvtierError as exc:  # a save that fails is a future miss, nothing worse
             log.warning("kvtier: save of request %s failed (%s)", save.req_id, exc)
             tiers.counters.save_failures += 1
@@ -530,12 +536,13 @@ class KVTierConnector(KVConnectorBase_V1):
         """Tokens beyond vLLM's own hit the tiers can load; loaded in the background (the
         request waits, others run) when some of them are on disk or on the server
         (``async_loads``: ``auto``), or always, or never."""
-        if not self._loads_kv or request.cache_salt is not None:
+        salt = self._salts[request.request_id] = request.cache_salt or None
+        if not self._loads_kv:
             return 0, False
         tokens = list(request.prompt_token_ids or [])
         # vLLM computes at least the prompt's last token itself.
         try:
-            hit, resident = self.link.lookup(tokens[: len(tokens) - 1])
+            hit, resident = self.link.lookup(tokens[: len(tokens) - 1], salt)
         except KvtierError as exc:
             log.warning("kvtier: lookup failed (%s); a miss", exc)
             return 0, False
@@ -564,7 +571,9 @@ class KVTierConnector(KVConnectorBase_V1):
         # A synchronous load runs before the step's saves: what the lookup found is there (a
         # background one may find less, which is a load error: recomputed).
         tokens = list(request.prompt_token_ids or [])[:end]
-        self._loads.append(LoadSpec(request.request_id, tokens, start, block_ids, hit.background))
+        salt = self._salts.get(request.request_id)
+        load = LoadSpec(request.request_id, salt, tokens, start, block_ids, hit.background)
+        self._loads.append(load)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVTierMetadata(loads=self._loads, saves=self._finish_saves)
@@ -572,9 +581,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._loads, self._finish_saves = [], []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            if new.prompt_token_ids is None:
-                continue  # prompt embeddings: no token ids to key them by
-            req = _Request(list(new.prompt_token_ids), list(new.block_ids[0]))
+            if new.prompt_token_ids is None or new.req_id not in self._salts:
+                continue  # prompt embeddings (no token ids to key them by), or salt unknown
+            salt = self._salts[new.req_id]
+            req = _Request(salt, list(new.prompt_token_ids), list(new.block_ids[0]))
             self._requests[new.req_id] = req
             self._plan_save(meta, new.req_id, req, new.num_computed_tokens + scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
@@ -590,6 +600,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._plan_save(meta, req_id, known, cached.num_computed_tokens[i] + scheduled[req_id])
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
+            self._salts.pop(req_id, None)
         return meta
 
     def _plan_save(self, meta: KVTierMetadata, req_id: str, req: _Request, computed: int) -> None:
@@ -601,7 +612,7 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         req.saved = end
         blocks = end // self._block_size
-        meta.saves.append(SaveSpec(req_id, req.tokens[:end], req.block_ids[:blocks]))
+        meta.saves.append(SaveSpec(req_id, req.salt, req.tokens[:end], req.block_ids[:blocks]))
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -611,15 +622,15 @@ class KVTierConnector(KVConnectorBase_V1):
         them until then."""
         req = self._requests.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
+        self._salts.pop(request.request_id, None)
         if req is None or not self._saves_kv:
             return False, None
         tokens = list(request.all_token_ids)[: request.num_computed_tokens]
         end = len(tokens) // self._block_size * self._block_size
         if end <= req.saved or len(block_ids) < end // self._block_size:
             return False, None
-        save = SaveSpec(
-            request.request_id, tokens[:end], list(block_ids[: end // self._block_size])
-        )
+        blocks = list(block_ids[: end // self._block_size])
+        save = SaveSpec(request.request_id, req.salt, tokens[:end], blocks)
         self._finish_saves.append(save)
         return True, None
 

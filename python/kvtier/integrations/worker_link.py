@@ -62,13 +62,13 @@ class WorkerTiers:
     caches: list[torch.Tensor]
     counters: Counters = field(default_factory=Counters)
 
-    def lookup(self, tokens: list[int]) -> tuple[int, int]:
-        """Leading tokens of ``tokens`` the tiers can load (whole blocks), and how many of them
-        lie in host memory (the manager's device tier), to be copied at once; the rest are on
-        disk or on the server."""
+    def lookup(self, tokens: list[int], salt: str | None = None) -> tuple[int, int]:
+        """Leading tokens of ``tokens`` (a request of cache salt ``salt``) the tiers can load
+        (whole blocks), and how many of them lie in host memory (the manager's device tier), to
+        be copied at once; the rest are on disk or on the server."""
         manager = self.manager
-        hit = manager.lookup(tokens)
-        blocks = manager.core.lookup_tokens(tokens)[: hit // manager.block_size]
+        hit = manager.lookup(tokens, salt=salt)
+        blocks = manager.core.lookup_tokens(tokens, salt)[: hit // manager.block_size]
         away = np.flatnonzero(manager.core.block_info(blocks)["tier"] != 0)
         resident = int(away[0]) if len(away) else len(blocks)
         return hit, resident * manager.block_size
@@ -80,7 +80,7 @@ class WorkerTiers:
 
 
 class Link(Protocol):
-    def lookup(self, tokens: list[int]) -> tuple[int, int]: ...
+    def lookup(self, tokens: list[int], salt: str | None = None) -> tuple[int, int]: ...
     def stats(self) -> dict[str, Any]: ...
 
 
@@ -140,7 +140,7 @@ def _answer(conn: Connection, tiers: WorkerTiers) -> None:
                 return
             try:
                 if op == "lookup":
-                    conn.send(("ok", tiers.lookup(arg)))
+                    conn.send(("ok", tiers.lookup(*arg)))
                 elif op == "stats":
                     conn.send(("ok", tiers.stats()))
                 else:
@@ -179,8 +179,8 @@ class _SocketLink:
             raise KvtierError(f"the worker's tiers failed: {value}")
         return value
 
-    def lookup(self, tokens: list[int]) -> tuple[int, int]:
-        hit, resident = self._ask("lookup", tokens)
+    def lookup(self, tokens: list[int], salt: str | None = None) -> tuple[int, int]:
+        hit, resident = self._ask("lookup", (tokens, salt))
         return int(hit), int(resident)
 
     def stats(self) -> dict[str, Any]:
