@@ -448,6 +448,27 @@ def test_evict_on_full_makes_room_from_cached_blocks() -> None:
     assert torch.equal(bm.gather(b, 1)[0], x[1, 0])
 
 
+def test_a_sequence_freed_before_any_step_leaves_its_blocks_ranked_by_their_learned_scores() -> (
+    None
+):
+    """A save (add, write, score, free, as the vLLM connector does) never lives through a
+    plan: its cached blocks are still ranked by the scores it set, so the lowest-scored go
+    first when room is needed. Scores may start at any block (the blocks a save added)."""
+    bm = manager(device_blocks=4, enable_compression=False, weights=(0.0, 1.0, 0.0))
+    a = bm.add_sequence(np.arange(4 * BS))
+    append_all(bm, a, kv(4 * BS, seed=15))
+    bm.set_learned_scores(a, [9.0, 0.5, 0.0, 0.0])
+    bm.set_learned_scores(a, [5.0, 1.0], first_block=2)  # blocks 2 and 3
+    with pytest.raises(InvalidArgumentError, match="first_block: expected 0 to 4"):
+        bm.set_learned_scores(a, [1.0], first_block=5)
+    bm.free(a)
+    b = bm.add_sequence()
+    append_all(bm, b, kv(2 * BS, seed=16))  # evicts two cached blocks: the two lowest-scored
+    assert bm.get_compression_stats()["evictions"] == 2
+    assert bm.lookup(np.arange(BS)) == BS  # block 0 (9.0) is kept, block 1 (0.5) is not
+    assert bm.lookup(np.arange(2 * BS)) == BS
+
+
 def poison(x: Any, value: float = float("nan")) -> Any:
     """A copy of ``x`` with one element (in its last token) non-finite."""
     y = x.clone()

@@ -385,3 +385,54 @@ def test_a_cache_salt_shares_blocks_with_its_own_salt_only(
         loads.append(stats(engine)["loaded_blocks"] - before)
         assert engine.scheduler.reset_prefix_cache()
     assert loads == [0, 0, (len(a) - 1) // BLOCK]
+
+
+def first_channel_scorer(layer: int, keys: Any) -> Any:
+    """A stand-in for a learned probe: a block's mean first key channel (shifted to be
+    non-negative: the stand-in model's K lies in [-128, 127])."""
+    return keys[..., 0].float().mean(dim=(1, 2)) + 128
+
+
+def test_a_learned_scorer_decides_which_saved_blocks_keep_full_precision(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    """With ``"scorer"`` (and the importance weights on the learned signal only), the blocks
+    the host tier demotes to make room are those the scorer ranks lowest: within each prompt,
+    every block still at bf16 scored above every block at int8."""
+    engine = engine_factory(
+        num_blocks=64,
+        host_budget="40KiB",
+        ladder="bf16,int8",
+        weights="0,1,0",
+        scorer="test_vllm_scheduler:first_channel_scorer",
+    )
+    prompts = [prompt(20 + i, 4) for i in range(4)]
+    for i, p in enumerate(prompts):
+        engine.add(f"p{i}", p)
+    engine.run()
+    manager = engine.worker.tiers.manager
+    mixed = 0
+    for p in prompts:
+        blocks = manager.core.lookup_tokens(p)
+        levels = manager.core.block_info(blocks)["level"].tolist()
+        scores = [
+            float(
+                sum(
+                    kv_of(tuple(p[: i + 1]))[:, 0].mean() for i in range(j * BLOCK, (j + 1) * BLOCK)
+                )
+            )
+            for j in range(len(blocks))
+        ]
+        kept = [s for s, level in zip(scores, levels, strict=True) if level == 0]
+        demoted = [s for s, level in zip(scores, levels, strict=True) if level == 1]
+        if kept and demoted:
+            mixed += 1
+            assert min(kept) > max(demoted), (levels, scores)
+    assert mixed > 0
+
+
+def test_a_scorer_that_is_not_importable_is_refused(vllm_model_dir: Any) -> None:
+    from kvtier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="scorer: expected 'package"):
+        Engine(vllm_model_dir, num_blocks=8, scorer="no_such_module:score")

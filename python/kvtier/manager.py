@@ -717,15 +717,22 @@ class BlockManager:
             blocks = self.core.sequence_blocks(seq)[: len(mass)]
             self.core.record_attention(blocks, mass.astype(np.float32))
 
-    def set_learned_scores(self, seq: int, scores: Any) -> None:
-        """A learned importance score per block of ``seq`` (e.g. from a probe on its keys)."""
+    def set_learned_scores(self, seq: int, scores: Any, first_block: int = 0) -> None:
+        """A learned importance score per block of ``seq`` (e.g. from a probe on its keys),
+        from its block ``first_block`` on (default: every block)."""
         values = np.asarray(scores, dtype=np.float32).reshape(-1)
         with self._lock:
             blocks = self.core.sequence_blocks(self._seq_id(seq))
+            if not 0 <= first_block <= len(blocks):
+                raise InvalidArgumentError(
+                    f"first_block: expected 0 to {len(blocks)} (sequence {seq} has {len(blocks)} "
+                    f"blocks), got {first_block}"
+                )
+            blocks = blocks[first_block:]
             if len(values) != len(blocks) or not np.isfinite(values).all():
                 raise InvalidArgumentError(
                     f"scores: expected {len(blocks)} finite scores (one per block of sequence "
-                    f"{seq}), got {len(values)}"
+                    f"{seq} from block {first_block}), got {len(values)}"
                 )
             self.core.set_learned(blocks, values)
 

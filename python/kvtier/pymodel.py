@@ -926,6 +926,8 @@ class ModelCore:
         s = self.seqs.pop(seq, None)
         if s is None:
             raise InvalidSequenceError(f"unknown sequence {seq}: not created or already freed")
+        if self.policy == "importance":  # cached blocks keep their last normalised importance
+            self._normalise_importance(s.blocks)
         for b in s.blocks:
             self.refcount[b] -= 1
             self._refresh(b)

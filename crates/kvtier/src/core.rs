@@ -1356,6 +1356,12 @@ impl Core {
             .seqs
             .remove(&seq)
             .ok_or(Error::UnknownSequence { seq })?;
+        if self.cfg.policy == PolicyKind::Importance {
+            // Cached blocks are ranked by the importance they keep from their last sequence:
+            // normalise it now, or a sequence freed before any plan (a save: add, write, free)
+            // would leave its blocks unranked by magnitude and learned scores.
+            self.normalise_importance(&s.blocks);
+        }
         let pools = self.pool_map();
         let mut orphans = std::mem::take(&mut self.orphans);
         let Core {

@@ -394,7 +394,7 @@ impl Core {
 
     /// Min-max normalises each importance signal over the blocks of one sequence and combines
     /// them with the configured weights; a signal a block lacks gives its weight to the others.
-    fn normalise_importance(&mut self, blocks: &[u32]) {
+    pub(crate) fn normalise_importance(&mut self, blocks: &[u32]) {
         use crate::stats::{KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
         const BITS: [u8; 3] = [KNOWN_MAGNITUDE, KNOWN_LEARNED, KNOWN_ATTENTION];
         let weights = self.cfg.weights;

@@ -17,7 +17,7 @@ rather than guessed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -145,11 +145,13 @@ def save_blocks(
     caches: Sequence[torch.Tensor],
     seq: int,
     block_ids: Sequence[int],
+    on_keys: Callable[[int, torch.Tensor], None] | None = None,
 ) -> int:
     """Appends to manager sequence ``seq`` the K/V it lacks among whole paged blocks
     ``block_ids`` (the sequence's blocks from its first token; its token ids declared), reading
     each layer's cache once, in one gather per layer. Returns the blocks written at the last
-    layer (those a cached prefix already held are skipped)."""
+    layer (those a cached prefix already held are skipped). ``on_keys(layer, keys)`` sees the
+    keys of the blocks appended at each layer, ``[blocks, block_size, kv_heads, head_dim]``."""
     torch = torch_module()
     bs = layout.block_size
     end = len(block_ids) * bs
@@ -166,6 +168,8 @@ def save_blocks(
         kv = layout.read(cache, ids).to(manager.device)
         manager.append(seq, layer, kv[0], kv[1])
         written = len(ids)
+        if on_keys is not None:
+            on_keys(layer, kv[0].view(written, bs, layout.num_kv_heads, layout.head_dim))
     return written
 
 

@@ -27,8 +27,10 @@ saved blocks loads them into the blocks vLLM allocated for it instead of recompu
   ``get_block_ids_with_load_errors`` and vLLM recomputes it: a miss, never wrong K/V (the
   connector sets vLLM's ``kv_load_failure_policy`` to ``recompute`` unless
   ``kv_connector_extra_config`` says ``"load_failure_policy": "fail"``).
-- **Importance**: key magnitude at save time and access frequency from hits; vLLM exposes no
-  attention weights to connectors, so that signal's weight is renormalised away.
+- **Importance**: key magnitude at save time, access frequency from hits and, with
+  ``"scorer": "package.module:function"``, a learned score of each saved block's keys (see
+  :func:`_import_scorer`); vLLM exposes no attention weights to connectors, so that signal's
+  weight is renormalised away.
 
 The tiers live with the worker; the scheduler asks them how much of a prompt they hold, directly
 when both share a process, else over the worker's Unix socket (:mod:`.worker_link`).
@@ -42,12 +44,13 @@ disk, on the server) only with requests of the same salt.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import queue
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..config import ENV_VARS, KvtierConfig, parse_bytes
 from ..errors import ConfigError, KvtierError, require
@@ -83,7 +86,7 @@ __all__ = ["KVTierConnector", "KVTierMetadata", "KVTierStats", "connector_config
 #: The host tier's budget when the extra config names none.
 DEFAULT_HOST_BUDGET = "2GiB"
 #: Keys of ``kv_connector_extra_config`` that are the connector's own, not KvtierConfig fields.
-CONNECTOR_KEYS = frozenset({"load_failure_policy", "async_loads"})
+CONNECTOR_KEYS = frozenset({"load_failure_policy", "async_loads", "scorer"})
 #: ``async_loads``: when a hit loads in the worker's background while the request waits.
 ASYNC_LOADS = ("auto", "always", "never")
 _VARS = {var.field: var for var in ENV_VARS}
@@ -292,6 +295,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"async_loads: expected one of {', '.join(ASYNC_LOADS)}, "
                 f"got {extra['async_loads']!r}"
             )
+        self._scorer = _import_scorer(extra.get("scorer"))
         # scheduler side
         self._requests: dict[str, _Request] = {}
         self._hits: dict[str, _Hit] = {}
@@ -514,15 +518,39 @@ class KVTierConnector(KVConnectorBase_V1):
             log.warning("kvtier: save of request %s failed (%s)", save.req_id, exc)
             tiers.counters.save_failures += 1
             return
+        first = manager.num_tokens(seq) // self._block_size  # blocks the tiers held already
+        scores: list[torch.Tensor] = []
+
+        def score(layer: int, keys: torch.Tensor) -> None:
+            scores.append(self._score(save.req_id, layer, keys))
+
+        on_keys = None if self._scorer is None else score
         try:
-            tiers.counters.saved_blocks += save_blocks(
-                manager, tiers.layout, tiers.caches, seq, save.block_ids
-            )
+            saved = save_blocks(manager, tiers.layout, tiers.caches, seq, save.block_ids, on_keys)
+            tiers.counters.saved_blocks += saved
+            if scores and all(len(x) == saved for x in scores):  # mean over the layers
+                manager.set_learned_scores(seq, torch.stack(scores).mean(0).numpy(), first)
         except KvtierError as exc:
             log.warning("kvtier: save of request %s failed (%s)", save.req_id, exc)
             tiers.counters.save_failures += 1
         finally:
             manager.free(seq)
+
+    def _score(self, req_id: str, layer: int, keys: torch.Tensor) -> torch.Tensor:
+        """The user's scorer on one layer's keys of the blocks saved; a failing scorer leaves
+        them unscored (the other signals rank them)."""
+        assert self._scorer is not None
+        try:
+            scores = torch.as_tensor(self._scorer(layer, keys), dtype=torch.float32)
+            scores = scores.reshape(-1).cpu()
+            if len(scores) != len(keys) or not bool((torch.isfinite(scores) & (scores >= 0)).all()):
+                raise ValueError(
+                    f"expected {len(keys)} finite non-negative scores, got {scores.tolist()}"
+                )
+        except Exception as exc:
+            log.warning("kvtier: scorer failed on request %s, layer %d: %s", req_id, layer, exc)
+            return torch.empty(0)
+        return scores
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -659,6 +687,26 @@ def _attention_spec(kv_cache_config: KVCacheConfig) -> Any:
     if getattr(spec, "sliding_window", None):
         raise ConfigError("KVTierConnector does not support sliding-window attention yet")
     return spec
+
+
+def _import_scorer(path: object) -> Callable[[int, torch.Tensor], Any] | None:
+    """``"package.module:function"``: the learned importance of the blocks saved,
+    ``function(layer, keys)`` with ``keys`` ``[blocks, block_size, kv_heads, head_dim]`` →
+    one finite, non-negative score per block (higher: kept at higher precision); averaged over
+    layers."""
+    if path is None:
+        return None
+    module, _, name = str(path).partition(":")
+    try:
+        scorer = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(
+            f"scorer: expected 'package.module:function' naming an importable function, got "
+            f"{path!r} ({exc})"
+        ) from None
+    if not callable(scorer):
+        raise ConfigError(f"scorer: {path!r} is not callable")
+    return cast("Callable[[int, torch.Tensor], Any]", scorer)
 
 
 def _backend_name(vllm_config: VllmConfig, layer_name: str) -> str:
