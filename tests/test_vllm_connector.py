@@ -160,6 +160,69 @@ if __name__ == "__main__":
 """
 
 
+#: A tensor-parallel engine (3 workers, one of SmolLM2's 3 KV heads each) in a process of its
+#: own: two passes over the prompts, vLLM's prefix cache emptied between them.
+TENSOR_PARALLEL = """
+import json, os, sys
+sys.path.insert(0, sys.argv[2])
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # 3 workers on a machine of 1 NUMA node
+from test_vllm_connector import connector, counter, generate, make_engine
+
+if __name__ == "__main__":
+    prompts = json.load(sys.stdin)
+    llm = make_engine(
+        sys.argv[1], engine={"tensor_parallel_size": 3}, host_budget="64MiB", ladder="bf16"
+    )
+    first = generate(llm, prompts)
+    llm.reset_prefix_cache()
+    second = generate(llm, prompts)
+    print("RESULT", json.dumps({
+        "first": [list(o.token_ids) for o in first],
+        "second": [list(o.token_ids) for o in second],
+        "external_hits": counter(llm, "vllm:external_prefix_cache_hits"),
+        "stats": connector(llm).get_compression_stats(),
+    }))
+"""
+
+
+def run_script(script: str, tmp_path: Any, *args: str, stdin: Any) -> dict[str, Any]:
+    """Runs ``script`` in a Python process of its own (with this directory importable) and
+    returns the JSON it printed after ``RESULT``."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    done = subprocess.run(
+        [sys.executable, str(path), *args, str(Path(__file__).parent)],
+        input=json.dumps(stdin),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    [result] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    out: dict[str, Any] = json.loads(result.removeprefix("RESULT "))
+    return out
+
+
+def test_a_tensor_parallel_engine_saves_and_loads_each_ranks_shard(
+    vllm_model_dir: Any, prompts: list[list[int]], tmp_path: Any
+) -> None:
+    """vLLM with three tensor-parallel CPU workers: each rank saves its own KV head's shard
+    and the second pass loads every rank's shard, with the tokens of the first (recompute)."""
+    got = run_script(TENSOR_PARALLEL, tmp_path, str(vllm_model_dir), stdin=prompts[:2])
+    assert got["second"] == got["first"]
+    loadable = sum(loadable_blocks(p) for p in prompts[:2])
+    assert got["external_hits"] == BLOCK * loadable
+    ranks = got["stats"]["ranks"]
+    assert [r["connector"]["loaded_blocks"] for r in ranks] == [loadable] * 3
+    assert [r["pools"][0]["bytes"] for r in ranks] == [ranks[0]["pools"][0]["bytes"]] * 3
+
+
 @pytest.mark.redis
 def test_a_decode_engine_loads_a_prefill_process_kv_through_redis_and_survives_faults(
     vllm_model_dir: Any, prompts: list[list[int]], tmp_path: Any
@@ -170,11 +233,7 @@ def test_a_decode_engine_loads_a_prefill_process_kv_through_redis_and_survives_f
     own tiers) loads them from the server and generates the same tokens. Then the faults:
     values damaged on the server fail their checksum and are recomputed; the server killed
     mid-run is a miss, not a hang."""
-    import json
-    import subprocess
-    import sys
     import time
-    from pathlib import Path
 
     import redis
     from conftest import local_redis
@@ -182,25 +241,7 @@ def test_a_decode_engine_loads_a_prefill_process_kv_through_redis_and_survives_f
     server = local_redis()
     try:
         raw = redis.Redis.from_url(server.url)
-        script = tmp_path / "producer.py"
-        script.write_text(PRODUCER)
-        done = subprocess.run(
-            [
-                sys.executable,
-                str(script),
-                str(vllm_model_dir),
-                server.url,
-                str(Path(__file__).parent),
-            ],
-            input=json.dumps(prompts),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        [result] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        produced = json.loads(result.removeprefix("RESULT "))
+        produced = run_script(PRODUCER, tmp_path, str(vllm_model_dir), server.url, stdin=prompts)
         want = produced["first"]
         assert produced["second"] == want
         assert produced["external_hits"] == BLOCK * sum(loadable_blocks(p) for p in prompts)

@@ -13,6 +13,7 @@ K/V anywhere fails the test at the step it would have been read."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +23,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 BLOCK = 32
-HEADS = 2
+HEADS = 3  # SmolLM2's KV heads (its config is the model's: 9 query heads)
 HEAD_DIM = 8
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
@@ -46,17 +47,22 @@ class Engine:
         num_blocks: int,
         max_tokens_per_step: int = 4 * BLOCK,
         prefix_caching: bool = True,
+        tensor_parallel: int = 1,
         **extra: Any,
     ) -> None:
+        import copy
+
         import torch
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
             KVTransferConfig,
             ModelConfig,
+            ParallelConfig,
             SchedulerConfig,
             VllmConfig,
         )
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -84,6 +90,7 @@ class Engine:
                 kv_connector_extra_config={"ladder": "bf16", **extra},
             ),
             device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel),
         )
         config.cache_config.num_gpu_blocks = num_blocks
         # What the model's attention layers tell connectors: their backend (here a CUDA one's
@@ -93,8 +100,10 @@ class Engine:
             config.compilation_config.static_forward_context[name] = SimpleNamespace(
                 attn_backend=backend
             )
+        # Each tensor-parallel worker holds its share of the KV heads.
+        self.heads = HEADS // tensor_parallel
         spec = FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16
+            block_size=BLOCK, num_kv_heads=self.heads, head_size=HEAD_DIM, dtype=torch.bfloat16
         )
         kv_config = KVCacheConfig(
             num_blocks=num_blocks,
@@ -110,12 +119,21 @@ class Engine:
             block_size=BLOCK,
             log_stats=True,
         )
-        self.worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_config)
-        self.caches = {
-            name: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
-            for name in LAYERS
-        }
-        self.worker.register_kv_caches(self.caches)
+        self.workers, self.caches = [], []
+        for rank in range(tensor_parallel):
+            worker_config = copy.copy(config)
+            worker_config.parallel_config = copy.copy(config.parallel_config)
+            worker_config.parallel_config.rank = rank
+            worker = KVTierConnector(worker_config, KVConnectorRole.WORKER, kv_config)
+            caches = {
+                name: torch.zeros(num_blocks, self.heads, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
+                for name in LAYERS
+            }
+            worker.register_kv_caches(caches)
+            self.workers.append(worker)
+            self.caches.append(caches)
+        # vLLM's own merge of the workers' reports (a request is done when every rank says so).
+        self.aggregator = KVOutputAggregator(tensor_parallel)
         self.outputs: dict[str, list[int]] = {}
         self.checked_tokens = 0
         self.preempted = 0
@@ -123,6 +141,11 @@ class Engine:
     @property
     def connector(self) -> Any:
         return self.scheduler.connector
+
+    @property
+    def worker(self) -> Any:
+        """Rank 0's worker-side connector."""
+        return self.workers[0]
 
     def add(
         self, req_id: str, prompt: list[int], max_tokens: int = 4, salt: str | None = None
@@ -141,15 +164,16 @@ class Engine:
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
     def step(self, before_finish: Callable[[], None] | None = None) -> Any:
-        """One engine step: schedule, load, check and compute, save, report back."""
+        """One engine step: schedule, load, check and compute, save, report back (every
+        tensor-parallel worker does each; ``before_finish`` runs before they report)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         sched = self.scheduler
         out = sched.schedule()
         self.preempted += len(out.preempted_req_ids or ())
-        worker = self.worker
-        worker.bind_connector_metadata(out.kv_connector_metadata)
-        worker.start_load_kv(None)  # type: ignore[arg-type]
+        for worker in self.workers:
+            worker.bind_connector_metadata(out.kv_connector_metadata)
+            worker.start_load_kv(None)
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -163,56 +187,73 @@ class Engine:
             self._compute(tokens, start, start + n, blocks)
             if start + n >= request.num_prompt_tokens:  # a token is sampled
                 sampled[req_id] = 10 + sum(tokens) % 997
-        worker.wait_for_save()
+        for worker in self.workers:
+            worker.wait_for_save()
         if before_finish is not None:
             before_finish()
-        sending, recving = worker.get_finished(out.finished_req_ids)
-        invalid = worker.get_block_ids_with_load_errors()
-        worker.clear_connector_metadata()
         ids = list(starts)
-        result = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in ids],
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid
-            ),
-        )
+        results = []
+        for worker in self.workers:
+            sending, recving = worker.get_finished(out.finished_req_ids)
+            invalid = worker.get_block_ids_with_load_errors()
+            worker.clear_connector_metadata()
+            results.append(
+                ModelRunnerOutput(
+                    req_ids=ids,
+                    req_id_to_index={r: i for i, r in enumerate(ids)},
+                    sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in ids],
+                    kv_connector_output=KVConnectorOutput(
+                        finished_sending=sending,
+                        finished_recving=recving,
+                        invalid_block_ids=invalid,
+                    ),
+                )
+            )
         for req_id in sampled:
             self.outputs[req_id].append(sampled[req_id])
-        sched.update_from_output(out, result)
+        sched.update_from_output(out, self.aggregator.aggregate(results))
         return out
 
-    def run(self, max_steps: int = 200) -> None:
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests():
-                return
-            self.step()
-        raise AssertionError("the requests did not finish")
+    def run(self, timeout: float = 60.0) -> None:
+        """Steps until every request is done; a step with nothing to run waits a little for
+        background loads (real threads)."""
+        deadline = time.monotonic() + timeout
+        while self.scheduler.has_requests():
+            assert time.monotonic() < deadline, "the requests did not finish"
+            if not self.step().total_num_scheduled_tokens:
+                time.sleep(0.01)
 
     def _compute(self, tokens: list[int], start: int, end: int, blocks: list[int]) -> None:
         for i in range(start, end):
             kv = kv_of(tuple(tokens[: i + 1]))
-            for cache in self.caches.values():
-                cache[blocks[i // BLOCK], :, i % BLOCK] = kv
+            for rank, caches in enumerate(self.caches):
+                for cache in caches.values():
+                    cache[blocks[i // BLOCK], :, i % BLOCK] = kv[self._heads(rank)]
 
     def _check(self, tokens: list[int], blocks: list[int]) -> None:
-        """Every computed token holds its prefix's K/V in every layer."""
+        """Every computed token holds its prefix's K/V in every layer of every rank."""
         import torch
 
         for i in range(len(tokens)):
             want = kv_of(tuple(tokens[: i + 1])).to(torch.bfloat16)
-            for name, cache in self.caches.items():
-                got = cache[blocks[i // BLOCK], :, i % BLOCK]
-                assert torch.equal(got, want), f"wrong K/V for token {i} in {name}"
+            for rank, caches in enumerate(self.caches):
+                for name, cache in caches.items():
+                    got = cache[blocks[i // BLOCK], :, i % BLOCK]
+                    assert torch.equal(got, want[self._heads(rank)]), (
+                        f"wrong K/V for token {i} in {name} of rank {rank}"
+                    )
         self.checked_tokens += len(tokens)
+
+    def _heads(self, rank: int) -> slice:
+        return slice(rank * self.heads, (rank + 1) * self.heads)
 
     def blocks_in_use(self) -> int:
         pool = self.scheduler.kv_cache_manager.block_pool
         return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         self.connector.shutdown()
 
 
@@ -341,7 +382,7 @@ def test_hits_on_disk_load_in_the_background_and_lost_files_are_recomputed(
     the background (``async_loads`` auto), exactly. With the files gone, the blocks are load
     errors reported with their request, and vLLM recomputes them."""
     engine = engine_factory(
-        num_blocks=64, host_budget="16KiB", disk_budget="16MiB", disk_path=str(tmp_path)
+        num_blocks=64, host_budget="24KiB", disk_budget="16MiB", disk_path=str(tmp_path)
     )
     a, b = prompt(6, 3), prompt(7, 3)
     saved_and_forgotten(engine, a, b)
@@ -401,8 +442,9 @@ def test_a_learned_scorer_decides_which_saved_blocks_keep_full_precision(
     every block still at bf16 scored above every block at int8."""
     engine = engine_factory(
         num_blocks=64,
-        host_budget="40KiB",
+        host_budget="60KiB",
         ladder="bf16,int8",
+        pool_shares="0.5,0.5",
         weights="0,1,0",
         scorer="test_vllm_scheduler:first_channel_scorer",
     )
@@ -436,3 +478,43 @@ def test_a_scorer_that_is_not_importable_is_refused(vllm_model_dir: Any) -> None
 
     with pytest.raises(ConfigError, match="scorer: expected 'package"):
         Engine(vllm_model_dir, num_blocks=8, scorer="no_such_module:score")
+
+
+def test_tensor_parallel_ranks_store_their_own_heads_and_a_rank_that_lost_blocks_recomputes(
+    engine_factory: Callable[..., Engine], tmp_path: Any
+) -> None:
+    """Three tensor-parallel workers (SmolLM2's 9 heads), one KV head each: each saves and
+    loads its own shard in tiers of its own (a namespace and a disk directory per rank). The
+    scheduler's hit is the shortest of theirs. When one rank's blocks are gone, vLLM (its own
+    merge of the workers' reports) recomputes them on every rank."""
+    engine = engine_factory(
+        num_blocks=64,
+        tensor_parallel=3,
+        host_budget="8KiB",
+        disk_budget="16MiB",
+        disk_path=str(tmp_path),
+    )
+    ranks = engine.workers
+    namespaces = [w.tiers.manager.config.namespace.split("|")[5] for w in ranks]
+    assert namespaces == ["tp0of3", "tp1of3", "tp2of3"]
+    a, b = prompt(9, 3), prompt(10, 3)
+    saved_and_forgotten(engine, a, b)
+    for w in ranks:
+        assert w.tiers.lookup(a[:-1])[0] == 3 * BLOCK
+    assert sorted(d.name for d in tmp_path.iterdir()) == ["tp0", "tp1", "tp2"]
+    engine.add("a", a)
+    engine.run()
+    counters = stats(engine)
+    assert counters["loaded_blocks"] == 3 and counters["load_errors"] == 0
+    per_rank = engine.connector.get_compression_stats()["ranks"]
+    assert [r["connector"]["loaded_blocks"] for r in per_rank] == [3, 3, 3]
+    # Rank 1 loses its disk tier.
+    assert engine.scheduler.reset_prefix_cache()
+    for f in (tmp_path / "tp1").rglob("*"):
+        if f.is_file():
+            f.unlink()
+    engine.add("a again", a)
+    engine.add("b", b)
+    engine.run()  # every token read on every rank holds its prefix's K/V
+    per_rank = engine.connector.get_compression_stats()["ranks"]
+    assert [r["connector"]["load_errors"] > 0 for r in per_rank] == [False, True, False]

@@ -35,9 +35,10 @@ saved blocks loads them into the blocks vLLM allocated for it instead of recompu
 The tiers live with the worker; the scheduler asks them how much of a prompt they hold, directly
 when both share a process, else over the worker's Unix socket (:mod:`.worker_link`).
 
-Supported: decoder-only models with full attention in one KV-cache group, tensor and pipeline
-parallel size 1. Refused with a clear error: hybrid and sliding-window models, MLA, several
-workers.
+Supported: decoder-only models with full attention in one KV-cache group, tensor parallelism
+(each rank keeps its own heads' shard in tiers of its own: a namespace and a disk directory per
+rank; a prompt loads as far as every rank holds it). Refused with a clear error: hybrid and
+sliding-window models, MLA, pipeline parallelism.
 A request's ``cache_salt`` seeds its blocks' hashes: requests share stored blocks (here, on
 disk, on the server) only with requests of the same salt.
 """
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import queue
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -270,14 +272,13 @@ class KVTierConnector(KVConnectorBase_V1):
         self._saves_kv = transfer.kv_role in ("kv_producer", "kv_both")
         self._loads_kv = transfer.kv_role in ("kv_consumer", "kv_both")
         parallel = vllm_config.parallel_config
-        if parallel.world_size != 1:
+        if parallel.pipeline_parallel_size != 1:
             raise ConfigError(
-                "KVTierConnector supports one worker (tensor_parallel_size=1, "
-                f"pipeline_parallel_size=1) for now; this engine has {parallel.world_size}"
+                "KVTierConnector supports tensor parallelism, not pipeline parallelism "
+                f"(pipeline_parallel_size={parallel.pipeline_parallel_size}) yet"
             )
+        self._tp_size = int(parallel.tensor_parallel_size)
         self._spec = _attention_spec(kv_cache_config)
-        self._namespace = _namespace(vllm_config, self._spec, self.config.namespace)
-        self.config = self.config.replace(namespace=self._namespace)
         if role == KVConnectorRole.SCHEDULER:
             policy = extra.get("load_failure_policy", "recompute")
             if policy not in ("recompute", "fail"):
@@ -308,6 +309,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._reported: dict[str, int] = {}  # counters as last handed to vLLM's stats
         # worker side
         self._tiers: WorkerTiers | None = None
+        self._rank = 0  # tensor-parallel rank, known once the caches are registered
         self._listener: Any = None
         self._failed_blocks: set[int] = set()
         self._saved_finished: set[str] = set()
@@ -328,16 +330,19 @@ class KVTierConnector(KVConnectorBase_V1):
         """The worker's tiers as the scheduler sees them: directly in one process, else over
         the worker's socket."""
         if self._link is None:
-            self._link = link_to_worker(self._engine)
+            self._link = link_to_worker(self._engine, self._tp_size)
         return self._link
 
     def get_compression_stats(self) -> dict[str, Any]:
         """The tiers' figures (``memory_saved_mb``, ``avg_compression_ratio``, bytes per tier
         and level: the manager's ``device`` tier is this connector's host tier) and, under
         ``connector``, what the connector did (lookups and hit tokens: the scheduler's; loaded
-        and saved blocks, load errors: the worker's). On the scheduler side it asks the worker."""
+        and saved blocks, load errors: the worker's). On the scheduler side it asks the worker;
+        with tensor parallelism, rank 0's figures, and each rank's under ``ranks``."""
         stats = self._tiers.stats() if self._tiers is not None else self.link.stats()
         counters = stats.pop("worker")
+        for rank in stats.get("ranks", ()):  # tensor parallel: each worker's own figures
+            rank["connector"] = rank.pop("worker")
         if self.role == KVConnectorRole.SCHEDULER:
             mine = self._counters.as_dict()
             counters = {k: v + mine[k] for k, v in counters.items()}
@@ -345,7 +350,10 @@ class KVTierConnector(KVConnectorBase_V1):
         return stats
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """This side's counters since the last call (vLLM adds the two sides up)."""
+        """This side's counters since the last call (vLLM adds the two sides up; of the
+        tensor-parallel workers, rank 0 counts for all: they load and save the same blocks)."""
+        if self._rank != 0:
+            return None
         counters = (self._tiers.counters if self._tiers is not None else self._counters).as_dict()
         delta = {k: v - self._reported.get(k, 0) for k, v in counters.items()}
         self._reported = counters
@@ -370,7 +378,7 @@ class KVTierConnector(KVConnectorBase_V1):
             self._loader.shutdown(wait=True)
             self._loader = None
         if self._tiers is not None:
-            forget(self._engine, self._tiers, self._listener)
+            forget(self._engine, self._tiers, self._listener, self._rank)
             self._listener = None
             self._tiers.manager.close()
 
@@ -399,8 +407,14 @@ class KVTierConnector(KVConnectorBase_V1):
                 f"KVTierConnector: layers differ in layout: {sorted(x.name for x in layouts)}"
             )
         layout = layouts.pop()
+        # Each tensor-parallel rank keeps its own heads' shard under a namespace of its own.
+        self._rank = _tp_rank(self._vllm_config)
+        namespace = _namespace(self._vllm_config, spec, self.config.namespace, self._rank)
+        config = self.config.replace(namespace=f"{namespace}/{layout.name}")
+        if self._tp_size > 1 and config.disk_path is not None:  # a directory per rank
+            config = config.replace(disk_path=os.path.join(config.disk_path, f"tp{self._rank}"))
         manager = BlockManager(
-            self.config.replace(namespace=f"{self._namespace}/{layout.name}"),
+            config,
             num_layers=len(caches),
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_size,
@@ -408,7 +422,7 @@ class KVTierConnector(KVConnectorBase_V1):
             device="cpu",
         )
         self._tiers = WorkerTiers(manager, layout, caches)
-        self._listener = serve(self._engine, self._tiers)
+        self._listener = serve(self._engine, self._tiers, self._rank)
         log.info(
             "kvtier: %d layers, layout %s, tiers %s, ladder %s",
             len(caches),
@@ -717,7 +731,20 @@ def _backend_name(vllm_config: VllmConfig, layer_name: str) -> str:
     return str(backend.get_name())
 
 
-def _namespace(vllm_config: VllmConfig, spec: Any, user: str) -> str:
+def _tp_rank(vllm_config: VllmConfig) -> int:
+    """This worker's tensor-parallel rank."""
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if size == 1:
+        return 0
+    from vllm.distributed import parallel_state
+
+    try:
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    except AssertionError:  # no tensor-parallel group: a worker driven by hand
+        return int(vllm_config.parallel_config.rank) % size
+
+
+def _namespace(vllm_config: VllmConfig, spec: Any, user: str, rank: int) -> str:
     """What stored blocks depend on besides their tokens: the model and its revision, the KV
     dtype, the block size and parallel rank (the layout is added when the worker knows it),
     and the user's namespace (a tenant, a weights version)."""
@@ -730,7 +757,7 @@ def _namespace(vllm_config: VllmConfig, spec: Any, user: str) -> str:
         str(model.revision or "main"),
         dtype,
         f"bs{spec.block_size}",
-        f"tp0of{parallel.tensor_parallel_size}",  # one worker (checked at construction)
+        f"tp{rank}of{parallel.tensor_parallel_size}",
         user,
     ]
     return "|".join(parts)

@@ -84,13 +84,14 @@ class Link(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
-# Workers of this process, by engine id: a scheduler here asks them directly.
-_LOCAL: dict[str, WorkerTiers] = {}
+# Workers of this process, by engine id and tensor-parallel rank: a scheduler here asks them
+# directly.
+_LOCAL: dict[tuple[str, int], WorkerTiers] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
-def _address(engine_id: str) -> str:
-    digest = hashlib.sha256(engine_id.encode()).hexdigest()[:20]
+def _address(engine_id: str, rank: int) -> str:
+    digest = hashlib.sha256(f"{engine_id}#{rank}".encode()).hexdigest()[:20]
     return os.path.join(tempfile.gettempdir(), f"kvtier-{digest}.sock")
 
 
@@ -98,12 +99,13 @@ def _authkey(engine_id: str) -> bytes:
     return hashlib.sha256(b"kvtier worker link " + engine_id.encode()).digest()
 
 
-def serve(engine_id: str, tiers: WorkerTiers) -> Listener:
-    """Registers ``tiers`` for schedulers in this process and answers the others on the
-    engine's socket (a daemon thread per connection). Close the returned listener to stop."""
+def serve(engine_id: str, tiers: WorkerTiers, rank: int = 0) -> Listener:
+    """Registers ``tiers`` (the worker of tensor-parallel rank ``rank``) for schedulers in
+    this process and answers the others on its socket (a daemon thread per connection).
+    Close the returned listener to stop."""
     with _LOCAL_LOCK:
-        _LOCAL[engine_id] = tiers
-    address = _address(engine_id)
+        _LOCAL[engine_id, rank] = tiers
+    address = _address(engine_id, rank)
     if os.path.exists(address):
         os.unlink(address)  # a dead engine's, of the same id: ids are random per engine
     listener = Listener(address, family="AF_UNIX", authkey=_authkey(engine_id))
@@ -123,10 +125,10 @@ def serve(engine_id: str, tiers: WorkerTiers) -> Listener:
     return listener
 
 
-def forget(engine_id: str, tiers: WorkerTiers, listener: Listener | None) -> None:
+def forget(engine_id: str, tiers: WorkerTiers, listener: Listener | None, rank: int = 0) -> None:
     with _LOCAL_LOCK:
-        if _LOCAL.get(engine_id) is tiers:
-            del _LOCAL[engine_id]
+        if _LOCAL.get((engine_id, rank)) is tiers:
+            del _LOCAL[engine_id, rank]
     if listener is not None:
         listener.close()
 
@@ -153,8 +155,9 @@ class _SocketLink:
     """The scheduler's end of a worker's socket: one connection, opened on first use and again
     after a failure. Every failure is a :class:`KvtierError` (the caller's miss)."""
 
-    def __init__(self, engine_id: str, timeout: float) -> None:
+    def __init__(self, engine_id: str, rank: int, timeout: float) -> None:
         self.engine_id = engine_id
+        self.rank = rank
         self.timeout = timeout
         self._conn: Connection | None = None
         self._lock = threading.Lock()
@@ -164,7 +167,9 @@ class _SocketLink:
             try:
                 if self._conn is None:
                     self._conn = Client(
-                        _address(self.engine_id), family="AF_UNIX", authkey=_authkey(self.engine_id)
+                        _address(self.engine_id, self.rank),
+                        family="AF_UNIX",
+                        authkey=_authkey(self.engine_id),
                     )
                 self._conn.send((op, arg))
                 if not self._conn.poll(self.timeout):
@@ -188,9 +193,30 @@ class _SocketLink:
         return value
 
 
-def link_to_worker(engine_id: str, timeout: float = 10.0) -> Link:
-    """The worker's tiers as the scheduler of engine ``engine_id`` sees them: directly when
-    the worker lives in this process, else through its socket."""
-    with _LOCAL_LOCK:
-        local = _LOCAL.get(engine_id)
-    return local if local is not None else _SocketLink(engine_id, timeout)
+class _AllRanks:
+    """Tensor-parallel workers, each with the tiers of its own heads: a block loads only if
+    every rank holds it, so a hit is the shortest of theirs."""
+
+    def __init__(self, links: list[Link]) -> None:
+        self.links = links
+
+    def lookup(self, tokens: list[int], salt: str | None = None) -> tuple[int, int]:
+        hits = [link.lookup(tokens, salt) for link in self.links]
+        return min(h for h, _ in hits), min(r for _, r in hits)
+
+    def stats(self) -> dict[str, Any]:
+        """Rank 0's figures, and every rank's under ``ranks``."""
+        ranks = [link.stats() for link in self.links]
+        return {**ranks[0], "ranks": ranks}
+
+
+def link_to_worker(engine_id: str, ranks: int = 1, timeout: float = 10.0) -> Link:
+    """The tiers of engine ``engine_id``'s ``ranks`` tensor-parallel workers as its scheduler
+    sees them: each directly when it lives in this process, else through its socket."""
+
+    def link(rank: int) -> Link:
+        with _LOCAL_LOCK:
+            local = _LOCAL.get((engine_id, rank))
+        return local if local is not None else _SocketLink(engine_id, rank, timeout)
+
+    return link(0) if ranks == 1 else _AllRanks([link(r) for r in range(ranks)])
