@@ -637,6 +637,23 @@ def test_bad_input_raises_a_clear_error_and_changes_nothing(
     assert_same(before, snapshot(bm))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_bf16_kv_is_refused(bad: float) -> None:
+    """bf16 is checked through its bits (numpy has no bf16): NaN and both infinities, in K and
+    in V, strided or not; the largest finite bf16 values are accepted."""
+    bm = manager(dtype=torch.bfloat16, ladder=("bf16", "int8", "int4"))
+    seq = bm.add_sequence()
+    x = kv(BS, seed=16, dtype=torch.bfloat16)[0]
+    for which in (0, 1):
+        bad_x = x.clone()
+        bad_x[which, -1, -1, -1] = bad
+        with pytest.raises(InvalidArgumentError, match=("k: ", "v: ")[which]):
+            bm.append(seq, 0, bad_x[0].transpose(0, 1).transpose(0, 1), bad_x[1])
+    huge = torch.full_like(x, 3.3e38)
+    bm.append(seq, 0, huge[0], huge[1])
+    assert bm.num_tokens(seq, 0) == BS
+
+
 def test_a_config_the_manager_cannot_serve_is_refused() -> None:
     from kvtier import ConfigError
 
