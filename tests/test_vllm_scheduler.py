@@ -178,15 +178,18 @@ class Engine:
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         sampled = {}
-        for req_id, start in starts.items():
-            request = sched.requests[req_id]
-            n = out.num_scheduled_tokens[req_id]
-            tokens = list(request.all_token_ids)
-            blocks = sched.kv_cache_manager.get_block_ids(req_id)[0]
-            self._check(tokens[:start], blocks)
-            self._compute(tokens, start, start + n, blocks)
-            if start + n >= request.num_prompt_tokens:  # a token is sampled
-                sampled[req_id] = 10 + sum(tokens) % 997
+        for layer in LAYERS:  # the forward pass, a layer at a time as vLLM's
+            for worker in self.workers:
+                worker.wait_for_layer_load(layer)
+            for req_id, start in starts.items():
+                request = sched.requests[req_id]
+                end = start + out.num_scheduled_tokens[req_id]
+                tokens = list(request.all_token_ids)
+                blocks = sched.kv_cache_manager.get_block_ids(req_id)[0]
+                self._check(layer, tokens[:start], blocks)
+                self._compute(layer, tokens, start, end, blocks)
+                if end >= request.num_prompt_tokens:  # a token is sampled
+                    sampled[req_id] = 10 + sum(tokens) % 997
         for worker in self.workers:
             worker.wait_for_save()
         if before_finish is not None:
@@ -223,25 +226,25 @@ class Engine:
             if not self.step().total_num_scheduled_tokens:
                 time.sleep(0.01)
 
-    def _compute(self, tokens: list[int], start: int, end: int, blocks: list[int]) -> None:
+    def _compute(
+        self, layer: str, tokens: list[int], start: int, end: int, blocks: list[int]
+    ) -> None:
         for i in range(start, end):
             kv = kv_of(tuple(tokens[: i + 1]))
             for rank, caches in enumerate(self.caches):
-                for cache in caches.values():
-                    cache[blocks[i // BLOCK], :, i % BLOCK] = kv[self._heads(rank)]
+                caches[layer][blocks[i // BLOCK], :, i % BLOCK] = kv[self._heads(rank)]
 
-    def _check(self, tokens: list[int], blocks: list[int]) -> None:
-        """Every computed token holds its prefix's K/V in every layer of every rank."""
+    def _check(self, layer: str, tokens: list[int], blocks: list[int]) -> None:
+        """Every computed token holds its prefix's K/V in ``layer`` of every rank."""
         import torch
 
         for i in range(len(tokens)):
             want = kv_of(tuple(tokens[: i + 1])).to(torch.bfloat16)
             for rank, caches in enumerate(self.caches):
-                for name, cache in caches.items():
-                    got = cache[blocks[i // BLOCK], :, i % BLOCK]
-                    assert torch.equal(got, want[self._heads(rank)]), (
-                        f"wrong K/V for token {i} in {name} of rank {rank}"
-                    )
+                got = caches[layer][blocks[i // BLOCK], :, i % BLOCK]
+                assert torch.equal(got, want[self._heads(rank)]), (
+                    f"wrong K/V for token {i} in {layer} of rank {rank}"
+                )
         self.checked_tokens += len(tokens)
 
     def _heads(self, rank: int) -> slice:

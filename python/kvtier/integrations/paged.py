@@ -29,7 +29,14 @@ if TYPE_CHECKING:
 
     from ..manager import BlockManager
 
-__all__ = ["PagedLayout", "layout_for_backend", "load_blocks", "save_blocks"]
+__all__ = [
+    "PagedLayout",
+    "layout_for_backend",
+    "load_blocks",
+    "load_layer",
+    "loadable_blocks",
+    "save_blocks",
+]
 
 Split = Literal["channels", "rows"]
 
@@ -187,20 +194,47 @@ def load_blocks(
     Returns how many of ``block_ids`` were written, from the first: the rest must be
     recomputed. A block the tiers lost raises :class:`~kvtier.BlockLostError` (some layers
     may have been written: the caller recomputes them all)."""
-    torch = torch_module()
+    ok = loadable_blocks(manager, layout, len(caches), seq, start, end, len(block_ids))
+    for layer, cache in enumerate(caches):
+        load_layer(manager, layout, cache, layer, seq, start, block_ids[:ok])
+    return ok
+
+
+def loadable_blocks(
+    manager: BlockManager,
+    layout: PagedLayout,
+    num_layers: int,
+    seq: int,
+    start: int,
+    end: int,
+    num_block_ids: int,
+) -> int:
+    """How many whole blocks of tokens ``start:end`` manager sequence ``seq`` holds in every
+    layer (at most ``num_block_ids``)."""
     bs = layout.block_size
     if start % bs:
         raise InvalidArgumentError(
             f"start: expected a multiple of the block size {bs}, got {start}"
         )
-    have = min(manager.num_tokens(seq, len(caches) - 1), end)
-    ok = min(len(block_ids), max(0, (have - start) // bs))
-    if not ok:
-        return 0
-    device = caches[0].device
-    ids = torch.tensor(list(block_ids[:ok]), dtype=torch.int64, device=device)
-    first = start // bs
-    for layer, cache in enumerate(caches):
-        blocks = manager.gather_blocks(seq, layer)[first : first + ok]
-        layout.write_blocks(cache, ids, blocks.to(device, non_blocking=True))
-    return ok
+    have = min(manager.num_tokens(seq, num_layers - 1), end)
+    return min(num_block_ids, max(0, (have - start) // bs))
+
+
+def load_layer(
+    manager: BlockManager,
+    layout: PagedLayout,
+    cache: torch.Tensor,
+    layer: int,
+    seq: int,
+    start: int,
+    block_ids: Sequence[int],
+) -> None:
+    """One layer of :func:`load_blocks`: the blocks of ``seq`` from token ``start`` (a block
+    boundary), as many as ``block_ids``, into those blocks of ``cache``, in one copy."""
+    if not block_ids:
+        return
+    torch = torch_module()
+    first = start // layout.block_size
+    ids = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+    blocks = manager.gather_blocks(seq, layer)[first : first + len(block_ids)]
+    layout.write_blocks(cache, ids, blocks.to(cache.device, non_blocking=True))

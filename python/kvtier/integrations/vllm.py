@@ -19,7 +19,8 @@ saved blocks loads them into the blocks vLLM allocated for it instead of recompu
   those keys (``share_prefixes``), where another engine of the same namespace, or this one after
   a restart, finds them; a prefill engine (``kv_producer``) hands its KV to a decode engine
   (``kv_consumer``) that way.
-- **Loads** of blocks in host memory are synchronous, before the forward pass. A hit that
+- **Loads** of blocks in host memory run within the step, a layer at a time beside the
+  forward pass (each attention layer waits for its own: ``wait_for_layer_load``). A hit that
   reaches disk or the server loads in the worker's background while the request waits and
   the others run (vLLM's async load; ``"async_loads"``: ``auto``, ``always``, ``never``).
   A block the tiers cannot give back (a corrupt value, an evicted one, a server that went
@@ -45,10 +46,12 @@ disk, on the server) only with requests of the same salt.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import queue
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,7 +60,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ..config import ENV_VARS, KvtierConfig, parse_bytes
 from ..errors import ConfigError, KvtierError, require
 from ..manager import BlockManager
-from .paged import layout_for_backend, load_blocks, save_blocks
+from .paged import layout_for_backend, load_blocks, load_layer, loadable_blocks, save_blocks
 from .worker_link import Counters, Link, WorkerTiers, forget, link_to_worker, serve
 
 require("vllm", "vllm", purpose="kvtier.integrations.vllm plugs into vLLM")
@@ -314,6 +317,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
         self._saved_finished: set[str] = set()
         self._loader: Executor | None = None  # background loads, one at a time
+        self._layer_thread: Executor | None = None  # this step's loads, a layer at a time
+        self._layer_loads: _LayerLoads | None = None
+        self._layer_index: dict[str, int] = {}
         self._loaded: queue.SimpleQueue[tuple[str, int, list[int]]] = queue.SimpleQueue()
 
     # -- shared ----------------------------------------------------------------------------------
@@ -374,9 +380,11 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
-            self._loader = None
+        self._finish_layer_loads()
+        for pool in (self._loader, self._layer_thread):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._loader = self._layer_thread = None
         if self._tiers is not None:
             forget(self._engine, self._tiers, self._listener, self._rank)
             self._listener = None
@@ -386,6 +394,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = list(self._spec_layers)
+        self._layer_index = {name: i for i, name in enumerate(names)}
         missing = [n for n in names if n not in kv_caches]
         if missing:
             raise ConfigError(f"KVTierConnector: no KV cache registered for layers {missing}")
@@ -436,15 +445,29 @@ class KVTierConnector(KVConnectorBase_V1):
         return list(self._kv_cache_config.kv_cache_groups[0].layer_names)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Starts this step's loads: background ones on their own thread (their requests wait
+        for them), the others a layer at a time on the layer thread, while the forward pass
+        runs (each attention layer waits for its own, in :meth:`wait_for_layer_load`)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
+        now = []
         for load in meta.loads:
             if load.background:
                 self._loader = self._loader or ThreadPoolExecutor(1, "kvtier-load")
                 self._loader.submit(self._load_in_background, load)
             else:
-                ok, failed = self._load(load)
+                now.append(load)
+        if now:
+            self._layer_thread = self._layer_thread or ThreadPoolExecutor(1, "kvtier-layers")
+            self._layer_loads = _LayerLoads(self.tiers, now, self._layer_thread)
+
+    def _finish_layer_loads(self) -> None:
+        """Waits for this step's layer-wise loads (every layer is in by now, unless vLLM ran
+        no forward pass) and hands their failed blocks to vLLM."""
+        if self._layer_loads is not None:
+            for ok, failed in self._layer_loads.finish():
                 self._count_load(ok, failed)
+            self._layer_loads = None
 
     def _load_in_background(self, load: LoadSpec) -> None:
         try:
@@ -488,7 +511,9 @@ class KVTierConnector(KVConnectorBase_V1):
         return ok, load.block_ids[ok:]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # synchronous loads complete in start_load_kv
+        loads, layer = self._layer_loads, self._layer_index.get(layer_name)
+        if loads is not None and layer is not None:
+            loads.wait(layer)
 
     def save_kv_layer(
         self,
@@ -500,6 +525,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return  # saves read every layer after the forward pass, in wait_for_save
 
     def wait_for_save(self) -> None:
+        self._finish_layer_loads()
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         for save in meta.saves:
@@ -567,6 +593,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return scores
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layer_loads()
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
@@ -675,6 +702,76 @@ class KVTierConnector(KVConnectorBase_V1):
         save = SaveSpec(request.request_id, req.salt, tokens[:end], blocks)
         self._finish_saves.append(save)
         return True, None
+
+
+class _LayerLoads:
+    """One step's synchronous loads, a layer at a time on the worker's layer thread, so that
+    the forward pass computes layer ``i`` while layer ``i + 1`` loads. On a GPU the copies go
+    on a stream of their own and each layer's attention waits for its event."""
+
+    def __init__(self, tiers: WorkerTiers, loads: list[LoadSpec], thread: Executor) -> None:
+        self.ready = [threading.Event() for _ in tiers.caches]
+        self.events: list[Any] = [None] * len(tiers.caches)
+        self.results: list[tuple[int, list[int]]] = []
+        self.job = thread.submit(self._run, tiers, loads)
+
+    def _run(self, tiers: WorkerTiers, loads: list[LoadSpec]) -> None:
+        manager, caches = tiers.manager, tiers.caches
+        work: list[tuple[LoadSpec, int | None, list[int]]] = []  # load, sequence, blocks to write
+        cuda = caches[0].device.type == "cuda"
+        try:
+            for load in loads:
+                try:
+                    seq = manager.add_sequence(load.tokens, salt=load.salt)
+                    ok = loadable_blocks(
+                        manager,
+                        tiers.layout,
+                        len(caches),
+                        seq,
+                        load.start,
+                        len(load.tokens),
+                        len(load.block_ids),
+                    )
+                    work.append((load, seq, load.block_ids[:ok]))
+                except KvtierError as exc:
+                    log.warning("kvtier: load of request %s failed (%s)", load.req_id, exc)
+                    work.append((load, None, []))
+            stream = torch.cuda.Stream(caches[0].device) if cuda else None  # type: ignore[no-untyped-call]
+            for layer, cache in enumerate(caches):
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for i, (load, held, ids) in enumerate(work):
+                        if held is None or not ids:
+                            continue
+                        try:
+                            load_layer(manager, tiers.layout, cache, layer, held, load.start, ids)
+                        except Exception as exc:  # a block lost in the tiers: all recomputed
+                            log.warning("kvtier: load of request %s failed (%s)", load.req_id, exc)
+                            work[i] = (load, held, [])
+                    if stream is not None:
+                        self.events[layer] = stream.record_event()
+                self.ready[layer].set()
+            if stream is not None:
+                stream.synchronize()
+        finally:
+            for ready in self.ready:  # no layer waits for ever
+                ready.set()
+            for _, held, _ in work:
+                if held is not None:
+                    manager.free(held)
+            # One entry per load, in order (a load never reached wrote nothing).
+            self.results = [(len(ids), load.block_ids[len(ids) :]) for load, _, ids in work]
+            self.results += [(0, load.block_ids) for load in loads[len(work) :]]
+
+    def wait(self, layer: int) -> None:
+        self.ready[layer].wait()
+        event = self.events[layer]
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def finish(self) -> list[tuple[int, list[int]]]:
+        """Per load: the blocks written and those that were not."""
+        self.job.result()
+        return self.results
 
 
 # -- helpers -------------------------------------------------------------------------------------
