@@ -135,69 +135,54 @@ def test_a_second_pass_loads_every_prompt_from_the_host_tier_exactly(
         assert list(a.token_ids) == list(b.token_ids)
 
 
-#: A prefill engine in a process of its own, run as vLLM runs by default: its scheduler in an
-#: engine-core process and its worker in another, so the scheduler asks the worker's tiers over
-#: the worker's socket. It publishes its prompt blocks to the Redis server at argv[2], empties
-#: vLLM's prefix cache and generates again (loading from its host tier); prints both passes'
-#: greedy tokens and vLLM's external-hit counter as JSON.
-PRODUCER = """
+def two_passes(
+    model_dir: str, prompts: list[list[int]], engine: dict[str, Any] | None = None, **extra: Any
+) -> dict[str, Any]:
+    """An engine with the connector (``extra`` its extra config) generates, empties vLLM's
+    prefix cache and generates again (loading what it saved): both passes' greedy tokens,
+    vLLM's external-hit counter and the connector's figures (when its scheduler runs in this
+    process)."""
+    llm = make_engine(model_dir, engine=engine, **extra)
+    try:
+        first = generate(llm, prompts)
+        llm.reset_prefix_cache()
+        second = generate(llm, prompts)
+        in_process = hasattr(llm.llm_engine.engine_core, "engine_core")
+        return {
+            "first": [list(o.token_ids) for o in first],
+            "second": [list(o.token_ids) for o in second],
+            "external_hits": counter(llm, "vllm:external_prefix_cache_hits"),
+            "stats": connector(llm).get_compression_stats() if in_process else None,
+        }
+    finally:
+        close(llm)
+
+
+#: :func:`two_passes` in a process of its own: argv[1] this directory, argv[2] environment
+#: variables (JSON), its arguments (JSON) on stdin.
+TWO_PASSES = """
 import json, os, sys
-sys.path.insert(0, sys.argv[3])
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-from test_vllm_connector import counter, generate, make_engine
+sys.path.insert(0, sys.argv[1])
+os.environ.update(json.loads(sys.argv[2]))
+from test_vllm_connector import two_passes
 
 if __name__ == "__main__":
-    prompts = json.load(sys.stdin)
-    llm = make_engine(sys.argv[1], host_budget="64MiB", ladder="bf16", remote_url=sys.argv[2])
-    first = generate(llm, prompts)
-    llm.reset_prefix_cache()
-    second = generate(llm, prompts)
-    print("RESULT", json.dumps({
-        "first": [list(o.token_ids) for o in first],
-        "second": [list(o.token_ids) for o in second],
-        "external_hits": counter(llm, "vllm:external_prefix_cache_hits"),
-    }))
+    print("RESULT", json.dumps(two_passes(**json.load(sys.stdin))))
 """
 
 
-#: A tensor-parallel engine (3 workers, one of SmolLM2's 3 KV heads each) in a process of its
-#: own: two passes over the prompts, vLLM's prefix cache emptied between them.
-TENSOR_PARALLEL = """
-import json, os, sys
-sys.path.insert(0, sys.argv[2])
-os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # 3 workers on a machine of 1 NUMA node
-from test_vllm_connector import connector, counter, generate, make_engine
-
-if __name__ == "__main__":
-    prompts = json.load(sys.stdin)
-    llm = make_engine(
-        sys.argv[1], engine={"tensor_parallel_size": 3}, host_budget="64MiB", ladder="bf16"
-    )
-    first = generate(llm, prompts)
-    llm.reset_prefix_cache()
-    second = generate(llm, prompts)
-    print("RESULT", json.dumps({
-        "first": [list(o.token_ids) for o in first],
-        "second": [list(o.token_ids) for o in second],
-        "external_hits": counter(llm, "vllm:external_prefix_cache_hits"),
-        "stats": connector(llm).get_compression_stats(),
-    }))
-"""
-
-
-def run_script(script: str, tmp_path: Any, *args: str, stdin: Any) -> dict[str, Any]:
-    """Runs ``script`` in a Python process of its own (with this directory importable) and
-    returns the JSON it printed after ``RESULT``."""
+def two_passes_in_a_process(tmp_path: Any, env: dict[str, str], **kwargs: Any) -> dict[str, Any]:
+    """:func:`two_passes` in a Python process of its own, under ``env``."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    path = tmp_path / "script.py"
-    path.write_text(script)
+    path = tmp_path / "two_passes.py"
+    path.write_text(TWO_PASSES)
     done = subprocess.run(
-        [sys.executable, str(path), *args, str(Path(__file__).parent)],
-        input=json.dumps(stdin),
+        [sys.executable, str(path), str(Path(__file__).parent), json.dumps(env)],
+        input=json.dumps(kwargs),
         capture_output=True,
         text=True,
         timeout=600,
@@ -214,7 +199,16 @@ def test_a_tensor_parallel_engine_saves_and_loads_each_ranks_shard(
 ) -> None:
     """vLLM with three tensor-parallel CPU workers: each rank saves its own KV head's shard
     and the second pass loads every rank's shard, with the tokens of the first (recompute)."""
-    got = run_script(TENSOR_PARALLEL, tmp_path, str(vllm_model_dir), stdin=prompts[:2])
+    # Three workers on a machine of one NUMA node: vLLM cannot bind them to nodes of their own.
+    got = two_passes_in_a_process(
+        tmp_path,
+        {"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        model_dir=str(vllm_model_dir),
+        prompts=prompts[:2],
+        engine={"tensor_parallel_size": 3},
+        host_budget="64MiB",
+        ladder="bf16",
+    )
     assert got["second"] == got["first"]
     loadable = sum(loadable_blocks(p) for p in prompts[:2])
     assert got["external_hits"] == BLOCK * loadable
@@ -241,7 +235,16 @@ def test_a_decode_engine_loads_a_prefill_process_kv_through_redis_and_survives_f
     server = local_redis()
     try:
         raw = redis.Redis.from_url(server.url)
-        produced = run_script(PRODUCER, tmp_path, str(vllm_model_dir), server.url, stdin=prompts)
+        # vLLM's default multiprocess mode: the scheduler asks the worker over its socket.
+        produced = two_passes_in_a_process(
+            tmp_path,
+            {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+            model_dir=str(vllm_model_dir),
+            prompts=prompts,
+            host_budget="64MiB",
+            ladder="bf16",
+            remote_url=server.url,
+        )
         want = produced["first"]
         assert produced["second"] == want
         assert produced["external_hits"] == BLOCK * sum(loadable_blocks(p) for p in prompts)
