@@ -547,9 +547,26 @@ class KVTierConnector(KVConnectorBase_V1):
         return saved or None, loaded or None
 
     def _save(self, save: SaveSpec) -> None:
-        """Saves what the tiers lack of the request's complete blocks so far: a sequence of
-        them shares the prefix the tiers hold, the rest is read from vLLM's blocks (all
-        computed by now), and it is freed at once, leaving its blocks cached."""
+        """Saves what the tiers lack of the request's complete blocks so far, in pieces of at
+        most half the host tier's level-0 pool: the blocks a piece writes stay at level 0
+        until written, and the next piece makes room by demoting them (a long prompt, or a
+        long prefill chunk, fits a level 0 kept small for capacity)."""
+        bs = self._block_size
+        blocks = len(save.block_ids)
+        piece = max(1, int(self.tiers.manager.pools["device", 0].shape[0]) // 2)
+        if blocks <= piece:
+            self._save_prefix(save)
+            return
+        held = self.tiers.manager.lookup(save.tokens, salt=save.salt) // bs
+        for end in [*range(held + piece, blocks, piece), blocks]:
+            tokens, block_ids = save.tokens[: end * bs], save.block_ids[:end]
+            if not self._save_prefix(SaveSpec(save.req_id, save.salt, tokens, block_ids)):
+                return
+
+    def _save_prefix(self, save: SaveSpec) -> bool:
+        """Saves the blocks of ``save`` the tiers lack: a sequence of them shares the prefix
+        the tiers hold, the rest is read from vLLM's blocks (all computed by now), and it is
+        freed at once, leaving its blocks cached. False if the save failed."""
         tiers = self.tiers
         manager = tiers.manager
         try:
@@ -557,7 +574,7 @@ class KVTierConnector(KVConnectorBase_V1):
         except KvtierError as exc:  # a save that fails is a future miss, nothing worse
             log.warning("kvtier: save of request %s failed (%s)", save.req_id, exc)
             tiers.counters.save_failures += 1
-            return
+            return False
         first = manager.num_tokens(seq) // self._block_size  # blocks the tiers held already
         scores: list[torch.Tensor] = []
 
@@ -573,8 +590,10 @@ class KVTierConnector(KVConnectorBase_V1):
         except KvtierError as exc:
             log.warning("kvtier: save of request %s failed (%s)", save.req_id, exc)
             tiers.counters.save_failures += 1
+            return False
         finally:
             manager.free(seq)
+        return True
 
     def _score(self, req_id: str, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """The user's scorer on one layer's keys of the blocks saved; a failing scorer leaves
