@@ -40,6 +40,28 @@ def test_defaults_and_the_original_variables() -> None:
 
 
 @pytest.mark.parametrize(
+    ("extra", "environ", "shares"),
+    [
+        # the connector's own default: level 0 stages a step's saves, the bottom level holds
+        ({}, {}, (0.08, 0.08, 0.84)),
+        ({"ladder": "bf16,int8,int4"}, {}, (0.08, 0.08, 0.84)),
+        ({"ladder": "bf16,int4"}, {}, (0.08, 0.92)),
+        # given shares are kept, from the extra config or the environment
+        ({"pool_shares": "0.5,0.2,0.3"}, {}, (0.5, 0.2, 0.3)),
+        ({}, {"KVTIER_POOL_SHARES": "0.4,0.3,0.3"}, (0.4, 0.3, 0.3)),
+        # one level, or compression off: nothing to split
+        ({"ladder": "bf16"}, {}, None),
+        ({"enable_compression": False}, {}, None),
+        ({}, {"VLLM_ENABLE_KV_COMPRESSION": "0"}, None),
+    ],
+)
+def test_pool_shares_put_most_of_the_host_budget_at_the_bottom_level_unless_given(
+    extra: dict[str, object], environ: dict[str, str], shares: tuple[float, ...] | None
+) -> None:
+    assert connector_config(extra, block_size=32, environ=environ).pool_shares == shares
+
+
+@pytest.mark.parametrize(
     ("extra", "message"),
     [
         ({"block_size": 16}, "block_size is set by vLLM's block size"),

