@@ -73,3 +73,14 @@ def test_pool_shares_put_most_of_the_host_budget_at_the_bottom_level_unless_give
 def test_bad_keys_and_values_are_refused_clearly(extra: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         connector_config(extra, block_size=32, environ={})
+
+
+def test_the_connector_ranks_by_recency_unless_told_otherwise() -> None:
+    """Under importance, evicting a cached block by magnitude strands the rest of its prefix:
+    the connector's own default is lru; a policy named in the extra config or KVTIER_POLICY
+    stands."""
+    assert connector_config({}, block_size=32, environ={}).policy == "lru"
+    named = connector_config({"policy": "importance"}, block_size=32, environ={})
+    assert named.policy == "importance"
+    from_env = connector_config({}, block_size=32, environ={"KVTIER_POLICY": "h2o"})
+    assert from_env.policy == "h2o"

@@ -446,9 +446,10 @@ def test_a_learned_scorer_decides_which_saved_blocks_keep_full_precision(
     every block still at bf16 scored above every block at int8."""
     engine = engine_factory(
         num_blocks=64,
-        host_budget="60KiB",
+        host_budget="80KiB",  # 4 blocks at bf16, 14 at int8: the 16 blocks saved all stay
         ladder="bf16,int8",
-        pool_shares="0.5,0.5",
+        pool_shares="0.3,0.7",
+        policy="importance",
         weights="0,1,0",
         scorer="test_vllm_scheduler:first_channel_scorer",
     )
@@ -457,9 +458,11 @@ def test_a_learned_scorer_decides_which_saved_blocks_keep_full_precision(
         engine.add(f"p{i}", p)
     engine.run()
     manager = engine.worker.tiers.manager
+    assert stats(engine)["saved_blocks"] == 16
     mixed = 0
     for p in prompts:
         blocks = manager.core.lookup_tokens(p)
+        assert len(blocks) == 4
         levels = manager.core.block_info(blocks)["level"].tolist()
         scores = [
             float(

@@ -88,6 +88,8 @@ log = logging.getLogger("kvtier.vllm")
 
 __all__ = ["KVTierConnector", "KVTierMetadata", "KVTierStats", "connector_config"]
 
+#: The ranking policy when the user names none: eviction by recency never strands a prefix.
+CONNECTOR_POLICY = "lru"
 #: The host tier's budget when the extra config names none.
 DEFAULT_HOST_BUDGET = "2GiB"
 #: Keys of ``kv_connector_extra_config`` that are the connector's own, not KvtierConfig fields.
@@ -118,10 +120,14 @@ def connector_config(
     level 0 only stages the blocks a step saves (pinned there until written, then demoted one
     level a step) and its middle levels only pass them on: with ``int4`` at 0.31 of a bf16
     block, the ladder then holds 2.8-2.9 times the blocks a bf16-only budget of the same bytes
-    holds. One request's save of a step must fit level 0 (else it fails: a later miss, never
-    wrong K/V): keep the bf16 K/V bytes of ``max_num_batched_tokens`` tokens (chunked prefill)
-    within 8 % of the host budget, or give ``pool_shares`` (the BlockManager's own default
-    keeps half at level 0)."""
+    holds. A save larger than half of level 0 goes in pieces (each makes room by demoting the
+    last), so a long prefill chunk still fits.
+
+    ``policy``, when neither the extra config nor ``KVTIER_POLICY`` names one, is ``lru``:
+    under ``importance``, cached blocks are evicted by key magnitude, and an evicted block
+    strands every later block of its prefix (a prompt loads up to its first missing block);
+    ``kvtier bench vllm`` measured 0 % hits under ``importance`` against 24.9 % under ``lru``.
+    Name ``importance`` for the magnitude and ``scorer`` signals to rank the blocks."""
     extra = {k: v for k, v in extra.items() if k not in CONNECTOR_KEYS}
     for name, owner in VLLM_OWNED.items():
         if extra.get(name) is not None:
@@ -146,12 +152,18 @@ def connector_config(
     remote = env.remote_budget
     if env.remote_url is not None and remote is None:
         remote = 4 * (host or 0) or parse_bytes(DEFAULT_HOST_BUDGET)
+    policy = env.policy
+    if "policy" not in extra and not (environ if environ is not None else os.environ).get(
+        _VARS["policy"].name
+    ):
+        policy = CONNECTOR_POLICY
     shares = env.pool_shares
     if shares is None and env.enable_compression and env.levels > 1:
         # Capacity behind vLLM's pool: level 0 stages one step's saves, the bottom holds.
         stage = 0.08
         shares = (stage,) * (env.levels - 1) + (round(1.0 - stage * (env.levels - 1), 6),)
     return env.replace(
+        policy=policy,
         pool_shares=shares,
         block_size=block_size,
         device_budget=host,
