@@ -478,6 +478,7 @@ class KVTierConnector(KVConnectorBase_V1):
         """Starts this step's loads: background ones on their own thread (their requests wait
         for them), the others a layer at a time on the layer thread, while the forward pass
         runs (each attention layer waits for its own, in :meth:`wait_for_layer_load`)."""
+        self._finish_layer_loads()  # a step whose loads no one waited for (no save pass)
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierMetadata)
         now = []
