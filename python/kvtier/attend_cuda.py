@@ -302,6 +302,11 @@ def attend_cuda(
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms, max_shared = _device_limits(index)
     lp = plan(p, sms, max_shared)
+    if lp.shared_bytes > max_shared:
+        raise InvalidArgumentError(
+            f"head_dim {p.head_dim}, block_size {p.block_size}: a tile needs "
+            f"{lp.shared_bytes} bytes of shared memory, this GPU gives a CTA {max_shared}"
+        )
     R = p.q_heads // p.kv_heads * p.queries
     if S > 65535 or lp.row_tiles > 65535 or lp.splits > 65535:
         raise InvalidArgumentError(
