@@ -47,6 +47,19 @@ def test_bench_codecs_quick_prints_figures_beside_baselines() -> None:
     assert rows["int4 encode"]["bytes_moved"] == fp16 + fp16 * 11 // 32
 
 
+def test_bench_attend_quick_prints_figures_beside_baselines() -> None:
+    result = _bench("attend", "--quick")
+    assert result["backend"] in ("cpu", "reference") and result["device"] == "cpu"
+    rows = {r["mix"]: r for r in result["rows"]}
+    assert set(rows) == {"level0", "int8", "int4", "ladder"}
+    for r in rows.values():
+        assert r["us"] > 0 and r["gb_per_s"] > 0
+        assert r["copy_gb_per_s"] > 0 and r["sdpa_us"] > 0, "the baselines are measured in the run"
+    # the pool bytes a call reads: fp32 K/V as SDPA's cache, int8/int4 less
+    assert rows["level0"]["pool_bytes"] == rows["level0"]["sdpa_cache_bytes"]
+    assert rows["int4"]["pool_bytes"] < rows["ladder"]["pool_bytes"] < rows["int8"]["pool_bytes"]
+
+
 def test_bench_manager_quick_prints_figures_beside_baselines() -> None:
     result = _bench("manager", "--quick", "--threads", "1")
     assert result["fp16_bytes_per_token"] == 2 * 32 * 8 * 128 * 2

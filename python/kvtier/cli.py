@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "suite",
-        choices=("core", "codecs", "manager", "stores", "share", "vllm"),
+        choices=("core", "codecs", "attend", "manager", "stores", "share", "vllm"),
         help="which benchmark",
     )
     bench.add_argument(

@@ -54,10 +54,16 @@ fn namespace_seed(namespace: &str) -> u64 {
 /// extension so that every installed copy of kvtier carries the kernels it was built with.
 #[pyfunction]
 fn kernel_sources() -> std::collections::HashMap<&'static str, &'static str> {
-    std::collections::HashMap::from([(
-        "kvtier_codecs.cu",
-        include_str!("../../../kernels/kvtier_codecs.cu"),
-    )])
+    std::collections::HashMap::from([
+        (
+            "kvtier_codecs.cu",
+            include_str!("../../../kernels/kvtier_codecs.cu"),
+        ),
+        (
+            "kvtier_attend.cu",
+            include_str!("../../../kernels/kvtier_attend.cu"),
+        ),
+    ])
 }
 
 #[pymodule]
