@@ -29,6 +29,7 @@ __all__ = [
     "unseal",
     "write_checksummed",
     "write_stored",
+    "write_token",
 ]
 
 _Ids = npt.ArrayLike
@@ -315,3 +316,14 @@ def write_stored(
     fsync: bool = False,
     threads: int = 1,
 ) -> tuple[list[bool], list[tuple[int, OSError]], int]: ...
+def write_token(
+    k_dst: int,
+    v_dst: int,
+    dst_head_stride: int,
+    k_src: int,
+    v_src: int,
+    src_head_stride: int,
+    heads: int,
+    head_dim: int,
+    dtype: int,
+) -> tuple[float, int]: ...

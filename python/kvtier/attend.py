@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .codecs.base import BlockShape, Codec, torch_module
+from . import _core
+from .codecs.base import BlockShape, Codec, _cupy_available, dtype_name, torch_module
 from .codecs.identity import IdentityCodec
 from .codecs.quant import QuantCodec
 from .errors import InvalidArgumentError
@@ -187,6 +188,67 @@ def check_problem(
     if not math.isfinite(scale):
         raise InvalidArgumentError(f"scale: expected a finite number, got {scale}")
     return Problem(S, Q, Hq, shape.kv_heads, B, D, M, layer, float(scale))
+
+
+def describe(views: list[PoolView], shape: BlockShape) -> np.ndarray:
+    """The descriptors of ``views``, int64 ``[len(views), len(DESC_FIELDS)]``."""
+    rows = [v.describe(shape) for v in views]
+    return np.stack(rows) if rows else np.zeros((0, len(DESC_FIELDS)), dtype=np.int64)
+
+
+def run_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    mass: np.ndarray,
+    seq_lens: np.ndarray,
+    block_pool: np.ndarray,
+    block_slot: np.ndarray,
+    views: list[PoolView],
+    shape: BlockShape,
+    layer: int,
+    scale: float,
+    desc: np.ndarray | None = None,
+) -> None:
+    """Fills ``out`` (like ``q``) and ``mass`` (numpy fp32 ``[S, M]``) with the fastest kernel
+    for ``q``'s device: the Rust kernel on the CPU, the CUDA kernel on a GPU with CuPy, else the
+    reference. The caller has checked the arguments (:func:`check_problem` says what holds);
+    ``desc``: :func:`describe` of ``views``, when the caller keeps it."""
+    torch = torch_module()
+    if q.device.type == "cpu" and hasattr(_core, "attend"):
+        d = describe(views, shape) if desc is None else desc
+        S, Q, Hq, D = q.shape
+        # The kernel trusts these: contiguous int32 and int64, alive for the call.
+        _core.attend(
+            q.data_ptr(),
+            FLOAT_CODES[dtype_name(q.dtype)],
+            out.data_ptr(),
+            mass.ctypes.data,
+            seq_lens,
+            block_pool,
+            block_slot,
+            d,
+            S,
+            Q,
+            Hq,
+            shape.kv_heads,
+            shape.block_size,
+            D,
+            block_pool.shape[1],
+            layer,
+            scale,
+            0,
+        )
+        return
+    if q.device.type == "cuda" and _cupy_available():
+        from .attend_cuda import attend_cuda
+
+        on_device = torch.empty(mass.shape, dtype=torch.float32, device=q.device)
+        attend_cuda(q, out, on_device, seq_lens, block_pool, block_slot, views, shape, layer, scale)
+        mass[...] = on_device.cpu().numpy()
+        return
+    got, got_mass = reference(q, seq_lens, block_pool, block_slot, views, shape, layer, scale)
+    out.copy_(got)
+    mass[...] = got_mass.numpy()
 
 
 def _block_values(pool: PoolView, shape: BlockShape, layer: int, slots: Any) -> torch.Tensor:

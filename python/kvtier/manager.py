@@ -62,8 +62,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from ._core import Core, Plan, prefix_hashes
-from .codecs import BlockShape, Codec, get_codec
+from ._core import Core, Plan, prefix_hashes, write_token
+from .attend import FLOAT_CODES, PoolView, describe, readable, run_attention
+from .codecs import BlockShape, Codec, IdentityCodec, get_codec
 from .codecs.base import as_tensor, dtype_name, torch_dtype, torch_module
 from .config import KvtierConfig, normalize_dtype
 from .errors import (
@@ -231,6 +232,12 @@ class ManagerStats:
 class _Seq:
     #: tokens written per layer
     lengths: np.ndarray
+    #: the block being filled, where one-token appends write: ``(index in the sequence, block
+    #: id, level-0 device slot)``; it is pinned, so it stays there until complete
+    tail: tuple[int, int, int] | None = None
+    #: where attention reads the blocks (:meth:`BlockManager.attend`): ``(epoch, block ids,
+    #: pool per block, slot per block)``, valid while the manager's epoch is unchanged
+    table: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 class BlockManager:
@@ -359,6 +366,7 @@ class BlockManager:
                     f"{n * self.level_bytes[level]} B on {on} ({exc}); lower the {tier} budget"
                 ) from None
         self.stores = self._open_stores(budgets)
+        self._init_attention()
         self._suspended: dict[str, float] = {}
         self._seqs: dict[int, _Seq] = {}
         # Per block id (grown on demand): tokens written per layer, pinned while incomplete,
@@ -624,6 +632,8 @@ class BlockManager:
         shape, dtype, device, finite values (NaN or inf in K or V is refused), sequence, layer
         and room; a call that raises leaves the K/V, the pools and the counters as they were,
         so a retry with good K/V stores it. K/V that require grad are stored detached."""
+        if self._pool0 and self._append_one(seq, layer, k, v):
+            return
         k, v = self._check_kv(k, "k"), self._check_kv(v, "v")
         if k.shape != v.shape:
             raise InvalidArgumentError(
@@ -694,6 +704,144 @@ class BlockManager:
             if m:
                 self.core.record_reads(blocks)
         return tokens, out
+
+    def attend(
+        self,
+        seqs: int | Sequence[int],
+        layer: int,
+        q: Any,
+        *,
+        scale: float | None = None,
+        record: bool = True,
+        return_mass: bool = False,
+    ) -> Any:
+        """Attention output of the newest queries of ``seqs`` at ``layer``, computed over their
+        blocks where they lie: level-0 blocks read as they are, INT8/INT4 blocks dequantized a
+        tile at a time inside the kernel (the Rust CPU kernel, or the CUDA kernel), never
+        gathered into a full-precision copy.
+
+        ``q``: ``[queries, q_heads, head_dim]`` for one sequence, or ``[len(seqs), queries,
+        q_heads, head_dim]`` for several, in the model dtype on the device; ``q_heads`` a
+        multiple of the K/V heads (grouped-query attention). The queries are each sequence's
+        last ``queries`` tokens, whose K/V :meth:`append` has already stored; query ``i`` sees
+        the keys up to its own position (causal, so a prefill chunk over a cached prefix works
+        too). ``scale``: the softmax scale (default ``head_dim ** -0.5``). Returns the output,
+        shaped and typed like ``q`` (with ``return_mass``: ``(output, mass)``, ``mass`` fp32
+        ``[len(seqs), max_blocks]`` numpy, each block's share of the attention, averaged over
+        heads and queries). ``record``: the masses feed the scheduler's attention signal (as
+        :meth:`record_attention` does) and each block counts as read, as :meth:`gather`
+        counts it."""
+        torch = torch_module()
+        single = isinstance(seqs, (int, np.integer))
+        ids = [int(seqs)] if isinstance(seqs, (int, np.integer)) else [int(s) for s in seqs]
+        q = as_tensor(q, "q")
+        q4 = q.unsqueeze(0) if single and q.dim() == 3 else q
+        D = self.shape.head_dim
+        if q4.dim() != 4 or q4.shape[0] != len(ids) or q4.shape[3] != D:
+            raise InvalidArgumentError(
+                f"q: expected [queries, q_heads, {D}] for one sequence or [{len(ids)} sequences, "
+                f"queries, q_heads, {D}], got {list(q.shape)}"
+            )
+        if q4.shape[2] % self.shape.kv_heads:
+            raise InvalidArgumentError(
+                f"q: {q4.shape[2]} query heads is not a multiple of the {self.shape.kv_heads} "
+                "K/V heads"
+            )
+        if q4.dtype != self.dtype or q4.device != self.device:
+            raise InvalidArgumentError(
+                f"q: expected {self.dtype} on {self.device}, got {q4.dtype} on {q4.device}"
+            )
+        layer = self._layer(layer)
+        queries = int(q4.shape[1])
+        q4 = q4.detach().contiguous()
+        with self._lock:
+            lengths = np.array([self._seq(s).lengths[layer] for s in ids], dtype=np.int32)
+            if len(ids) and int(lengths.min()) < max(queries, 1):
+                raise InvalidArgumentError(
+                    f"q: {queries} queries, but a sequence holds {int(lengths.min())} tokens at "
+                    f"layer {layer}: append the queries' K/V first"
+                )
+            tables = [
+                self._attention_table(s, layer, int(n)) for s, n in zip(ids, lengths, strict=True)
+            ]
+            width = max((len(t[0]) for t in tables), default=0)
+            pools = np.full((len(ids), width), -1, dtype=np.int32)
+            slots = np.zeros((len(ids), width), dtype=np.int32)
+            for row, (_, p, sl) in enumerate(tables):
+                pools[row, : len(p)], slots[row, : len(p)] = p, sl
+            views = self._stage(ids, tables, pools, slots, layer)
+            out = torch.empty_like(q4)
+            mass = np.zeros((len(ids), width), dtype=np.float32)
+            desc = self._attend_desc
+            if len(views) > len(self._attend_views):  # a staging pool
+                desc = np.concatenate([desc, describe(views[-1:], self.shape)])
+            sm_scale = D**-0.5 if scale is None else float(scale)
+            run_attention(
+                q4, out, mass, lengths, pools, slots, views, self.shape, layer, sm_scale, desc
+            )
+            if record and width:
+                blocks = np.concatenate([t[0] for t in tables])
+                self.core.record_attention(
+                    blocks, np.concatenate([mass[r, : len(t[0])] for r, t in enumerate(tables)])
+                )
+                self.core.record_reads(blocks)
+        out = out[0] if single and q.dim() == 3 else out
+        return (out, mass) if return_mass else out
+
+    def _attention_table(
+        self, seq: int, layer: int, tokens: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(block ids, pool, slot)`` of the blocks holding ``tokens`` tokens of ``seq`` at
+        ``layer``: the pool an index into the attention pools, or -2 for a block that must be
+        staged. Cached per sequence until blocks move or the sequence grows."""
+        state = self._seq(seq)
+        m = -(-tokens // self.block_size)
+        table = state.table
+        if table is None or table[0] != self._epoch or len(table[1]) < m:
+            blocks = self.core.sequence_blocks(seq)
+            info = self.core.block_info(blocks)
+            where = self._attend_lut[info["tier"], info["level"]]
+            table = (self._epoch, blocks, where, info["slot"].astype(np.int32))
+            state.table = table
+        blocks = table[1][:m]
+        # A shared block whose owner has not written this layer yet, or a lost one: refused.
+        need = np.minimum(self.block_size, tokens - self.block_size * np.arange(m))
+        short = np.nonzero(self._written[blocks, layer] < need)[0]
+        if len(short):
+            raise InvalidArgumentError(
+                f"sequence {seq} layer {layer}: block {int(blocks[short[0]])} is shared but its "
+                "owner has not written this layer yet; append the owner's layer first"
+            )
+        self._check_not_lost(seq, blocks)
+        return blocks, table[2][:m], table[3][:m]
+
+    def _stage(
+        self,
+        ids: list[int],
+        tables: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+        pools: np.ndarray,
+        slots: np.ndarray,
+        layer: int,
+    ) -> list[PoolView]:
+        """The attention pools, plus one staging pool holding ``layer`` of the blocks the
+        kernels cannot read where they lie (a store tier, a codec without a kernel, host
+        memory behind a GPU), decoded; ``pools``/``slots`` are pointed at it."""
+        staged = np.nonzero(pools == -2)
+        if not len(staged[0]):
+            return self._attend_views
+        blocks = np.array([tables[r][0][j] for r, j in zip(*staged, strict=True)], np.uint32)
+        parts = []
+        for (tier, level), rows, where, ids_ in self._locations(blocks):
+            parts.append((rows, self._read_layer(tier, level, where, layer, ids_)))
+        torch = torch_module()
+        stage = torch.empty(
+            (len(blocks), 1, *self.shape.dims[1:]), dtype=self.dtype, device=self.device
+        )
+        for rows, part in parts:
+            stage[rows, 0] = part
+        pools[staged] = len(self._attend_views)
+        slots[staged] = np.arange(len(blocks), dtype=np.int32)
+        return [*self._attend_views, PoolView(stage, IdentityCodec(self.shape.dtype), 0)]
 
     # -- signals --------------------------------------------------------------------------------
 
@@ -769,6 +917,7 @@ class BlockManager:
             raise
         with self._lock:
             self.core.commit(plan.id)
+            self._epoch += 1  # blocks moved: attention tables are stale
         return plan.summary()
 
     def _execute(self, plan: Plan) -> None:
@@ -958,6 +1107,7 @@ class BlockManager:
         return {"lost": len(lost)}
 
     def _mark_lost(self, blocks: np.ndarray) -> None:
+        self._epoch += 1
         self.core.forget(blocks)
         live = blocks[self.core.block_info(blocks)["refcount"] > 0]
         self.core.pin(live)
@@ -1008,6 +1158,97 @@ class BlockManager:
         return self.stats().as_dict()
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _init_attention(self) -> None:
+        """What :meth:`attend` and one-token appends need, set up once: the pools the attention
+        kernels read where they lie (device pools, and host pools when the device is the CPU)
+        and, per (tier, level), the index of that pool among them (-2: staged)."""
+        readable_tiers = ("device",) if self.device.type == "cuda" else ("device", "host")
+        self._attend_views: list[PoolView] = []
+        self._attend_lut = np.full((len(Plan.TIERS), len(self.ladder)), -2, dtype=np.int32)
+        for (tier, level), pool in self.pools.items():
+            if tier in readable_tiers and readable(self.codecs[level]):
+                self._attend_lut[Plan.TIERS.index(tier), level] = len(self._attend_views)
+                self._attend_views.append(PoolView(pool, self.codecs[level]))
+        self._attend_desc = describe(self._attend_views, self.shape)
+        # Bumped whenever blocks move or sequences grow: the attention tables' validity.
+        self._epoch = 0
+        # One-token appends on the CPU are written by the extension (_core.write_token) at the
+        # address of the level-0 pool (0: not on the CPU).
+        pool0 = self.pools["device", 0]
+        self._pool0 = pool0.data_ptr() if self.device.type == "cpu" else 0
+        self._item = pool0.element_size()
+        self._token_type = type(pool0)
+        self._token_shape = torch_module().Size((1, self.shape.kv_heads, self.shape.head_dim))
+        self._dtype_code = FLOAT_CODES[self.shape.dtype]
+
+    def _append_one(self, seq: int, layer: Any, k: Any, v: Any) -> bool:
+        """The decode step's append on the CPU: one token into the block this sequence is
+        filling, its checks inlined (this runs once per layer per token). False, with nothing
+        done, whenever the general path must run: another shape or kind of input, a new block
+        needed, or not the next token of a block being filled."""
+        tensor = self._token_type
+        if not (
+            type(k) is tensor
+            and type(v) is tensor
+            and k.shape == self._token_shape
+            and v.shape == self._token_shape
+            and k.dtype is self.dtype
+            and v.dtype is self.dtype
+            and k.is_cpu
+            and v.is_cpu
+            and k.stride() == v.stride()
+            and k.stride(2) == 1
+            and type(layer) is int
+            and 0 <= layer < self.shape.layers
+        ):
+            return False
+        bs = self.block_size
+        with self._lock:
+            state = self._seqs.get(seq)
+            if state is None:
+                return False
+            start = int(state.lengths[layer])
+            index, off = divmod(start, bs)
+            if start == self.core.sequence_tokens(seq):
+                if off == 0:
+                    return False  # a new block first
+                self.core.extend(seq, 1)  # room in the block being filled: allocates nothing
+            tail = state.tail
+            if tail is None or tail[0] != index:
+                block = int(self.core.sequence_blocks(seq)[index])
+                info = self.core.block_info(np.array([block], dtype=np.uint32))
+                if info["tier"][0] != 0 or info["level"][0] != 0 or not self._pinned[block]:
+                    return False
+                tail = state.tail = (index, block, int(info["slot"][0]))
+            _, block, slot = tail
+            if not self._pinned[block] or self._lost[block] or self._written[block, layer] != off:
+                return False
+            H, D, item = self.shape.kv_heads, self.shape.head_dim, self._item
+            # K of head 0 at [slot, layer, 0, 0, off]; V half a layer's row further on.
+            k_at = (
+                self._pool0 + (((slot * self.shape.layers + layer) * 2 * H * bs) + off) * D * item
+            )
+            norm, bad = write_token(
+                k_at, k_at + H * bs * D * item, bs * D, k.data_ptr(), v.data_ptr(), k.stride(1),
+                H, D, self._dtype_code,
+            )  # fmt: skip
+            if bad:
+                raise InvalidArgumentError(
+                    f"{'kv'[bad - 1]}: expected finite values, got NaN or inf; nothing was stored"
+                )
+            self._written[block, layer] = off + 1
+            self._norm_sum[block] += norm
+            self._norm_count[block] += 1
+            state.lengths[layer] = start + 1
+            if layer == self.shape.layers - 1 or off + 1 == bs:
+                one = np.array([block], dtype=np.uint32)
+                self.core.set_magnitude(
+                    one, np.array([self._norm_sum[block] / self._norm_count[block]], np.float32)
+                )
+                if off + 1 == bs and (self._written[block] == bs).all():
+                    self._finish(one)
+        return True
 
     def _seq(self, seq: int) -> _Seq:
         try:
@@ -1060,6 +1301,7 @@ class BlockManager:
         new = added[~is_shared]
         self._track(new)
         self._pin(new)
+        self._epoch += 1  # the sequence has new blocks: its attention table is stale
 
     def _with_room(self, call: Callable[[], _T], blocks: int) -> _T:
         """Runs a core call that needs at most ``blocks`` new level-0 blocks on the device. When
@@ -1234,19 +1476,23 @@ class BlockManager:
         self.core.set_magnitude(
             uniq, (self._norm_sum[uniq] / self._norm_count[uniq]).astype(np.float32)
         )
-        done = uniq[self._pinned[uniq] & (self._written[uniq] == bs).all(axis=1)]
-        if len(done):
-            self.core.unpin(done)
-            self._pinned[done] = False
-            if self._shared is not None:
-                hashes = self.core.block_info(done)["hash"]
-                # Pinned again (the core counts pins) until the next step has published it: no
-                # plan moves it nor eviction frees it before its bytes are sent.
-                hashed = hashes != 0
-                self.core.pin(done[hashed])
-                self._unpublished.update(
-                    zip(done[hashed].tolist(), hashes[hashed].tolist(), strict=True)
-                )
+        self._finish(uniq[self._pinned[uniq] & (self._written[uniq] == bs).all(axis=1)])
+
+    def _finish(self, done: np.ndarray) -> None:
+        """Blocks every layer has written in full: unpinned (and queued to be published)."""
+        if not len(done):
+            return
+        self.core.unpin(done)
+        self._pinned[done] = False
+        if self._shared is not None:
+            hashes = self.core.block_info(done)["hash"]
+            # Pinned again (the core counts pins) until the next step has published it: no
+            # plan moves it nor eviction frees it before its bytes are sent.
+            hashed = hashes != 0
+            self.core.pin(done[hashed])
+            self._unpublished.update(
+                zip(done[hashed].tolist(), hashes[hashed].tolist(), strict=True)
+            )
 
     def _locations(
         self, blocks: np.ndarray

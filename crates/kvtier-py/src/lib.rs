@@ -12,6 +12,7 @@ mod sealed;
 mod sim;
 mod store_index;
 mod store_stats;
+mod tokens;
 
 use pyo3::prelude::*;
 
@@ -88,5 +89,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sealed::unseal, m)?)?;
     m.add_function(wrap_pyfunction!(files::write_checksummed, m)?)?;
     m.add_function(wrap_pyfunction!(files::write_stored, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens::write_token, m)?)?;
     Ok(())
 }

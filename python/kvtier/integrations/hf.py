@@ -20,6 +20,15 @@ heads per block, to the scheduler when the module ran with a ``TieredCache``. ``
 installs it by itself for an eager model. With sdpa or flash attention no weights exist; key
 magnitude (always measured) and learned scores carry the importance.
 
+Attention over the blocks: with ``attn_implementation="kvtier"`` (registered in transformers'
+``AttentionInterface`` when this module is imported: ``model.set_attn_implementation("kvtier")``,
+or ``from_pretrained(..., attn_implementation="kvtier")``) the model's attention runs through
+:meth:`BlockManager.attend`, over each row's blocks where they lie: ``update`` appends the new
+K/V and gathers nothing, and the attention mass each block received reaches the scheduler from
+the kernel, with no eager attention and no hook. Without a ``TieredCache`` (another cache, or
+none), or when a batch is padded, the "kvtier" implementation is plain sdpa, over gathered K/V
+where the cache is a ``TieredCache``.
+
 Models it cannot serve correctly are refused when the cache is built (:func:`check_supported`):
 sliding-window, chunked, linear-attention and hybrid layers, encoder-decoder models, and keys and
 values of different head sizes (MLA).
@@ -27,18 +36,32 @@ values of different head sizes (MLA).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
 from ..config import KvtierConfig
 from ..errors import ConfigError, InvalidArgumentError
 from ..manager import BlockManager
 
-__all__ = ["TieredCache", "TieredLayer", "attention_feedback", "check_supported"]
+__all__ = [
+    "ATTENTION",
+    "TieredCache",
+    "TieredLayer",
+    "attention_feedback",
+    "check_supported",
+    "kvtier_attention",
+]
+
+#: The name of kvtier's attention in transformers' registry (``attn_implementation``).
+ATTENTION = "kvtier"
 
 #: Layer types (transformers' ``config.layer_types``) whose cache is plain full attention.
 _FULL_ATTENTION = "full_attention"
@@ -150,6 +173,9 @@ class TieredCache(Cache):
     (shared between caches, e.g. one per request); the cache then never closes it.
     ``step_every``: forward passes between scheduler steps (0 = never; call :meth:`step`).
     ``feedback``: install :func:`attention_feedback` on ``model`` when it runs eager attention.
+    ``attend``: attention reads the blocks (:func:`kvtier_attention`) and ``update`` returns
+    only the new K/V; the default is on when the model's ``attn_implementation`` is
+    ``"kvtier"``, and it needs that implementation (any other would see only the new tokens).
     """
 
     def __init__(
@@ -160,6 +186,7 @@ class TieredCache(Cache):
         manager: BlockManager | None = None,
         step_every: int = 1,
         feedback: bool = True,
+        attend: bool | None = None,
     ) -> None:
         model_config = getattr(model, "config", model)
         check_supported(model_config)
@@ -172,6 +199,14 @@ class TieredCache(Cache):
             else (manager.config if manager is not None else KvtierConfig.from_env())
         )
         self.step_every = step_every
+        implementation = getattr(model_config, "_attn_implementation", None)
+        self.attend = implementation == ATTENTION if attend is None else bool(attend)
+        if self.attend and implementation != ATTENTION:
+            raise ConfigError(
+                f"TieredCache(attend=True): the model runs {implementation!r} attention, which "
+                f"would see only the new tokens; load it with attn_implementation={ATTENTION!r} "
+                f"(or model.set_attn_implementation({ATTENTION!r}))"
+            )
         self._rows = _Rows(manager, owns=manager is None)
         # Frees the rows when the cache is garbage-collected (and closes a manager it built).
         weakref.finalize(self, self._rows.close, collected=True)
@@ -242,17 +277,39 @@ class TieredCache(Cache):
                 f"layer {layer}: batch of {batch} rows, but this cache holds {len(self.sequences)} "
                 "sequences; reset() it (or use a new cache) for another batch"
             )
-        out_k, out_v = [], []
         for row, seq in enumerate(self.sequences):
             bm.append(seq, layer, keys[row].transpose(0, 1), values[row].transpose(0, 1))
-            k, v = bm.gather(seq, layer)
-            out_k.append(k.transpose(0, 1))
-            out_v.append(v.transpose(0, 1))
+        if self.attend:
+            # Attention (kvtier_attention) reads the blocks: hand it only the new K/V, and
+            # which cache and layer they belong to.
+            _PENDING.value = (self, layer, keys)
+            out = keys, values
+        else:
+            out = self._gathered(layer)
         if layer == self.num_layers - 1:
             self.forwards += 1
             if self.step_every and self.forwards % self.step_every == 0:
                 self.step()
+        return out
+
+    def _gathered(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's K/V of ``layer``, ``[batch, kv_heads, tokens, head_dim]`` each."""
+        assert self.manager is not None
+        out_k, out_v = [], []
+        for seq in self.sequences:
+            k, v = self.manager.gather(seq, layer)
+            out_k.append(k.transpose(0, 1))
+            out_v.append(v.transpose(0, 1))
         return torch.stack(out_k), torch.stack(out_v)
+
+    def _attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Attention output ``[batch, queries, heads, head_dim]`` of ``query`` ``[batch, heads,
+        queries, head_dim]`` over the rows' blocks (their masses go to the scheduler)."""
+        assert self.manager is not None
+        out: torch.Tensor = self.manager.attend(
+            self.sequences, layer, query.transpose(1, 2), scale=scale
+        )
+        return out
 
     def _length(self, layer: int) -> int:
         if not self.sequences or self.manager is None:
@@ -423,3 +480,60 @@ def attention_feedback(model: Any) -> list[Any]:
     ]
     model._kvtier_feedback_handles = handles
     return handles
+
+
+# -- attention over the blocks ---------------------------------------------------------------------
+
+#: What the last ``TieredCache.update`` in attend mode handed to attention, per thread:
+#: ``(cache, layer, keys)``.
+_PENDING = threading.local()
+
+
+def kvtier_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface for ``attn_implementation="kvtier"``: over a
+    :class:`TieredCache`'s blocks (:meth:`BlockManager.attend`) when ``key`` is what that
+    cache's ``update`` just returned, else sdpa (over gathered K/V when the batch is padded or
+    dropout is on; over ``key``/``value`` as given for any other cache)."""
+    pending = getattr(_PENDING, "value", None)
+    _PENDING.value = None
+    layer = getattr(module, "layer_idx", None)
+    if pending is None or pending[1] != layer:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    cache, _, keys = pending
+    if keys is not key:
+        raise InvalidArgumentError(
+            f"layer {layer}: the keys reaching attention are not those the TieredCache returned "
+            "(the model transforms them between the cache and attention), so attention over "
+            "the blocks cannot serve it; use TieredCache(attend=False) with sdpa or eager"
+        )
+    if attention_mask is None and not dropout:
+        return cache._attend(layer, query, scaling), None
+    k, v = cache._gathered(layer)
+    return sdpa_attention_forward(
+        module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+
+
+def _kvtier_mask(**kwargs: Any) -> torch.Tensor | None:
+    """The mask for ``"kvtier"``: none for a causal batch without padding (the kernels mask
+    causally by position), else sdpa's."""
+    padding = kwargs.get("attention_mask")
+    causal = kwargs.get("mask_function") is causal_mask_function
+    if causal and (padding is None or bool(padding.all())):
+        return None
+    return sdpa_mask(**kwargs)
+
+
+AttentionInterface.register(ATTENTION, kvtier_attention)
+AttentionMaskInterface.register(ATTENTION, _kvtier_mask)

@@ -1,0 +1,116 @@
+//! One token's K/V into a level-0 pool: the decode step's append, without the ~10 small numpy
+//! or torch operations (each a microsecond or more) that the same work costs from Python.
+
+use pyo3::prelude::*;
+
+/// Bits of one element, by the kernels' dtype code: 0 fp32, 1 fp16, 2 bf16.
+fn element_bytes(dtype: u8) -> PyResult<usize> {
+    match dtype {
+        0 => Ok(4),
+        1 | 2 => Ok(2),
+        _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "dtype: expected 0 (fp32), 1 (fp16) or 2 (bf16), got {dtype}"
+        ))),
+    }
+}
+
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let man = u32::from(h & 0x3ff);
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, _) => {
+            // subnormal: normalise the mantissa
+            let shift = man.leading_zeros() - 21;
+            sign | ((113 - shift) << 23) | ((man << shift) & 0x3ff) << 13
+        }
+        (0x1f, _) => sign | 0x7f80_0000 | (man << 13),
+        _ => sign | ((exp + 112) << 23) | (man << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// The values of one row of `n` elements at `ptr` as f32.
+///
+/// # Safety
+/// `ptr` must be valid for reading `n` elements of `dtype`.
+unsafe fn row(ptr: usize, n: usize, dtype: u8) -> impl Iterator<Item = f32> {
+    (0..n).map(move |i| match dtype {
+        0 => (ptr as *const f32).add(i).read_unaligned(),
+        1 => f16_to_f32((ptr as *const u16).add(i).read_unaligned()),
+        _ => f32::from_bits(u32::from((ptr as *const u16).add(i).read_unaligned()) << 16),
+    })
+}
+
+/// Writes one token's K and V, `heads` rows of `head_dim` elements each (rows
+/// `src_head_stride` elements apart at `k_src` and `v_src`), to rows `dst_head_stride`
+/// elements apart at `k_dst` and `v_dst`, once both are known to be finite. Returns
+/// `(key norm averaged over heads, 0)`, or `(0.0, 1)` / `(0.0, 2)` without writing anything
+/// when K / V holds a NaN or an infinity. The addresses come from torch's `data_ptr()` of
+/// tensors the caller (kvtier.manager) has checked and keeps alive: this trusts them.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn write_token(
+    k_dst: usize,
+    v_dst: usize,
+    dst_head_stride: usize,
+    k_src: usize,
+    v_src: usize,
+    src_head_stride: usize,
+    heads: usize,
+    head_dim: usize,
+    dtype: u8,
+) -> PyResult<(f64, u8)> {
+    let size = element_bytes(dtype)?;
+    let mut norm = 0.0f64;
+    for h in 0..heads {
+        // SAFETY: the caller passes rows of `head_dim` elements of `dtype` `src_head_stride`
+        // elements apart for `heads` heads.
+        let k = unsafe { row(k_src + h * src_head_stride * size, head_dim, dtype) };
+        let mut squares = 0.0f64;
+        for x in k {
+            if !x.is_finite() {
+                return Ok((0.0, 1));
+            }
+            squares += f64::from(x) * f64::from(x);
+        }
+        norm += squares.sqrt();
+        // SAFETY: as above, for V.
+        let v = unsafe { row(v_src + h * src_head_stride * size, head_dim, dtype) };
+        if v.into_iter().any(|x| !x.is_finite()) {
+            return Ok((0.0, 2));
+        }
+    }
+    for h in 0..heads {
+        for (src, dst) in [(k_src, k_dst), (v_src, v_dst)] {
+            // SAFETY: source rows as above; destination rows of `head_dim` elements
+            // `dst_head_stride` apart inside the caller's pool, never overlapping a source.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (src + h * src_head_stride * size) as *const u8,
+                    (dst + h * dst_head_stride * size) as *mut u8,
+                    head_dim * size,
+                );
+            }
+        }
+    }
+    Ok((norm / heads.max(1) as f64, 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::f16_to_f32;
+
+    #[test]
+    fn f16_conversion_covers_every_class() {
+        assert_eq!(f16_to_f32(0x3c00), 1.0);
+        assert_eq!(f16_to_f32(0xc000), -2.0);
+        assert_eq!(f16_to_f32(0x7bff), 65504.0);
+        assert_eq!(f16_to_f32(0x0001), 2.0f32.powi(-24));
+        assert_eq!(f16_to_f32(0x03ff), 1023.0 * 2.0f32.powi(-24));
+        assert!(f16_to_f32(0x7c00).is_infinite());
+        assert!(f16_to_f32(0x7e00).is_nan());
+        assert_eq!(f16_to_f32(0x8000).to_bits(), 0x8000_0000);
+    }
+}
