@@ -54,7 +54,7 @@ develop: venv ## build the extension (release) and install kvtier into .venv, ed
 test: test-rust test-py ## build, then run the Rust and the Python tests
 
 test-rust: ## run the core's Rust tests (cargo test -p kvtier)
-	$(CARGO) test -p kvtier
+	$(CARGO) test -p kvtier -p kvtier-attend
 
 test-py: develop ## run the Python tests (pytest; slow ones with: make test-py PYTEST_ARGS='-m slow')
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,803 @@
+//! One call, after its checks: the work items, the online softmax over each item's blocks, and
+//! the merge of a sequence's items into its output and block masses.
+//!
+//! A *row* is one (query, query head) pair of a K/V head: row `r = i * group + hh` is query `i`
+//! at query head `g * group + hh`, so the rows of a K/V head read one K/V tile per block, and
+//! causal masking hides whole rows from early blocks (later queries come later in the rows).
+//! An item walks blocks `j0..j1` of one (sequence, K/V head): per block it computes the rows'
+//! scores, then per row the block's maximum `mb`, the running maximum `m = max(m, mb)`, the
+//! block's sum `lb = sum exp(s - m)` (kept per block for the mass), rescales the accumulator by
+//! `exp(m_old - m)` when `m` grew, and adds the block's `exp(s - m) . V`. The merge takes the
+//! items of a sequence, rescales each to the rows' common maximum, divides by the total sum.
+
+use std::sync::{Arc, Mutex};
+
+use rayon::prelude::*;
+
+use crate::error::{invalid, Error, Result};
+use crate::kernels::{Encoding, Kernels, TileDims};
+use crate::layout::{Blocks, Dims, FloatDtype, Format, PoolDesc};
+use crate::{Inputs, Outputs, Problem};
+
+/// Below this many multiply-adds of scores (tokens x queries x query heads x head_dim), a call
+/// runs on the calling thread: it takes less time than waking a pool's threads costs.
+const PARALLEL_MIN_WORK: usize = 1 << 21;
+/// A long sequence is cut into runs of at least this many blocks per item.
+const MIN_SPLIT_BLOCKS: usize = 8;
+/// Items per thread aimed at when sequences are cut (the slack evens out uneven items).
+const ITEMS_PER_THREAD: usize = 4;
+
+/// A checked call: sizes, the tables as indices, each pool's addressing.
+pub(crate) struct Ctx<'a> {
+    p: Problem,
+    dtype: FloatDtype,
+    q: &'a [u8],
+    group: usize,
+    rows: usize,
+    seq_lens: Vec<usize>,
+    /// blocks of each sequence (`ceil(len / B)`)
+    blocks: Vec<usize>,
+    block_pool: &'a [i32],
+    block_slot: &'a [i32],
+    pools: Vec<(Blocks, &'a [u8])>,
+}
+
+fn product(what: &'static str, factors: &[usize]) -> Result<usize> {
+    factors
+        .iter()
+        .try_fold(1usize, |a, &b| a.checked_mul(b))
+        .ok_or_else(|| invalid(what, "the size overflows"))
+}
+
+impl<'a> Ctx<'a> {
+    pub fn new(p: &Problem, inputs: &Inputs<'a>, outputs: &Outputs<'_>) -> Result<Self> {
+        let (s_n, q_n, hq, hkv, b, d, m) = (
+            p.seqs,
+            p.queries,
+            p.q_heads,
+            p.kv_heads,
+            p.block_size,
+            p.head_dim,
+            p.max_blocks,
+        );
+        for (what, v) in [
+            ("queries", q_n),
+            ("q_heads", hq),
+            ("kv_heads", hkv),
+            ("block_size", b),
+            ("head_dim", d),
+        ] {
+            if v == 0 {
+                return Err(invalid(what, "expected a positive number"));
+            }
+        }
+        if hq % hkv != 0 {
+            return Err(invalid(
+                "q_heads",
+                format!("{hq} query heads is not a multiple of {hkv} K/V heads"),
+            ));
+        }
+        if !p.scale.is_finite() {
+            return Err(invalid(
+                "scale",
+                format!("expected a finite number, got {}", p.scale),
+            ));
+        }
+        let q_len = product("q", &[s_n, q_n, hq, d, inputs.dtype.size()])?;
+        if inputs.q.len() != q_len {
+            return Err(invalid(
+                "q",
+                format!(
+                    "expected {q_len} bytes ([{s_n}, {q_n}, {hq}, {d}]), got {}",
+                    inputs.q.len()
+                ),
+            ));
+        }
+        if outputs.out.len() != q_len {
+            return Err(invalid(
+                "out",
+                format!(
+                    "expected {q_len} bytes (q's shape and dtype), got {}",
+                    outputs.out.len()
+                ),
+            ));
+        }
+        let table = product("block table", &[s_n, m])?;
+        for (what, len) in [
+            ("mass", outputs.mass.len()),
+            ("block_pool", inputs.block_pool.len()),
+            ("block_slot", inputs.block_slot.len()),
+        ] {
+            if len != table {
+                return Err(invalid(
+                    what,
+                    format!("expected {table} values ([{s_n}, {m}]), got {len}"),
+                ));
+            }
+        }
+        if inputs.seq_lens.len() != s_n {
+            return Err(invalid(
+                "seq_lens",
+                format!("expected {s_n} values, got {}", inputs.seq_lens.len()),
+            ));
+        }
+        let capacity = product("block table", &[m, b])?;
+        let mut seq_lens = Vec::with_capacity(s_n);
+        for &n in inputs.seq_lens {
+            match usize::try_from(n) {
+                Ok(n) if n >= q_n && n <= capacity => seq_lens.push(n),
+                _ => {
+                    return Err(invalid(
+                        "seq_lens",
+                        format!(
+                            "expected each in [{q_n} queries, {capacity} tokens of the block \
+                             table], got {n}"
+                        ),
+                    ))
+                }
+            }
+        }
+        let dims = Dims {
+            heads: hkv,
+            block: b,
+            dim: d,
+        };
+        let pools = inputs
+            .pools
+            .iter()
+            .enumerate()
+            .map(|(i, pool)| {
+                Ok((
+                    pool.desc.check(i, dims, p.layer, pool.bytes.len())?,
+                    pool.bytes,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let blocks: Vec<usize> = seq_lens.iter().map(|n| n.div_ceil(b)).collect();
+        for (s, &nb) in blocks.iter().enumerate() {
+            for j in 0..nb {
+                let pool = inputs.block_pool[s * m + j];
+                if pool == -1 {
+                    continue;
+                }
+                let desc: &PoolDesc =
+                    match usize::try_from(pool).ok().and_then(|i| inputs.pools.get(i)) {
+                        Some(pool) => &pool.desc,
+                        None => {
+                            return Err(Error::PoolOutOfRange {
+                                seq: s,
+                                block: j,
+                                pool: i64::from(pool),
+                                max: inputs.pools.len() as i64 - 1,
+                            })
+                        }
+                    };
+                let slot = inputs.block_slot[s * m + j];
+                if usize::try_from(slot).map_or(true, |slot| slot >= desc.slots) {
+                    return Err(Error::SlotOutOfRange {
+                        seq: s,
+                        block: j,
+                        pool: pool as usize,
+                        slot: i64::from(slot),
+                        slots: desc.slots,
+                    });
+                }
+            }
+        }
+        let group = hq / hkv;
+        Ok(Self {
+            p: *p,
+            dtype: inputs.dtype,
+            q: inputs.q,
+            group,
+            rows: q_n * group,
+            seq_lens,
+            blocks,
+            block_pool: inputs.block_pool,
+            block_slot: inputs.block_slot,
+            pools,
+        })
+    }
+}
+
+/// Blocks `j0..j1` of sequence `s` at K/V head `g`.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    s: usize,
+    g: usize,
+    j0: usize,
+    j1: usize,
+}
+
+/// An item's working memory, reused from item to item on one thread.
+struct Scratch {
+    /// the item's rows of scaled queries, `[rows, D]`
+    q: Vec<f32>,
+    /// queries times per-channel key scales, `[rows, D]`
+    q_scaled: Vec<f32>,
+    /// per row: the sum of its query (per-token asymmetric keys' zero term)
+    q_sum: Vec<f32>,
+    /// `[rows, B]`: scores, then probabilities
+    p: Vec<f32>,
+    /// `[rows, B]`: probabilities times per-token value scales
+    w: Vec<f32>,
+    /// per row: the accumulator's rescaling, the block's sum of probabilities, a zero point's
+    /// term
+    alpha: Vec<f32>,
+    lb: Vec<f32>,
+    bias: Vec<f32>,
+    k_tile: Vec<f32>,
+    v_tile: Vec<f32>,
+    /// one block's scales and zero points, K's and V's
+    ks: Vec<f32>,
+    kz: Vec<f32>,
+    vs: Vec<f32>,
+    vz: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(c: &Ctx<'_>) -> Self {
+        let (r, b, d) = (c.rows, c.p.block_size, c.p.head_dim);
+        // scales and zero points of a block's head: as many as the largest format has groups
+        let groups = c
+            .pools
+            .iter()
+            .map(|(blocks, _)| blocks.k_groups.max(blocks.v_groups))
+            .max()
+            .unwrap_or(0);
+        let quant = groups > 0;
+        Self {
+            q: vec![0.0; r * d],
+            q_scaled: vec![0.0; if quant { r * d } else { 0 }],
+            q_sum: vec![0.0; r],
+            p: vec![0.0; r * b],
+            w: vec![0.0; if quant { r * b } else { 0 }],
+            alpha: vec![0.0; r],
+            lb: vec![0.0; r],
+            bias: vec![0.0; r],
+            k_tile: vec![0.0; b * d],
+            v_tile: vec![0.0; b * d],
+            ks: vec![0.0; groups],
+            kz: vec![0.0; groups],
+            vs: vec![0.0; groups],
+            vz: vec![0.0; groups],
+        }
+    }
+}
+
+/// `src` as f32s when it is 4-aligned (a little-endian CPU's fp32 pool read in place).
+fn as_f32(src: &[u8]) -> Option<&[f32]> {
+    if cfg!(target_endian = "big") {
+        return None;
+    }
+    // SAFETY: every 4-byte pattern is a valid f32; align_to hands back only the aligned middle.
+    let (head, mid, tail) = unsafe { src.align_to::<f32>() };
+    (head.is_empty() && tail.is_empty()).then_some(mid)
+}
+
+/// A tile of `n` rows of `d` floats of `dtype` at `src`: in place when it is fp32, else widened.
+fn float_tile<'t, K: Kernels>(
+    k: K,
+    src: &'t [u8],
+    dtype: FloatDtype,
+    tile: &'t mut [f32],
+) -> &'t [f32] {
+    if dtype == FloatDtype::F32 {
+        if let Some(f) = as_f32(src) {
+            return f;
+        }
+    }
+    k.widen(src, Encoding::of_float(dtype), tile);
+    tile
+}
+
+/// Runs the item: leaves `part` = `[m: rows][l: rows][acc: rows * D]` and `stats` = per block
+/// (`j - j0`) per row, the running maximum after it and the block's sum relative to it.
+fn run_item<K: Kernels>(
+    k: K,
+    c: &Ctx<'_>,
+    it: Item,
+    sc: &mut Scratch,
+    part: &mut [f32],
+    stats: &mut [f32],
+) {
+    let Problem {
+        queries: q_n,
+        q_heads: hq,
+        block_size: b,
+        head_dim: d,
+        max_blocks: m_blocks,
+        ..
+    } = c.p;
+    let (rows, group) = (c.rows, c.group);
+    let n = c.seq_lens[it.s];
+    let (m, rest) = part.split_at_mut(rows);
+    let (l, acc) = rest.split_at_mut(rows);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+    acc.fill(0.0);
+    for st in stats.chunks_exact_mut(2) {
+        st[0] = f32::NEG_INFINITY;
+        st[1] = 0.0;
+    }
+    let Scratch {
+        q,
+        q_scaled,
+        q_sum,
+        p: probs,
+        w,
+        alpha,
+        lb,
+        bias,
+        k_tile,
+        v_tile,
+        ks,
+        kz,
+        vs,
+        vz,
+    } = sc;
+    for i in 0..q_n {
+        for hh in 0..group {
+            let h = it.g * group + hh;
+            let at = ((it.s * q_n + i) * hq + h) * d;
+            let size = c.dtype.size();
+            let src = &c.q[at * size..(at + d) * size];
+            let r = i * group + hh;
+            k.widen(src, Encoding::of_float(c.dtype), &mut q[r * d..(r + 1) * d]);
+        }
+    }
+    k.scale(&mut q[..rows * d], c.p.scale);
+    let mut have_q_sum = false;
+
+    for j in it.j0..it.j1 {
+        let e = it.s * m_blocks + j;
+        let Ok(pool) = usize::try_from(c.block_pool[e]) else {
+            continue; // skipped
+        };
+        let (blocks, bytes) = &c.pools[pool];
+        let row = blocks.row(bytes, c.block_slot[e] as usize);
+        let base = j * b;
+        let nv = (n - base).min(b);
+        // rows of queries that see none of this block: the first rows (earlier queries)
+        let r0 = (base + q_n).saturating_sub(n) * group;
+        let nr = rows - r0;
+        let qr = &q[r0 * d..rows * d];
+        let s = &mut probs[..nr * nv];
+        let dims = TileDims { d, rows: nr, n: nv };
+
+        // scores
+        match blocks.format {
+            Format::Float(dtype) => {
+                let src = &row[blocks.k + it.g * blocks.head..][..nv * d * dtype.size()];
+                let kt = float_tile(k, src, dtype, &mut k_tile[..nv * d]);
+                k.scores(qr, kt, dims, s);
+            }
+            Format::Quant(fmt) => {
+                let enc = Encoding::of_codes(fmt.bits, fmt.asymmetric);
+                let codes = &row[blocks.k + it.g * blocks.head..][..enc.bytes(nv * d)];
+                let kt = &mut k_tile[..nv * d];
+                k.widen(codes, enc, kt);
+                let sections = 2 * blocks.k_groups * it.g;
+                if fmt.key_per_channel {
+                    k.widen(
+                        &row[blocks.k_scale + sections..][..2 * d],
+                        Encoding::F16,
+                        &mut ks[..d],
+                    );
+                    let zero = fmt.asymmetric.then(|| {
+                        k.widen(
+                            &row[blocks.k_zero + sections..][..2 * d],
+                            Encoding::F16,
+                            &mut kz[..d],
+                        );
+                        &kz[..d]
+                    });
+                    if nr < nv {
+                        // q . (code * s + z) = (q * s) . code + q . z: scale the rows, not the tile
+                        let qs = &mut q_scaled[..nr * d];
+                        for (qs, qr) in qs.chunks_exact_mut(d).zip(qr.chunks_exact(d)) {
+                            for ((o, &x), &sc) in qs.iter_mut().zip(qr).zip(&ks[..d]) {
+                                *o = x * sc;
+                            }
+                        }
+                        k.scores(qs, kt, dims, s);
+                        if let Some(z) = zero {
+                            let bias = &mut bias[..nr];
+                            k.scores(qr, z, TileDims { d, rows: nr, n: 1 }, bias);
+                            for (srow, &b) in s.chunks_exact_mut(nv).zip(&*bias) {
+                                srow.iter_mut().for_each(|x| *x += b);
+                            }
+                        }
+                    } else {
+                        k.affine_channels(kt, d, &ks[..d], zero);
+                        k.scores(qr, kt, dims, s);
+                    }
+                } else {
+                    let per_token = d / fmt.group;
+                    let ng = nv * per_token;
+                    k.widen(
+                        &row[blocks.k_scale + sections..][..2 * ng],
+                        Encoding::F16,
+                        &mut ks[..ng],
+                    );
+                    let zero = fmt.asymmetric.then(|| {
+                        k.widen(
+                            &row[blocks.k_zero + sections..][..2 * ng],
+                            Encoding::F16,
+                            &mut kz[..ng],
+                        );
+                        &kz[..ng]
+                    });
+                    if per_token == 1 {
+                        // one group a token: q . (code * s_t + z_t) = s_t (q . code) + z_t sum(q)
+                        k.scores(qr, kt, dims, s);
+                        match zero {
+                            Some(z) => {
+                                if !have_q_sum {
+                                    for (sum, qrow) in q_sum.iter_mut().zip(q.chunks_exact(d)) {
+                                        *sum = qrow.iter().sum();
+                                    }
+                                    have_q_sum = true;
+                                }
+                                for (srow, &qs) in s.chunks_exact_mut(nv).zip(&q_sum[r0..]) {
+                                    for ((x, &st), &zt) in srow.iter_mut().zip(&ks[..nv]).zip(z) {
+                                        *x = *x * st + zt * qs;
+                                    }
+                                }
+                            }
+                            None => {
+                                for srow in s.chunks_exact_mut(nv) {
+                                    for (x, &st) in srow.iter_mut().zip(&ks[..nv]) {
+                                        *x *= st;
+                                    }
+                                }
+                            }
+                        }
+                    } else {
+                        k.affine_tokens(kt, d, fmt.group, &ks[..ng], zero);
+                        k.scores(qr, kt, dims, s);
+                    }
+                }
+            }
+        }
+
+        // causal mask: row r (query i) sees tokens up to position n - Q + i
+        if base + nv + q_n > n + 1 {
+            for (ri, srow) in s.chunks_exact_mut(nv).enumerate() {
+                let pos = n - q_n + (r0 + ri) / group;
+                let visible = pos + 1 - base;
+                if visible < nv {
+                    srow[visible..].fill(f32::NEG_INFINITY);
+                }
+            }
+        }
+
+        // online softmax: the block's probabilities (relative to each row's new maximum)
+        let (alpha, lb) = (&mut alpha[..nr], &mut lb[..nr]);
+        k.softmax(s, nv, &mut m[r0..], &mut l[r0..], alpha, lb);
+        let st = &mut stats[(j - it.j0) * rows * 2..][..rows * 2];
+        for (ri, &sum) in lb.iter().enumerate() {
+            if sum > 0.0 {
+                st[2 * (r0 + ri)] = m[r0 + ri];
+                st[2 * (r0 + ri) + 1] = sum;
+            }
+        }
+        let alpha = &*alpha;
+
+        // values
+        let acc_rows = &mut acc[r0 * d..rows * d];
+        match blocks.format {
+            Format::Float(dtype) => {
+                let src = &row[blocks.v + it.g * blocks.head..][..nv * d * dtype.size()];
+                let vt = float_tile(k, src, dtype, &mut v_tile[..nv * d]);
+                k.accumulate(s, vt, dims, alpha, acc_rows);
+            }
+            Format::Quant(fmt) => {
+                let enc = Encoding::of_codes(fmt.bits, fmt.asymmetric);
+                let codes = &row[blocks.v + it.g * blocks.head..][..enc.bytes(nv * d)];
+                let vt = &mut v_tile[..nv * d];
+                k.widen(codes, enc, vt);
+                let sections = 2 * blocks.v_groups * it.g;
+                let per_token = d / fmt.group;
+                let ng = nv * per_token;
+                k.widen(
+                    &row[blocks.v_scale + sections..][..2 * ng],
+                    Encoding::F16,
+                    &mut vs[..ng],
+                );
+                let zero = fmt.asymmetric.then(|| {
+                    k.widen(
+                        &row[blocks.v_zero + sections..][..2 * ng],
+                        Encoding::F16,
+                        &mut vz[..ng],
+                    );
+                    &vz[..ng]
+                });
+                if per_token == 1 {
+                    // sum_t p_t (code_t * s_t + z_t) = sum_t (p_t s_t) code_t + sum_t p_t z_t
+                    let wr = &mut w[..nr * nv];
+                    for (wrow, srow) in wr.chunks_exact_mut(nv).zip(s.chunks_exact(nv)) {
+                        for ((o, &pt), &st) in wrow.iter_mut().zip(srow).zip(&vs[..nv]) {
+                            *o = pt * st;
+                        }
+                    }
+                    k.accumulate(wr, vt, dims, alpha, acc_rows);
+                    if let Some(z) = zero {
+                        let shift = &mut bias[..nr];
+                        k.scores(
+                            s,
+                            z,
+                            TileDims {
+                                d: nv,
+                                rows: nr,
+                                n: 1,
+                            },
+                            shift,
+                        );
+                        for (arow, &sh) in acc_rows.chunks_exact_mut(d).zip(&*shift) {
+                            arow.iter_mut().for_each(|a| *a += sh);
+                        }
+                    }
+                } else {
+                    k.affine_tokens(vt, d, fmt.group, &vs[..ng], zero);
+                    k.accumulate(s, vt, dims, alpha, acc_rows);
+                }
+            }
+        }
+    }
+}
+
+/// Merges a sequence's items into its output rows (`out`, `[Q, Hq, D]` of the dtype) and its
+/// block masses (`mass`, `[M]`).
+#[allow(clippy::too_many_arguments)]
+fn finish<K: Kernels>(
+    k: K,
+    c: &Ctx<'_>,
+    items: &[Item],
+    parts: &[&[f32]],
+    stats: &[&[f32]],
+    out: &mut [u8],
+    mass: &mut [f32],
+) {
+    let Problem {
+        queries: q_n,
+        q_heads: hq,
+        head_dim: d,
+        ..
+    } = c.p;
+    let (rows, group) = (c.rows, c.group);
+    let mut rows_out = vec![0.0f32; q_n * hq * d];
+    mass.fill(0.0);
+    let mut first = 0;
+    while first < items.len() {
+        let g = items[first].g;
+        let last = first + items[first..].iter().take_while(|it| it.g == g).count();
+        let (g_items, g_parts, g_stats) = (
+            &items[first..last],
+            &parts[first..last],
+            &stats[first..last],
+        );
+        for r in 0..rows {
+            let mx = g_parts
+                .iter()
+                .map(|part| part[r])
+                .fold(f32::NEG_INFINITY, f32::max);
+            if mx == f32::NEG_INFINITY {
+                continue; // sees no key: zeros
+            }
+            let (i, hh) = (r / group, r % group);
+            let o = &mut rows_out[(i * hq + g * group + hh) * d..][..d];
+            let mut total = 0.0;
+            for part in g_parts {
+                let (pm, pl) = (part[r], part[rows + r]);
+                if pl == 0.0 {
+                    continue;
+                }
+                let f = (pm - mx).exp();
+                total += pl * f;
+                let pa = &part[2 * rows + r * d..][..d];
+                for (o, &a) in o.iter_mut().zip(pa) {
+                    *o += a * f;
+                }
+            }
+            let inv = 1.0 / total;
+            k.scale(o, inv);
+            // the running maximum only grows: few distinct values, one exp each
+            let (mut last_m, mut factor) = (f32::NAN, 0.0);
+            for (it, st) in g_items.iter().zip(g_stats) {
+                for (jj, st) in st.chunks_exact(2 * rows).enumerate() {
+                    let (mj, lj) = (st[2 * r], st[2 * r + 1]);
+                    if lj == 0.0 {
+                        continue;
+                    }
+                    if mj != last_m {
+                        last_m = mj;
+                        factor = (mj - mx).exp() * inv;
+                    }
+                    mass[it.j0 + jj] += lj * factor;
+                }
+            }
+        }
+        first = last;
+    }
+    k.scale(mass, 1.0 / (hq * q_n) as f32);
+    k.narrow(&rows_out, c.dtype, out);
+}
+
+/// The items of a call, by sequence then K/V head then block: one per (sequence, head), or
+/// runs of `chunk` blocks.
+fn plan(c: &Ctx<'_>, chunk: usize) -> Vec<Item> {
+    let mut items = Vec::new();
+    for (s, &nb) in c.blocks.iter().enumerate() {
+        for g in 0..c.p.kv_heads {
+            let mut j0 = 0;
+            while j0 < nb {
+                let j1 = nb.min(j0.saturating_add(chunk));
+                items.push(Item { s, g, j0, j1 });
+                j0 = j1;
+            }
+        }
+    }
+    items
+}
+
+/// Runs `f` on `threads` threads: 0, rayon's global pool; n, a pool of n built on first use.
+fn on_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+    static POOLS: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(Vec::new());
+    if threads == 0 {
+        return f();
+    }
+    let pool = {
+        let mut pools = POOLS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match pools.iter().find(|(n, _)| *n == threads) {
+            Some((_, pool)) => Some(pool.clone()),
+            None => rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .ok()
+                .map(|pool| {
+                    let pool = Arc::new(pool);
+                    pools.push((threads, pool.clone()));
+                    pool
+                }),
+        }
+    };
+    match pool {
+        Some(pool) => pool.install(f),
+        None => f(), // no threads to be had: rayon's global pool
+    }
+}
+
+/// Splits `buf` into consecutive pieces of `sizes`.
+fn split_mut(mut buf: &mut [f32], sizes: impl Iterator<Item = usize>) -> Vec<&mut [f32]> {
+    let mut out = Vec::new();
+    for size in sizes {
+        let (piece, rest) = std::mem::take(&mut buf).split_at_mut(size);
+        out.push(piece);
+        buf = rest;
+    }
+    out
+}
+
+pub(crate) fn run<K: Kernels>(k: K, c: &Ctx<'_>, outputs: Outputs<'_>, threads: usize) {
+    let Problem {
+        seqs,
+        queries: q_n,
+        q_heads: hq,
+        kv_heads: hkv,
+        head_dim: d,
+        max_blocks: m_blocks,
+        ..
+    } = c.p;
+    if seqs == 0 {
+        return;
+    }
+    let threads_n = if threads == 0 {
+        rayon::current_num_threads()
+    } else {
+        threads
+    };
+    let work: usize = c
+        .seq_lens
+        .iter()
+        .map(|&n| n.saturating_mul(q_n * hq * d))
+        .fold(0, usize::saturating_add);
+    let parallel = threads_n > 1 && work >= PARALLEL_MIN_WORK;
+    let chunk = if parallel && seqs * hkv < ITEMS_PER_THREAD * threads_n {
+        let total: usize = c.blocks.iter().sum::<usize>() * hkv;
+        MIN_SPLIT_BLOCKS.max(total.div_ceil(ITEMS_PER_THREAD * threads_n))
+    } else {
+        usize::MAX
+    };
+    let items = plan(c, chunk);
+    let rows = c.rows;
+    let part_len = rows * (d + 2);
+    let mut parts = vec![0.0f32; items.len() * part_len];
+    let stat_lens = || items.iter().map(|it| (it.j1 - it.j0) * rows * 2);
+    let mut stats = vec![0.0f32; stat_lens().sum()];
+    let out_len = q_n * hq * d * c.dtype.size();
+    // items of each sequence: a run of `items`
+    let mut seq_items = vec![0..0; seqs];
+    for (x, it) in items.iter().enumerate() {
+        let r = &mut seq_items[it.s];
+        if r.start == r.end {
+            *r = x..x + 1;
+        } else {
+            r.end = x + 1;
+        }
+    }
+
+    if parallel {
+        on_pool(threads, || {
+            let work: Vec<_> = items
+                .iter()
+                .zip(parts.chunks_exact_mut(part_len))
+                .zip(split_mut(&mut stats, stat_lens()))
+                .collect();
+            work.into_par_iter().for_each_init(
+                || Scratch::new(c),
+                |sc, ((&it, part), st)| run_item(k, c, it, sc, part, st),
+            );
+            let part_refs: Vec<&[f32]> = parts.chunks_exact(part_len).collect();
+            let stat_refs: Vec<&[f32]> = split_ref(&stats, stat_lens());
+            outputs
+                .out
+                .par_chunks_exact_mut(out_len)
+                .zip(outputs.mass.par_chunks_exact_mut(m_blocks.max(1)))
+                .enumerate()
+                .for_each(|(s, (out, mass))| {
+                    let r = seq_items[s].clone();
+                    finish(
+                        k,
+                        c,
+                        &items[r.clone()],
+                        &part_refs[r.clone()],
+                        &stat_refs[r],
+                        out,
+                        mass,
+                    );
+                });
+        });
+    } else {
+        let mut sc = Scratch::new(c);
+        for ((&it, part), st) in items
+            .iter()
+            .zip(parts.chunks_exact_mut(part_len))
+            .zip(split_mut(&mut stats, stat_lens()))
+        {
+            run_item(k, c, it, &mut sc, part, st);
+        }
+        let part_refs: Vec<&[f32]> = parts.chunks_exact(part_len).collect();
+        let stat_refs: Vec<&[f32]> = split_ref(&stats, stat_lens());
+        for (s, (out, mass)) in outputs
+            .out
+            .chunks_exact_mut(out_len)
+            .zip(outputs.mass.chunks_exact_mut(m_blocks.max(1)))
+            .enumerate()
+        {
+            let r = seq_items[s].clone();
+            finish(
+                k,
+                c,
+                &items[r.clone()],
+                &part_refs[r.clone()],
+                &stat_refs[r],
+                out,
+                mass,
+            );
+        }
+    }
+}
+
+/// Splits `buf` into consecutive pieces of `sizes`.
+fn split_ref(mut buf: &[f32], sizes: impl Iterator<Item = usize>) -> Vec<&[f32]> {
+    let mut out = Vec::new();
+    for size in sizes {
+        let (piece, rest) = buf.split_at(size);
+        out.push(piece);
+        buf = rest;
+    }
+    out
+}

@@ -1,0 +1,281 @@
+//! The inner loops, one block tile at a time, behind one trait with two implementations: the
+//! portable [`Scalar`] and, on x86-64 CPUs with AVX2, FMA and F16C (checked at run time), the
+//! explicit-intrinsics [`avx2::Avx2`]. The driver (`crate::driver`) is generic over the trait,
+//! so each instruction set gets its own copy of it; each method handles a whole tile, so the
+//! call into a `#[target_feature]` function costs once per block, not once per value.
+//!
+//! Every method checks the slice lengths it was given (`assert!`): the SIMD code reads and
+//! writes through pointers only inside them.
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+
+use crate::half::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use crate::layout::FloatDtype;
+
+/// How the elements of a byte slice encode numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Encoding {
+    F32,
+    F16,
+    Bf16,
+    /// int8 two's complement
+    I8,
+    U8,
+    /// two 4-bit codes a byte, the even element in the low nibble, two's complement
+    I4,
+    U4,
+}
+
+impl Encoding {
+    pub fn of_float(dtype: FloatDtype) -> Self {
+        match dtype {
+            FloatDtype::F32 => Self::F32,
+            FloatDtype::F16 => Self::F16,
+            FloatDtype::Bf16 => Self::Bf16,
+        }
+    }
+
+    pub fn of_codes(bits: u8, asymmetric: bool) -> Self {
+        match (bits, asymmetric) {
+            (8, false) => Self::I8,
+            (8, true) => Self::U8,
+            (_, false) => Self::I4,
+            (_, true) => Self::U4,
+        }
+    }
+
+    /// Bytes holding `n` elements.
+    pub fn bytes(self, n: usize) -> usize {
+        match self {
+            Self::F32 => 4 * n,
+            Self::F16 | Self::Bf16 => 2 * n,
+            Self::I8 | Self::U8 => n,
+            Self::I4 | Self::U4 => n.div_ceil(2),
+        }
+    }
+}
+
+/// The sizes of one tile product: `rows` rows against `n` tokens of `d` values.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TileDims {
+    pub d: usize,
+    pub rows: usize,
+    pub n: usize,
+}
+
+pub(crate) trait Kernels: Copy + Send + Sync {
+    /// `out[r * n + t] = q[r] . k[t]` for `r < rows`, `t < n` (rows of `q` and `k` are `d`).
+    fn scores(self, q: &[f32], k: &[f32], dims: TileDims, out: &mut [f32]);
+
+    /// `acc[r] = alpha[r] * acc[r] + sum over t of w[r * n + t] * v[t]` for `r < rows` (rows
+    /// of `v` and `acc`: `d`).
+    fn accumulate(self, w: &[f32], v: &[f32], dims: TileDims, alpha: &[f32], acc: &mut [f32]);
+
+    /// One block of the online softmax for each row of `s` (`n` scores each): with `mb` the
+    /// row's maximum, `m[r]` becomes `max(m[r], mb)`, the row `exp(s - m[r])` (0 below -87),
+    /// `lb[r]` its sum, `alpha[r]` = `exp(m_old - m[r])` (0 from -inf), `l[r] = l[r] * alpha[r]
+    /// + lb[r]`. A row that is all -inf becomes zeros with `alpha` 1 and `lb` 0.
+    fn softmax(
+        self,
+        s: &mut [f32],
+        n: usize,
+        m: &mut [f32],
+        l: &mut [f32],
+        alpha: &mut [f32],
+        lb: &mut [f32],
+    );
+
+    /// `x[i] *= a`.
+    fn scale(self, x: &mut [f32], a: f32);
+
+    /// `dst[i]` = element `i` of `src` (`dst.len()` elements).
+    fn widen(self, src: &[u8], enc: Encoding, dst: &mut [f32]);
+
+    /// `dst` = `src` narrowed to `dtype`, rounding to nearest even.
+    fn narrow(self, src: &[f32], dtype: FloatDtype, dst: &mut [u8]);
+
+    /// Dequantizes rows of `d` values grouped per token, in place: value `i` of row `t` is
+    /// `x * s[t * (d / group) + i / group] (+ z[...])`.
+    fn affine_tokens(self, x: &mut [f32], d: usize, group: usize, s: &[f32], z: Option<&[f32]>);
+
+    /// Dequantizes rows of `d` values grouped per channel, in place: `x * s[i] (+ z[i])`.
+    fn affine_channels(self, x: &mut [f32], d: usize, s: &[f32], z: Option<&[f32]>);
+}
+
+/// `exp(m_old - m_new)`: what an accumulator kept against `m_old` is scaled by (0 from -inf).
+#[inline]
+pub(crate) fn old_scale(m_old: f32, m_new: f32) -> f32 {
+    if m_old == m_new {
+        1.0
+    } else if m_old == f32::NEG_INFINITY {
+        0.0
+    } else {
+        (m_old - m_new).exp()
+    }
+}
+
+/// The portable implementation: plain loops (which the compiler vectorizes where it can).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Scalar;
+
+impl Kernels for Scalar {
+    fn scores(self, q: &[f32], k: &[f32], dims: TileDims, out: &mut [f32]) {
+        let TileDims { d, rows, n } = dims;
+        let (q, k, out) = (&q[..rows * d], &k[..n * d], &mut out[..rows * n]);
+        for (qr, out) in q.chunks_exact(d).zip(out.chunks_exact_mut(n)) {
+            for (kt, o) in k.chunks_exact(d).zip(out.iter_mut()) {
+                *o = qr.iter().zip(kt).map(|(a, b)| a * b).sum();
+            }
+        }
+    }
+
+    fn accumulate(self, w: &[f32], v: &[f32], dims: TileDims, alpha: &[f32], acc: &mut [f32]) {
+        let TileDims { d, rows, n } = dims;
+        let (w, v, acc) = (&w[..rows * n], &v[..n * d], &mut acc[..rows * d]);
+        for ((wr, acc), &a) in w
+            .chunks_exact(n)
+            .zip(acc.chunks_exact_mut(d))
+            .zip(&alpha[..rows])
+        {
+            if a != 1.0 {
+                acc.iter_mut().for_each(|x| *x *= a);
+            }
+            for (&p, vt) in wr.iter().zip(v.chunks_exact(d)) {
+                for (x, y) in acc.iter_mut().zip(vt) {
+                    *x += p * y;
+                }
+            }
+        }
+    }
+
+    fn softmax(
+        self,
+        s: &mut [f32],
+        n: usize,
+        m: &mut [f32],
+        l: &mut [f32],
+        alpha: &mut [f32],
+        lb: &mut [f32],
+    ) {
+        for (r, row) in s.chunks_exact_mut(n).enumerate() {
+            let mb = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if mb == f32::NEG_INFINITY {
+                row.fill(0.0);
+                (alpha[r], lb[r]) = (1.0, 0.0);
+                continue;
+            }
+            let m_new = m[r].max(mb);
+            alpha[r] = old_scale(m[r], m_new);
+            let mut sum = 0.0;
+            for v in row.iter_mut() {
+                let e = *v - m_new;
+                *v = if e < -87.0 { 0.0 } else { e.exp() };
+                sum += *v;
+            }
+            lb[r] = sum;
+            l[r] = l[r] * alpha[r] + sum;
+            m[r] = m_new;
+        }
+    }
+
+    fn scale(self, x: &mut [f32], a: f32) {
+        for v in x {
+            *v *= a;
+        }
+    }
+
+    fn widen(self, src: &[u8], enc: Encoding, dst: &mut [f32]) {
+        let src = &src[..enc.bytes(dst.len())];
+        match enc {
+            Encoding::F32 => {
+                for (o, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            Encoding::F16 => {
+                for (o, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = f16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                }
+            }
+            Encoding::Bf16 => {
+                for (o, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+                }
+            }
+            Encoding::I8 => {
+                for (o, &b) in dst.iter_mut().zip(src) {
+                    *o = f32::from(b as i8);
+                }
+            }
+            Encoding::U8 => {
+                for (o, &b) in dst.iter_mut().zip(src) {
+                    *o = f32::from(b);
+                }
+            }
+            Encoding::I4 | Encoding::U4 => {
+                let signed = enc == Encoding::I4;
+                for (i, o) in dst.iter_mut().enumerate() {
+                    let nib = (src[i / 2] >> (4 * (i % 2))) & 15;
+                    *o = if signed {
+                        f32::from(((nib ^ 8) as i8) - 8)
+                    } else {
+                        f32::from(nib)
+                    };
+                }
+            }
+        }
+    }
+
+    fn narrow(self, src: &[f32], dtype: FloatDtype, dst: &mut [u8]) {
+        let dst = &mut dst[..dtype.size() * src.len()];
+        match dtype {
+            FloatDtype::F32 => {
+                for (o, v) in dst.chunks_exact_mut(4).zip(src) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            FloatDtype::F16 => {
+                for (o, &v) in dst.chunks_exact_mut(2).zip(src) {
+                    o.copy_from_slice(&f32_to_f16(v).to_le_bytes());
+                }
+            }
+            FloatDtype::Bf16 => {
+                for (o, &v) in dst.chunks_exact_mut(2).zip(src) {
+                    o.copy_from_slice(&f32_to_bf16(v).to_le_bytes());
+                }
+            }
+        }
+    }
+
+    fn affine_tokens(self, x: &mut [f32], d: usize, group: usize, s: &[f32], z: Option<&[f32]>) {
+        let groups = x.len() / group;
+        let s = &s[..groups];
+        let z = z.map(|z| &z[..groups]);
+        debug_assert_eq!(d % group, 0);
+        for (g, vals) in x.chunks_exact_mut(group).enumerate() {
+            let (sg, zg) = (s[g], z.map_or(0.0, |z| z[g]));
+            for v in vals {
+                *v = *v * sg + zg;
+            }
+        }
+    }
+
+    fn affine_channels(self, x: &mut [f32], d: usize, s: &[f32], z: Option<&[f32]>) {
+        let s = &s[..d];
+        for row in x.chunks_exact_mut(d) {
+            match z {
+                Some(z) => {
+                    for ((v, sc), zc) in row.iter_mut().zip(s).zip(&z[..d]) {
+                        *v = *v * sc + zc;
+                    }
+                }
+                None => {
+                    for (v, sc) in row.iter_mut().zip(s) {
+                        *v *= sc;
+                    }
+                }
+            }
+        }
+    }
+}
