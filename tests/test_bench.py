@@ -67,11 +67,18 @@ def test_bench_manager_quick_prints_figures_beside_baselines() -> None:
     decode = cpu["decode"]
     assert decode["baseline"]["tokens_per_s"] > 0, "the named baseline is measured in the run"
     work = result["workload"]
-    for setting in ("default", "fp16_only"):
-        r = decode[setting]
+    assert decode["baseline"]["attention"]["count"] == work["steps"] * 32
+    for name, read in (
+        ("default", "attend"),
+        ("fp16_only", "attend"),
+        ("default_gather", "gather"),
+    ):
+        r = decode[name]
+        assert r["read"] == read
         assert r["tokens"] == decode["baseline"]["tokens"], "same work on both sides"
         assert r["tokens_per_s"] > 0 and r["tokens_per_s_ratio_vs_baseline"] > 0
-        assert r["gather"]["count"] == work["sequences"] * work["steps"] * 32
+        assert r["attention"]["count"] == work["steps"] * 32, "attention per layer per step"
+        assert r["append"]["count"] == work["sequences"] * work["steps"] * 32
         assert r["step"]["count"] == work["steps"]
         assert r["step"]["max_ms"] >= r["step"]["mean_ms"] >= 0
         assert r["memory"]["tokens"] == work["sequences"] * (work["prompt"] + work["steps"])
@@ -83,6 +90,12 @@ def test_bench_manager_quick_prints_figures_beside_baselines() -> None:
     assert memory["default"]["ratio_vs_fp16"] < 1.0
     assert memory["aggressive"]["ratio_vs_fp16"] < memory["default"]["ratio_vs_fp16"]
     assert decode["default"]["memory"]["ratio_vs_fp16"] < 1.0
+    # attend reads the pools' bytes, measured beside a plain copy of as many bytes
+    for name in ("default", "fp16_only"):
+        b = decode[name]["bandwidth"]
+        assert b["bytes"] == decode[name]["memory"]["held_bytes"]
+        assert b["attend_gb_per_s"] > 0 and b["copy_gb_per_s"] > 0
+    assert decode["default"]["bandwidth"]["bytes"] < decode["fp16_only"]["bandwidth"]["bytes"]
     for m in memory.values():
         assert m["pool_bytes"] >= m["held_bytes"] > 0
 

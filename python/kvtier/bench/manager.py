@@ -5,12 +5,17 @@ Both do the same appends and reads of a decode-like workload.
 The shape: Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, fp16), blocks of 16 tokens.
 
 - decode: S sequences each append a P-token prompt to every layer (then one ``step()``), then G
-  decode steps: per layer, per sequence, append one token and gather the whole layer back
-  (``[n, kv_heads, head_dim]`` K and V, contiguous); one ``step()`` per decode step. Timed for the
-  default ladder (fp16, int8, int4; recent window 128) and with compression off (fp16 only). The
-  baseline preallocates ``[max_tokens, kv_heads, head_dim]`` K and V per sequence and layer:
-  append is a slice copy, a read is the slice (already contiguous). Tokens/s counts tokens of a
-  sequence (all layers) appended per second of the whole workload.
+  decode steps of a custom engine: per layer, each sequence appends one token's K/V, then
+  attention for the step's query (32 heads, grouped over the 8 K/V heads) is computed over each
+  sequence's whole layer; one ``step()`` per decode step. The manager computes attention with
+  ``attend`` (one call per layer for every sequence, over the blocks where they lie) for the
+  default ladder (fp16, int8, int4; recent window 128) and with compression off (fp16 only),
+  and, for the default ladder, the older way too: ``gather`` each sequence's layer back
+  (decoded, contiguous) and run torch's SDPA over it. The baseline preallocates ``[max_tokens,
+  kv_heads, head_dim]`` K and V per sequence and layer: append is a slice copy, attention is
+  torch's SDPA over the slice. Tokens/s counts tokens of a sequence (all layers) per second.
+- bandwidth: one ``attend`` over every layer of every sequence, best of R: the pool bytes it
+  reads per second, beside a plain copy of as many bytes in the same run (the memory bound).
 - memory: bytes the pools hold per token after a final ``step()``, against fp16 K/V (131,072
   B/token), for the default ladder, fp16 only, and an aggressive setting (every compressible
   block to int4, recent window 32); measured after the decode workload and, separately, on
@@ -53,7 +58,13 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "fp16_only": {"enable_compression": False},
     "aggressive": {"compression_ratio": 0.0, "recent_window": 32},
 }
-TIMED = ("default", "fp16_only")
+#: The timed decode runs: name -> (setting, how attention reads the cache).
+TIMED: dict[str, tuple[str, str]] = {
+    "default": ("default", "attend"),
+    "fp16_only": ("fp16_only", "attend"),
+    "default_gather": ("default", "gather"),
+}
+Q_HEADS = 32
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,22 @@ def _inputs(work: Workload, device: torch.device) -> Inputs:
             four.append(x.to(DTYPE).to(device))
         out.append((four[0], four[1], four[2], four[3]))
     return out
+
+
+def _queries(work: Workload, device: torch.device) -> torch.Tensor:
+    """The decode steps' queries, ``[steps, sequences, 1, Q_HEADS, HEAD_DIM]``."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn((work.steps, work.sequences, 1, Q_HEADS, HEAD_DIM), generator=gen)
+    return q.to(DTYPE).to(device)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of one sequence's queries ``[1, Q_HEADS, D]`` over ``[n, KV_HEADS, D]`` K/V."""
+    kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], kt, vt, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
 
 
 def _device_blocks(work: Workload) -> int:
@@ -167,18 +194,20 @@ def run_manager(
     inputs: Inputs,
     device: torch.device,
     *,
-    gather: bool = True,
+    read: str | None = "attend",
     read_repeats: int = 1,
 ) -> dict[str, Any]:
-    """The workload on a fresh manager (construction not timed); with ``gather=False`` no reads
-    (the memory runs). Ends with an untimed ``step()`` before the memory figures."""
+    """The workload on a fresh manager (construction not timed); attention by ``read``:
+    ``attend``, ``gather`` (then SDPA) or None (no reads: the memory runs). Ends with an
+    untimed ``step()`` before the memory figures."""
     sync = _syncer(device)
     bm = _manager(setting, work, device)
+    queries = _queries(work, device)
     sync()
     clock = time.perf_counter
     prefill_appends: list[float] = []
     appends: list[float] = []
-    gathers: list[float] = []
+    reads: list[float] = []
     steps: list[float] = []
     start = clock()
     seqs = [bm.add_sequence() for _ in range(work.sequences)]
@@ -199,41 +228,69 @@ def run_manager(
                 t0 = clock()
                 bm.append(seq, layer, kd[g : g + 1], vd[g : g + 1])
                 sync()
-                t1 = clock()
-                appends.append(t1 - t0)
-                if gather:
-                    bm.gather(seq, layer)
-                    sync()
-                    gathers.append(clock() - t1)
+                appends.append(clock() - t0)
+            t0 = clock()
+            if read == "attend":
+                bm.attend(seqs, layer, queries[g])
+            elif read == "gather":
+                for i, seq in enumerate(seqs):
+                    _sdpa(queries[g, i], *bm.gather(seq, layer))
+            sync()
+            if read is not None:
+                reads.append(clock() - t0)
         t0 = clock()
         bm.step()
         sync()
         steps.append(clock() - t0)
     total_s = clock() - start
-    if gather:  # a read gives the whole layer back, contiguous
-        for x in bm.gather(seqs[-1], LAYERS - 1):
-            assert x.shape == (work.length, KV_HEADS, HEAD_DIM) and x.is_contiguous(), x.shape
     bm.step()
     sync()
     out: dict[str, Any] = {
         **_throughput(setting, work, total_s, prefill_s),
+        "read": read,
         "prefill_append": _ms(prefill_appends),
         "prefill_step_ms": prefill_step * 1e3,
         "append": _ms(appends),
-        "gather": _ms(gathers),
+        "attention": _ms(reads),
         "step": _ms(steps),
     }
-    if gather:
+    if read is not None:
 
         def read_all() -> None:
             for layer in range(LAYERS):
-                for seq in seqs:
-                    bm.gather(seq, layer)
+                if read == "attend":
+                    bm.attend(seqs, layer, queries[0], record=False)
+                else:
+                    for i, seq in enumerate(seqs):
+                        _sdpa(queries[0, i], *bm.gather(seq, layer))
             sync()
 
         out["read_all_ms"] = best_of(read_repeats, read_all) * 1e3
     out["memory"] = _memory(bm, setting, work)
+    if read == "attend":
+        out["bandwidth"] = _bandwidth(out["memory"]["held_bytes"], out["read_all_ms"], device)
     return out
+
+
+def _bandwidth(nbytes: int, read_ms: float, device: torch.device) -> dict[str, float]:
+    """Pool bytes ``attend`` read per second, beside a plain copy of as many bytes."""
+    sync = _syncer(device)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+        sync()
+
+    copy_s = best_of(5, copy)
+    attend_gbs = nbytes / (read_ms / 1e3) / 1e9
+    copy_gbs = nbytes / copy_s / 1e9  # bytes read per second, as for attend
+    return {
+        "bytes": nbytes,
+        "attend_gb_per_s": attend_gbs,
+        "copy_gb_per_s": copy_gbs,
+        "ratio_vs_copy": attend_gbs / copy_gbs,
+    }
 
 
 def run_baseline(
@@ -253,6 +310,7 @@ def run_baseline(
         for _ in range(work.sequences)
     ]
     sync()
+    queries = _queries(work, device)
     clock = time.perf_counter
     prefill_appends: list[float] = []
     appends: list[float] = []
@@ -275,19 +333,21 @@ def run_baseline(
                 k[n : n + 1].copy_(kd[g : g + 1])
                 v[n : n + 1].copy_(vd[g : g + 1])
                 sync()
-                t1 = clock()
-                appends.append(t1 - t0)
-                k[: n + 1].contiguous(), v[: n + 1].contiguous()  # views: already contiguous
-                sync()
-                reads.append(clock() - t1)
+                appends.append(clock() - t0)
+            t0 = clock()
+            for i, layers in enumerate(cache):
+                k, v = layers[layer]
+                _sdpa(queries[g, i], k[: n + 1], v[: n + 1])
+            sync()
+            reads.append(clock() - t0)
         n += 1
     total_s = clock() - start
 
     def read_all() -> None:
         for layer in range(LAYERS):
-            for layers in cache:
+            for i, layers in enumerate(cache):
                 k, v = layers[layer]
-                k[:n].contiguous(), v[:n].contiguous()
+                _sdpa(queries[0, i], k[:n], v[:n])
         sync()
 
     allocated = 2 * work.sequences * LAYERS * math.prod(shape) * 2
@@ -295,7 +355,7 @@ def run_baseline(
         **_throughput("contiguous torch cache", work, total_s, prefill_s),
         "prefill_append": _ms(prefill_appends),
         "append": _ms(appends),
-        "gather": _ms(reads),
+        "attention": _ms(reads),
         "read_all_ms": best_of(read_repeats, read_all) * 1e3,
         "allocated_bytes": allocated,
         "allocated_bytes_per_token": allocated / work.tokens,
@@ -308,26 +368,26 @@ def run_device(
     inputs = _inputs(work, device)
     # Warm-up: first calls into torch ops and the codecs, off the clock.
     tiny = Workload(sequences=1, prompt=48, steps=2)
-    for setting in TIMED:
-        run_manager(setting, tiny, _inputs(tiny, device), device)
+    for setting, read in TIMED.values():
+        run_manager(setting, tiny, _inputs(tiny, device), device, read=read)
     run_baseline(tiny, _inputs(tiny, device), device)
     log(f"[{device}] baseline: contiguous torch cache")
     baseline = run_baseline(work, inputs, device, read_repeats=repeats)
     decode: dict[str, Any] = {"baseline": baseline}
-    for setting in TIMED:
-        log(f"[{device}] manager {setting}: decode workload")
-        r = run_manager(setting, work, inputs, device, read_repeats=repeats)
+    for name, (setting, read) in TIMED.items():
+        log(f"[{device}] manager {name}: decode workload")
+        r = run_manager(setting, work, inputs, device, read=read, read_repeats=repeats)
         r["tokens_per_s_ratio_vs_baseline"] = r["tokens_per_s"] / baseline["tokens_per_s"]
         r["decode_tokens_per_s_ratio_vs_baseline"] = (
             r["decode_tokens_per_s"] / baseline["decode_tokens_per_s"]
         )
-        decode[setting] = r
+        decode[name] = r
     del inputs
     memory: dict[str, Any] = {}
     memory_inputs = _inputs(memory_work, device)
     for setting in SETTINGS:
         log(f"[{device}] manager {setting}: memory run, {memory_work.length}-token sequences")
-        memory[setting] = run_manager(setting, memory_work, memory_inputs, device, gather=False)[
+        memory[setting] = run_manager(setting, memory_work, memory_inputs, device, read=None)[
             "memory"
         ]
     return {"device": str(device), "decode": decode, "memory": memory}
@@ -340,8 +400,8 @@ def _table(result: dict[str, Any]) -> str:
         f"{HEAD_DIM}, fp16), block_size {BLOCK_SIZE}; torch {result['torch']}, "
         f"{result['cpu_threads']} CPU threads",
         f"decode workload: {work['sequences']} sequences x ({work['prompt']} prompt + "
-        f"{work['steps']} decode tokens), every layer; a read per layer per sequence per decode "
-        "step; step() after the prefill and after each decode step",
+        f"{work['steps']} decode tokens), every layer; attention ({Q_HEADS} query heads) per "
+        "layer per decode step; step() after the prefill and after each decode step",
     ]
     for dev in result["devices"]:
         d = dev["decode"]
@@ -355,7 +415,7 @@ def _table(result: dict[str, Any]) -> str:
         ]
         for name in ("baseline", *TIMED):
             r = d[name]
-            label = "contiguous torch cache" if name == "baseline" else f"manager {name}"
+            label = _label(name)
             ratio = r.get("tokens_per_s_ratio_vs_baseline", 1.0)
             dratio = r.get("decode_tokens_per_s_ratio_vs_baseline", 1.0)
             lines.append(
@@ -365,20 +425,31 @@ def _table(result: dict[str, Any]) -> str:
             )
         lines += [
             f"[{dev['device']}] per call, mean ms (max)",
-            f"  {'':24s} {'prefill append':>15s} {'decode append':>15s} {'gather/read':>15s}"
+            f"  {'':24s} {'prefill append':>15s} {'decode append':>15s} {'attention':>15s}"
             f" {'read all':>9s} {'step':>17s} {'prefill step':>12s}",
         ]
         for name in ("baseline", *TIMED):
             r = d[name]
-            label = "contiguous torch cache" if name == "baseline" else f"manager {name}"
+            label = _label(name)
             step = (
                 f"{r['step']['mean_ms']:7.3f} ({r['step']['max_ms']:7.2f})" if "step" in r else "-"
             )
             pstep = f"{r['prefill_step_ms']:.1f}" if "prefill_step_ms" in r else "-"
             lines.append(
                 f"  {label:24s} {r['prefill_append']['mean_ms']:15.3f} "
-                f"{r['append']['mean_ms']:15.3f} {r['gather']['mean_ms']:15.3f} "
+                f"{r['append']['mean_ms']:15.3f} {r['attention']['mean_ms']:15.3f} "
                 f"{r['read_all_ms']:9.1f} {step:>17s} {pstep:>12s}"
+            )
+        lines.append(
+            f"[{dev['device']}] attend over every layer and sequence: pool bytes read per "
+            "second, beside a plain copy of as many bytes"
+        )
+        for name in ("default", "fp16_only"):
+            b = d[name]["bandwidth"]
+            lines.append(
+                f"  {_label(name):24s} {b['bytes'] / 2**20:8.1f} MiB  attend "
+                f"{b['attend_gb_per_s']:7.2f} GB/s  copy {b['copy_gb_per_s']:7.2f} GB/s  "
+                f"x copy {b['ratio_vs_copy']:.3f}"
             )
         lines += [
             f"[{dev['device']}] memory after a final step(): held bytes per token against fp16 "
@@ -386,7 +457,7 @@ def _table(result: dict[str, Any]) -> str:
             f"  {'':24s} {'seq len':>7s} {'held B/token':>12s} {'x fp16':>7s}"
             f" {'pool MiB':>9s} {'pool B/token':>12s}  blocks per level",
         ]
-        rows = [(f"decode: {n}", d[n]["memory"]) for n in TIMED] + [
+        rows = [(f"decode: {n}", d[n]["memory"]) for n in ("default", "fp16_only")] + [
             (f"long: {n}", m) for n, m in dev["memory"].items()
         ]
         for label, m in rows:
@@ -412,6 +483,13 @@ def _table(result: dict[str, Any]) -> str:
     if not result["cuda"]:
         lines.append("cuda: not available (torch.cuda.is_available() is False): not measured")
     return "\n".join(lines)
+
+
+def _label(name: str) -> str:
+    if name == "baseline":
+        return "contiguous + SDPA"
+    setting, read = TIMED[name]
+    return f"{setting}: {read}"
 
 
 def main(argv: list[str] | None = None) -> int:
