@@ -17,6 +17,7 @@ __all__ = [
     "StoreIndex",
     "StoreStats",
     "StreamingChecksum",
+    "attend",
     "checksum",
     "copy_checksum",
     "digest",
@@ -252,6 +253,29 @@ class HostValues:
     def scan(self, prefix: str) -> list[str]: ...
     def close(self) -> None: ...
     def __len__(self) -> int: ...
+
+def attend(
+    q_ptr: int,
+    q_dtype: int,
+    out_ptr: int,
+    mass_ptr: int,
+    seq_lens: npt.NDArray[np.int32],
+    block_pool: npt.NDArray[np.int32],
+    block_slot: npt.NDArray[np.int32],
+    pools: npt.NDArray[np.int64],
+    seqs: int,
+    queries: int,
+    q_heads: int,
+    kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    max_blocks: int,
+    layer: int,
+    scale: float,
+    threads: int = 0,
+) -> None:
+    """The CPU attention kernel over pools given by address (kvtier.attend.attend_cpu wraps it):
+    reads q and the pools, writes out and mass; the GIL is released meanwhile."""
 
 def prefix_hashes(
     tokens: _Ids, block_size: int, namespace: str = "default", salt: str | None = None

@@ -2,6 +2,7 @@
 //! errors mapped in `errors.rs`, numpy arrays in through `arrays.rs`.
 
 mod arrays;
+mod attend;
 mod checksum;
 mod core;
 mod errors;
@@ -77,6 +78,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store_stats::PyStoreStats>()?;
     m.add_class::<host::PyHostValues>()?;
     m.add_class::<host::HostValue>()?;
+    m.add_function(wrap_pyfunction!(attend::attend, m)?)?;
     m.add_function(wrap_pyfunction!(prefix_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(namespace_seed, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_sources, m)?)?;
