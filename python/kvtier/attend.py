@@ -412,13 +412,14 @@ def attend_cpu(
         seq_lens = _int32_table(seq_lens, "seq_lens")
         block_pool = _int32_table(block_pool, "block_pool")
         block_slot = _int32_table(block_slot, "block_slot")
-        if block_pool.ndim == 1 and block_slot.ndim == 1 and seq_lens.ndim == 1:  # [S * M]
-            S = len(seq_lens)
-            M = block_pool.size // S if S else 0
-            if block_pool.size != S * M:
-                raise InvalidArgumentError(f"block_pool: {block_pool.size} entries for {S} seqs")
-            block_pool = block_pool.reshape(S, M)
-            block_slot = block_slot.reshape(len(block_slot) // M if M else 0, M)
+        if seq_lens.ndim == 1:  # flat tables, [S * M], as [S, M]
+            n = len(seq_lens)
+            block_pool, block_slot = (
+                t.reshape(n, t.size // n if n else 0)
+                if t.ndim == 1 and t.size % max(n, 1) == 0
+                else t
+                for t in (block_pool, block_slot)
+            )
         p = check_problem(q, seq_lens, block_pool, block_slot, pools, shape, layer, scale)
         _check_cpu_tensors(q, out, mass, pools, shape, p)
     S, Q, Hq, D = q.shape

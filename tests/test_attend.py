@@ -1,0 +1,281 @@
+"""The CPU attention kernel (crates/kvtier-attend through kvtier.attend.attend_cpu) against the
+torch reference of the contract (kvtier.attend.reference): every codec and mix of levels, blocks
+of one sequence spread over several pools (a staging pool read at its own layer among them),
+skipped blocks, odd lengths, one query and chunked-prefill queries, several sequences of
+different lengths in one call, GQA ratios 1 to 8, head sizes 64/80/128/256, blocks of 16 and 32
+tokens, one thread and rayon's pool.
+
+Tolerances, against the reference computed in fp32 from the same dequantized values (pools are
+built by each codec's own ``encode_into``): the output within 1e-5 absolute plus 1e-5 relative
+for fp32 queries (fp32 accumulation in another order, the kernel's exp within 2 ulp of torch's),
+5e-3 for fp16 and 2e-2 for bf16 (their rounding of the output, about 2 units in the last place:
+the kernel's and torch's fp32 results round to neighbours); the mass, a probability, within 2e-6.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtier.attend import PoolView, attend_cpu, reference  # noqa: E402
+from kvtier.codecs import BlockShape, Codec, Int4Codec, Int8Codec, get_codec  # noqa: E402
+from kvtier.errors import InvalidArgumentError  # noqa: E402
+
+TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 2e-2}
+MASS_TOLERANCE = 2e-6
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _pool(codec: Codec, shape: BlockShape, slots: int, gen: Any, layers: int) -> Any:
+    """``slots`` random blocks (spread 2, a channel of outliers, as real K has) in ``codec``'s
+    pool layout, encoded by the codec itself."""
+    x = torch.randn(
+        (slots, layers, 2, shape.kv_heads, shape.block_size, shape.head_dim), generator=gen
+    )
+    x = x * 2
+    x[..., 3] *= 4
+    if codec.name in DTYPES:
+        return x.to(DTYPES[codec.name])
+    one = BlockShape(layers, shape.kv_heads, shape.block_size, shape.head_dim, "fp32")
+    rows = torch.zeros((slots, codec.bytes_per_block(one)), dtype=torch.uint8)
+    every = torch.arange(slots)
+    codec.encode_into(x, every, rows, every)
+    return rows
+
+
+def _problem(
+    *,
+    codecs: Sequence[str | Codec],
+    q_dtype: str = "fp32",
+    queries: int = 1,
+    q_heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    lengths: Sequence[int] = (100, 37),
+    skip: float = 0.15,
+    staging: bool = False,
+    seed: int = 0,
+) -> tuple[Any, ...]:
+    """A random call: ``(q, seq_lens, block_pool, block_slot, pools, shape, layer, scale)``."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    shape = BlockShape(2, kv_heads, block_size, head_dim, "fp16" if q_dtype == "fp32" else q_dtype)
+    slots = 24
+    pools = []
+    for c in codecs:
+        codec = c if isinstance(c, Codec) else get_codec(c)
+        pools.append(PoolView(_pool(codec, shape, slots, gen, shape.layers), codec))
+    if staging:  # a one-layer pool of decoded blocks, read at its own layer
+        codec = get_codec(shape.dtype)
+        pools.append(PoolView(_pool(codec, shape, slots, gen, 1), codec, layer_override=0))
+    lens = np.asarray(lengths, dtype=np.int32)
+    seqs = len(lens)
+    blocks = int(-(-lens.max() // block_size)) + 2  # table entries past every end
+    block_pool = rng.integers(0, len(pools), size=(seqs, blocks)).astype(np.int32)
+    block_pool[rng.random((seqs, blocks)) < skip] = -1
+    block_slot = rng.integers(0, slots, size=(seqs, blocks)).astype(np.int32)
+    for s, n in enumerate(lens):
+        block_pool[s, -(-n // block_size) :] = 12345  # garbage past the end: ignored
+        block_slot[s, -(-n // block_size) :] = -7
+    q = torch.randn((seqs, queries, q_heads, head_dim), generator=gen).to(DTYPES[q_dtype])
+    return q, lens, block_pool, block_slot, pools, shape, 1, head_dim**-0.5
+
+
+def _check(threads: Sequence[int] = (1,), **kw: Any) -> None:
+    args = _problem(**kw)
+    q, lens, block_pool = args[0], args[1], args[2]
+    want, want_mass = reference(*args)
+    tol = TOLERANCE[kw.get("q_dtype", "fp32")]
+    for n in threads:
+        out = torch.full_like(q, float("nan"))
+        mass = torch.full(block_pool.shape, float("nan"))
+        attend_cpu(q, out, mass, *args[1:], threads=n)
+        torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(mass, want_mass, atol=MASS_TOLERANCE, rtol=0)
+        # each sequence's masses sum to 1 where a query saw anything
+        assert np.all(mass.sum(1).numpy() <= 1 + 1e-5)
+    assert len(lens) == q.shape[0]
+
+
+CUSTOM = [
+    Int4Codec(group_size=None, name="int4-ghead"),
+    Int8Codec(group_size=32, name="int8-g32"),
+    Int8Codec(asymmetric=True, group_size=8, name="int8-asym-g8"),
+    Int4Codec(group_size=16, key_per_channel=False, asymmetric=False, name="int4-sym-g16"),
+]
+MIXES: dict[str, tuple[str, list[str | Codec]]] = {
+    "fp32": ("fp32", ["fp32"]),
+    "fp16": ("fp16", ["fp16"]),
+    "bf16": ("bf16", ["bf16"]),
+    "int8": ("fp32", ["int8"]),
+    "int4": ("fp16", ["int4"]),
+    **{c.name: ("fp32", [c]) for c in CUSTOM},
+    "ladder": ("fp16", ["fp16", "int8", "int4"]),
+    "bf16-ladder": ("bf16", ["bf16", "int8", "int4", CUSTOM[3]]),
+    "fp32-everything": ("fp32", ["fp32", "fp16", "bf16", "int8", "int4", *CUSTOM]),
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("queries", [1, 5])
+def test_every_codec_and_mix_of_levels_matches_the_reference(mix: str, queries: int) -> None:
+    q_dtype, codecs = MIXES[mix]
+    _check(codecs=codecs, q_dtype=q_dtype, queries=queries, staging=True, threads=(1, 2))
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (80, 32), (128, 32), (256, 16)])
+def test_gqa_ratios_head_sizes_and_block_sizes_match_the_reference(
+    group: int, head_dim: int, block_size: int
+) -> None:
+    int4 = "int4" if head_dim % 32 == 0 else Int4Codec(group_size=16, name="int4-g16")
+    _check(
+        codecs=["fp32", "int8", int4],
+        q_heads=2 * group,
+        head_dim=head_dim,
+        block_size=block_size,
+        queries=2,
+        lengths=(3 * block_size + 5, 9),
+        seed=group * head_dim + block_size,
+    )
+
+
+@pytest.mark.parametrize("queries", [1, 2, 16, 33])
+def test_many_sequences_of_odd_lengths_and_chunked_prefill(queries: int) -> None:
+    lengths = (33, 1 + queries, 70, 256, 17 + queries)
+    _check(codecs=["fp16", "int8", "int4"], q_dtype="fp16", queries=queries, lengths=lengths)
+
+
+def test_long_sequences_split_over_the_pool_match_the_reference() -> None:
+    # large enough to leave the calling thread, with sequences cut into runs of blocks
+    _check(
+        codecs=["fp32", "int8", "int4"],
+        q_heads=16,
+        head_dim=128,
+        lengths=(1500, 700),
+        threads=(0, 2),
+    )
+
+
+def test_skipped_blocks_get_no_mass_and_a_query_that_sees_nothing_gets_zeros() -> None:
+    args = list(_problem(codecs=["int8"], queries=3, lengths=(40, 20)))
+    block_pool = args[2]
+    block_pool[1, :2] = -1  # sequence 1 holds 2 blocks: both skipped
+    block_pool[0, 1] = -1
+    q = args[0]
+    out = torch.full_like(q, float("nan"))
+    mass = torch.full(block_pool.shape, float("nan"))
+    attend_cpu(q, out, mass, *args[1:])
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert float(mass[1].abs().sum()) == 0.0 and float(mass[0, 1]) == 0.0
+    assert abs(float(mass[0].sum()) - 1.0) < 1e-5
+    want, want_mass = reference(*args)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mass, want_mass, atol=MASS_TOLERANCE, rtol=0)
+
+
+def test_masses_may_be_numpy_and_tables_flat_or_int64() -> None:
+    args = _problem(codecs=["fp16", "int4"], lengths=(50, 90))
+    q, lens, block_pool, block_slot = args[:4]
+    want, want_mass = reference(*args)
+    out = torch.empty_like(q)
+    mass = np.empty(block_pool.shape, dtype=np.float32)
+    attend_cpu(q, out, mass, lens.astype(np.int64), block_pool.ravel(), block_slot, *args[4:])
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(mass, want_mass.numpy(), atol=MASS_TOLERANCE, rtol=0)
+    # the unchecked path takes what a caller that checked already holds
+    out2 = torch.empty_like(q)
+    attend_cpu(q, out2, mass, *args[1:], checked=False)
+    assert torch.equal(out, out2)
+
+
+def test_bad_arguments_raise_invalid_argument_before_anything_is_read() -> None:
+    args = _problem(codecs=["fp32", "int8"], lengths=(40, 20))
+    q, lens, block_pool, block_slot, pools, shape, layer, scale = args
+    out = torch.empty_like(q)
+    mass = torch.empty(block_pool.shape)
+
+    def call(**change: Any) -> None:
+        kw = {
+            "q": q,
+            "out": out,
+            "mass": mass,
+            "seq_lens": lens,
+            "block_pool": block_pool,
+            "block_slot": block_slot,
+            "pools": pools,
+            "shape": shape,
+            "layer": layer,
+            "scale": scale,
+        }
+        kw.update(change)
+        attend_cpu(**kw)
+
+    slot_past = block_slot.copy()
+    slot_past[0, 0] = 24
+    int8_first = block_pool.copy()
+    int8_first[0, 0] = 1
+    with pytest.raises(InvalidArgumentError, match="slot"):
+        call(block_pool=int8_first, block_slot=slot_past)
+    no_such_pool = block_pool.copy()
+    no_such_pool[0, 0] = 2
+    with pytest.raises(InvalidArgumentError, match="block_pool"):
+        call(block_pool=no_such_pool)
+    with pytest.raises(InvalidArgumentError, match="seq_lens"):
+        call(seq_lens=np.array([40, 10_000], np.int32))
+    with pytest.raises(InvalidArgumentError, match="q"):
+        call(q=q[..., :32].contiguous(), out=out[..., :32].contiguous())
+    with pytest.raises(InvalidArgumentError, match="out"):
+        call(out=torch.empty_like(q, dtype=torch.float16))
+    with pytest.raises(InvalidArgumentError, match="out"):
+        call(out=torch.empty(q.shape[:-1]))
+    with pytest.raises(InvalidArgumentError, match="mass"):
+        call(mass=torch.empty(2, 3))
+    with pytest.raises(InvalidArgumentError, match="pools"):
+        call(pools=[PoolView(pools[0].tensor.transpose(1, 2), pools[0].codec), pools[1]])
+    with pytest.raises(InvalidArgumentError, match="pools"):
+        call(pools=[pools[0], PoolView(pools[1].tensor[:, :-1], pools[1].codec)])
+    with pytest.raises(InvalidArgumentError, match="scale"):
+        call(scale=float("nan"))
+    with pytest.raises(InvalidArgumentError, match="query heads"):
+        call(q=q[:, :, :3].contiguous(), out=out[:, :, :3].contiguous())
+
+
+def test_the_binding_checks_what_it_is_given() -> None:
+    """``_core.attend`` itself refuses a slot past its pool, a layer past its pool and a
+    descriptor that lies, whatever the Python checks did."""
+    from kvtier import _core
+    from kvtier.attend import describe
+
+    args = _problem(codecs=["int8"], lengths=(40,), skip=0)
+    q, lens, block_pool, block_slot, pools, shape, layer, scale = args
+    out = torch.empty_like(q)
+    mass = np.empty(block_pool.shape, np.float32)
+    desc = describe(pools, shape)
+
+    def call(desc: Any = desc, slots: Any = block_slot, layer: int = layer) -> None:
+        S, Q, Hq, D = q.shape
+        _core.attend(
+            q.data_ptr(), 0, out.data_ptr(), mass.ctypes.data, lens, block_pool, slots, desc,
+            S, Q, Hq, shape.kv_heads, shape.block_size, D, block_pool.shape[1], layer, scale, 1,
+        )  # fmt: skip
+
+    call()
+    past = block_slot.copy()
+    past[0, 0] = 24
+    with pytest.raises(InvalidArgumentError, match="slot 24 out of range"):
+        call(slots=past)
+    with pytest.raises(InvalidArgumentError, match="layer 2 out of range"):
+        call(layer=2)
+    lying = desc.copy()
+    lying[0, 5] -= 1  # rows a byte shorter than the codec's sections
+    with pytest.raises(InvalidArgumentError, match="pool 0"):
+        call(desc=lying)
+    with pytest.raises(InvalidArgumentError, match="pools"):
+        call(desc=desc[:, :8].copy())
