@@ -1,14 +1,16 @@
 //! One call, after its checks: the work items, the online softmax over each item's blocks, and
 //! the merge of a sequence's items into its output and block masses.
 //!
-//! A *row* is one (query, query head) pair of a K/V head: row `r = i * group + hh` is query `i`
-//! at query head `g * group + hh`, so the rows of a K/V head read one K/V tile per block, and
-//! causal masking hides whole rows from early blocks (later queries come later in the rows).
-//! An item walks blocks `j0..j1` of one (sequence, K/V head): per block it computes the rows'
-//! scores, then per row the block's maximum `mb`, the running maximum `m = max(m, mb)`, the
-//! block's sum `lb = sum exp(s - m)` (kept per block for the mass), rescales the accumulator by
-//! `exp(m_old - m)` when `m` grew, and adds the block's `exp(s - m) . V`. The merge takes the
-//! items of a sequence, rescales each to the rows' common maximum, divides by the total sum.
+//! A *row* is one (query, query head) pair: row `g * rows + i * group + hh` is query `i` at query
+//! head `g * group + hh` of K/V head `g`, so the rows of a K/V head read one K/V tile per block,
+//! and causal masking hides whole rows from early blocks (later queries come later in the rows).
+//! An item walks blocks `j0..j1` of one sequence, every K/V head of a block in turn (a block's
+//! row is read front to back, which the CPU's prefetchers follow): per (block, head) it computes
+//! the rows' scores, then per row the block's maximum `mb`, the running maximum `m = max(m,
+//! mb)`, the block's sum `lb = sum exp(s - m)` (kept per block for the mass), rescales the
+//! accumulator by `exp(m_old - m)` when `m` grew, and adds the block's `exp(s - m) . V`. The
+//! merge takes the items of a sequence, rescales each to the rows' common maximum, divides by
+//! the total sum.
 
 use std::sync::{Arc, Mutex};
 
@@ -40,6 +42,8 @@ pub(crate) struct Ctx<'a> {
     block_pool: &'a [i32],
     block_slot: &'a [i32],
     pools: Vec<(Blocks, &'a [u8])>,
+    /// a pool's per-token keys take a zero point per token: scores need each row's sum of q
+    needs_q_sum: bool,
 }
 
 fn product(what: &'static str, factors: &[usize]) -> Result<usize> {
@@ -185,6 +189,10 @@ impl<'a> Ctx<'a> {
             }
         }
         let group = hq / hkv;
+        let needs_q_sum = pools.iter().any(|(blocks, _)| match blocks.format {
+            Format::Quant(f) => f.asymmetric && !f.key_per_channel && f.group == d,
+            Format::Float(_) => false,
+        });
         Ok(Self {
             p: *p,
             dtype: inputs.dtype,
@@ -196,15 +204,15 @@ impl<'a> Ctx<'a> {
             block_pool: inputs.block_pool,
             block_slot: inputs.block_slot,
             pools,
+            needs_q_sum,
         })
     }
 }
 
-/// Blocks `j0..j1` of sequence `s` at K/V head `g`.
+/// Blocks `j0..j1` of sequence `s`, every K/V head (a block's row is read front to back).
 #[derive(Clone, Copy, Debug)]
 struct Item {
     s: usize,
-    g: usize,
     j0: usize,
     j1: usize,
 }
@@ -247,9 +255,9 @@ impl Scratch {
             .unwrap_or(0);
         let quant = groups > 0;
         Self {
-            q: vec![0.0; r * d],
+            q: vec![0.0; c.p.kv_heads * r * d],
             q_scaled: vec![0.0; if quant { r * d } else { 0 }],
-            q_sum: vec![0.0; r],
+            q_sum: vec![0.0; c.p.kv_heads * r],
             p: vec![0.0; r * b],
             w: vec![0.0; if quant { r * b } else { 0 }],
             alpha: vec![0.0; r],
@@ -309,21 +317,22 @@ fn run_item<K: Kernels>(
         max_blocks: m_blocks,
         ..
     } = c.p;
-    let (rows, group) = (c.rows, c.group);
+    let (rows, group, hkv) = (c.rows, c.group, c.p.kv_heads);
+    let all = hkv * rows; // rows of every K/V head: head g's are g * rows..
     let n = c.seq_lens[it.s];
-    let (m, rest) = part.split_at_mut(rows);
-    let (l, acc) = rest.split_at_mut(rows);
-    m.fill(f32::NEG_INFINITY);
-    l.fill(0.0);
-    acc.fill(0.0);
+    let (m_all, rest) = part.split_at_mut(all);
+    let (l_all, acc_all) = rest.split_at_mut(all);
+    m_all.fill(f32::NEG_INFINITY);
+    l_all.fill(0.0);
+    acc_all.fill(0.0);
     for st in stats.chunks_exact_mut(2) {
         st[0] = f32::NEG_INFINITY;
         st[1] = 0.0;
     }
     let Scratch {
-        q,
+        q: q_all,
         q_scaled,
-        q_sum,
+        q_sum: q_sum_all,
         p: probs,
         w,
         alpha,
@@ -336,18 +345,26 @@ fn run_item<K: Kernels>(
         vs,
         vz,
     } = sc;
-    for i in 0..q_n {
-        for hh in 0..group {
-            let h = it.g * group + hh;
-            let at = ((it.s * q_n + i) * hq + h) * d;
+    // row g * rows + i * group + hh: query i at query head g * group + hh
+    for g in 0..hkv {
+        for i in 0..q_n {
+            let at = ((it.s * q_n + i) * hq + g * group) * d;
             let size = c.dtype.size();
-            let src = &c.q[at * size..(at + d) * size];
-            let r = i * group + hh;
-            k.widen(src, Encoding::of_float(c.dtype), &mut q[r * d..(r + 1) * d]);
+            let src = &c.q[at * size..(at + group * d) * size];
+            let r = g * rows + i * group;
+            k.widen(
+                src,
+                Encoding::of_float(c.dtype),
+                &mut q_all[r * d..(r + group) * d],
+            );
         }
     }
-    k.scale(&mut q[..rows * d], c.p.scale);
-    let mut have_q_sum = false;
+    k.scale(&mut q_all[..all * d], c.p.scale);
+    if c.needs_q_sum {
+        for (sum, qrow) in q_sum_all.iter_mut().zip(q_all.chunks_exact(d)) {
+            *sum = qrow.iter().sum();
+        }
+    }
 
     for j in it.j0..it.j1 {
         let e = it.s * m_blocks + j;
@@ -361,186 +378,188 @@ fn run_item<K: Kernels>(
         // rows of queries that see none of this block: the first rows (earlier queries)
         let r0 = (base + q_n).saturating_sub(n) * group;
         let nr = rows - r0;
-        let qr = &q[r0 * d..rows * d];
-        let s = &mut probs[..nr * nv];
-        let dims = TileDims { d, rows: nr, n: nv };
+        for g in 0..hkv {
+            let q = &q_all[g * rows * d..(g + 1) * rows * d];
+            let q_sum = &q_sum_all[g * rows..(g + 1) * rows];
+            let m = &mut m_all[g * rows..(g + 1) * rows];
+            let l = &mut l_all[g * rows..(g + 1) * rows];
+            let acc = &mut acc_all[g * rows * d..(g + 1) * rows * d];
+            let qr = &q[r0 * d..rows * d];
+            let s = &mut probs[..nr * nv];
+            let dims = TileDims { d, rows: nr, n: nv };
 
-        // scores
-        match blocks.format {
-            Format::Float(dtype) => {
-                let src = &row[blocks.k + it.g * blocks.head..][..nv * d * dtype.size()];
-                let kt = float_tile(k, src, dtype, &mut k_tile[..nv * d]);
-                k.scores(qr, kt, dims, s);
-            }
-            Format::Quant(fmt) => {
-                let enc = Encoding::of_codes(fmt.bits, fmt.asymmetric);
-                let codes = &row[blocks.k + it.g * blocks.head..][..enc.bytes(nv * d)];
-                let kt = &mut k_tile[..nv * d];
-                k.widen(codes, enc, kt);
-                let sections = 2 * blocks.k_groups * it.g;
-                if fmt.key_per_channel {
-                    k.widen(
-                        &row[blocks.k_scale + sections..][..2 * d],
-                        Encoding::F16,
-                        &mut ks[..d],
-                    );
-                    let zero = fmt.asymmetric.then(|| {
+            // scores
+            match blocks.format {
+                Format::Float(dtype) => {
+                    let src = &row[blocks.k + g * blocks.head..][..nv * d * dtype.size()];
+                    let kt = float_tile(k, src, dtype, &mut k_tile[..nv * d]);
+                    k.scores(qr, kt, dims, s);
+                }
+                Format::Quant(fmt) => {
+                    let enc = Encoding::of_codes(fmt.bits, fmt.asymmetric);
+                    let codes = &row[blocks.k + g * blocks.head..][..enc.bytes(nv * d)];
+                    let kt = &mut k_tile[..nv * d];
+                    k.widen(codes, enc, kt);
+                    let sections = 2 * blocks.k_groups * g;
+                    if fmt.key_per_channel {
                         k.widen(
-                            &row[blocks.k_zero + sections..][..2 * d],
+                            &row[blocks.k_scale + sections..][..2 * d],
                             Encoding::F16,
-                            &mut kz[..d],
+                            &mut ks[..d],
                         );
-                        &kz[..d]
-                    });
-                    if nr < nv {
-                        // q . (code * s + z) = (q * s) . code + q . z: scale the rows, not the tile
-                        let qs = &mut q_scaled[..nr * d];
-                        for (qs, qr) in qs.chunks_exact_mut(d).zip(qr.chunks_exact(d)) {
-                            for ((o, &x), &sc) in qs.iter_mut().zip(qr).zip(&ks[..d]) {
-                                *o = x * sc;
+                        let zero = fmt.asymmetric.then(|| {
+                            k.widen(
+                                &row[blocks.k_zero + sections..][..2 * d],
+                                Encoding::F16,
+                                &mut kz[..d],
+                            );
+                            &kz[..d]
+                        });
+                        if nr < nv {
+                            // q . (code * s + z) = (q * s) . code + q . z: scale the rows, not the tile
+                            let qs = &mut q_scaled[..nr * d];
+                            for (qs, qr) in qs.chunks_exact_mut(d).zip(qr.chunks_exact(d)) {
+                                for ((o, &x), &sc) in qs.iter_mut().zip(qr).zip(&ks[..d]) {
+                                    *o = x * sc;
+                                }
                             }
-                        }
-                        k.scores(qs, kt, dims, s);
-                        if let Some(z) = zero {
-                            let bias = &mut bias[..nr];
-                            k.scores(qr, z, TileDims { d, rows: nr, n: 1 }, bias);
-                            for (srow, &b) in s.chunks_exact_mut(nv).zip(&*bias) {
-                                srow.iter_mut().for_each(|x| *x += b);
+                            k.scores(qs, kt, dims, s);
+                            if let Some(z) = zero {
+                                let bias = &mut bias[..nr];
+                                k.scores(qr, z, TileDims { d, rows: nr, n: 1 }, bias);
+                                for (srow, &b) in s.chunks_exact_mut(nv).zip(&*bias) {
+                                    srow.iter_mut().for_each(|x| *x += b);
+                                }
                             }
+                        } else {
+                            k.affine_channels(kt, d, &ks[..d], zero);
+                            k.scores(qr, kt, dims, s);
                         }
                     } else {
-                        k.affine_channels(kt, d, &ks[..d], zero);
-                        k.scores(qr, kt, dims, s);
+                        let per_token = d / fmt.group;
+                        let ng = nv * per_token;
+                        k.widen(
+                            &row[blocks.k_scale + sections..][..2 * ng],
+                            Encoding::F16,
+                            &mut ks[..ng],
+                        );
+                        let zero = fmt.asymmetric.then(|| {
+                            k.widen(
+                                &row[blocks.k_zero + sections..][..2 * ng],
+                                Encoding::F16,
+                                &mut kz[..ng],
+                            );
+                            &kz[..ng]
+                        });
+                        if per_token == 1 {
+                            // one group a token: q . (code * s_t + z_t) = s_t (q . code) + z_t sum(q)
+                            k.scores(qr, kt, dims, s);
+                            match zero {
+                                Some(z) => {
+                                    for (srow, &qs) in s.chunks_exact_mut(nv).zip(&q_sum[r0..]) {
+                                        for ((x, &st), &zt) in srow.iter_mut().zip(&ks[..nv]).zip(z)
+                                        {
+                                            *x = *x * st + zt * qs;
+                                        }
+                                    }
+                                }
+                                None => {
+                                    for srow in s.chunks_exact_mut(nv) {
+                                        for (x, &st) in srow.iter_mut().zip(&ks[..nv]) {
+                                            *x *= st;
+                                        }
+                                    }
+                                }
+                            }
+                        } else {
+                            k.affine_tokens(kt, d, fmt.group, &ks[..ng], zero);
+                            k.scores(qr, kt, dims, s);
+                        }
                     }
-                } else {
+                }
+            }
+
+            // causal mask: row r (query i) sees tokens up to position n - Q + i
+            if base + nv + q_n > n + 1 {
+                for (ri, srow) in s.chunks_exact_mut(nv).enumerate() {
+                    let pos = n - q_n + (r0 + ri) / group;
+                    let visible = pos + 1 - base;
+                    if visible < nv {
+                        srow[visible..].fill(f32::NEG_INFINITY);
+                    }
+                }
+            }
+
+            // online softmax: the block's probabilities (relative to each row's new maximum)
+            let (alpha, lb) = (&mut alpha[..nr], &mut lb[..nr]);
+            k.softmax(s, nv, &mut m[r0..], &mut l[r0..], alpha, lb);
+            let st = &mut stats[((j - it.j0) * all + g * rows) * 2..][..rows * 2];
+            for (ri, &sum) in lb.iter().enumerate() {
+                if sum > 0.0 {
+                    st[2 * (r0 + ri)] = m[r0 + ri];
+                    st[2 * (r0 + ri) + 1] = sum;
+                }
+            }
+            let alpha = &*alpha;
+
+            // values
+            let acc_rows = &mut acc[r0 * d..rows * d];
+            match blocks.format {
+                Format::Float(dtype) => {
+                    let src = &row[blocks.v + g * blocks.head..][..nv * d * dtype.size()];
+                    let vt = float_tile(k, src, dtype, &mut v_tile[..nv * d]);
+                    k.accumulate(s, vt, dims, alpha, acc_rows);
+                }
+                Format::Quant(fmt) => {
+                    let enc = Encoding::of_codes(fmt.bits, fmt.asymmetric);
+                    let codes = &row[blocks.v + g * blocks.head..][..enc.bytes(nv * d)];
+                    let vt = &mut v_tile[..nv * d];
+                    k.widen(codes, enc, vt);
+                    let sections = 2 * blocks.v_groups * g;
                     let per_token = d / fmt.group;
                     let ng = nv * per_token;
                     k.widen(
-                        &row[blocks.k_scale + sections..][..2 * ng],
+                        &row[blocks.v_scale + sections..][..2 * ng],
                         Encoding::F16,
-                        &mut ks[..ng],
+                        &mut vs[..ng],
                     );
                     let zero = fmt.asymmetric.then(|| {
                         k.widen(
-                            &row[blocks.k_zero + sections..][..2 * ng],
+                            &row[blocks.v_zero + sections..][..2 * ng],
                             Encoding::F16,
-                            &mut kz[..ng],
+                            &mut vz[..ng],
                         );
-                        &kz[..ng]
+                        &vz[..ng]
                     });
                     if per_token == 1 {
-                        // one group a token: q . (code * s_t + z_t) = s_t (q . code) + z_t sum(q)
-                        k.scores(qr, kt, dims, s);
-                        match zero {
-                            Some(z) => {
-                                if !have_q_sum {
-                                    for (sum, qrow) in q_sum.iter_mut().zip(q.chunks_exact(d)) {
-                                        *sum = qrow.iter().sum();
-                                    }
-                                    have_q_sum = true;
-                                }
-                                for (srow, &qs) in s.chunks_exact_mut(nv).zip(&q_sum[r0..]) {
-                                    for ((x, &st), &zt) in srow.iter_mut().zip(&ks[..nv]).zip(z) {
-                                        *x = *x * st + zt * qs;
-                                    }
-                                }
+                        // sum_t p_t (code_t * s_t + z_t) = sum_t (p_t s_t) code_t + sum_t p_t z_t
+                        let wr = &mut w[..nr * nv];
+                        for (wrow, srow) in wr.chunks_exact_mut(nv).zip(s.chunks_exact(nv)) {
+                            for ((o, &pt), &st) in wrow.iter_mut().zip(srow).zip(&vs[..nv]) {
+                                *o = pt * st;
                             }
-                            None => {
-                                for srow in s.chunks_exact_mut(nv) {
-                                    for (x, &st) in srow.iter_mut().zip(&ks[..nv]) {
-                                        *x *= st;
-                                    }
-                                }
+                        }
+                        k.accumulate(wr, vt, dims, alpha, acc_rows);
+                        if let Some(z) = zero {
+                            let shift = &mut bias[..nr];
+                            k.scores(
+                                s,
+                                z,
+                                TileDims {
+                                    d: nv,
+                                    rows: nr,
+                                    n: 1,
+                                },
+                                shift,
+                            );
+                            for (arow, &sh) in acc_rows.chunks_exact_mut(d).zip(&*shift) {
+                                arow.iter_mut().for_each(|a| *a += sh);
                             }
                         }
                     } else {
-                        k.affine_tokens(kt, d, fmt.group, &ks[..ng], zero);
-                        k.scores(qr, kt, dims, s);
+                        k.affine_tokens(vt, d, fmt.group, &vs[..ng], zero);
+                        k.accumulate(s, vt, dims, alpha, acc_rows);
                     }
-                }
-            }
-        }
-
-        // causal mask: row r (query i) sees tokens up to position n - Q + i
-        if base + nv + q_n > n + 1 {
-            for (ri, srow) in s.chunks_exact_mut(nv).enumerate() {
-                let pos = n - q_n + (r0 + ri) / group;
-                let visible = pos + 1 - base;
-                if visible < nv {
-                    srow[visible..].fill(f32::NEG_INFINITY);
-                }
-            }
-        }
-
-        // online softmax: the block's probabilities (relative to each row's new maximum)
-        let (alpha, lb) = (&mut alpha[..nr], &mut lb[..nr]);
-        k.softmax(s, nv, &mut m[r0..], &mut l[r0..], alpha, lb);
-        let st = &mut stats[(j - it.j0) * rows * 2..][..rows * 2];
-        for (ri, &sum) in lb.iter().enumerate() {
-            if sum > 0.0 {
-                st[2 * (r0 + ri)] = m[r0 + ri];
-                st[2 * (r0 + ri) + 1] = sum;
-            }
-        }
-        let alpha = &*alpha;
-
-        // values
-        let acc_rows = &mut acc[r0 * d..rows * d];
-        match blocks.format {
-            Format::Float(dtype) => {
-                let src = &row[blocks.v + it.g * blocks.head..][..nv * d * dtype.size()];
-                let vt = float_tile(k, src, dtype, &mut v_tile[..nv * d]);
-                k.accumulate(s, vt, dims, alpha, acc_rows);
-            }
-            Format::Quant(fmt) => {
-                let enc = Encoding::of_codes(fmt.bits, fmt.asymmetric);
-                let codes = &row[blocks.v + it.g * blocks.head..][..enc.bytes(nv * d)];
-                let vt = &mut v_tile[..nv * d];
-                k.widen(codes, enc, vt);
-                let sections = 2 * blocks.v_groups * it.g;
-                let per_token = d / fmt.group;
-                let ng = nv * per_token;
-                k.widen(
-                    &row[blocks.v_scale + sections..][..2 * ng],
-                    Encoding::F16,
-                    &mut vs[..ng],
-                );
-                let zero = fmt.asymmetric.then(|| {
-                    k.widen(
-                        &row[blocks.v_zero + sections..][..2 * ng],
-                        Encoding::F16,
-                        &mut vz[..ng],
-                    );
-                    &vz[..ng]
-                });
-                if per_token == 1 {
-                    // sum_t p_t (code_t * s_t + z_t) = sum_t (p_t s_t) code_t + sum_t p_t z_t
-                    let wr = &mut w[..nr * nv];
-                    for (wrow, srow) in wr.chunks_exact_mut(nv).zip(s.chunks_exact(nv)) {
-                        for ((o, &pt), &st) in wrow.iter_mut().zip(srow).zip(&vs[..nv]) {
-                            *o = pt * st;
-                        }
-                    }
-                    k.accumulate(wr, vt, dims, alpha, acc_rows);
-                    if let Some(z) = zero {
-                        let shift = &mut bias[..nr];
-                        k.scores(
-                            s,
-                            z,
-                            TileDims {
-                                d: nv,
-                                rows: nr,
-                                n: 1,
-                            },
-                            shift,
-                        );
-                        for (arow, &sh) in acc_rows.chunks_exact_mut(d).zip(&*shift) {
-                            arow.iter_mut().for_each(|a| *a += sh);
-                        }
-                    }
-                } else {
-                    k.affine_tokens(vt, d, fmt.group, &vs[..ng], zero);
-                    k.accumulate(s, vt, dims, alpha, acc_rows);
                 }
             }
         }
@@ -549,7 +568,6 @@ fn run_item<K: Kernels>(
 
 /// Merges a sequence's items into its output rows (`out`, `[Q, Hq, D]` of the dtype) and its
 /// block masses (`mass`, `[M]`).
-#[allow(clippy::too_many_arguments)]
 fn finish<K: Kernels>(
     k: K,
     c: &Ctx<'_>,
@@ -562,80 +580,69 @@ fn finish<K: Kernels>(
     let Problem {
         queries: q_n,
         q_heads: hq,
+        kv_heads: hkv,
         head_dim: d,
         ..
     } = c.p;
     let (rows, group) = (c.rows, c.group);
+    let all = hkv * rows;
     let mut rows_out = vec![0.0f32; q_n * hq * d];
     mass.fill(0.0);
-    let mut first = 0;
-    while first < items.len() {
-        let g = items[first].g;
-        let last = first + items[first..].iter().take_while(|it| it.g == g).count();
-        let (g_items, g_parts, g_stats) = (
-            &items[first..last],
-            &parts[first..last],
-            &stats[first..last],
-        );
-        for r in 0..rows {
-            let mx = g_parts
-                .iter()
-                .map(|part| part[r])
-                .fold(f32::NEG_INFINITY, f32::max);
-            if mx == f32::NEG_INFINITY {
-                continue; // sees no key: zeros
+    for gr in 0..all {
+        let mx = parts
+            .iter()
+            .map(|part| part[gr])
+            .fold(f32::NEG_INFINITY, f32::max);
+        if mx == f32::NEG_INFINITY {
+            continue; // sees no key: zeros
+        }
+        let (g, r) = (gr / rows, gr % rows);
+        let (i, hh) = (r / group, r % group);
+        let o = &mut rows_out[(i * hq + g * group + hh) * d..][..d];
+        let mut total = 0.0;
+        for part in parts {
+            let (pm, pl) = (part[gr], part[all + gr]);
+            if pl == 0.0 {
+                continue;
             }
-            let (i, hh) = (r / group, r % group);
-            let o = &mut rows_out[(i * hq + g * group + hh) * d..][..d];
-            let mut total = 0.0;
-            for part in g_parts {
-                let (pm, pl) = (part[r], part[rows + r]);
-                if pl == 0.0 {
-                    continue;
-                }
-                let f = (pm - mx).exp();
-                total += pl * f;
-                let pa = &part[2 * rows + r * d..][..d];
-                for (o, &a) in o.iter_mut().zip(pa) {
-                    *o += a * f;
-                }
-            }
-            let inv = 1.0 / total;
-            k.scale(o, inv);
-            // the running maximum only grows: few distinct values, one exp each
-            let (mut last_m, mut factor) = (f32::NAN, 0.0);
-            for (it, st) in g_items.iter().zip(g_stats) {
-                for (jj, st) in st.chunks_exact(2 * rows).enumerate() {
-                    let (mj, lj) = (st[2 * r], st[2 * r + 1]);
-                    if lj == 0.0 {
-                        continue;
-                    }
-                    if mj != last_m {
-                        last_m = mj;
-                        factor = (mj - mx).exp() * inv;
-                    }
-                    mass[it.j0 + jj] += lj * factor;
-                }
+            let f = (pm - mx).exp();
+            total += pl * f;
+            let pa = &part[2 * all + gr * d..][..d];
+            for (o, &a) in o.iter_mut().zip(pa) {
+                *o += a * f;
             }
         }
-        first = last;
+        let inv = 1.0 / total;
+        k.scale(o, inv);
+        // the running maximum only grows: few distinct values, one exp each
+        let (mut last_m, mut factor) = (f32::NAN, 0.0);
+        for (it, st) in items.iter().zip(stats) {
+            for (jj, st) in st.chunks_exact(2 * all).enumerate() {
+                let (mj, lj) = (st[2 * gr], st[2 * gr + 1]);
+                if lj == 0.0 {
+                    continue;
+                }
+                if mj != last_m {
+                    last_m = mj;
+                    factor = (mj - mx).exp() * inv;
+                }
+                mass[it.j0 + jj] += lj * factor;
+            }
+        }
     }
     k.scale(mass, 1.0 / (hq * q_n) as f32);
     k.narrow(&rows_out, c.dtype, out);
 }
 
-/// The items of a call, by sequence then K/V head then block: one per (sequence, head), or
-/// runs of `chunk` blocks.
+/// The items of a call, by sequence then block: one per sequence, or runs of `chunk` blocks.
 fn plan(c: &Ctx<'_>, chunk: usize) -> Vec<Item> {
     let mut items = Vec::new();
     for (s, &nb) in c.blocks.iter().enumerate() {
-        for g in 0..c.p.kv_heads {
-            let mut j0 = 0;
-            while j0 < nb {
-                let j1 = nb.min(j0.saturating_add(chunk));
-                items.push(Item { s, g, j0, j1 });
-                j0 = j1;
-            }
+        let mut j0 = 0;
+        while j0 < nb {
+            let j1 = nb.min(j0.saturating_add(chunk));
+            items.push(Item { s, j0, j1 });
+            j0 = j1;
         }
     }
     items
@@ -705,17 +712,18 @@ pub(crate) fn run<K: Kernels>(k: K, c: &Ctx<'_>, outputs: Outputs<'_>, threads: 
         .map(|&n| n.saturating_mul(q_n * hq * d))
         .fold(0, usize::saturating_add);
     let parallel = threads_n > 1 && work >= PARALLEL_MIN_WORK;
-    let chunk = if parallel && seqs * hkv < ITEMS_PER_THREAD * threads_n {
-        let total: usize = c.blocks.iter().sum::<usize>() * hkv;
+    let chunk = if parallel && seqs < ITEMS_PER_THREAD * threads_n {
+        let total: usize = c.blocks.iter().sum();
         MIN_SPLIT_BLOCKS.max(total.div_ceil(ITEMS_PER_THREAD * threads_n))
     } else {
         usize::MAX
     };
     let items = plan(c, chunk);
     let rows = c.rows;
-    let part_len = rows * (d + 2);
+    let all = hkv * rows;
+    let part_len = all * (d + 2);
     let mut parts = vec![0.0f32; items.len() * part_len];
-    let stat_lens = || items.iter().map(|it| (it.j1 - it.j0) * rows * 2);
+    let stat_lens = || items.iter().map(|it| (it.j1 - it.j0) * all * 2);
     let mut stats = vec![0.0f32; stat_lens().sum()];
     let out_len = q_n * hq * d * c.dtype.size();
     // items of each sequence: a run of `items`

@@ -7,8 +7,8 @@
 //!
 //! [`attend`] checks the whole call first ([`Problem`] sizes against the buffers, every pool
 //! descriptor against the problem, every used block's pool and slot against its pool), so no
-//! later read can leave a slice; then it runs work items, one per (sequence, K/V head) or, for
-//! long sequences on several threads, per run of blocks of one, each an online (flash-decoding)
+//! later read can leave a slice; then it runs work items, one per sequence or, for long
+//! sequences on several threads, per run of its blocks, each an online (flash-decoding)
 //! softmax over its blocks that leaves a partial maximum, sum and fp32 accumulator per (query,
 //! head) row and each block's share of the sum; a second pass merges a sequence's partials into
 //! its output and its per-block attention mass.
