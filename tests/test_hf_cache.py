@@ -270,15 +270,24 @@ def test_a_user_trained_compressor_serves_as_a_level(smollm2, monkeypatch):
 def test_kvtier_eval_cache_command_prints_its_table_as_json(smollm2, capsys):
     from kvtier.cli import main
 
-    argv = ["eval", "cache", "--methods", "dynamic,kvtier-int8", "--windows", "1"]
-    argv += ["--tokens", "256", "--passkey-lengths", "", "--speed-tokens", "4", "--json"]
+    methods = "dynamic,kvtier-int8,kvtier-default,kvtier-default-attend"
+    argv = ["eval", "cache", "--methods", methods, "--windows", "1", "--tokens", "256"]
+    argv += ["--passkey-lengths", "", "--speed-tokens", "4", "--speed-prompts", "32,48", "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    base, int8 = result["rows"]
-    assert (base["method"], int8["method"]) == ("dynamic", "kvtier-int8")
+    base, int8, default, attend = result["rows"]
+    assert [r["method"] for r in result["rows"]] == methods.split(",")
     assert base["ppl_change"] == 0 and base["bytes_vs_dynamic"] == 1
-    assert int8["scored_tokens"] == 128 and int8["tokens_per_s"] > 0
+    assert int8["scored_tokens"] == 128
     assert 0.2 < int8["bytes_vs_dynamic"] < 0.9 and abs(int8["ppl_change"]) < 0.01
+    for row in result["rows"]:
+        assert [s["prompt"] for s in row["speed"]] == [32, 48]
+        assert all(s["decode_tokens_per_s"] > 0 and s["prefill_s"] > 0 for s in row["speed"])
+    assert all(s["vs_baseline"] > 0 for s in int8["speed"]), "ratios against the baseline"
+    # attention over the blocks: the gather path's perplexity and bytes
+    assert (default["attn"], attend["attn"]) == ("eager", "kvtier")
+    assert attend["kv_bytes"] == default["kv_bytes"]
+    assert abs(attend["perplexity"] / default["perplexity"] - 1) < 1e-3
 
 
 @pytest.mark.parametrize(

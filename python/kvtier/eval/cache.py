@@ -17,7 +17,12 @@ several kvtier settings. For each we measure
 - **KV bytes** held at the end of each window (what the cache's tensors take; kvtier's from its
   pools), against ``DynamicCache``'s, and "fp16-equivalent": the same with every floating-point
   tensor counted at 2 bytes, i.e. the cache a 16-bit deployment of the model would hold;
-- **tokens/s** of ``generate`` (a 512-token prompt, 64 new tokens, greedy).
+- **speed** of ``generate`` (greedy, 64 new tokens) after prompts of 512 and 4,096 tokens: the
+  decode rate (tokens/s from the first new token to the last) and the prefill's seconds.
+
+Each method runs the model with an attention implementation: ``eager`` (the default, so that
+attention weights reach the scheduler), ``sdpa``, or ``kvtier`` (attention over the blocks,
+:func:`kvtier.integrations.hf.kvtier_attention`, whose kernel reports the attention mass).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ WINDOW_TOKENS = 1024
 CHUNK = 16
 PASSKEY_LENGTHS = (1024, 2048)
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
-SPEED_PROMPT = 512
+SPEED_PROMPTS = (512, 4096)
 SPEED_NEW = 64
 
 
@@ -59,11 +64,13 @@ class Method:
     name: str
     about: str
     make: Callable[[Any], Any]
+    #: the model's attention implementation for this method
+    attn: str = "eager"
 
 
-def _kvtier(name: str, about: str, **fields: Any) -> Method:
+def _kvtier(name: str, about: str, attn: str = "eager", **fields: Any) -> Method:
     config = KvtierConfig(**fields)
-    return Method(name, about, lambda model: TieredCache(model, config))
+    return Method(name, about, lambda model: TieredCache(model, config), attn)
 
 
 def _quantized(backend: str) -> Method:
@@ -95,6 +102,12 @@ def methods() -> dict[str, Method]:
             "transformers DynamicCache (baseline)",
             lambda m: DynamicCache(config=m.config),
         ),
+        Method(
+            "dynamic-sdpa",
+            "transformers DynamicCache, sdpa attention",
+            lambda m: DynamicCache(config=m.config),
+            "sdpa",
+        ),
         _quantized("quanto"),
         _quantized("hqq"),
         _kvtier(
@@ -111,7 +124,39 @@ def methods() -> dict[str, Method]:
         _kvtier(
             "kvtier-default", "default ladder fp32,int8,int4, ratio 0.5, importance", ladder=ladder
         ),
+        _kvtier(
+            "kvtier-exact-attend",
+            "TieredCache, level 0 only, attention over the blocks (kvtier attention)",
+            "kvtier",
+            enable_compression=False,
+        ),
+        _kvtier(
+            "kvtier-default-attend",
+            "default ladder, attention over the blocks (kvtier attention; mass from the kernel)",
+            "kvtier",
+            ladder=ladder,
+        ),
         _kvtier("kvtier-h2o", "default ladder, h2o policy", ladder=ladder, policy="h2o"),
+        _kvtier(
+            "kvtier-h2o-attend",
+            "default ladder, h2o policy, attention over the blocks (mass from the kernel)",
+            "kvtier",
+            ladder=ladder,
+            policy="h2o",
+        ),
+        _kvtier(
+            "kvtier-h2o-sdpa",
+            "default ladder, h2o policy, sdpa attention (no attention signal)",
+            "sdpa",
+            ladder=ladder,
+            policy="h2o",
+        ),
+        _kvtier(
+            "kvtier-default-sdpa",
+            "default ladder, sdpa attention (no attention signal)",
+            "sdpa",
+            ladder=ladder,
+        ),
         _kvtier("kvtier-lru", "default ladder, lru policy", ladder=ladder, policy="lru"),
         _kvtier(
             "kvtier-int4-lean",
@@ -134,14 +179,18 @@ def methods() -> dict[str, Method]:
 
 DEFAULT_METHODS = (
     "dynamic",
+    "dynamic-sdpa",
     "quanto-int4",
     "hqq-int4",
     "kvtier-exact",
+    "kvtier-exact-attend",
     "kvtier-int8",
     "kvtier-int4",
     "kvtier-int4-lean",
     "kvtier-default",
+    "kvtier-default-attend",
     "kvtier-h2o",
+    "kvtier-h2o-attend",
     "kvtier-lru",
     "kvtier-aggressive",
 )
@@ -287,15 +336,31 @@ def passkey(
 # -- speed -----------------------------------------------------------------------------------------
 
 
+class _StepClock:
+    """A logits processor that notes when each generation step's logits are ready."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
 @torch.no_grad()
-def speed(model: Any, method: Method, prompt: torch.Tensor, new_tokens: int = SPEED_NEW) -> float:
-    """Tokens per second of a greedy ``generate`` of ``new_tokens`` after ``prompt`` (prefill
-    included in the time, as a user waits for it)."""
+def speed(
+    model: Any, method: Method, prompt: torch.Tensor, new_tokens: int = SPEED_NEW
+) -> dict[str, Any]:
+    """A greedy ``generate`` of ``new_tokens`` after ``prompt``: the prefill's seconds (to the
+    first token's logits) and the decode rate (tokens/s from the first new token to the last)."""
+    from transformers import LogitsProcessorList
+
     ids = prompt[None]
     cache = method.make(model)
+    clock = _StepClock()
     try:
         start = time.perf_counter()
-        out = model.generate(
+        model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             past_key_values=cache,
@@ -303,11 +368,18 @@ def speed(model: Any, method: Method, prompt: torch.Tensor, new_tokens: int = SP
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             pad_token_id=model.generation_config.eos_token_id,
+            logits_processor=LogitsProcessorList([clock]),
         )
-        seconds = time.perf_counter() - start
     finally:
         _release(cache)
-    return (out.shape[1] - ids.shape[1]) / seconds
+    times = clock.times
+    decode_s = times[-1] - times[0]
+    return {
+        "prompt": int(ids.shape[1]),
+        "new_tokens": new_tokens,
+        "prefill_s": times[0] - start,
+        "decode_tokens_per_s": (len(times) - 1) / decode_s if decode_s > 0 else None,
+    }
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -344,24 +416,27 @@ def run(
     lengths: tuple[int, ...] = PASSKEY_LENGTHS,
     depths: tuple[float, ...] = PASSKEY_DEPTHS,
     speed_new: int = SPEED_NEW,
+    speed_prompts: tuple[int, ...] = SPEED_PROMPTS,
     progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     # Methods first: an unknown name must fail before the model takes its seconds to load.
     chosen, skipped = available(names)
-    model, tokenizer = real.load_smollm2("eager")
+    _, tokenizer = real.load_smollm2("eager")
     text = real.windows(tokenizer, windows, tokens)
-    prompt = real.windows(tokenizer, 1, SPEED_PROMPT)[0]
+    prompts = [real.windows(tokenizer, 1, n)[0] for n in speed_prompts] if speed_new else []
     rows = []
     for method in chosen:
+        model, _ = real.load_smollm2(method.attn)
         progress(f"{method.name}: perplexity")
         row: dict[str, Any] = {"method": method.name, "about": method.about}
         row.update(perplexity(model, method, text, chunk))
         if lengths and depths:
             progress(f"{method.name}: passkey")
             row["passkey"] = passkey(model, tokenizer, method, lengths, depths)
-        if speed_new:
-            progress(f"{method.name}: speed")
-            row["tokens_per_s"] = speed(model, method, prompt, speed_new)
+        row["attn"] = method.attn
+        for prompt in prompts:
+            progress(f"{method.name}: speed, {len(prompt)}-token prompt")
+            row.setdefault("speed", []).append(speed(model, method, prompt, speed_new))
         rows.append(row)
     base = next((r for r in rows if r["method"] == "dynamic"), None)
     for r in rows:
@@ -369,8 +444,13 @@ def run(
             r["ppl_change"] = r["perplexity"] / base["perplexity"] - 1
             r["bytes_vs_dynamic"] = r["kv_bytes"] / base["kv_bytes"]
             r["bytes_vs_fp16"] = r["kv_bytes_fp16"] / base["kv_bytes_fp16"]
+            for mine, theirs in zip(r.get("speed", []), base.get("speed", []), strict=True):
+                if mine["decode_tokens_per_s"] and theirs["decode_tokens_per_s"]:
+                    mine["vs_baseline"] = (
+                        mine["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
+                    )
     return {
-        "model": real.MODEL_ID + " (fp32, eager attention, CPU)",
+        "model": real.MODEL_ID + " (fp32, CPU; attention per method)",
         "text": "wikitext2_test.raw",
         "windows": windows,
         "window_tokens": tokens,
@@ -378,7 +458,8 @@ def run(
         "chunk": chunk,
         "passkey_lengths": list(lengths),
         "passkey_depths": list(depths),
-        "speed": f"generate, {SPEED_PROMPT}-token prompt, {speed_new} new tokens, greedy",
+        "speed": f"generate, {speed_new} new tokens, greedy, after prompts of "
+        f"{', '.join(map(str, speed_prompts))} tokens: decode tokens/s",
         "threads": torch.get_num_threads(),
         "skipped": skipped,
         "rows": rows,
@@ -387,23 +468,33 @@ def run(
 
 def table(result: dict[str, Any]) -> str:
     """A markdown table of the result."""
+    prompts = [sp["prompt"] for sp in result["rows"][0].get("speed", [])] if result["rows"] else []
+    head = "".join(f" decode tok/s @{n} | x base |" for n in prompts)
     lines = [
-        "| method | perplexity | vs baseline | passkey | KV bytes | vs baseline | fp16-equiv. "
-        "vs fp16 | tokens/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | attention | perplexity | vs baseline | passkey | KV bytes | vs baseline "
+        f"| fp16-equiv. vs fp16 |{head}",
+        "|---|---|---|---|---|---|---|---|" + "---|---|" * len(prompts),
     ]
     for r in result["rows"]:
         pk = r.get("passkey")
-        speed = r.get("tokens_per_s")
+        speeds = "".join(
+            f" {_num(sp['decode_tokens_per_s'])} | {_num(sp.get('vs_baseline'), '.2f')} |"
+            for sp in r.get("speed", [])
+        )
         lines.append(
-            f"| {r['method']} | {r['perplexity']:.3f} | {r.get('ppl_change', 0) * 100:+.2f} % "
+            f"| {r['method']} | {r.get('attn', 'eager')} | {r['perplexity']:.3f} "
+            f"| {r.get('ppl_change', 0) * 100:+.2f} % "
             f"| {'-' if pk is None else format(pk['accuracy'], '.0%')} "
             f"| {r['kv_bytes'] / 1e6:.2f} MB | {r.get('bytes_vs_dynamic', 1):.3f} "
-            f"| {r.get('bytes_vs_fp16', 1):.3f} | {'-' if speed is None else f'{speed:.1f}'} |"
+            f"| {r.get('bytes_vs_fp16', 1):.3f} |{speeds}"
         )
     for note in result["skipped"]:
         lines.append(f"\nskipped {note}")
     return "\n".join(lines)
+
+
+def _num(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _window_tokens(text: str) -> int:
@@ -484,6 +575,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--speed-tokens", type=non_negative_int, default=SPEED_NEW, help="0 skips the speed run"
     )
+    parser.add_argument(
+        "--speed-prompts",
+        type=_lengths,
+        default=SPEED_PROMPTS,
+        help=f"prompt lengths of the speed runs (default: {','.join(map(str, SPEED_PROMPTS))})",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     result = run(
@@ -494,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths=args.passkey_lengths,
         depths=args.passkey_depths,
         speed_new=args.speed_tokens,
+        speed_prompts=args.speed_prompts,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
     print(json.dumps(result, indent=2) if args.json else table(result))

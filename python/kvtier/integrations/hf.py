@@ -281,16 +281,20 @@ class TieredCache(Cache):
             bm.append(seq, layer, keys[row].transpose(0, 1), values[row].transpose(0, 1))
         if self.attend:
             # Attention (kvtier_attention) reads the blocks: hand it only the new K/V, and
-            # which cache and layer they belong to.
+            # which cache and layer they belong to. It ends the forward pass (_layer_done):
+            # a step now would move blocks under this layer's attention.
             _PENDING.value = (self, layer, keys)
-            out = keys, values
-        else:
-            out = self._gathered(layer)
+            return keys, values
+        out = self._gathered(layer)
+        self._layer_done(layer)
+        return out
+
+    def _layer_done(self, layer: int) -> None:
+        """After the last layer's attention: the forward pass is done, maybe a step."""
         if layer == self.num_layers - 1:
             self.forwards += 1
             if self.step_every and self.forwards % self.step_every == 0:
                 self.step()
-        return out
 
     def _gathered(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's K/V of ``layer``, ``[batch, kv_heads, tokens, head_dim]`` each."""
@@ -518,11 +522,14 @@ def kvtier_attention(
             "the blocks cannot serve it; use TieredCache(attend=False) with sdpa or eager"
         )
     if attention_mask is None and not dropout:
-        return cache._attend(layer, query, scaling), None
-    k, v = cache._gathered(layer)
-    return sdpa_attention_forward(
-        module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-    )
+        out = cache._attend(layer, query, scaling), None
+    else:
+        k, v = cache._gathered(layer)
+        out = sdpa_attention_forward(
+            module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    cache._layer_done(layer)
+    return out
 
 
 def _kvtier_mask(**kwargs: Any) -> torch.Tensor | None:
