@@ -190,6 +190,18 @@ def check_problem(
     return Problem(S, Q, Hq, shape.kv_heads, B, D, M, layer, float(scale))
 
 
+class _DtypeCodes(dict[Any, int]):
+    """torch dtype -> the kernels' float code, filled on first use (torch imports lazily)."""
+
+    def __missing__(self, dtype: Any) -> int:
+        code = FLOAT_CODES[dtype_name(dtype)]
+        self[dtype] = code
+        return code
+
+
+_DTYPE_CODES = _DtypeCodes()
+
+
 def describe(views: list[PoolView], shape: BlockShape) -> np.ndarray:
     """The descriptors of ``views``, int64 ``[len(views), len(DESC_FIELDS)]``."""
     rows = [v.describe(shape) for v in views]
@@ -212,15 +224,18 @@ def run_attention(
     """Fills ``out`` (like ``q``) and ``mass`` (numpy fp32 ``[S, M]``) with the fastest kernel
     for ``q``'s device: the Rust kernel on the CPU, the CUDA kernel on a GPU with CuPy, else the
     reference. The caller has checked the arguments (:func:`check_problem` says what holds);
+    ``q`` and ``out`` are contiguous, ``[S, Q, Hq, D]`` or, for one sequence, ``[Q, Hq, D]``;
     ``desc``: :func:`describe` of ``views``, when the caller keeps it."""
     torch = torch_module()
-    if q.device.type == "cpu" and hasattr(_core, "attend"):
+    if q.dim() == 3:
+        q, out = q[None], out[None]
+    if q.is_cpu:
         d = describe(views, shape) if desc is None else desc
         S, Q, Hq, D = q.shape
         # The kernel trusts these: contiguous int32 and int64, alive for the call.
         _core.attend(
             q.data_ptr(),
-            FLOAT_CODES[dtype_name(q.dtype)],
+            _DTYPE_CODES[q.dtype],
             out.data_ptr(),
             mass.ctypes.data,
             seq_lens,

@@ -235,9 +235,61 @@ class _Seq:
     #: the block being filled, where one-token appends write: ``(index in the sequence, block
     #: id, level-0 device slot)``; it is pinned, so it stays there until complete
     tail: tuple[int, int, int] | None = None
-    #: where attention reads the blocks (:meth:`BlockManager.attend`): ``(epoch, block ids,
-    #: pool per block, slot per block)``, valid while the manager's epoch is unchanged
-    table: tuple[int, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+@dataclass
+class _AttentionBatch:
+    """Where the blocks of a batch of sequences lie, as the attention kernels read them."""
+
+    #: the manager's epoch it was built in (blocks move: a new epoch)
+    epoch: int
+    #: per sequence, its blocks
+    blocks: list[np.ndarray]
+    counts: list[int]
+    #: ``[sequences, max blocks]`` int32: the attention pool of each block (-2: staged, -1:
+    #: none) and its slot
+    pools: np.ndarray
+    slots: np.ndarray
+    staged: bool
+    #: ``(row, column)`` of the blocks that were not complete in every layer when it was built:
+    #: a shared one may not be written yet at the layer attention reads
+    unsure: tuple[np.ndarray, np.ndarray]
+
+    @classmethod
+    def build(cls, bm: BlockManager, ids: tuple[int, ...]) -> _AttentionBatch:
+        blocks = [bm.core.sequence_blocks(s) for s in ids]
+        counts = [len(b) for b in blocks]
+        width = max(counts, default=0)
+        pools = np.full((len(ids), width), -1, dtype=np.int32)
+        slots = np.zeros((len(ids), width), dtype=np.int32)
+        complete = np.ones((len(ids), width), dtype=bool)
+        for row, (seq, b) in enumerate(zip(ids, blocks, strict=True)):
+            bm._check_not_lost(seq, b)
+            info = bm.core.block_info(b)
+            pools[row, : len(b)] = bm._attend_lut[info["tier"], info["level"]]
+            slots[row, : len(b)] = info["slot"]
+            complete[row, : len(b)] = (bm._written[b] == bm.block_size).all(axis=1)
+        rows, cols = np.nonzero(~complete & (pools != -1))
+        staged = bool((pools == -2).any())
+        return cls(bm._epoch, blocks, counts, pools, slots, staged, (rows, cols))
+
+    def check(
+        self, bm: BlockManager, ids: tuple[int, ...], lengths: np.ndarray, layer: int
+    ) -> None:
+        """Raises for a block of the first ``lengths`` tokens that ``layer`` has not written
+        (a shared block whose owner is behind)."""
+        rows, cols = self.unsure
+        if not len(rows):
+            return
+        need = np.minimum(bm.block_size, lengths[rows] - bm.block_size * cols)
+        block = np.array([self.blocks[r][c] for r, c in zip(rows, cols, strict=True)])
+        short = (need > 0) & (bm._written[block, layer] < need)
+        if short.any():
+            i = int(short.argmax())
+            raise InvalidArgumentError(
+                f"sequence {ids[rows[i]]} layer {layer}: block {int(block[i])} is shared but its "
+                "owner has not written this layer yet; append the owner's layer first"
+            )
 
 
 class BlockManager:
@@ -733,112 +785,102 @@ class BlockManager:
         counts it."""
         torch = torch_module()
         single = isinstance(seqs, (int, np.integer))
-        ids = [int(seqs)] if isinstance(seqs, (int, np.integer)) else [int(s) for s in seqs]
+        ids = (int(seqs),) if single else tuple(map(int, seqs))  # type: ignore[arg-type]
         q = as_tensor(q, "q")
-        q4 = q.unsqueeze(0) if single and q.dim() == 3 else q
         D = self.shape.head_dim
-        if q4.dim() != 4 or q4.shape[0] != len(ids) or q4.shape[3] != D:
+        # One sequence takes [Q, Hq, D] (or [1, Q, Hq, D]); the kernels read either alike.
+        dims = tuple(q.shape) if q.dim() == 4 or not single else (1, *q.shape)
+        if len(dims) != 4 or dims[0] != len(ids) or dims[3] != D:
             raise InvalidArgumentError(
                 f"q: expected [queries, q_heads, {D}] for one sequence or [{len(ids)} sequences, "
                 f"queries, q_heads, {D}], got {list(q.shape)}"
             )
-        if q4.shape[2] % self.shape.kv_heads:
+        if dims[2] % self.shape.kv_heads:
             raise InvalidArgumentError(
-                f"q: {q4.shape[2]} query heads is not a multiple of the {self.shape.kv_heads} "
-                "K/V heads"
+                f"q: {dims[2]} query heads is not a multiple of the {self.shape.kv_heads} K/V heads"
             )
-        if q4.dtype != self.dtype or q4.device != self.device:
+        if q.dtype is not self.dtype or q.get_device() != self._device_index:
             raise InvalidArgumentError(
-                f"q: expected {self.dtype} on {self.device}, got {q4.dtype} on {q4.device}"
+                f"q: expected {self.dtype} on {self.device}, got {q.dtype} on {q.device}"
             )
         layer = self._layer(layer)
-        queries = int(q4.shape[1])
-        q4 = q4.detach().contiguous()
+        queries, bs = dims[1], self.block_size
+        q = q.detach()
+        if not q.is_contiguous():
+            q = q.contiguous()
         with self._lock:
-            lengths = np.array([self._seq(s).lengths[layer] for s in ids], dtype=np.int32)
-            if len(ids) and int(lengths.min()) < max(queries, 1):
+            tokens = [int(self._seq(s).lengths[layer]) for s in ids]
+            if tokens and min(tokens) < max(queries, 1):
                 raise InvalidArgumentError(
-                    f"q: {queries} queries, but a sequence holds {int(lengths.min())} tokens at "
-                    f"layer {layer}: append the queries' K/V first"
+                    f"q: {queries} queries, but a sequence holds {min(tokens)} tokens at layer "
+                    f"{layer}: append the queries' K/V first"
                 )
-            tables = [
-                self._attention_table(s, layer, int(n)) for s, n in zip(ids, lengths, strict=True)
-            ]
-            width = max((len(t[0]) for t in tables), default=0)
-            pools = np.full((len(ids), width), -1, dtype=np.int32)
-            slots = np.zeros((len(ids), width), dtype=np.int32)
-            for row, (_, p, sl) in enumerate(tables):
-                pools[row, : len(p)], slots[row, : len(p)] = p, sl
-            views = self._stage(ids, tables, pools, slots, layer)
-            out = torch.empty_like(q4)
-            mass = np.zeros((len(ids), width), dtype=np.float32)
-            desc = self._attend_desc
-            if len(views) > len(self._attend_views):  # a staging pool
-                desc = np.concatenate([desc, describe(views[-1:], self.shape)])
+            counts = [-(-n // bs) for n in tokens]
+            lengths = np.array(tokens, dtype=np.int32)
+            batch = self._attention_batch(ids, counts)
+            batch.check(self, ids, lengths, layer)
+            pools, slots, views, desc = batch.pools, batch.slots, self._attend_views, None
+            if batch.staged:
+                pools, slots = pools.copy(), slots.copy()
+                try:
+                    views = self._stage(batch, pools, slots, layer)
+                except _Lost as exc:  # a store could not give a block back: never wrong K/V
+                    self._mark_lost(exc.blocks.astype(np.uint32))
+                    for seq, blocks in zip(ids, batch.blocks, strict=True):
+                        self._check_not_lost(seq, blocks)
+                    raise
+                desc = np.concatenate([self._attend_desc, describe(views[-1:], self.shape)])
+            out = torch.empty_like(q)
+            mass = np.zeros(pools.shape, dtype=np.float32)
             sm_scale = D**-0.5 if scale is None else float(scale)
             run_attention(
-                q4, out, mass, lengths, pools, slots, views, self.shape, layer, sm_scale, desc
-            )
-            if record and width:
-                blocks = np.concatenate([t[0] for t in tables])
-                self.core.record_attention(
-                    blocks, np.concatenate([mass[r, : len(t[0])] for r, t in enumerate(tables)])
-                )
+                q, out, mass, lengths, pools, slots, views, self.shape, layer, sm_scale,
+                self._attend_desc if desc is None else desc,
+            )  # fmt: skip
+            if record and pools.shape[1]:
+                if single:
+                    blocks, masses = batch.blocks[0][: counts[0]], mass[0, : counts[0]]
+                else:
+                    blocks = np.concatenate(
+                        [b[:n] for b, n in zip(batch.blocks, counts, strict=True)]
+                    )
+                    masses = mass[np.arange(pools.shape[1])[None, :] < np.array(counts)[:, None]]
+                self.core.record_attention(blocks, masses)
                 self.core.record_reads(blocks)
-        out = out[0] if single and q.dim() == 3 else out
         return (out, mass) if return_mass else out
 
-    def _attention_table(
-        self, seq: int, layer: int, tokens: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(block ids, pool, slot)`` of the blocks holding ``tokens`` tokens of ``seq`` at
-        ``layer``: the pool an index into the attention pools, or -2 for a block that must be
-        staged. Cached per sequence until blocks move or the sequence grows."""
-        state = self._seq(seq)
-        m = -(-tokens // self.block_size)
-        table = state.table
-        if table is None or table[0] != self._epoch or len(table[1]) < m:
-            blocks = self.core.sequence_blocks(seq)
-            info = self.core.block_info(blocks)
-            where = self._attend_lut[info["tier"], info["level"]]
-            table = (self._epoch, blocks, where, info["slot"].astype(np.int32))
-            state.table = table
-        blocks = table[1][:m]
-        # A shared block whose owner has not written this layer yet, or a lost one: refused.
-        need = np.minimum(self.block_size, tokens - self.block_size * np.arange(m))
-        short = np.nonzero(self._written[blocks, layer] < need)[0]
-        if len(short):
-            raise InvalidArgumentError(
-                f"sequence {seq} layer {layer}: block {int(blocks[short[0]])} is shared but its "
-                "owner has not written this layer yet; append the owner's layer first"
-            )
-        self._check_not_lost(seq, blocks)
-        return blocks, table[2][:m], table[3][:m]
+    def _attention_batch(self, ids: tuple[int, ...], counts: list[int]) -> _AttentionBatch:
+        """Where the blocks of ``ids`` lie for the kernels (the first ``counts`` of each at
+        least), kept until blocks move (the epoch changes) or a sequence outgrows it: a decode
+        step reads it for every layer."""
+        batch = self._attention_batches.get(ids)
+        if (
+            batch is None
+            or batch.epoch != self._epoch
+            or any(n > have for n, have in zip(counts, batch.counts, strict=True))
+        ):
+            if len(self._attention_batches) >= 8 or (batch and batch.epoch != self._epoch):
+                self._attention_batches.clear()
+            batch = _AttentionBatch.build(self, ids)
+            self._attention_batches[ids] = batch
+        return batch
 
     def _stage(
-        self,
-        ids: list[int],
-        tables: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
-        pools: np.ndarray,
-        slots: np.ndarray,
-        layer: int,
+        self, batch: _AttentionBatch, pools: np.ndarray, slots: np.ndarray, layer: int
     ) -> list[PoolView]:
-        """The attention pools, plus one staging pool holding ``layer`` of the blocks the
-        kernels cannot read where they lie (a store tier, a codec without a kernel, host
-        memory behind a GPU), decoded; ``pools``/``slots`` are pointed at it."""
+        """The attention pools plus a staging pool holding ``layer`` of the blocks the kernels
+        cannot read where they lie (a store tier, a codec without a kernel, host memory behind
+        a GPU), decoded; ``pools``/``slots`` are pointed at it."""
         staged = np.nonzero(pools == -2)
-        if not len(staged[0]):
-            return self._attend_views
-        blocks = np.array([tables[r][0][j] for r, j in zip(*staged, strict=True)], np.uint32)
-        parts = []
-        for (tier, level), rows, where, ids_ in self._locations(blocks):
-            parts.append((rows, self._read_layer(tier, level, where, layer, ids_)))
+        blocks = np.array(
+            [batch.blocks[r][j] for r, j in zip(*staged, strict=True)], dtype=np.uint32
+        )
         torch = torch_module()
         stage = torch.empty(
             (len(blocks), 1, *self.shape.dims[1:]), dtype=self.dtype, device=self.device
         )
-        for rows, part in parts:
-            stage[rows, 0] = part
+        for (tier, level), rows, where, ids in self._locations(blocks):
+            stage[rows, 0] = self._read_layer(tier, level, where, layer, ids)
         pools[staged] = len(self._attend_views)
         slots[staged] = np.arange(len(blocks), dtype=np.int32)
         return [*self._attend_views, PoolView(stage, IdentityCodec(self.shape.dtype), 0)]
@@ -1171,6 +1213,8 @@ class BlockManager:
                 self._attend_lut[Plan.TIERS.index(tier), level] = len(self._attend_views)
                 self._attend_views.append(PoolView(pool, self.codecs[level]))
         self._attend_desc = describe(self._attend_views, self.shape)
+        self._attention_batches: dict[tuple[int, ...], _AttentionBatch] = {}
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
         # Bumped whenever blocks move or sequences grow: the attention tables' validity.
         self._epoch = 0
         # One-token appends on the CPU are written by the extension (_core.write_token) at the
@@ -1210,10 +1254,9 @@ class BlockManager:
                 return False
             start = int(state.lengths[layer])
             index, off = divmod(start, bs)
-            if start == self.core.sequence_tokens(seq):
-                if off == 0:
-                    return False  # a new block first
-                self.core.extend(seq, 1)  # room in the block being filled: allocates nothing
+            grows = start == self.core.sequence_tokens(seq)  # this layer is the first there
+            if grows and off == 0:
+                return False  # a new block first
             tail = state.tail
             if tail is None or tail[0] != index:
                 block = int(self.core.sequence_blocks(seq)[index])
@@ -1237,6 +1280,8 @@ class BlockManager:
                 raise InvalidArgumentError(
                     f"{'kv'[bad - 1]}: expected finite values, got NaN or inf; nothing was stored"
                 )
+            if grows:
+                self.core.extend(seq, 1)  # room in the block being filled: allocates nothing
             self._written[block, layer] = off + 1
             self._norm_sum[block] += norm
             self._norm_count[block] += 1

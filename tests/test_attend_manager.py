@@ -1,0 +1,209 @@
+"""``BlockManager.attend``: attention over a manager's blocks wherever the scheduler put them,
+and the one-token append that feeds it. The oracle is torch's SDPA over ``gather``'s K/V: the
+same decoded values, so the two agree to the rounding of fp32 sums."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_manager import BS, DIM, HEADS, LAYERS, SPILL, a_file_on_disk, kv, manager, spill  # noqa: E402
+
+from kvtier import BlockManager  # noqa: E402
+from kvtier._core import Plan  # noqa: E402
+from kvtier.errors import BlockLostError, InvalidArgumentError  # noqa: E402
+
+Q_HEADS = 4 * HEADS  # grouped-query attention, 4 query heads per K/V head
+
+
+def sdpa(bm: BlockManager, seq: int, layer: int, q: Any) -> Any:
+    """The oracle: SDPA (fp32) over the gathered K/V, causal for the last ``len(q)`` tokens."""
+    k, v = (x.float().transpose(0, 1) for x in bm.gather(seq, layer))
+    n, queries = k.shape[1], q.shape[0]
+    visible = torch.ones(queries, n, dtype=torch.bool).tril(n - queries)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k, v, attn_mask=visible, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
+def queries(n: int, seed: int, dtype: Any = torch.float16) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, Q_HEADS, DIM, generator=g).to(dtype)
+
+
+def assert_attends_like_sdpa(bm: BlockManager, seq: int, q: Any) -> None:
+    for layer in range(LAYERS):
+        got = bm.attend(seq, layer, q)
+        assert got.shape == q.shape and got.dtype == q.dtype
+        torch.testing.assert_close(got.float(), sdpa(bm, seq, layer, q), atol=2e-3, rtol=2e-3)
+
+
+def decode(bm: BlockManager, seq: int, x: Any, start: int, stop: int) -> None:
+    """Appends tokens ``[start, stop)`` of ``x`` one at a time (the decode path), a step each."""
+    for t in range(start, stop):
+        for layer in range(LAYERS):
+            bm.append(seq, layer, x[layer, 0, t : t + 1], x[layer, 1, t : t + 1])
+        bm.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_attend_over_every_level_equals_sdpa_over_the_gathered_kv(dtype: Any) -> None:
+    bm = manager(dtype=dtype, recent_window=16)
+    seq = bm.add_sequence()
+    x = kv(6 * BS + 5, seed=1, dtype=dtype)
+    for layer in range(LAYERS):
+        bm.append(seq, layer, x[layer, 0, : 5 * BS], x[layer, 1, : 5 * BS])
+    bm.step()
+    decode(bm, seq, x, 5 * BS, 6 * BS + 5)
+    levels = bm.core.block_info(bm.core.sequence_blocks(seq))["level"]
+    assert {0, 1, 2} <= set(levels.tolist()), "blocks at every level of the ladder"
+    assert_attends_like_sdpa(bm, seq, queries(1, 2, dtype))
+    assert_attends_like_sdpa(bm, seq, queries(7, 3, dtype))  # a chunk: causal over the prefix
+
+
+def test_a_batch_of_sequences_of_different_lengths_in_one_call() -> None:
+    bm = manager(recent_window=16)
+    seqs, xs = [], []
+    for i, n in enumerate((3 * BS + 1, BS - 3, 5 * BS)):
+        seq = bm.add_sequence()
+        x = kv(n, seed=10 + i)
+        for layer in range(LAYERS):
+            bm.append(seq, layer, x[layer, 0], x[layer, 1])
+        seqs.append(seq)
+        xs.append(x)
+    bm.step()
+    q = torch.stack([queries(2, 20 + i) for i in range(3)])  # [3 sequences, 2 queries, ...]
+    out, mass = bm.attend(seqs, 1, q, return_mass=True)
+    for i, seq in enumerate(seqs):
+        torch.testing.assert_close(out[i].float(), sdpa(bm, seq, 1, q[i]), atol=2e-3, rtol=2e-3)
+        blocks = -(-bm.num_tokens(seq) // BS)
+        assert mass[i, :blocks].sum() == pytest.approx(1.0, abs=1e-5)
+        assert not mass[i, blocks:].any()
+
+
+def test_blocks_on_the_host_and_on_disk_are_read_without_a_gather(tmp_path: Path) -> None:
+    """Host blocks (CPU memory) are read in place; disk blocks are staged, one layer."""
+    for tier in ({"host_budget": 4 << 20}, {"disk_budget": 4 << 20, "disk_path": str(tmp_path)}):
+        bm = manager(**SPILL, **tier)
+        seqs = spill(bm)
+        name = "host" if "host_budget" in tier else "disk"
+        away = Plan.TIERS.index(name)
+        seq = next(
+            s
+            for s in seqs
+            if (bm.core.block_info(bm.core.sequence_blocks(s))["tier"] == away).any()
+        )
+        assert_attends_like_sdpa(bm, seq, queries(1, 5))
+        bm.close()
+
+
+def test_a_block_lost_from_disk_is_refused_never_attended(tmp_path: Path) -> None:
+    bm = manager(**SPILL, disk_budget=4 << 20, disk_path=str(tmp_path))
+    seqs = spill(bm)
+    a_file_on_disk(bm, seqs).write_bytes(b"garbage")
+    lost = 0
+    for seq in seqs:
+        try:
+            bm.attend(seq, 0, queries(1, 6))
+        except BlockLostError:
+            lost += 1
+            with pytest.raises(BlockLostError):  # and every time after
+                bm.attend(seq, 1, queries(1, 6))
+    assert lost == 1
+    bm.close()
+
+
+def test_the_attention_mass_feeds_the_scheduler() -> None:
+    """Under h2o, blocks are ranked by the attention they received: queries that look at one
+    block make it the heaviest hitter, with no attention weights handed in."""
+    bm = manager(policy="h2o", recent_window=16)
+    seq = bm.add_sequence()
+    x = kv(4 * BS, seed=7)
+    for layer in range(LAYERS):
+        bm.append(seq, layer, x[layer, 0], x[layer, 1])
+    q = x[1, 0, 2 * BS + 3].repeat_interleave(4, 0)[None] * 8  # the key of a token of block 2
+    _, mass = bm.attend(seq, 1, q, return_mass=True)
+    assert mass[0].argmax() == 2
+    scores = bm.core.block_info(bm.core.sequence_blocks(seq))["score"]
+    assert scores.argmax() == 2 and scores[2] > 0
+    # record=False leaves the signal alone
+    bm2 = manager(policy="h2o", recent_window=16)
+    seq2 = bm2.add_sequence()
+    for layer in range(LAYERS):
+        bm2.append(seq2, layer, x[layer, 0], x[layer, 1])
+    bm2.attend(seq2, 1, q, record=False)
+    assert not bm2.core.block_info(bm2.core.sequence_blocks(seq2))["score"].any()
+
+
+def test_a_shared_block_its_owner_has_not_written_is_refused() -> None:
+    bm = manager()
+    tokens = np.arange(2 * BS)
+    owner = bm.add_sequence(tokens)
+    x = kv(2 * BS, seed=8)
+    for layer in range(LAYERS):
+        bm.append(owner, layer, x[layer, 0], x[layer, 1])
+    reader = bm.add_sequence(tokens)  # shares both blocks
+    assert bm.num_tokens(reader) == 2 * BS
+    torch.testing.assert_close(
+        bm.attend(reader, 2, queries(1, 9)), bm.attend(owner, 2, queries(1, 9))
+    )
+    late = bm.add_sequence()
+    with pytest.raises(InvalidArgumentError, match="append the queries' K/V first"):
+        bm.attend(late, 0, queries(1, 9))
+
+
+def test_bad_queries_get_clear_errors_and_change_nothing() -> None:
+    bm = manager()
+    seq = bm.add_sequence()
+    x = kv(20, seed=9)
+    for layer in range(LAYERS):
+        bm.append(seq, layer, x[layer, 0], x[layer, 1])
+    cases = [
+        (queries(1, 1, torch.float32), "expected torch.float16"),
+        (torch.zeros(1, Q_HEADS, DIM + 1, dtype=torch.float16), "q: expected"),
+        (torch.zeros(1, HEADS + 1, DIM, dtype=torch.float16), "not a multiple"),
+        (queries(21, 1), "append the queries' K/V first"),
+    ]
+    for q, message in cases:
+        with pytest.raises(InvalidArgumentError, match=message):
+            bm.attend(seq, 0, q)
+    with pytest.raises(InvalidArgumentError, match="layer"):
+        bm.attend(seq, LAYERS, queries(1, 1))
+    assert bm.num_tokens(seq) == 20
+
+
+def test_one_token_appends_store_what_bulk_appends_store() -> None:
+    """The decode path (one token, the extension's write) against one bulk append, for every
+    dtype, with strided views as transformers hands them; NaN is refused, nothing stored."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        bulk, single = manager(dtype=dtype), manager(dtype=dtype)
+        x = kv(2 * BS + 3, seed=11, dtype=dtype)
+        a, b = bulk.add_sequence(), single.add_sequence()
+        for layer in range(LAYERS):
+            bulk.append(a, layer, x[layer, 0], x[layer, 1])
+        strided = x.transpose(2, 3).contiguous().transpose(2, 3)  # heads-major, as HF's K/V
+        for t in range(x.shape[2]):
+            for layer in range(LAYERS):
+                single.append(b, layer, strided[layer, 0, t : t + 1], strided[layer, 1, t : t + 1])
+        for layer in range(LAYERS):
+            for got, want in zip(single.gather(b, layer), bulk.gather(a, layer), strict=True):
+                assert torch.equal(got, want)
+        # the magnitude signal: the same mean key norm per block, however the tokens came
+        norms = [
+            m._norm_sum[m.core.sequence_blocks(q)] / m._norm_count[m.core.sequence_blocks(q)]
+            for m, q in ((single, b), (bulk, a))
+        ]
+        np.testing.assert_allclose(norms[0], norms[1], rtol=1e-5)
+        bad = x[0, 0, :1].clone()
+        bad[0, 0, 0] = float("nan")
+        for k, v, which in ((bad, x[0, 1, :1], "k"), (x[0, 0, :1], bad, "v")):
+            with pytest.raises(InvalidArgumentError, match=f"{which}: expected finite values"):
+                single.append(b, 0, k, v)
+        assert single.num_tokens(b, 0) == x.shape[2]
+        assert single.core.sequence_tokens(b) == x.shape[2], "a refused append changes nothing"
