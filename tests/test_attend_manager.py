@@ -207,3 +207,26 @@ def test_one_token_appends_store_what_bulk_appends_store() -> None:
                 single.append(b, 0, k, v)
         assert single.num_tokens(b, 0) == x.shape[2]
         assert single.core.sequence_tokens(b) == x.shape[2], "a refused append changes nothing"
+
+
+def test_decode_appends_take_the_fast_path_for_transformers_views(monkeypatch) -> None:
+    """transformers hands a decode step's K and V as views whose one-element token axis has
+    different strides: the one-token path still takes them (the general path would cost ~20x),
+    falling back only where a new block starts."""
+    bm = manager(dtype=torch.float32)
+    seq = bm.add_sequence()
+    general = []
+    original = BlockManager._write
+    monkeypatch.setattr(
+        BlockManager, "_write", lambda self, *a: general.append(a[2]) or original(self, *a)
+    )
+    x = kv(2 * BS, seed=12, dtype=torch.float32)
+    for t in range(2 * BS):
+        for layer in range(LAYERS):
+            k = x[layer, 0, t : t + 1].clone()  # strides (H*D, D, 1)
+            v = torch.empty(HEADS * DIM).as_strided((1, HEADS, DIM), (7, DIM, 1))
+            v.copy_(x[layer, 1, t : t + 1])  # strides (7, D, 1): another token stride
+            bm.append(seq, layer, k, v)
+    assert sorted(set(general)) == [0, BS], "the general path only where a block starts"
+    k, v = bm.gather(seq, 1)
+    assert torch.equal(k, x[1, 0]) and torch.equal(v, x[1, 1])
