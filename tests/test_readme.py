@@ -19,7 +19,8 @@ pytest's ``-k`` takes either). The rules, by the block's kind:
       redis-server on 127.0.0.1 (no other network traffic).
     - Names the block uses without defining them are given by ``GIVENS``, real objects of the
       type and shape the block assumes: ``prompt_ids`` (40 token ids), ``k``/``v`` (fp16
-      ``[40, kv_heads, head_dim]`` of the substituted shape), ``attn_weights`` (``[heads, 1,
+      ``[40, kv_heads, head_dim]`` of the substituted shape), ``q`` (fp16 ``[1, 4 * kv_heads,
+      head_dim]``: a decode step's queries), ``attn_weights`` (``[heads, 1,
       40]``, rows summing to 1), ``model``/``inputs`` (a two-layer transformers Llama in bf16,
       the dtype the block's ladder starts with, at its random initialization, and a tokenizer's
       ``input_ids``/``attention_mask`` of 40 tokens: SmolLM2 from its GGUF file would take
@@ -220,6 +221,11 @@ def _kv(request: pytest.FixtureRequest) -> Any:
     return torch.randn(PROMPT_TOKENS, KV_HEADS, HEAD_DIM, dtype=torch.float16)
 
 
+def _queries(request: pytest.FixtureRequest) -> Any:
+    torch = _torch()
+    return torch.randn(1, 4 * KV_HEADS, HEAD_DIM, dtype=torch.float16)
+
+
 def _attn_weights(request: pytest.FixtureRequest) -> Any:
     torch = _torch()
     return torch.rand(KV_HEADS, 1, PROMPT_TOKENS).softmax(-1)
@@ -255,6 +261,7 @@ GIVENS: dict[str, tuple[Callable[[pytest.FixtureRequest], Any], str | None]] = {
     "prompt_ids": (_prompt_ids, None),
     "k": (_kv, None),
     "v": (_kv, None),
+    "q": (_queries, None),
     "attn_weights": (_attn_weights, None),
     "model": (_model, "hf"),
     "inputs": (_inputs, "hf"),
