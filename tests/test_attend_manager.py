@@ -25,7 +25,7 @@ def sdpa(bm: BlockManager, seq: int, layer: int, q: Any) -> Any:
     """The oracle: SDPA (fp32) over the gathered K/V, causal for the last ``len(q)`` tokens."""
     k, v = (x.float().transpose(0, 1) for x in bm.gather(seq, layer))
     n, queries = k.shape[1], q.shape[0]
-    visible = torch.ones(queries, n, dtype=torch.bool).tril(n - queries)
+    visible = torch.ones(queries, n, dtype=torch.bool, device=k.device).tril(n - queries)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1), k, v, attn_mask=visible, enable_gqa=True
     )
@@ -230,3 +230,32 @@ def test_decode_appends_take_the_fast_path_for_transformers_views(monkeypatch) -
     assert sorted(set(general)) == [0, BS], "the general path only where a block starts"
     k, v = bm.gather(seq, 1)
     assert torch.equal(k, x[1, 0]) and torch.equal(v, x[1, 1])
+
+
+@pytest.mark.gpu
+def test_attend_on_cuda_equals_sdpa_over_the_gathered_kv() -> None:
+    """The CUDA kernel through the manager: every level, a batch, a chunk (not yet run on a
+    GPU in this project's CI machines)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("cupy")
+    bm = manager("cuda", recent_window=16)
+    seqs = []
+    for i, n in enumerate((5 * BS + 3, 2 * BS)):
+        seq = bm.add_sequence()
+        x = kv(n, seed=30 + i, device="cuda")
+        for layer in range(LAYERS):
+            bm.append(seq, layer, x[layer, 0], x[layer, 1])
+        seqs.append(seq)
+    bm.step()
+    levels = bm.core.block_info(bm.core.sequence_blocks(seqs[0]))["level"]
+    assert {0, 1, 2} <= set(levels.tolist())
+    for seq in seqs:
+        q = queries(3, 31).cuda()
+        for layer in range(LAYERS):
+            got = bm.attend(seq, layer, q)
+            want = sdpa(bm, seq, layer, q)
+            torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+    q = torch.stack([queries(1, 32), queries(1, 33)]).cuda()
+    out, mass = bm.attend(seqs, 1, q, return_mass=True)
+    assert out.shape == q.shape and np.allclose(mass.sum(1), 1.0, atol=1e-4)
