@@ -229,11 +229,14 @@ struct Scratch {
     p: Vec<f32>,
     /// `[rows, B]`: probabilities times per-token value scales
     w: Vec<f32>,
-    /// per row: the accumulator's rescaling, the block's sum of probabilities, a zero point's
-    /// term
+    /// per row: the accumulator's rescaling, the block's sum of probabilities, q . z of
+    /// per-channel keys' zero points
     alpha: Vec<f32>,
     lb: Vec<f32>,
     bias: Vec<f32>,
+    /// per row of every K/V head: the sum over tokens of p_t * z_t of values' zero points,
+    /// rescaled as the accumulator is, added to each of its values at the item's end
+    z_acc: Vec<f32>,
     k_tile: Vec<f32>,
     v_tile: Vec<f32>,
     /// one block's scales and zero points, K's and V's
@@ -263,6 +266,7 @@ impl Scratch {
             alpha: vec![0.0; r],
             lb: vec![0.0; r],
             bias: vec![0.0; r],
+            z_acc: vec![0.0; c.p.kv_heads * r],
             k_tile: vec![0.0; b * d],
             v_tile: vec![0.0; b * d],
             ks: vec![0.0; groups],
@@ -273,34 +277,9 @@ impl Scratch {
     }
 }
 
-/// `src` as f32s when it is 4-aligned (a little-endian CPU's fp32 pool read in place).
-fn as_f32(src: &[u8]) -> Option<&[f32]> {
-    if cfg!(target_endian = "big") {
-        return None;
-    }
-    // SAFETY: every 4-byte pattern is a valid f32; align_to hands back only the aligned middle.
-    let (head, mid, tail) = unsafe { src.align_to::<f32>() };
-    (head.is_empty() && tail.is_empty()).then_some(mid)
-}
-
-/// A tile of `n` rows of `d` floats of `dtype` at `src`: in place when it is fp32, else widened.
-fn float_tile<'t, K: Kernels>(
-    k: K,
-    src: &'t [u8],
-    dtype: FloatDtype,
-    tile: &'t mut [f32],
-) -> &'t [f32] {
-    if dtype == FloatDtype::F32 {
-        if let Some(f) = as_f32(src) {
-            return f;
-        }
-    }
-    k.widen(src, Encoding::of_float(dtype), tile);
-    tile
-}
-
 /// Runs the item: leaves `part` = `[m: rows][l: rows][acc: rows * D]` and `stats` = per block
 /// (`j - j0`) per row, the running maximum after it and the block's sum relative to it.
+#[inline(always)] // into `Kernels::enter`'s frame: compiled for the kernels' instruction set
 fn run_item<K: Kernels>(
     k: K,
     c: &Ctx<'_>,
@@ -338,6 +317,7 @@ fn run_item<K: Kernels>(
         alpha,
         lb,
         bias,
+        z_acc: z_acc_all,
         k_tile,
         v_tile,
         ks,
@@ -345,6 +325,7 @@ fn run_item<K: Kernels>(
         vs,
         vz,
     } = sc;
+    z_acc_all.fill(0.0);
     // row g * rows + i * group + hh: query i at query head g * group + hh
     for g in 0..hkv {
         for i in 0..q_n {
@@ -392,14 +373,11 @@ fn run_item<K: Kernels>(
             match blocks.format {
                 Format::Float(dtype) => {
                     let src = &row[blocks.k + g * blocks.head..][..nv * d * dtype.size()];
-                    let kt = float_tile(k, src, dtype, &mut k_tile[..nv * d]);
-                    k.scores(qr, kt, dims, s);
+                    k.scores_enc(qr, src, Encoding::of_float(dtype), dims, k_tile, s);
                 }
                 Format::Quant(fmt) => {
                     let enc = Encoding::of_codes(fmt.bits, fmt.asymmetric);
                     let codes = &row[blocks.k + g * blocks.head..][..enc.bytes(nv * d)];
-                    let kt = &mut k_tile[..nv * d];
-                    k.widen(codes, enc, kt);
                     let sections = 2 * blocks.k_groups * g;
                     if fmt.key_per_channel {
                         k.widen(
@@ -407,6 +385,8 @@ fn run_item<K: Kernels>(
                             Encoding::F16,
                             &mut ks[..d],
                         );
+                        // q . (code * s + z) = (q * s) . code + q . z: the rows are scaled
+                        // (once for the block's tokens), the codes read as they lie
                         let zero = fmt.asymmetric.then(|| {
                             k.widen(
                                 &row[blocks.k_zero + sections..][..2 * d],
@@ -415,25 +395,13 @@ fn run_item<K: Kernels>(
                             );
                             &kz[..d]
                         });
-                        if nr < nv {
-                            // q . (code * s + z) = (q * s) . code + q . z: scale the rows, not the tile
-                            let qs = &mut q_scaled[..nr * d];
-                            for (qs, qr) in qs.chunks_exact_mut(d).zip(qr.chunks_exact(d)) {
-                                for ((o, &x), &sc) in qs.iter_mut().zip(qr).zip(&ks[..d]) {
-                                    *o = x * sc;
-                                }
+                        let (qs, bias) = (&mut q_scaled[..nr * d], &mut bias[..nr]);
+                        k.scale_rows(qr, &ks[..d], zero, qs, bias);
+                        k.scores_enc(qs, codes, enc, dims, k_tile, s);
+                        if zero.is_some() {
+                            for (srow, &b) in s.chunks_exact_mut(nv).zip(&*bias) {
+                                srow.iter_mut().for_each(|x| *x += b);
                             }
-                            k.scores(qs, kt, dims, s);
-                            if let Some(z) = zero {
-                                let bias = &mut bias[..nr];
-                                k.scores(qr, z, TileDims { d, rows: nr, n: 1 }, bias);
-                                for (srow, &b) in s.chunks_exact_mut(nv).zip(&*bias) {
-                                    srow.iter_mut().for_each(|x| *x += b);
-                                }
-                            }
-                        } else {
-                            k.affine_channels(kt, d, &ks[..d], zero);
-                            k.scores(qr, kt, dims, s);
                         }
                     } else {
                         let per_token = d / fmt.group;
@@ -453,7 +421,7 @@ fn run_item<K: Kernels>(
                         });
                         if per_token == 1 {
                             // one group a token: q . (code * s_t + z_t) = s_t (q . code) + z_t sum(q)
-                            k.scores(qr, kt, dims, s);
+                            k.scores_enc(qr, codes, enc, dims, k_tile, s);
                             match zero {
                                 Some(z) => {
                                     for (srow, &qs) in s.chunks_exact_mut(nv).zip(&q_sum[r0..]) {
@@ -472,6 +440,8 @@ fn run_item<K: Kernels>(
                                 }
                             }
                         } else {
+                            let kt = &mut k_tile[..nv * d];
+                            k.widen(codes, enc, kt);
                             k.affine_tokens(kt, d, fmt.group, &ks[..ng], zero);
                             k.scores(qr, kt, dims, s);
                         }
@@ -501,20 +471,22 @@ fn run_item<K: Kernels>(
                 }
             }
             let alpha = &*alpha;
+            let z_acc = &mut z_acc_all[g * rows..(g + 1) * rows];
+            for (z, &a) in z_acc[r0..].iter_mut().zip(alpha) {
+                *z *= a;
+            }
 
             // values
             let acc_rows = &mut acc[r0 * d..rows * d];
             match blocks.format {
                 Format::Float(dtype) => {
                     let src = &row[blocks.v + g * blocks.head..][..nv * d * dtype.size()];
-                    let vt = float_tile(k, src, dtype, &mut v_tile[..nv * d]);
-                    k.accumulate(s, vt, dims, alpha, acc_rows);
+                    let enc = Encoding::of_float(dtype);
+                    k.accumulate_enc(s, src, enc, dims, alpha, v_tile, acc_rows);
                 }
                 Format::Quant(fmt) => {
                     let enc = Encoding::of_codes(fmt.bits, fmt.asymmetric);
                     let codes = &row[blocks.v + g * blocks.head..][..enc.bytes(nv * d)];
-                    let vt = &mut v_tile[..nv * d];
-                    k.widen(codes, enc, vt);
                     let sections = 2 * blocks.v_groups * g;
                     let per_token = d / fmt.group;
                     let ng = nv * per_token;
@@ -539,24 +511,15 @@ fn run_item<K: Kernels>(
                                 *o = pt * st;
                             }
                         }
-                        k.accumulate(wr, vt, dims, alpha, acc_rows);
+                        k.accumulate_enc(wr, codes, enc, dims, alpha, v_tile, acc_rows);
                         if let Some(z) = zero {
-                            let shift = &mut bias[..nr];
-                            k.scores(
-                                s,
-                                z,
-                                TileDims {
-                                    d: nv,
-                                    rows: nr,
-                                    n: 1,
-                                },
-                                shift,
-                            );
-                            for (arow, &sh) in acc_rows.chunks_exact_mut(d).zip(&*shift) {
-                                arow.iter_mut().for_each(|a| *a += sh);
-                            }
+                            // sum_t p_t z_t, the same for each of the row's D values: kept
+                            // apart (rescaled as the row is) and added once, in `settle`
+                            k.add_dots(s, z, &mut z_acc[r0..]);
                         }
                     } else {
+                        let vt = &mut v_tile[..nv * d];
+                        k.widen(codes, enc, vt);
                         k.affine_tokens(vt, d, fmt.group, &vs[..ng], zero);
                         k.accumulate(s, vt, dims, alpha, acc_rows);
                     }
@@ -564,10 +527,17 @@ fn run_item<K: Kernels>(
             }
         }
     }
+    // the values' zero points' terms
+    for (arow, &z) in acc_all.chunks_exact_mut(d).zip(&*z_acc_all) {
+        if z != 0.0 {
+            arow.iter_mut().for_each(|a| *a += z);
+        }
+    }
 }
 
 /// Merges a sequence's items into its output rows (`out`, `[Q, Hq, D]` of the dtype) and its
 /// block masses (`mass`, `[M]`).
+#[inline(always)] // as `run_item`
 fn finish<K: Kernels>(
     k: K,
     c: &Ctx<'_>,
@@ -746,7 +716,7 @@ pub(crate) fn run<K: Kernels>(k: K, c: &Ctx<'_>, outputs: Outputs<'_>, threads: 
                 .collect();
             work.into_par_iter().for_each_init(
                 || Scratch::new(c),
-                |sc, ((&it, part), st)| run_item(k, c, it, sc, part, st),
+                |sc, ((&it, part), st)| k.enter(|| run_item(k, c, it, sc, part, st)),
             );
             let part_refs: Vec<&[f32]> = parts.chunks_exact(part_len).collect();
             let stat_refs: Vec<&[f32]> = split_ref(&stats, stat_lens());
@@ -757,15 +727,8 @@ pub(crate) fn run<K: Kernels>(k: K, c: &Ctx<'_>, outputs: Outputs<'_>, threads: 
                 .enumerate()
                 .for_each(|(s, (out, mass))| {
                     let r = seq_items[s].clone();
-                    finish(
-                        k,
-                        c,
-                        &items[r.clone()],
-                        &part_refs[r.clone()],
-                        &stat_refs[r],
-                        out,
-                        mass,
-                    );
+                    let (its, ps, sts) = (&items[r.clone()], &part_refs[r.clone()], &stat_refs[r]);
+                    k.enter(|| finish(k, c, its, ps, sts, out, mass));
                 });
         });
     } else {
@@ -775,7 +738,7 @@ pub(crate) fn run<K: Kernels>(k: K, c: &Ctx<'_>, outputs: Outputs<'_>, threads: 
             .zip(parts.chunks_exact_mut(part_len))
             .zip(split_mut(&mut stats, stat_lens()))
         {
-            run_item(k, c, it, &mut sc, part, st);
+            k.enter(|| run_item(k, c, it, &mut sc, part, st));
         }
         let part_refs: Vec<&[f32]> = parts.chunks_exact(part_len).collect();
         let stat_refs: Vec<&[f32]> = split_ref(&stats, stat_lens());
@@ -786,15 +749,8 @@ pub(crate) fn run<K: Kernels>(k: K, c: &Ctx<'_>, outputs: Outputs<'_>, threads: 
             .enumerate()
         {
             let r = seq_items[s].clone();
-            finish(
-                k,
-                c,
-                &items[r.clone()],
-                &part_refs[r.clone()],
-                &stat_refs[r],
-                out,
-                mass,
-            );
+            let (its, ps, sts) = (&items[r.clone()], &part_refs[r.clone()], &stat_refs[r]);
+            k.enter(|| finish(k, c, its, ps, sts, out, mass));
         }
     }
 }

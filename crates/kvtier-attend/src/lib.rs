@@ -1,7 +1,8 @@
 //! kvtier's CPU attention kernel: attention of the newest queries of many sequences over their
 //! KV blocks where they lie in kvtier's pools: float blocks (fp32, fp16, bf16) as they are,
-//! int8 and int4 blocks dequantized one tile (one block of one head) at a time in L1, never
-//! as a full-precision copy of the sequence. The contract, and the torch reference this kernel
+//! int8 and int4 codes widened in registers inside the score and value loops (a code turned
+//! into an f32 once for every query row of its GQA group; scales and zero points folded into
+//! the queries, the scores or the weights), never as a full-precision copy of the sequence. The contract, and the torch reference this kernel
 //! matches, is python/kvtier/attend.py; this crate knows nothing of Python or torch (the
 //! bindings in crates/kvtier-py build the slices from tensor addresses).
 //!

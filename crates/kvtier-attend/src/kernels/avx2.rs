@@ -1,8 +1,10 @@
-//! The AVX2 + FMA + F16C implementation of [`Kernels`], with explicit intrinsics: fp16 widened
-//! by `vcvtph2ps`, int8 and nibble codes turned into f32 eight at a time, the score tile a
-//! register block of (rows x tokens) dot products reduced by `vhaddps`, the value tile a
-//! register block of (rows x 8-float columns), and an exp of Cephes' polynomial (max relative
-//! error ~2 ulp).
+//! The AVX2 + FMA + F16C implementation of [`Kernels`], with explicit intrinsics: the score
+//! tile a register block of (rows x tokens) dot products reduced by `vhaddps`, the value tile a
+//! register block of (rows x 8-float columns), both compiled once per encoding of the block's
+//! elements ([`load8`]: fp32 loaded, fp16 widened by `vcvtph2ps`, int8 and nibble codes turned
+//! into f32 eight at a time in registers, each shared by the tile's rows), and an exp of
+//! Cephes' polynomial (max relative error ~2 ulp). [`Kernels::enter`] runs the driver's loops
+//! compiled with the same features.
 //!
 //! [`Avx2`] can only be built by [`Avx2::detect`], on a CPU that has the three features: that is
 //! what makes the calls into the `#[target_feature]` functions below sound. Each trait method
@@ -26,13 +28,63 @@ impl Avx2 {
     }
 }
 
+// ---- loading a tile's elements --------------------------------------------------------------
+
+// The encodings as const parameters: the tile loops below are compiled once per encoding, each
+// load of 8 elements a few instructions in registers (no widened copy of the tile).
+const E_F32: u8 = 0;
+const E_F16: u8 = 1;
+const E_BF16: u8 = 2;
+const E_I8: u8 = 3;
+const E_U8: u8 = 4;
+const E_I4: u8 = 5;
+const E_U4: u8 = 6;
+
+/// Calls `$f::<E>($args)` with `E` the const of the runtime encoding `$enc`.
+macro_rules! by_encoding {
+    ($enc:expr, $f:ident($($arg:expr),*)) => {
+        match $enc {
+            Encoding::F32 => $f::<E_F32>($($arg),*),
+            Encoding::F16 => $f::<E_F16>($($arg),*),
+            Encoding::Bf16 => $f::<E_BF16>($($arg),*),
+            Encoding::I8 => $f::<E_I8>($($arg),*),
+            Encoding::U8 => $f::<E_U8>($($arg),*),
+            Encoding::I4 => $f::<E_I4>($($arg),*),
+            Encoding::U4 => $f::<E_U4>($($arg),*),
+        }
+    };
+}
+
 // SAFETY (every `unsafe` block in this impl): `self` exists only where the CPU has the features
 // the callees are compiled for, and the asserts bound every pointer access the callees make.
 impl Kernels for Avx2 {
+    fn enter<R>(self, f: impl FnOnce() -> R) -> R {
+        unsafe { enter(f) }
+    }
+
     fn scores(self, q: &[f32], k: &[f32], dims: TileDims, out: &mut [f32]) {
         let TileDims { d, rows, n } = dims;
         assert!(q.len() >= rows * d && k.len() >= n * d && out.len() >= rows * n);
-        unsafe { scores(q.as_ptr(), k.as_ptr(), d, rows, n, out.as_mut_ptr()) }
+        let k = k.as_ptr().cast::<u8>();
+        unsafe { scores::<E_F32>(q.as_ptr(), k, d, rows, n, out.as_mut_ptr()) }
+    }
+
+    fn scores_enc(
+        self,
+        q: &[f32],
+        k: &[u8],
+        enc: Encoding,
+        dims: TileDims,
+        tile: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let TileDims { d, rows, n } = dims;
+        if enc != Encoding::F32 && d % 8 != 0 {
+            return Scalar.scores_enc(q, k, enc, dims, tile, out);
+        }
+        assert!(q.len() >= rows * d && k.len() >= enc.bytes(n * d) && out.len() >= rows * n);
+        let (q, k, out) = (q.as_ptr(), k.as_ptr(), out.as_mut_ptr());
+        unsafe { by_encoding!(enc, scores(q, k, d, rows, n, out)) }
     }
 
     fn accumulate(self, w: &[f32], v: &[f32], dims: TileDims, alpha: &[f32], acc: &mut [f32]) {
@@ -40,7 +92,28 @@ impl Kernels for Avx2 {
         assert!(w.len() >= rows * n && v.len() >= n * d && acc.len() >= rows * d);
         assert!(alpha.len() >= rows);
         let (w, v, alpha, acc) = (w.as_ptr(), v.as_ptr(), alpha.as_ptr(), acc.as_mut_ptr());
-        unsafe { accumulate(w, v, dims, alpha, acc) }
+        unsafe { accumulate::<E_F32>(w, v.cast(), dims, alpha, acc) }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate_enc(
+        self,
+        w: &[f32],
+        v: &[u8],
+        enc: Encoding,
+        dims: TileDims,
+        alpha: &[f32],
+        tile: &mut [f32],
+        acc: &mut [f32],
+    ) {
+        let TileDims { d, rows, n } = dims;
+        if enc != Encoding::F32 && d % 8 != 0 {
+            return Scalar.accumulate_enc(w, v, enc, dims, alpha, tile, acc);
+        }
+        assert!(w.len() >= rows * n && v.len() >= enc.bytes(n * d) && acc.len() >= rows * d);
+        assert!(alpha.len() >= rows);
+        let (w, v, alpha, acc) = (w.as_ptr(), v.as_ptr(), alpha.as_ptr(), acc.as_mut_ptr());
+        unsafe { by_encoding!(enc, accumulate(w, v, dims, alpha, acc)) }
     }
 
     fn softmax(
@@ -59,6 +132,27 @@ impl Kernels for Avx2 {
 
     fn scale(self, x: &mut [f32], a: f32) {
         unsafe { scale(x, a) }
+    }
+
+    fn scale_rows(
+        self,
+        q: &[f32],
+        s: &[f32],
+        z: Option<&[f32]>,
+        out: &mut [f32],
+        dots: &mut [f32],
+    ) {
+        let d = s.len();
+        let rows = out.len() / d.max(1);
+        assert!(q.len() >= rows * d && z.is_none_or(|z| z.len() >= d));
+        assert!(z.is_none() || dots.len() >= rows);
+        unsafe { scale_rows(q, s, z, &mut out[..rows * d], dots) }
+    }
+
+    fn add_dots(self, x: &[f32], y: &[f32], out: &mut [f32]) {
+        let n = y.len();
+        assert!(x.len() >= out.len() * n);
+        unsafe { add_dots(x, y, out) }
     }
 
     fn widen(self, src: &[u8], enc: Encoding, dst: &mut [f32]) {
@@ -83,27 +177,93 @@ impl Kernels for Avx2 {
         }
         unsafe { affine_tokens(x, group, s, z) }
     }
+}
 
-    fn affine_channels(self, x: &mut [f32], d: usize, s: &[f32], z: Option<&[f32]>) {
-        assert!(s.len() >= d && z.is_none_or(|z| z.len() >= d));
-        unsafe { affine_channels(x, d, s, z) }
+/// Calls `f`, which LLVM inlines here and compiles with the features.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+/// Elements `i..i + 8` of `src` as f32 (`i` a multiple of 8 for the 4-bit encodings: whole
+/// bytes).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load8<const E: u8>(src: *const u8, i: usize) -> __m256 {
+    match E {
+        E_F32 => _mm256_loadu_ps(src.add(4 * i).cast()),
+        E_F16 => _mm256_cvtph_ps(_mm_loadu_si128(src.add(2 * i).cast())),
+        E_BF16 => {
+            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.add(2 * i).cast()));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h))
+        }
+        E_I8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(src.add(i).cast()))),
+        E_U8 => _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(src.add(i).cast()))),
+        _ => {
+            // 8 nibbles of a little-endian u32, element e in bits 4e..4e+4
+            let word = src.add(i / 2).cast::<u32>().read_unaligned();
+            let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+            let nib = _mm256_and_si256(
+                _mm256_srlv_epi32(_mm256_set1_epi32(word as i32), shifts),
+                _mm256_set1_epi32(15),
+            );
+            let v = if E == E_I4 {
+                let eight = _mm256_set1_epi32(8);
+                _mm256_sub_epi32(_mm256_xor_si256(nib, eight), eight)
+            } else {
+                nib
+            };
+            _mm256_cvtepi32_ps(v)
+        }
     }
+}
+
+/// Element `i` of `src` as f32 (the tails of rows whose length is not a multiple of 8).
+#[inline]
+unsafe fn load1<const E: u8>(src: *const u8, i: usize) -> f32 {
+    let enc = match E {
+        E_F32 => Encoding::F32,
+        E_F16 => Encoding::F16,
+        E_BF16 => Encoding::Bf16,
+        E_I8 => Encoding::I8,
+        E_U8 => Encoding::U8,
+        E_I4 => Encoding::I4,
+        _ => Encoding::U4,
+    };
+    let mut x = [0f32; 2];
+    // a 4-bit element: widen the byte's pair and keep the one asked for
+    let (at, pair) = match enc {
+        Encoding::I4 | Encoding::U4 => (i & !1, 2),
+        _ => (i, 1),
+    };
+    let bytes = std::slice::from_raw_parts(src.add(enc.bytes(at)), enc.bytes(pair));
+    Scalar.widen(bytes, enc, &mut x[..pair]);
+    x[i - at]
 }
 
 // ---- scores -----------------------------------------------------------------------------------
 
+/// `out[r * n + t] = q[r] . k[t]`, `k` `n` rows of `d` elements of encoding `E` (`d` a multiple
+/// of 8 unless `E` is fp32).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores(q: *const f32, k: *const f32, d: usize, rows: usize, n: usize, out: *mut f32) {
+unsafe fn scores<const E: u8>(
+    q: *const f32,
+    k: *const u8,
+    d: usize,
+    rows: usize,
+    n: usize,
+    out: *mut f32,
+) {
     let mut r = 0;
     while r < rows {
         let nr = (rows - r).min(4);
         let (q, out) = (q.add(r * d), out.add(r * n));
         match nr {
             // (rows, tokens) register blocks that fit 16 registers with their operands
-            1 => score_rows::<1, 8>(q, k, d, n, out),
-            2 => score_rows::<2, 4>(q, k, d, n, out),
-            3 => score_rows::<3, 3>(q, k, d, n, out),
-            _ => score_rows::<4, 2>(q, k, d, n, out),
+            1 => score_rows::<E, 1, 8>(q, k, d, n, out),
+            2 => score_rows::<E, 2, 4>(q, k, d, n, out),
+            3 => score_rows::<E, 3, 3>(q, k, d, n, out),
+            _ => score_rows::<E, 4, 2>(q, k, d, n, out),
         }
         r += nr;
     }
@@ -112,29 +272,31 @@ unsafe fn scores(q: *const f32, k: *const f32, d: usize, rows: usize, n: usize, 
 /// `NR` rows against all `n` tokens, `NT` tokens a tile, the rest one at a time.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn score_rows<const NR: usize, const NT: usize>(
+unsafe fn score_rows<const E: u8, const NR: usize, const NT: usize>(
     q: *const f32,
-    k: *const f32,
+    k: *const u8,
     d: usize,
     n: usize,
     out: *mut f32,
 ) {
     let mut t = 0;
     while t + NT <= n {
-        score_tile::<NR, NT>(q, k.add(t * d), d, out.add(t), n);
+        score_tile::<E, NR, NT>(q, k, t * d, d, out.add(t), n);
         t += NT;
     }
     while t < n {
-        score_tile::<NR, 1>(q, k.add(t * d), d, out.add(t), n);
+        score_tile::<E, NR, 1>(q, k, t * d, d, out.add(t), n);
         t += 1;
     }
 }
 
+/// Rows `0..NR` of `q` against the `NT` rows of `k` from element `at` on.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn score_tile<const NR: usize, const NT: usize>(
+unsafe fn score_tile<const E: u8, const NR: usize, const NT: usize>(
     q: *const f32,
-    k: *const f32,
+    k: *const u8,
+    at: usize,
     d: usize,
     out: *mut f32,
     ld: usize,
@@ -145,7 +307,7 @@ unsafe fn score_tile<const NR: usize, const NT: usize>(
     while i < d8 {
         let mut kv = [_mm256_setzero_ps(); NT];
         for (t, kv) in kv.iter_mut().enumerate() {
-            *kv = _mm256_loadu_ps(k.add(t * d + i));
+            *kv = load8::<E>(k, at + t * d + i);
         }
         for (r, acc) in acc.iter_mut().enumerate() {
             let qv = _mm256_loadu_ps(q.add(r * d + i));
@@ -176,7 +338,7 @@ unsafe fn score_tile<const NR: usize, const NT: usize>(
                 let t = c + j;
                 let mut v = sum;
                 for e in d8..d {
-                    v += *q.add(r * d + e) * *k.add(t * d + e);
+                    v += *q.add(r * d + e) * load1::<E>(k, at + t * d + e);
                 }
                 *out.add(r * ld + t) = v;
             }
@@ -187,10 +349,12 @@ unsafe fn score_tile<const NR: usize, const NT: usize>(
 
 // ---- values -----------------------------------------------------------------------------------
 
+/// `acc[r] = alpha[r] * acc[r] + sum over t of w[r * n + t] * v[t]`, `v` `n` rows of `d`
+/// elements of encoding `E` (`d` a multiple of 8 unless `E` is fp32).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn accumulate(
+unsafe fn accumulate<const E: u8>(
     w: *const f32,
-    v: *const f32,
+    v: *const u8,
     dims: TileDims,
     alpha: *const f32,
     acc: *mut f32,
@@ -205,11 +369,11 @@ unsafe fn accumulate(
         macro_rules! columns {
             ($nr:literal, $nd:literal) => {{
                 while i + 8 * $nd <= d {
-                    value_tile::<$nr, $nd>(w, v.add(i), d, n, alpha, acc.add(i));
+                    value_tile::<E, $nr, $nd>(w, v, i, d, n, alpha, acc.add(i));
                     i += 8 * $nd;
                 }
                 while i + 8 <= d {
-                    value_tile::<$nr, 1>(w, v.add(i), d, n, alpha, acc.add(i));
+                    value_tile::<E, $nr, 1>(w, v, i, d, n, alpha, acc.add(i));
                     i += 8;
                 }
             }};
@@ -224,7 +388,7 @@ unsafe fn accumulate(
             for rr in 0..nr {
                 let mut a = *acc.add(rr * d + e) * *alpha.add(rr);
                 for t in 0..n {
-                    a += *w.add(rr * n + t) * *v.add(t * d + e);
+                    a += *w.add(rr * n + t) * load1::<E>(v, t * d + e);
                 }
                 *acc.add(rr * d + e) = a;
             }
@@ -233,13 +397,14 @@ unsafe fn accumulate(
     }
 }
 
-/// `acc[r][0..8*ND] = alpha[r] * acc[r][..] + sum over t of w[r][t] * v[t][0..8*ND]` for `NR`
-/// rows.
+/// `acc[r][0..8*ND] = alpha[r] * acc[r][..] + sum over t of w[r][t] * v[t][col..col + 8*ND]`
+/// for `NR` rows.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn value_tile<const NR: usize, const ND: usize>(
+unsafe fn value_tile<const E: u8, const NR: usize, const ND: usize>(
     w: *const f32,
-    v: *const f32,
+    v: *const u8,
+    col: usize,
     d: usize,
     n: usize,
     alpha: *const f32,
@@ -255,7 +420,7 @@ unsafe fn value_tile<const NR: usize, const ND: usize>(
     for t in 0..n {
         let mut vv = [_mm256_setzero_ps(); ND];
         for (c, vv) in vv.iter_mut().enumerate() {
-            *vv = _mm256_loadu_ps(v.add(t * d + 8 * c));
+            *vv = load8::<E>(v, t * d + col + 8 * c);
         }
         for (r, a) in a.iter_mut().enumerate() {
             let p = _mm256_broadcast_ss(&*w.add(r * n + t));
@@ -325,69 +490,55 @@ unsafe fn softmax(
     alpha: &mut [f32],
     lb: &mut [f32],
 ) {
-    let n8 = n & !7;
     let rows = s.len() / n;
-    // first every row's maximum and new running maximum, then the exps: the rows' exps are
-    // then independent of each other, and the CPU overlaps them
+    let n8 = n & !7;
+    // the lanes of a row's last, partial 8 (loaded and stored masked: no copy of the tail)
+    let tail = _mm256_cmpgt_epi32(
+        _mm256_set1_epi32((n - n8) as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    );
+    let tail_ps = _mm256_castsi256_ps(tail);
+    let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
     for r in 0..rows {
-        let row = &s[r * n..(r + 1) * n];
-        let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
-        for c in row.chunks_exact(8) {
-            mx = _mm256_max_ps(mx, _mm256_loadu_ps(c.as_ptr()));
+        let p = s.as_mut_ptr().add(r * n);
+        let mut mx = ninf;
+        let mut c = 0;
+        while c < n8 {
+            mx = _mm256_max_ps(mx, _mm256_loadu_ps(p.add(c)));
+            c += 8;
+        }
+        if n8 < n {
+            let x = _mm256_blendv_ps(ninf, _mm256_maskload_ps(p.add(n8), tail), tail_ps);
+            mx = _mm256_max_ps(mx, x);
         }
         let h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps::<1>(mx));
         let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        let h = _mm_max_ss(h, _mm_shuffle_ps::<1>(h, h));
-        let mb = row[n8..].iter().copied().fold(_mm_cvtss_f32(h), f32::max);
+        let mb = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps::<1>(h, h)));
         if mb == f32::NEG_INFINITY {
+            std::slice::from_raw_parts_mut(p, n).fill(0.0);
             (alpha[r], lb[r]) = (1.0, 0.0); // a row with nothing to see: left as it is
-        } else {
-            let m_new = m[r].max(mb);
-            (alpha[r], lb[r], m[r]) = (old_scale(m[r], m_new), 1.0, m_new);
-        }
-    }
-    // scores minus their row's maximum (a row with nothing to see stays -inf: exp 0)
-    for r in 0..rows {
-        if lb[r] != 0.0 {
-            let mv = _mm256_set1_ps(m[r]);
-            let row = &mut s[r * n..(r + 1) * n];
-            let mut chunks = row.chunks_exact_mut(8);
-            for c in &mut chunks {
-                _mm256_storeu_ps(
-                    c.as_mut_ptr(),
-                    _mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), mv),
-                );
-            }
-            chunks.into_remainder().iter_mut().for_each(|x| *x -= m[r]);
-        }
-    }
-    // the exps, four independent ones in flight
-    let mut blocks = s.chunks_exact_mut(32);
-    for c in &mut blocks {
-        let p = c.as_mut_ptr();
-        let e = [0, 8, 16, 24].map(|o| exp8(_mm256_loadu_ps(p.add(o))));
-        for (o, e) in [0, 8, 16, 24].into_iter().zip(e) {
-            _mm256_storeu_ps(p.add(o), e);
-        }
-    }
-    for c in blocks.into_remainder().chunks_mut(8) {
-        let mut pad = [f32::NEG_INFINITY; 8];
-        pad[..c.len()].copy_from_slice(c);
-        _mm256_storeu_ps(pad.as_mut_ptr(), exp8(_mm256_loadu_ps(pad.as_ptr())));
-        let len = c.len();
-        c.copy_from_slice(&pad[..len]);
-    }
-    // the rows' sums
-    for r in 0..rows {
-        if lb[r] == 0.0 {
             continue;
         }
-        let row = &s[r * n..(r + 1) * n];
+        let m_new = m[r].max(mb);
+        alpha[r] = old_scale(m[r], m_new);
+        m[r] = m_new;
+        // the row's exps (independent of each other: the CPU overlaps them) and their sum
+        let mv = _mm256_set1_ps(m_new);
         let mut sum = _mm256_setzero_ps();
-        for c in row.chunks_exact(8) {
-            sum = _mm256_add_ps(sum, _mm256_loadu_ps(c.as_ptr()));
+        let mut c = 0;
+        while c < n8 {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(c)), mv));
+            _mm256_storeu_ps(p.add(c), e);
+            sum = _mm256_add_ps(sum, e);
+            c += 8;
         }
-        lb[r] = hsum(sum) + row[n8..].iter().sum::<f32>();
+        if n8 < n {
+            let x = _mm256_maskload_ps(p.add(n8), tail);
+            let e = _mm256_and_ps(exp8(_mm256_sub_ps(x, mv)), tail_ps);
+            _mm256_maskstore_ps(p.add(n8), tail, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        lb[r] = hsum(sum);
         l[r] = l[r] * alpha[r] + lb[r];
     }
 }
@@ -404,6 +555,55 @@ unsafe fn scale(x: &mut [f32], a: f32) {
     }
     for v in chunks.into_remainder() {
         *v *= a;
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn scale_rows(q: &[f32], s: &[f32], z: Option<&[f32]>, out: &mut [f32], dots: &mut [f32]) {
+    let d = s.len();
+    let d8 = d & !7;
+    for (r, o) in out.chunks_exact_mut(d).enumerate() {
+        let (qp, op) = (q.as_ptr().add(r * d), o.as_mut_ptr());
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < d8 {
+            let qv = _mm256_loadu_ps(qp.add(i));
+            _mm256_storeu_ps(
+                op.add(i),
+                _mm256_mul_ps(qv, _mm256_loadu_ps(s.as_ptr().add(i))),
+            );
+            if let Some(z) = z {
+                acc = _mm256_fmadd_ps(qv, _mm256_loadu_ps(z.as_ptr().add(i)), acc);
+            }
+            i += 8;
+        }
+        for e in d8..d {
+            o[e] = *qp.add(e) * s[e];
+        }
+        if let Some(z) = z {
+            let tail: f32 = (d8..d).map(|e| *qp.add(e) * z[e]).sum();
+            dots[r] = hsum(acc) + tail;
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn add_dots(x: &[f32], y: &[f32], out: &mut [f32]) {
+    let n = y.len();
+    let n8 = n & !7;
+    for (r, o) in out.iter_mut().enumerate() {
+        let xp = x.as_ptr().add(r * n);
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < n8 {
+            acc = _mm256_fmadd_ps(
+                _mm256_loadu_ps(xp.add(i)),
+                _mm256_loadu_ps(y.as_ptr().add(i)),
+                acc,
+            );
+            i += 8;
+        }
+        *o += hsum(acc) + (n8..n).map(|e| *xp.add(e) * y[e]).sum::<f32>();
     }
 }
 
@@ -499,28 +699,6 @@ unsafe fn affine_tokens(x: &mut [f32], group: usize, s: &[f32], z: Option<&[f32]
         for c in vals.chunks_exact_mut(8) {
             let v = _mm256_fmadd_ps(_mm256_loadu_ps(c.as_ptr()), sv, zv);
             _mm256_storeu_ps(c.as_mut_ptr(), v);
-        }
-    }
-}
-
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn affine_channels(x: &mut [f32], d: usize, s: &[f32], z: Option<&[f32]>) {
-    let d8 = d & !7;
-    for row in x.chunks_exact_mut(d) {
-        let p = row.as_mut_ptr();
-        let mut i = 0;
-        while i < d8 {
-            let sv = _mm256_loadu_ps(s.as_ptr().add(i));
-            let v = _mm256_loadu_ps(p.add(i));
-            let v = match z {
-                Some(z) => _mm256_fmadd_ps(v, sv, _mm256_loadu_ps(z.as_ptr().add(i))),
-                None => _mm256_mul_ps(v, sv),
-            };
-            _mm256_storeu_ps(p.add(i), v);
-            i += 8;
-        }
-        for e in d8..d {
-            row[e] = row[e] * s[e] + z.map_or(0.0, |z| z[e]);
         }
     }
 }

@@ -65,12 +65,51 @@ pub(crate) struct TileDims {
 }
 
 pub(crate) trait Kernels: Copy + Send + Sync {
+    /// Runs `f` compiled for this instruction set: the driver's own loops, inlined into `f`,
+    /// are vectorized for it too (the portable loops: as they are).
+    fn enter<R>(self, f: impl FnOnce() -> R) -> R {
+        f()
+    }
+
     /// `out[r * n + t] = q[r] . k[t]` for `r < rows`, `t < n` (rows of `q` and `k` are `d`).
     fn scores(self, q: &[f32], k: &[f32], dims: TileDims, out: &mut [f32]);
 
     /// `acc[r] = alpha[r] * acc[r] + sum over t of w[r * n + t] * v[t]` for `r < rows` (rows
     /// of `v` and `acc`: `d`).
     fn accumulate(self, w: &[f32], v: &[f32], dims: TileDims, alpha: &[f32], acc: &mut [f32]);
+
+    /// [`Kernels::scores`] against `n` rows of `d` elements of `src` in encoding `enc` (a
+    /// block's K tile as it lies in its pool: any alignment). `tile` (`n * d` floats) is
+    /// scratch the implementation may widen `src` into.
+    fn scores_enc(
+        self,
+        q: &[f32],
+        src: &[u8],
+        enc: Encoding,
+        dims: TileDims,
+        tile: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let k = widened(self, src, enc, &mut tile[..dims.n * dims.d]);
+        self.scores(q, k, dims, out);
+    }
+
+    /// [`Kernels::accumulate`] of `n` rows of `d` elements of `src` in encoding `enc` (a
+    /// block's V tile as it lies in its pool); `tile` as for [`Kernels::scores_enc`].
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate_enc(
+        self,
+        w: &[f32],
+        src: &[u8],
+        enc: Encoding,
+        dims: TileDims,
+        alpha: &[f32],
+        tile: &mut [f32],
+        acc: &mut [f32],
+    ) {
+        let v = widened(self, src, enc, &mut tile[..dims.n * dims.d]);
+        self.accumulate(w, v, dims, alpha, acc);
+    }
 
     /// One block of the online softmax for each row of `s` (`n` scores each): with `mb` the
     /// row's maximum, `m[r]` becomes `max(m[r], mb)`, the row `exp(s - m[r])` (0 below -87),
@@ -89,6 +128,14 @@ pub(crate) trait Kernels: Copy + Send + Sync {
     /// `x[i] *= a`.
     fn scale(self, x: &mut [f32], a: f32);
 
+    /// For each row `r` of `q` (rows of `s.len()`): `out[r] = q[r] * s` elementwise and, with
+    /// `z`, `dots[r] = q[r] . z` (per-channel key scales and zero points: `q . (code * s + z)
+    /// = (q * s) . code + q . z`).
+    fn scale_rows(self, q: &[f32], s: &[f32], z: Option<&[f32]>, out: &mut [f32], dots: &mut [f32]);
+
+    /// `out[r] += x[r] . y` for each row `r` of `x` (rows of `y.len()`).
+    fn add_dots(self, x: &[f32], y: &[f32], out: &mut [f32]);
+
     /// `dst[i]` = element `i` of `src` (`dst.len()` elements).
     fn widen(self, src: &[u8], enc: Encoding, dst: &mut [f32]);
 
@@ -98,9 +145,21 @@ pub(crate) trait Kernels: Copy + Send + Sync {
     /// Dequantizes rows of `d` values grouped per token, in place: value `i` of row `t` is
     /// `x * s[t * (d / group) + i / group] (+ z[...])`.
     fn affine_tokens(self, x: &mut [f32], d: usize, group: usize, s: &[f32], z: Option<&[f32]>);
+}
 
-    /// Dequantizes rows of `d` values grouped per channel, in place: `x * s[i] (+ z[i])`.
-    fn affine_channels(self, x: &mut [f32], d: usize, s: &[f32], z: Option<&[f32]>);
+/// `src`'s elements as f32: in place when they are fp32 and 4-aligned (on a little-endian CPU),
+/// else widened into `tile`.
+fn widened<'t, K: Kernels>(k: K, src: &'t [u8], enc: Encoding, tile: &'t mut [f32]) -> &'t [f32] {
+    if enc == Encoding::F32 && cfg!(target_endian = "little") {
+        // SAFETY: every 4-byte pattern is a valid f32; align_to hands back only the aligned
+        // middle.
+        let (head, mid, _) = unsafe { src.align_to::<f32>() };
+        if head.is_empty() && mid.len() >= tile.len() {
+            return &mid[..tile.len()];
+        }
+    }
+    k.widen(src, enc, tile);
+    tile
 }
 
 /// `exp(m_old - m_new)`: what an accumulator kept against `m_old` is scaled by (0 from -inf).
@@ -185,6 +244,31 @@ impl Kernels for Scalar {
         }
     }
 
+    fn scale_rows(
+        self,
+        q: &[f32],
+        s: &[f32],
+        z: Option<&[f32]>,
+        out: &mut [f32],
+        dots: &mut [f32],
+    ) {
+        let d = s.len();
+        for (r, (o, q)) in out.chunks_exact_mut(d).zip(q.chunks_exact(d)).enumerate() {
+            for ((o, &x), &sc) in o.iter_mut().zip(q).zip(s) {
+                *o = x * sc;
+            }
+            if let Some(z) = z {
+                dots[r] = q.iter().zip(z).map(|(a, b)| a * b).sum();
+            }
+        }
+    }
+
+    fn add_dots(self, x: &[f32], y: &[f32], out: &mut [f32]) {
+        for (o, x) in out.iter_mut().zip(x.chunks_exact(y.len())) {
+            *o += x.iter().zip(y).map(|(a, b)| a * b).sum::<f32>();
+        }
+    }
+
     fn widen(self, src: &[u8], enc: Encoding, dst: &mut [f32]) {
         let src = &src[..enc.bytes(dst.len())];
         match enc {
@@ -257,24 +341,6 @@ impl Kernels for Scalar {
             let (sg, zg) = (s[g], z.map_or(0.0, |z| z[g]));
             for v in vals {
                 *v = *v * sg + zg;
-            }
-        }
-    }
-
-    fn affine_channels(self, x: &mut [f32], d: usize, s: &[f32], z: Option<&[f32]>) {
-        let s = &s[..d];
-        for row in x.chunks_exact_mut(d) {
-            match z {
-                Some(z) => {
-                    for ((v, sc), zc) in row.iter_mut().zip(s).zip(&z[..d]) {
-                        *v = *v * sc + zc;
-                    }
-                }
-                None => {
-                    for (v, sc) in row.iter_mut().zip(s) {
-                        *v *= sc;
-                    }
-                }
             }
         }
     }

@@ -1,0 +1,280 @@
+//! Time per call of the kernel at the decode shapes of benchmarks/attend_cpu.py (SmolLM2 at 512
+//! and 4096 tokens, Llama-3-8B 4 x 528), over blocks all at level 0, all int8 (symmetric, per
+//! token) and all int4 (asymmetric, keys per channel), with no Python in the way:
+//! `cargo bench -p kvtier-attend [-- FILTER]`. Prints figures (best mean of several batches),
+//! never passes or fails. `KVTIER_BENCH_ISA=scalar` runs the portable loops;
+//! `KVTIER_BENCH_CALLS=N` makes N calls of each case on one thread and times nothing (for
+//! `perf stat`, whose counts a shared machine disturbs less than the clock).
+
+use std::time::Instant;
+
+use kvtier_attend::{attend, Exec, FloatDtype, Inputs, Isa, Outputs, Pool, PoolDesc, Problem};
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Mix {
+    Level0,
+    Int8,
+    Int4,
+}
+
+struct Shape {
+    name: &'static str,
+    seqs: usize,
+    tokens: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    dtype: FloatDtype,
+}
+
+const B: usize = 16;
+
+/// fp16 bits of a value in [2^-7, 2^-5): small scales, like real ones
+fn small_f16(rng: &mut Rng) -> [u8; 2] {
+    let exp = 8 + (rng.next() % 2) as u16;
+    ((exp << 10) | (rng.next() % 1024) as u16).to_le_bytes()
+}
+
+/// A pool of `slots` one-layer rows: descriptor fields and bytes.
+fn pool(mix: Mix, sh: &Shape, slots: usize, rng: &mut Rng) -> (Vec<i64>, Vec<u8>) {
+    let (h, d) = (sh.hkv, sh.d);
+    let values = 2 * h * B * d;
+    match mix {
+        Mix::Level0 => {
+            let mut bytes = Vec::with_capacity(slots * values * sh.dtype.size());
+            for _ in 0..slots * values {
+                let x = rng.unit() * 2.0 - 1.0;
+                match sh.dtype {
+                    FloatDtype::F32 => bytes.extend_from_slice(&x.to_le_bytes()),
+                    _ => bytes.extend_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes()),
+                }
+            }
+            let code = i64::from(sh.dtype != FloatDtype::F32);
+            let row = (values * sh.dtype.size()) as i64;
+            (
+                vec![
+                    0,
+                    code,
+                    0,
+                    0,
+                    slots as i64,
+                    row,
+                    1,
+                    -1,
+                    0,
+                    -1,
+                    -1,
+                    -1,
+                    -1,
+                    -1,
+                    0,
+                    0,
+                ],
+                bytes,
+            )
+        }
+        Mix::Int8 | Mix::Int4 => {
+            let (bits, asym, per_channel) = match mix {
+                Mix::Int8 => (8usize, false, false),
+                _ => (4, true, true),
+            };
+            let codes = values * bits / 8;
+            let gk = if per_channel { d } else { B };
+            let (ks, vs) = (h * gk * 2, h * B * 2);
+            let z = usize::from(asym);
+            let (k_scale, k_zero) = (codes, codes + ks);
+            let v_scale = k_zero + z * ks;
+            let v_zero = v_scale + vs;
+            let row = v_zero + z * vs;
+            let mut bytes = Vec::with_capacity(slots * row);
+            for _ in 0..slots {
+                for _ in 0..codes {
+                    bytes.push(rng.next() as u8);
+                }
+                for _ in (codes..row).step_by(2) {
+                    bytes.extend_from_slice(&small_f16(rng));
+                }
+            }
+            let zf = |o: usize| if asym { o as i64 } else { -1 };
+            let desc = vec![
+                1,
+                bits as i64,
+                i64::from(asym) + 2 * i64::from(per_channel),
+                0,
+                slots as i64,
+                row as i64,
+                1,
+                -1,
+                d as i64,
+                0,
+                k_scale as i64,
+                zf(k_zero),
+                v_scale as i64,
+                zf(v_zero),
+                0,
+                0,
+            ];
+            (desc, bytes)
+        }
+    }
+}
+
+fn best_us(mut f: impl FnMut(), repeat: usize) -> f64 {
+    f();
+    let t0 = Instant::now();
+    f();
+    let one = t0.elapsed().as_secs_f64().max(1e-7);
+    let per_batch = ((0.2 / repeat as f64 / one) as usize).clamp(1, 5000);
+    let mut best = f64::INFINITY;
+    for _ in 0..repeat {
+        let t0 = Instant::now();
+        for _ in 0..per_batch {
+            f();
+        }
+        best = best.min(t0.elapsed().as_secs_f64() / per_batch as f64);
+    }
+    best * 1e6
+}
+
+fn main() {
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let isa = match std::env::var("KVTIER_BENCH_ISA").as_deref() {
+        Ok("scalar") => Isa::Scalar,
+        _ => Isa::Auto,
+    };
+    let calls: Option<usize> = std::env::var("KVTIER_BENCH_CALLS")
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let shapes = [
+        Shape {
+            name: "smollm2-512",
+            seqs: 1,
+            tokens: 512,
+            hq: 9,
+            hkv: 3,
+            d: 64,
+            dtype: FloatDtype::F32,
+        },
+        Shape {
+            name: "smollm2-4096",
+            seqs: 1,
+            tokens: 4096,
+            hq: 9,
+            hkv: 3,
+            d: 64,
+            dtype: FloatDtype::F32,
+        },
+        Shape {
+            name: "llama3-4x528",
+            seqs: 4,
+            tokens: 528,
+            hq: 32,
+            hkv: 8,
+            d: 128,
+            dtype: FloatDtype::F16,
+        },
+    ];
+    println!(
+        "{:<14} {:<7} {:>10} {:>10} {:>10}",
+        "case", "mix", "MB read", "1 thr us", "pool us"
+    );
+    for sh in &shapes {
+        for (mix, mix_name) in [
+            (Mix::Level0, "level0"),
+            (Mix::Int8, "int8"),
+            (Mix::Int4, "int4"),
+        ] {
+            let label = format!("{} {mix_name}", sh.name);
+            if !filter.is_empty() && !filter.iter().any(|f| label.contains(f.as_str())) {
+                continue;
+            }
+            let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+            let blocks = sh.tokens.div_ceil(B);
+            let slots = sh.seqs * blocks;
+            let (desc, bytes) = pool(mix, sh, slots, &mut rng);
+            let pools = [Pool {
+                desc: PoolDesc::from_fields(0, &desc).unwrap(),
+                bytes: &bytes,
+            }];
+            let q: Vec<u8> = (0..sh.seqs * sh.hq * sh.d)
+                .flat_map(|_| {
+                    let x = rng.unit() * 2.0 - 1.0;
+                    match sh.dtype {
+                        FloatDtype::F32 => x.to_le_bytes().to_vec(),
+                        _ => ((x.to_bits() >> 16) as u16).to_le_bytes().to_vec(),
+                    }
+                })
+                .collect();
+            let seq_lens = vec![sh.tokens as i32; sh.seqs];
+            let block_pool = vec![0i32; slots];
+            let block_slot: Vec<i32> = (0..slots as i32).collect();
+            let inputs = Inputs {
+                q: &q,
+                dtype: sh.dtype,
+                seq_lens: &seq_lens,
+                block_pool: &block_pool,
+                block_slot: &block_slot,
+                pools: &pools,
+            };
+            let problem = Problem {
+                seqs: sh.seqs,
+                queries: 1,
+                q_heads: sh.hq,
+                kv_heads: sh.hkv,
+                block_size: B,
+                head_dim: sh.d,
+                max_blocks: blocks,
+                layer: 0,
+                scale: 1.0 / (sh.d as f32).sqrt(),
+            };
+            let mut out = vec![0u8; q.len()];
+            let mut mass = vec![0f32; slots];
+            let mut time = |threads: usize| {
+                best_us(
+                    || {
+                        let outputs = Outputs {
+                            out: &mut out,
+                            mass: &mut mass,
+                        };
+                        attend(&problem, &inputs, outputs, Exec { threads, isa }).unwrap();
+                    },
+                    25,
+                )
+            };
+            if let Some(calls) = calls {
+                // a fixed number of calls on this thread, for `perf stat` to count
+                for _ in 0..calls {
+                    let outputs = Outputs {
+                        out: &mut out,
+                        mass: &mut mass,
+                    };
+                    attend(&problem, &inputs, outputs, Exec { threads: 1, isa }).unwrap();
+                }
+                continue;
+            }
+            let (one, pooled) = (time(1), time(0));
+            let used = bytes.len() as f64 / 1e6;
+            println!(
+                "{:<14} {mix_name:<7} {used:>10.3} {one:>10.1} {pooled:>10.1}",
+                sh.name
+            );
+        }
+    }
+}
