@@ -95,6 +95,8 @@ def test_bench_manager_quick_prints_figures_beside_baselines() -> None:
         b = decode[name]["bandwidth"]
         assert b["bytes"] == decode[name]["memory"]["held_bytes"]
         assert b["attend_gb_per_s"] > 0 and b["copy_gb_per_s"] > 0
+        overhead = decode[name]["attend_overhead"]  # the call beside its kernel alone
+        assert overhead["call_us"] > 0 and overhead["kernel_us"] > 0
     assert decode["default"]["bandwidth"]["bytes"] < decode["fp16_only"]["bandwidth"]["bytes"]
     for m in memory.values():
         assert m["pool_bytes"] >= m["held_bytes"] > 0

@@ -251,9 +251,9 @@ class _AttentionBatch:
     pools: np.ndarray
     slots: np.ndarray
     staged: bool
-    #: ``(row, column)`` of the blocks that were not complete in every layer when it was built:
-    #: a shared one may not be written yet at the layer attention reads
-    unsure: tuple[np.ndarray, np.ndarray]
+    #: ``(row, column, block)`` of the blocks that were not complete in every layer when it was
+    #: built: a shared one may not be written yet at the layer attention reads
+    unsure: list[tuple[int, int, int]]
 
     @classmethod
     def build(cls, bm: BlockManager, ids: tuple[int, ...]) -> _AttentionBatch:
@@ -262,34 +262,29 @@ class _AttentionBatch:
         width = max(counts, default=0)
         pools = np.full((len(ids), width), -1, dtype=np.int32)
         slots = np.zeros((len(ids), width), dtype=np.int32)
-        complete = np.ones((len(ids), width), dtype=bool)
+        unsure = []
         for row, (seq, b) in enumerate(zip(ids, blocks, strict=True)):
             bm._check_not_lost(seq, b)
             info = bm.core.block_info(b)
             pools[row, : len(b)] = bm._attend_lut[info["tier"], info["level"]]
             slots[row, : len(b)] = info["slot"]
-            complete[row, : len(b)] = (bm._written[b] == bm.block_size).all(axis=1)
-        rows, cols = np.nonzero(~complete & (pools != -1))
+            for col in np.nonzero((bm._written[b] < bm.block_size).any(axis=1))[0].tolist():
+                unsure.append((row, col, int(b[col])))
         staged = bool((pools == -2).any())
-        return cls(bm._epoch, blocks, counts, pools, slots, staged, (rows, cols))
+        return cls(bm._epoch, blocks, counts, pools, slots, staged, unsure)
 
-    def check(
-        self, bm: BlockManager, ids: tuple[int, ...], lengths: np.ndarray, layer: int
-    ) -> None:
-        """Raises for a block of the first ``lengths`` tokens that ``layer`` has not written
-        (a shared block whose owner is behind)."""
-        rows, cols = self.unsure
-        if not len(rows):
-            return
-        need = np.minimum(bm.block_size, lengths[rows] - bm.block_size * cols)
-        block = np.array([self.blocks[r][c] for r, c in zip(rows, cols, strict=True)])
-        short = (need > 0) & (bm._written[block, layer] < need)
-        if short.any():
-            i = int(short.argmax())
-            raise InvalidArgumentError(
-                f"sequence {ids[rows[i]]} layer {layer}: block {int(block[i])} is shared but its "
-                "owner has not written this layer yet; append the owner's layer first"
-            )
+    def check(self, bm: BlockManager, ids: tuple[int, ...], tokens: list[int], layer: int) -> None:
+        """Raises for a block of the first ``tokens`` tokens that ``layer`` has not written
+        (a shared block whose owner is behind). Usually one block a sequence: the one being
+        filled."""
+        bs, written = bm.block_size, bm._written
+        for row, col, block in self.unsure:
+            need = min(bs, tokens[row] - bs * col)
+            if need > 0 and written[block, layer] < need:
+                raise InvalidArgumentError(
+                    f"sequence {ids[row]} layer {layer}: block {block} is shared but its owner "
+                    "has not written this layer yet; append the owner's layer first"
+                )
 
 
 class BlockManager:
@@ -818,7 +813,7 @@ class BlockManager:
             counts = [-(-n // bs) for n in tokens]
             lengths = np.array(tokens, dtype=np.int32)
             batch = self._attention_batch(ids, counts)
-            batch.check(self, ids, lengths, layer)
+            batch.check(self, ids, tokens, layer)
             pools, slots, views, desc = batch.pools, batch.slots, self._attend_views, None
             if batch.staged:
                 pools, slots = pools.copy(), slots.copy()

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..config import KvtierConfig
@@ -269,7 +270,40 @@ def run_manager(
     out["memory"] = _memory(bm, setting, work)
     if read == "attend":
         out["bandwidth"] = _bandwidth(out["memory"]["held_bytes"], out["read_all_ms"], device)
+        out["attend_overhead"] = _attend_overhead(bm, seqs, queries[0], read_repeats, sync)
     return out
+
+
+def _attend_overhead(
+    bm: BlockManager, seqs: list[int], q: torch.Tensor, repeats: int, sync: Callable[[], None]
+) -> dict[str, float]:
+    """One layer's ``attend`` call against its kernel alone (the same tables and pools, as the
+    manager keeps them): what the call adds to the kernel, per call."""
+    from ..attend import run_attention
+
+    calls = 50
+
+    def manager_calls() -> None:
+        for _ in range(calls):
+            bm.attend(seqs, 1, q, record=False)
+        sync()
+
+    lengths = np.array([bm.num_tokens(s, 1) for s in seqs], dtype=np.int32)
+    batch = bm._attention_batch(tuple(seqs), [-(-int(n) // BLOCK_SIZE) for n in lengths])
+    out = torch.empty_like(q)
+    mass = np.zeros(batch.pools.shape, dtype=np.float32)
+
+    def kernel_calls() -> None:
+        for _ in range(calls):
+            run_attention(
+                q, out, mass, lengths, batch.pools, batch.slots, bm._attend_views, bm.shape, 1,
+                HEAD_DIM**-0.5, bm._attend_desc,
+            )  # fmt: skip
+        sync()
+
+    call = best_of(max(repeats, 3), manager_calls) / calls
+    kernel = best_of(max(repeats, 3), kernel_calls) / calls
+    return {"call_us": call * 1e6, "kernel_us": kernel * 1e6, "overhead_us": (call - kernel) * 1e6}
 
 
 def _bandwidth(nbytes: int, read_ms: float, device: torch.device) -> dict[str, float]:
@@ -445,11 +479,12 @@ def _table(result: dict[str, Any]) -> str:
             "second, beside a plain copy of as many bytes"
         )
         for name in ("default", "fp16_only"):
-            b = d[name]["bandwidth"]
+            b, o = d[name]["bandwidth"], d[name]["attend_overhead"]
             lines.append(
                 f"  {_label(name):24s} {b['bytes'] / 2**20:8.1f} MiB  attend "
                 f"{b['attend_gb_per_s']:7.2f} GB/s  copy {b['copy_gb_per_s']:7.2f} GB/s  "
-                f"x copy {b['ratio_vs_copy']:.3f}"
+                f"x copy {b['ratio_vs_copy']:.3f}  one call {o['call_us']:.0f} us = kernel "
+                f"{o['kernel_us']:.0f} + {o['overhead_us']:.0f}"
             )
         lines += [
             f"[{dev['device']}] memory after a final step(): held bytes per token against fp16 "
