@@ -53,7 +53,7 @@ develop: venv ## build the extension (release) and install kvtier into .venv, ed
 
 test: test-rust test-py ## build, then run the Rust and the Python tests
 
-test-rust: ## run the core's Rust tests (cargo test -p kvtier)
+test-rust: ## run the Rust tests: the core and the attention kernel (cargo test -p kvtier -p kvtier-attend)
 	$(CARGO) test -p kvtier -p kvtier-attend
 
 test-py: develop ## run the Python tests (pytest; slow ones with: make test-py PYTEST_ARGS='-m slow')
