@@ -5,8 +5,9 @@
 // int64s that describe a pool and the torch reference it must match are in
 // python/kvtier/attend.py; the launches are in python/kvtier/attend_cuda.py.
 //
-// Compiled at run time by NVRTC through CuPy. It includes no header, so NVRTC needs no CUDA
-// include path: fp16 and bf16 are converted by hand below.
+// Compiled at run time by NVRTC through CuPy, after kernels/kvtier_common.cuh (the integer
+// types, the fp16/bf16 conversions and the F16/BF16/F32 element types), which the loader puts
+// before this file's text: NVRTC needs no include path.
 //
 // Two launches per call (per layer per batch):
 //
@@ -36,9 +37,6 @@
 //   q rows [RT][D] | acc [RT][D] | K tile [T][D + 1] (padded: the score loop reads down the
 //   token axis, one token per lane, without bank conflicts) | V tile [T][D] | p [RT][T]
 
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef long long i64;
 typedef unsigned long long u64;
 
 #define ATTEND_THREADS 128
@@ -66,48 +64,11 @@ typedef unsigned long long u64;
 #define FLAG_ASYMMETRIC 1
 #define FLAG_KEY_PER_CHANNEL 2
 
-// ---- element conversions (as kernels/kvtier_codecs.cu) -------------------------------------
+// ---- small helpers (the conversions are in kernels/kvtier_common.cuh) ---------------------
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
-
-__device__ __forceinline__ float half_to_float(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ u16 float_to_half(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
-__device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float(((unsigned)h) << 16); }
-
-__device__ __forceinline__ u16 float_to_bf16(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as torch writes it
-    u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
-    return (u16)(u >> 16);
-}
-
-struct F16 {
-    typedef u16 T;
-    static __device__ __forceinline__ float load(T v) { return half_to_float(v); }
-    static __device__ __forceinline__ T store(float f) { return float_to_half(f); }
-};
-struct BF16 {
-    typedef u16 T;
-    static __device__ __forceinline__ float load(T v) { return bf16_to_float(v); }
-    static __device__ __forceinline__ T store(float f) { return float_to_bf16(f); }
-};
-struct F32 {
-    typedef float T;
-    static __device__ __forceinline__ float load(T v) { return v; }
-    static __device__ __forceinline__ T store(float f) { return f; }
-};
 
 // 16 bytes, for vector loads of float pools.
 struct alignas(16) Word4 {

@@ -3,8 +3,9 @@
 // One launch handles a whole batch, never one block.
 //
 // Compiled at run time by NVRTC through CuPy (python/kvtier/codecs/cuda.py); the source ships
-// inside the extension module (crates/kvtier-py embeds it with include_str!). It includes no
-// header, so NVRTC needs no CUDA include path: fp16 and bf16 are converted by hand below.
+// inside the extension module (crates/kvtier-py embeds it with include_str!). The loader puts
+// kernels/kvtier_common.cuh (the integer types, the fp16/bf16 conversions and the F16/BF16/F32
+// element types) before this file's text, so NVRTC needs no include path.
 //
 // A float pool is [slots, L, 2, H, B, D] in the model dtype (K then V, per layer). A packed
 // pool is [slots, row_bytes] uint8; every quantized codec writes the same sections, at byte
@@ -25,46 +26,7 @@
 //   s' = s where s > 0, else 1; fp16() rounds to nearest even after clamping to +-65504.
 //   decode: x = q * s (+ z), then rounded to the output dtype (nearest even).
 
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef long long i64;
-
-// ---- element conversions -----------------------------------------------------------------
-
-__device__ __forceinline__ float half_to_float(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ u16 float_to_half(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
-__device__ __forceinline__ u16 float_to_bf16(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as torch writes it
-    u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
-    return (u16)(u >> 16);
-}
-
-struct F16 {
-    typedef u16 T;
-    static __device__ __forceinline__ float load(T v) { return half_to_float(v); }
-    static __device__ __forceinline__ T store(float f) { return float_to_half(f); }
-};
-struct BF16 {
-    typedef u16 T;
-    static __device__ __forceinline__ float load(T v) { return __uint_as_float(((unsigned)v) << 16); }
-    static __device__ __forceinline__ T store(float f) { return float_to_bf16(f); }
-};
-struct F32 {
-    typedef float T;
-    static __device__ __forceinline__ float load(T v) { return v; }
-    static __device__ __forceinline__ T store(float f) { return f; }
-};
+// ---- fp16 rounding (the conversions are in kernels/kvtier_common.cuh) -------------------
 
 __device__ __forceinline__ float fp16_round(float x) {
     return half_to_float(float_to_half(fminf(fmaxf(x, -65504.0f), 65504.0f)));

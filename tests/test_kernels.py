@@ -1,5 +1,6 @@
-"""The CUDA codec kernels (kernels/kvtier_codecs.cu): the source the extension ships is the file
-in the repository and compiles with NVRTC (no GPU needed), and on a GPU every kernel writes the
+"""The CUDA codec kernels (kernels/kvtier_codecs.cu): the sources the extension ships are the files
+in the repository, and the loader's source (kernels/kvtier_common.cuh, then the kernel file)
+compiles with NVRTC (no GPU needed); on a GPU every kernel writes the
 same bytes and values as the torch reference on the CPU: codes and scales bit-exact, decodes
 equal, transcodes byte-equal, pool calls touching only their slots."""
 
@@ -12,11 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kernel_ptx import entry_points
+from kernel_ptx import ptx as compile_ptx
 
 from kvtier import _core
 from kvtier.codecs import BlockShape, Int4Codec, Int8Codec, QuantCodec, get_codec
+from kvtier.codecs.cuda import kernel_source
 
-KERNEL_PATH = Path(__file__).resolve().parent.parent / "kernels" / "kvtier_codecs.cu"
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 ENTRY_POINTS = [
     "kvtier_quantize_f16",
     "kvtier_quantize_bf16",
@@ -31,38 +35,40 @@ ENTRY_POINTS = [
 # ---- the shipped source (no GPU) ----------------------------------------------------------------
 
 
-def test_the_extension_ships_the_kernel_file_of_the_repository() -> None:
+def test_the_extension_ships_the_kernel_files_of_the_repository() -> None:
     sources = _core.kernel_sources()
-    assert "kvtier_codecs.cu" in sources
-    assert sources["kvtier_codecs.cu"].encode() == KERNEL_PATH.read_bytes()
+    for name in ("kvtier_common.cuh", "kvtier_codecs.cu", "kvtier_attend.cu"):
+        assert name in sources, f"{name}: not in the extension (rebuild it)"
+        assert sources[name].encode() == (KERNELS / name).read_bytes(), f"{name}: rebuild"
+
+
+def test_the_loader_compiles_the_common_file_before_each_kernel_file(monkeypatch: Any) -> None:
+    common = (KERNELS / "kvtier_common.cuh").read_text()
+    want = {
+        name: f'{common}\n#line 1 "{name}"\n{(KERNELS / name).read_text()}'
+        for name in ("kvtier_codecs.cu", "kvtier_attend.cu")
+    }
+    for name in want:
+        assert kernel_source(name) == want[name]
+    assert kernel_source() == want["kvtier_codecs.cu"]
+    # an extension built before the common file: its kernel files hold that text themselves, so
+    # the repository's files are compiled instead
+    stale = dict.fromkeys(want, "// self-contained")
+    monkeypatch.setattr(_core, "kernel_sources", lambda: stale)
+    for name in want:
+        assert kernel_source(name) == want[name]
 
 
 @pytest.fixture(scope="module")
 def ptx() -> str:
-    """The shipped source compiled by NVRTC for sm_90, as cuda.py compiles it (no include path)."""
-    pytest.importorskip("cupy")
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-
-        nvrtc.getVersion()
-    except Exception as exc:  # libnvrtc missing or unloadable
-        pytest.skip(f"NVRTC is not loadable: {exc}")
-    source = _core.kernel_sources()["kvtier_codecs.cu"]
-    prog = nvrtc.createProgram(source, "kvtier_codecs.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, ["--gpu-architecture=compute_90", "--std=c++17"])
-        except nvrtc.NVRTCError as exc:
-            pytest.fail(f"NVRTC rejected kvtier_codecs.cu: {exc}\n{nvrtc.getProgramLog(prog)}")
-        out = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    return out.decode() if isinstance(out, bytes) else out
+    """The loader's source compiled by NVRTC for sm_90, as cuda.py compiles it (no include
+    path)."""
+    return compile_ptx(kernel_source(), "kvtier_codecs.cu")
 
 
 def test_the_kernels_compile_with_nvrtc_and_export_every_entry_point(ptx: str) -> None:
-    entries = set(re.findall(r"\.entry\s+(\w+)", ptx))
-    assert entries == set(ENTRY_POINTS)  # plain extern "C" names, none missing, no extras
+    # plain extern "C" names, none missing, no extras
+    assert entry_points(ptx) == set(ENTRY_POINTS)
 
 
 def test_the_compiled_kernels_never_fuse_the_rounding_steps(ptx: str) -> None:

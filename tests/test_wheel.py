@@ -53,7 +53,7 @@ def test_wheel_installed_in_a_clean_venv_carries_the_kernel_sources(tmp_path: Pa
         [str(python), "-c", PROBE, str(site)], check=True, capture_output=True, text=True
     ).stdout
     carried = json.loads(out)
-    kernels = sorted((REPO / "kernels").glob("*.cu"))
+    kernels = sorted((REPO / "kernels").glob("*.cu*"))  # the .cu files and kvtier_common.cuh
     assert kernels, "the repo has kernel sources"
     for path in kernels:
         assert carried["sources"][path.name] == path.read_text(), f"{path.name} differs"

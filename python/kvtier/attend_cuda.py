@@ -18,15 +18,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _core
 from .attend import PoolView, Problem, check_problem, readable
+from .codecs import cuda as codecs_cuda
 from .codecs.base import BlockShape, torch_module
-from .codecs.cuda import NVRTC_OPTIONS, _cupy
+from .codecs.cuda import _cupy
 from .codecs.identity import IdentityCodec
 from .codecs.quant import QuantCodec
 from .errors import InvalidArgumentError
@@ -58,26 +57,9 @@ _STATIC_SMEM = 1024
 
 
 def kernel_source() -> str:
-    """The kernel's source: the copy the extension ships, else the repository's file (an
-    extension built before the file existed)."""
-    sources = _core.kernel_sources()
-    if KERNEL_FILE in sources:
-        return str(sources[KERNEL_FILE])
-    path = Path(__file__).resolve().parents[2] / "kernels" / KERNEL_FILE
-    if not path.is_file():
-        raise InvalidArgumentError(
-            f"{KERNEL_FILE}: not in this build of kvtier._core, nor at {path}; rebuild kvtier"
-        )
-    return path.read_text()
-
-
-@functools.cache
-def _module(device: int) -> Any:
-    cupy = _cupy()
-    with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
-        module.compile()
-    return module
+    """What NVRTC compiles: kernels/kvtier_common.cuh, then kernels/kvtier_attend.cu (the copies
+    the extension ships, else the repository's: :func:`kvtier.codecs.cuda.kernel_source`)."""
+    return codecs_cuda.kernel_source(KERNEL_FILE)
 
 
 @functools.cache
@@ -340,7 +322,7 @@ def attend_cuda(
         i32(M),
     )
     cupy = _cupy()
-    module = _module(index)
+    module = codecs_cuda.compiled(KERNEL_FILE, index)
     main = module.get_function(f"kvtier_attend_{suffix}")
     combine = module.get_function(f"kvtier_attend_combine_{suffix}")
     if lp.shared_bytes > _DEFAULT_SMEM and main.max_dynamic_shared_size_bytes < lp.shared_bytes:

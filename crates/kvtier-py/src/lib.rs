@@ -52,11 +52,16 @@ fn namespace_seed(namespace: &str) -> u64 {
     kvtier::namespace_seed(namespace)
 }
 
-/// The CUDA sources of kvtier's kernels (kernels/*.cu), by file name. Compiled into the
-/// extension so that every installed copy of kvtier carries the kernels it was built with.
+/// The CUDA sources of kvtier's kernels (kernels/*.cu, and kernels/kvtier_common.cuh that the
+/// loader puts before each), by file name. Compiled into the extension so that every installed
+/// copy of kvtier carries the kernels it was built with.
 #[pyfunction]
 fn kernel_sources() -> std::collections::HashMap<&'static str, &'static str> {
     std::collections::HashMap::from([
+        (
+            "kvtier_common.cuh",
+            include_str!("../../../kernels/kvtier_common.cuh"),
+        ),
         (
             "kvtier_codecs.cu",
             include_str!("../../../kernels/kvtier_codecs.cu"),

@@ -1,20 +1,22 @@
 """CUDA execution of the quantized codecs: kernels/kvtier_codecs.cu through CuPy.
 
 The source ships inside the extension module (``kvtier._core.kernel_sources()``), is compiled
-by NVRTC once per device and process, and every call is one launch for the whole batch, on the
-caller's current torch stream. Tensors cross by DLPack without a copy; the codecs' argument
-checks (codecs/base.py) have run before anything here is called.
+by NVRTC once per device and process after kernels/kvtier_common.cuh (:func:`kernel_source` and
+:func:`compiled`, which the attention kernel's loader uses too), and every call is one launch
+for the whole batch, on the caller's current torch stream. Tensors cross by DLPack without a
+copy; the codecs' argument checks (codecs/base.py) have run before anything here is called.
 """
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .. import _core
-from ..errors import require
+from ..errors import InvalidArgumentError, require
 from .base import BlockShape, torch_module
 from .quant import QuantCodec
 
@@ -22,15 +24,33 @@ if TYPE_CHECKING:
     import torch
 
 KERNEL_FILE = "kvtier_codecs.cu"
-#: NVRTC options; no include path is needed (the source includes no header).
+#: What every kernel file shares (types, fp16/bf16 conversions): compiled before each one's text.
+COMMON_FILE = "kvtier_common.cuh"
+#: The repository's kernel files, read when the extension was built before COMMON_FILE existed.
+KERNELS_DIR = Path(__file__).resolve().parents[3] / "kernels"
+#: NVRTC options; no include path is needed (a kernel is one string: COMMON_FILE, then the file).
 NVRTC_OPTIONS = ("--std=c++17",)
 THREADS = 128
 _DEFAULT_SMEM = 48 * 1024
 _SUFFIX = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}
 
 
-def kernel_source() -> str:
-    return _core.kernel_sources()[KERNEL_FILE]
+def kernel_source(file: str = KERNEL_FILE) -> str:
+    """What NVRTC compiles for kernels/``file``: kernels/kvtier_common.cuh, then the file (after a
+    ``#line`` that numbers NVRTC's messages by the file's own lines). Both are the copies the
+    extension ships; an extension built before kvtier_common.cuh existed ships kernel files that
+    still hold its text, so then both are the repository's files."""
+    sources = _core.kernel_sources()
+    if COMMON_FILE not in sources:
+        sources = {}
+        for name in (COMMON_FILE, file):
+            path = KERNELS_DIR / name
+            if not path.is_file():
+                raise InvalidArgumentError(
+                    f"{name}: not in this build of kvtier._core, nor at {path}; rebuild kvtier"
+                )
+            sources[name] = path.read_text()
+    return f'{sources[COMMON_FILE]}\n#line 1 "{file}"\n{sources[file]}'
 
 
 def _cupy() -> Any:
@@ -42,10 +62,11 @@ def _cupy() -> Any:
 
 
 @functools.cache
-def _module(device: int) -> Any:
+def compiled(file: str, device: int) -> Any:
+    """kernels/``file`` compiled for ``device`` (a CuPy ``RawModule``), once per process."""
     cupy = _cupy()
     with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=kernel_source(), options=NVRTC_OPTIONS)
+        module = cupy.RawModule(code=kernel_source(file), options=NVRTC_OPTIONS)
         module.compile()
     return module
 
@@ -96,7 +117,7 @@ def _launch(
         return
     cupy, torch = _cupy(), torch_module()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    fn = _module(index).get_function(name)
+    fn = compiled(KERNEL_FILE, index).get_function(name)
     if smem > _DEFAULT_SMEM:
         fn.max_dynamic_shared_size_bytes = smem
     stream = torch.cuda.current_stream(index)

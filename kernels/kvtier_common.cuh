@@ -1,0 +1,49 @@
+// What every kvtier kernel file shares: integer types and the fp16/bf16 <-> fp32 conversions.
+//
+// NVRTC compiles each kernel file as one string with no include path, so nothing here is
+// #included: the loader (python/kvtier/codecs/cuda.py, kernel_source) puts this text before
+// each kernel file's, and the extension ships it beside them (crates/kvtier-py embeds it with
+// include_str!). No CUDA header is used, so fp16 and bf16 are converted by hand: the PTX cvt
+// instructions for fp16, bit shifts for bf16 (rounding to nearest even, NaN as torch writes it).
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef long long i64;
+
+__device__ __forceinline__ float half_to_float(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 float_to_half(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float(((unsigned)h) << 16); }
+
+__device__ __forceinline__ u16 float_to_bf16(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as torch writes it
+    u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
+    return (u16)(u >> 16);
+}
+
+// A kernel templated on its I/O dtype reads and writes elements through one of these.
+struct F16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(T v) { return half_to_float(v); }
+    static __device__ __forceinline__ T store(float f) { return float_to_half(f); }
+};
+struct BF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(T v) { return bf16_to_float(v); }
+    static __device__ __forceinline__ T store(float f) { return float_to_bf16(f); }
+};
+struct F32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(T v) { return v; }
+    static __device__ __forceinline__ T store(float f) { return f; }
+};
