@@ -5,8 +5,10 @@ skipped blocks, odd lengths, one query and chunked-prefill queries, several sequ
 different lengths in one call, GQA ratios 1 to 8, head sizes 64/80/128/256, blocks of 16 and 32
 tokens, one thread and rayon's pool.
 
-Tolerances, against the reference computed in fp32 from the same dequantized values (pools are
-built by each codec's own ``encode_into``): the output within 1e-5 absolute plus 1e-5 relative
+The problems are tests/attend_problems.py's, as the CUDA kernel's tests build them (pools built
+by each codec's own ``encode``).
+
+Tolerances, against the reference computed in fp32 from the same dequantized values: the output within 1e-5 absolute plus 1e-5 relative
 for fp32 queries (fp32 accumulation in another order, the kernel's exp within 2 ulp of torch's),
 5e-3 for fp16 and 2e-2 for bf16 (their rounding of the output, about 2 units in the last place:
 the kernel's and torch's fp32 results round to neighbours); the mass, a probability, within 2e-6.
@@ -22,73 +24,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from attend_problems import assert_matches, int4, problem  # noqa: E402
+
 from kvtier.attend import PoolView, attend_cpu, reference  # noqa: E402
-from kvtier.codecs import BlockShape, Codec, Int4Codec, Int8Codec, get_codec  # noqa: E402
+from kvtier.codecs import Codec, Int4Codec, Int8Codec  # noqa: E402
 from kvtier.errors import InvalidArgumentError  # noqa: E402
 
 TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 2e-2}
 MASS_TOLERANCE = 2e-6
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _pool(codec: Codec, shape: BlockShape, slots: int, gen: Any, layers: int) -> Any:
-    """``slots`` random blocks (spread 2, a channel of outliers, as real K has) in ``codec``'s
-    pool layout, encoded by the codec itself."""
-    x = torch.randn(
-        (slots, layers, 2, shape.kv_heads, shape.block_size, shape.head_dim), generator=gen
-    )
-    x = x * 2
-    x[..., 3] *= 4
-    if codec.name in DTYPES:
-        return x.to(DTYPES[codec.name])
-    one = BlockShape(layers, shape.kv_heads, shape.block_size, shape.head_dim, "fp32")
-    rows = torch.zeros((slots, codec.bytes_per_block(one)), dtype=torch.uint8)
-    every = torch.arange(slots)
-    codec.encode_into(x, every, rows, every)
-    return rows
-
-
-def _problem(
-    *,
-    codecs: Sequence[str | Codec],
-    q_dtype: str = "fp32",
-    queries: int = 1,
-    q_heads: int = 8,
-    kv_heads: int = 2,
-    head_dim: int = 64,
-    block_size: int = 16,
-    lengths: Sequence[int] = (100, 37),
-    skip: float = 0.15,
-    staging: bool = False,
-    seed: int = 0,
-) -> tuple[Any, ...]:
-    """A random call: ``(q, seq_lens, block_pool, block_slot, pools, shape, layer, scale)``."""
-    gen = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    shape = BlockShape(2, kv_heads, block_size, head_dim, "fp16" if q_dtype == "fp32" else q_dtype)
-    slots = 24
-    pools = []
-    for c in codecs:
-        codec = c if isinstance(c, Codec) else get_codec(c)
-        pools.append(PoolView(_pool(codec, shape, slots, gen, shape.layers), codec))
-    if staging:  # a one-layer pool of decoded blocks, read at its own layer
-        codec = get_codec(shape.dtype)
-        pools.append(PoolView(_pool(codec, shape, slots, gen, 1), codec, layer_override=0))
-    lens = np.asarray(lengths, dtype=np.int32)
-    seqs = len(lens)
-    blocks = int(-(-lens.max() // block_size)) + 2  # table entries past every end
-    block_pool = rng.integers(0, len(pools), size=(seqs, blocks)).astype(np.int32)
-    block_pool[rng.random((seqs, blocks)) < skip] = -1
-    block_slot = rng.integers(0, slots, size=(seqs, blocks)).astype(np.int32)
-    for s, n in enumerate(lens):
-        block_pool[s, -(-n // block_size) :] = 12345  # garbage past the end: ignored
-        block_slot[s, -(-n // block_size) :] = -7
-    q = torch.randn((seqs, queries, q_heads, head_dim), generator=gen).to(DTYPES[q_dtype])
-    return q, lens, block_pool, block_slot, pools, shape, 1, head_dim**-0.5
 
 
 def _check(threads: Sequence[int] = (1,), **kw: Any) -> None:
-    args = _problem(**kw)
+    """Runs the kernel (with each number of ``threads``) and the reference on one random problem
+    of :func:`attend_problems.problem` (``kw``: its options) and compares them."""
+    args = problem(**kw)
     q, lens, block_pool = args[0], args[1], args[2]
     want, want_mass = reference(*args)
     tol = TOLERANCE[kw.get("q_dtype", "fp32")]
@@ -96,8 +45,7 @@ def _check(threads: Sequence[int] = (1,), **kw: Any) -> None:
         out = torch.full_like(q, float("nan"))
         mass = torch.full(block_pool.shape, float("nan"))
         attend_cpu(q, out, mass, *args[1:], threads=n)
-        torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
-        torch.testing.assert_close(mass, want_mass, atol=MASS_TOLERANCE, rtol=0)
+        assert_matches(out, mass, want, want_mass, tol=tol, mass_tol=MASS_TOLERANCE)
         # each sequence's masses sum to 1 where a query saw anything
         assert np.all(mass.sum(1).numpy() <= 1 + 1e-5)
     assert len(lens) == q.shape[0]
@@ -134,9 +82,8 @@ def test_every_codec_and_mix_of_levels_matches_the_reference(mix: str, queries: 
 def test_gqa_ratios_head_sizes_and_block_sizes_match_the_reference(
     group: int, head_dim: int, block_size: int
 ) -> None:
-    int4 = "int4" if head_dim % 32 == 0 else Int4Codec(group_size=16, name="int4-g16")
     _check(
-        codecs=["fp32", "int8", int4],
+        codecs=["fp32", "int8", int4(head_dim)],
         q_heads=2 * group,
         head_dim=head_dim,
         block_size=block_size,
@@ -164,7 +111,7 @@ def test_long_sequences_split_over_the_pool_match_the_reference() -> None:
 
 
 def test_skipped_blocks_get_no_mass_and_a_query_that_sees_nothing_gets_zeros() -> None:
-    args = list(_problem(codecs=["int8"], queries=3, lengths=(40, 20)))
+    args = list(problem(codecs=["int8"], queries=3, lengths=(40, 20)))
     block_pool = args[2]
     block_pool[1, :2] = -1  # sequence 1 holds 2 blocks: both skipped
     block_pool[0, 1] = -1
@@ -181,7 +128,7 @@ def test_skipped_blocks_get_no_mass_and_a_query_that_sees_nothing_gets_zeros() -
 
 
 def test_masses_may_be_numpy_and_tables_flat_or_int64() -> None:
-    args = _problem(codecs=["fp16", "int4"], lengths=(50, 90))
+    args = problem(codecs=["fp16", "int4"], lengths=(50, 90))
     q, lens, block_pool, block_slot = args[:4]
     want, want_mass = reference(*args)
     out = torch.empty_like(q)
@@ -196,7 +143,7 @@ def test_masses_may_be_numpy_and_tables_flat_or_int64() -> None:
 
 
 def test_bad_arguments_raise_invalid_argument_before_anything_is_read() -> None:
-    args = _problem(codecs=["fp32", "int8"], lengths=(40, 20))
+    args = problem(codecs=["fp32", "int8"], lengths=(40, 20))
     q, lens, block_pool, block_slot, pools, shape, layer, scale = args
     out = torch.empty_like(q)
     mass = torch.empty(block_pool.shape)
@@ -253,7 +200,7 @@ def test_the_binding_checks_what_it_is_given() -> None:
     from kvtier import _core
     from kvtier.attend import describe
 
-    args = _problem(codecs=["int8"], lengths=(40,), skip=0)
+    args = problem(codecs=["int8"], lengths=(40,), skip=0)
     q, lens, block_pool, block_slot, pools, shape, layer, scale = args
     out = torch.empty_like(q)
     mass = np.empty(block_pool.shape, np.float32)

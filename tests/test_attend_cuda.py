@@ -14,12 +14,12 @@ NVRTC, as tests/test_kernels.py's."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pytest
+from attend_problems import assert_matches, int4, problem
+from kernel_ptx import entry_points, ptx
 
 from kvtier.attend import PoolView, Problem, reference
 from kvtier.attend_cuda import (
@@ -45,25 +45,9 @@ ENTRY_POINTS = {
 
 
 def test_the_kernel_compiles_with_nvrtc_and_exports_every_entry_point() -> None:
-    pytest.importorskip("cupy")
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-
-        nvrtc.getVersion()
-    except Exception as exc:  # libnvrtc missing or unloadable
-        pytest.skip(f"NVRTC is not loadable: {exc}")
-    prog = nvrtc.createProgram(kernel_source(), "kvtier_attend.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, ["--gpu-architecture=compute_90", "--std=c++17"])
-        except nvrtc.NVRTCError as exc:
-            pytest.fail(f"NVRTC rejected kvtier_attend.cu: {exc}\n{nvrtc.getProgramLog(prog)}")
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    assert set(re.findall(r"\.entry\s+(\w+)", ptx)) == ENTRY_POINTS
-    assert ".local" not in ptx, "no register array spilled to local memory by construction"
+    compiled = ptx(kernel_source(), "kvtier_attend.cu")
+    assert entry_points(compiled) == ENTRY_POINTS
+    assert ".local" not in compiled, "no register array spilled to local memory by construction"
 
 
 @pytest.mark.parametrize("queries", [1, 3, 40])
@@ -91,77 +75,28 @@ def test_the_launch_plan_covers_every_block_and_row_within_shared_memory(
 
 # ---- on a GPU: the kernel against the reference ---------------------------------------------------
 
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
-
-def _pool(torch: Any, codec: Codec, shape: BlockShape, slots: int, gen: Any) -> Any:
-    """``slots`` random blocks (spread 2, a few outliers) in ``codec``'s pool layout, on the GPU."""
-    dims = (slots, *shape.dims)
-    x = torch.randn(dims, generator=gen) * 2
-    x[..., 3] *= 4  # a channel of larger keys and values, as real K has
-    x = x.to(getattr(torch, DTYPES[shape.dtype])).cuda()
-    if codec.name in DTYPES:
-        return x.to(getattr(torch, DTYPES[codec.name]))
-    return codec.encode(x).data.contiguous()
-
-
-def _check(
-    torch: Any,
-    *,
-    codecs: Sequence[str | Codec],
-    q_dtype: str = "fp16",
-    seqs: int = 2,
-    queries: int = 1,
-    q_heads: int = 8,
-    kv_heads: int = 2,
-    head_dim: int = 64,
-    block_size: int = 16,
-    lengths: Sequence[int] | None = None,
-    skip: float = 0.15,
-    layer: int = 1,
-    seed: int = 0,
-    tables_on_gpu: bool = False,
-) -> Any:
-    """Runs the kernel and the reference on one random problem and compares them; returns the
-    launch plan the kernel used."""
+def _check(torch: Any, *, tables_on_gpu: bool = False, **kw: Any) -> Any:
+    """Runs the kernel and the reference on one random problem of
+    :func:`attend_problems.problem` on the GPU (``kw``: its options; fp16 queries and random
+    lengths unless given) and compares them; returns the launch plan the kernel used."""
     from kvtier.attend import check_problem
     from kvtier.attend_cuda import _device_limits, attend_cuda
 
-    gen = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    shape = BlockShape(2, kv_heads, block_size, head_dim, "fp16" if q_dtype == "fp32" else q_dtype)
-    slots = 48
-    pools = []
-    for c in codecs:
-        codec = c if isinstance(c, Codec) else get_codec(c)
-        pools.append(PoolView(_pool(torch, codec, shape, slots, gen), codec))
-    lens = np.asarray(
-        lengths if lengths is not None else rng.integers(queries, 300, size=seqs), dtype=np.int32
-    )
-    seqs = len(lens)
-    blocks = int(-(-lens.max() // block_size)) + 2  # table entries past every end
-    block_pool = rng.integers(0, len(pools), size=(seqs, blocks)).astype(np.int32)
-    block_pool[rng.random((seqs, blocks)) < skip] = -1
-    block_slot = rng.integers(0, slots, size=(seqs, blocks)).astype(np.int32)
-    for s, n in enumerate(lens):
-        block_pool[s, -(-n // block_size) :] = 12345  # garbage past the end: ignored
-    q = torch.randn((seqs, queries, q_heads, head_dim), generator=gen)
-    q = q.to(getattr(torch, DTYPES[q_dtype])).cuda()
-    scale = head_dim**-0.5
-
-    want, want_mass = reference(q, lens, block_pool, block_slot, pools, shape, layer, scale)
+    kw = {"q_dtype": "fp16", "lengths": None, "slots": 48, **kw}
+    args = problem(device="cuda", **kw)
+    q, lens, block_pool, block_slot, pools, shape, layer, scale = args
+    want, want_mass = reference(*args)
     out = torch.full_like(q, float("nan"))
-    mass = torch.full((seqs, blocks), float("nan"), device="cuda")
+    mass = torch.full(block_pool.shape, float("nan"), device="cuda")
     tables: list[Any] = [lens, block_pool, block_slot]
     if tables_on_gpu:
         tables = [torch.from_numpy(t).cuda() for t in tables]
     attend_cuda(q, out, mass, *tables, pools, shape, layer, scale)
     torch.cuda.synchronize()
-    tol = TOLERANCE[q_dtype]
-    torch.testing.assert_close(out.float(), want.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(mass.cpu(), want_mass, atol=MASS_TOLERANCE, rtol=0)
-    p = check_problem(q, lens, block_pool, block_slot, pools, shape, layer, scale)
-    return plan(p, *_device_limits(torch.cuda.current_device()))
+    tol = TOLERANCE[kw["q_dtype"]]
+    assert_matches(out, mass, want, want_mass, tol=tol, mass_tol=MASS_TOLERANCE)
+    return plan(check_problem(*args), *_device_limits(torch.cuda.current_device()))
 
 
 CUSTOM = Int4Codec(group_size=16, key_per_channel=False, asymmetric=False, name="int4-sym-g16")
@@ -197,7 +132,7 @@ def test_gqa_ratios_and_head_sizes_match_the_reference(
 ) -> None:
     _check(
         torch_cuda,
-        codecs=["fp16", "int8", "int4"],
+        codecs=["fp16", "int8", int4(head_dim)],  # int4 in groups of 16 at head_dim 80
         q_heads=2 * group,
         kv_heads=2,
         head_dim=head_dim,
