@@ -30,7 +30,6 @@ warm-up on a GPU, the best of ``--repeats`` on the CPU.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from .. import attend as attend_mod
 from ..attend import PoolView
 from ..codecs import BlockShape, Codec, get_codec
 from . import bench_parser
-from .core import best_of
+from .core import cpu_time, gpu_time
 
 #: ``fn(q, out, mass, seq_lens, block_pool, block_slot, pools, shape, layer, scale)``
 Kernel = Callable[..., None]
@@ -199,31 +198,11 @@ def build(model: Model, mix: str, context: int, seqs: int, device: str, seed: in
 # ---- timing ---------------------------------------------------------------------------------------
 
 
-def _cpu_time(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    return best_of(repeats, fn)
-
-
-def _gpu_time(fn: Callable[[], Any], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def measure(
     model: Model, mix: str, context: int, seqs: int, backend: str, kernel: Kernel, repeats: int
 ) -> dict[str, Any]:
     device = "cuda" if backend == "cuda" else "cpu"
-    timer = _gpu_time if device == "cuda" else _cpu_time
+    timer = gpu_time if device == "cuda" else cpu_time
     w = build(model, mix, context, seqs, device)
 
     tables: list[Any] = [w.seq_lens, w.block_pool, w.block_slot]

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,35 +27,14 @@ import torch
 
 from ..codecs import Backend, BlockShape, Codec, get_codec
 from . import bench_parser
-from .core import best_of
+from .core import Timer, cpu_time, gpu_time
 
 SHAPE = BlockShape(layers=32, kv_heads=8, block_size=16, head_dim=128, dtype="fp16")
 TOKENS = 1024
 QUICK_TOKENS = 64
-Timer = Callable[[Callable[[], Any], int], float]
 CODECS = ("int8", "int4")
 #: HBM bandwidth by device name fragment, GB/s (vendor data sheets), for "% of peak".
 PEAK_GBPS = {"H100 SXM": 3350.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0}
-
-
-def _cpu_time(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    return best_of(repeats, fn)
-
-
-def _gpu_time(fn: Callable[[], Any], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def _row(name: str, seconds: float, moved: int, **extra: Any) -> dict[str, Any]:
@@ -124,8 +101,8 @@ def bench_quanto(blocks: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
         return out
 
     quantized = quantize()
-    enc = _cpu_time(quantize, repeats)
-    dec = _cpu_time(lambda: [q.dequantize() for q in quantized], repeats)
+    enc = cpu_time(quantize, repeats)
+    dec = cpu_time(lambda: [q.dequantize() for q in quantized], repeats)
     packed = sum(
         q._data._data.numel() + 2 * (q._scale.numel() + q._shift.numel()) for q in quantized
     )
@@ -144,8 +121,8 @@ def run_cpu(repeats: int, tokens: int, *, quanto: bool = True) -> list[dict[str,
     blocks = _blocks("cpu", tokens)
     rows = []
     for name in CODECS:
-        rows += bench_codec(get_codec(name), blocks, "torch", _cpu_time, repeats)
-    seconds = _cpu_time(lambda: plain_torch_int8(blocks), repeats)
+        rows += bench_codec(get_codec(name), blocks, "torch", cpu_time, repeats)
+    seconds = cpu_time(lambda: plain_torch_int8(blocks), repeats)
     moved = blocks.numel() * 3 + blocks.numel() // SHAPE.head_dim * 2
     rows.append(
         _row(
@@ -171,8 +148,8 @@ def run_gpu(repeats: int, tokens: int) -> dict[str, Any]:
     rows = []
     for codec_name in CODECS:
         codec = get_codec(codec_name)
-        kernel = bench_codec(codec, blocks, "cuda", _gpu_time, repeats)
-        reference = bench_codec(codec, blocks, "torch", _gpu_time, repeats)
+        kernel = bench_codec(codec, blocks, "cuda", gpu_time, repeats)
+        reference = bench_codec(codec, blocks, "torch", gpu_time, repeats)
         for k, r in zip(kernel, reference, strict=False):
             k["torch_gpu_us"] = r["us"]
             k["speedup_vs_torch_gpu"] = r["us"] / k["us"]
@@ -191,7 +168,7 @@ def run_gpu(repeats: int, tokens: int) -> dict[str, Any]:
         def move(b: Backend = backend) -> None:
             int8.transcode_into(src, slots, int4, dst, slots, SHAPE, backend=b)
 
-        seconds = _gpu_time(move, repeats)
+        seconds = gpu_time(move, repeats)
         rows.append(
             _row(
                 f"int8->int4 transcode ({backend})",

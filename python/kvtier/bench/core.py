@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +42,35 @@ def best_of(repeats: int, fn: Callable[[], Any]) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+#: A timer of the kernel benches: ``timer(fn, repeats)`` -> seconds per call.
+Timer = Callable[[Callable[[], Any], int], float]
+
+
+def cpu_time(fn: Callable[[], Any], repeats: int) -> float:
+    """Seconds of the best of ``repeats`` calls of ``fn``, after one warm-up call."""
+    fn()
+    return best_of(repeats, fn)
+
+
+def gpu_time(fn: Callable[[], Any], repeats: int) -> float:
+    """Seconds of the median of ``repeats`` calls of ``fn`` timed by CUDA events on the current
+    torch stream, after three warm-up calls."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 CORE_ARGS: dict[str, Any] = {"block_size": 16, "recent_window": 64}
