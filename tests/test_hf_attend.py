@@ -6,7 +6,6 @@ the gather path over the same compressed blocks (the logits must agree to roundi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +14,14 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from test_hf_cache import COMPRESSED, EXACT, PROMPT, generate, prompt_ids  # noqa: E402
+from test_hf_cache import (  # noqa: E402 (one_thread: the same autouse fixture)
+    COMPRESSED,
+    EXACT,
+    PROMPT,
+    generate,
+    one_thread,  # noqa: F401
+    prompt_ids,
+)
 from transformers import DynamicCache  # noqa: E402
 
 from kvtier import BlockManager  # noqa: E402
@@ -24,14 +30,6 @@ from kvtier.eval import model as real  # noqa: E402
 from kvtier.integrations.hf import ATTENTION, TieredCache  # noqa: E402
 
 pytestmark = pytest.mark.hf
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
