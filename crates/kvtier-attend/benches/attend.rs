@@ -1,5 +1,6 @@
 //! Time per call of the kernel at the decode shapes of benchmarks/attend_cpu.py (SmolLM2 at 512
-//! and 4096 tokens, Llama-3-8B 4 x 528), over blocks all at level 0, all int8 (symmetric, per
+//! and 4096 tokens, and 1024 and 2048 between them where splitting a call over threads starts
+//! to pay; Llama-3-8B 4 x 528), over blocks all at level 0, all int8 (symmetric, per
 //! token) and all int4 (asymmetric, keys per channel), with no Python in the way:
 //! `cargo bench -p kvtier-attend [-- FILTER]`. Prints figures (best mean of several batches),
 //! never passes or fails. `KVTIER_BENCH_ISA=scalar` runs the portable loops;
@@ -167,6 +168,24 @@ fn main() {
             name: "smollm2-512",
             seqs: 1,
             tokens: 512,
+            hq: 9,
+            hkv: 3,
+            d: 64,
+            dtype: FloatDtype::F32,
+        },
+        Shape {
+            name: "smollm2-1024",
+            seqs: 1,
+            tokens: 1024,
+            hq: 9,
+            hkv: 3,
+            d: 64,
+            dtype: FloatDtype::F32,
+        },
+        Shape {
+            name: "smollm2-2048",
+            seqs: 1,
+            tokens: 2048,
             hq: 9,
             hkv: 3,
             d: 64,
