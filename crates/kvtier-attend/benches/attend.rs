@@ -25,7 +25,7 @@ impl Rng {
     }
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Mix {
     Level0,
     Int8,
@@ -50,22 +50,34 @@ fn small_f16(rng: &mut Rng) -> [u8; 2] {
     ((exp << 10) | (rng.next() % 1024) as u16).to_le_bytes()
 }
 
-/// A pool of `slots` one-layer rows: descriptor fields and bytes.
-fn pool(mix: Mix, sh: &Shape, slots: usize, rng: &mut Rng) -> (Vec<i64>, Vec<u8>) {
+/// A pool of `slots` rows of `layers` layers, filled at `layer` only (the others stay zero pages
+/// the kernel never reads): descriptor fields and bytes.
+fn pool(
+    mix: Mix,
+    sh: &Shape,
+    slots: usize,
+    layers: usize,
+    layer: usize,
+    rng: &mut Rng,
+) -> (Vec<i64>, Vec<u8>) {
     let (h, d) = (sh.hkv, sh.d);
     let values = 2 * h * B * d;
     match mix {
         Mix::Level0 => {
-            let mut bytes = Vec::with_capacity(slots * values * sh.dtype.size());
-            for _ in 0..slots * values {
-                let x = rng.unit() * 2.0 - 1.0;
-                match sh.dtype {
-                    FloatDtype::F32 => bytes.extend_from_slice(&x.to_le_bytes()),
-                    _ => bytes.extend_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes()),
+            let tile = values * sh.dtype.size();
+            let row = layers * tile;
+            let mut bytes = vec![0u8; slots * row];
+            for slot in 0..slots {
+                let at = slot * row + layer * tile;
+                for v in bytes[at..at + tile].chunks_exact_mut(sh.dtype.size()) {
+                    let x = rng.unit() * 2.0 - 1.0;
+                    match sh.dtype {
+                        FloatDtype::F32 => v.copy_from_slice(&x.to_le_bytes()),
+                        _ => v.copy_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes()),
+                    }
                 }
             }
             let code = i64::from(sh.dtype != FloatDtype::F32);
-            let row = (values * sh.dtype.size()) as i64;
             (
                 vec![
                     0,
@@ -73,8 +85,8 @@ fn pool(mix: Mix, sh: &Shape, slots: usize, rng: &mut Rng) -> (Vec<i64>, Vec<u8>
                     0,
                     0,
                     slots as i64,
-                    row,
-                    1,
+                    row as i64,
+                    layers as i64,
                     -1,
                     0,
                     -1,
@@ -93,21 +105,30 @@ fn pool(mix: Mix, sh: &Shape, slots: usize, rng: &mut Rng) -> (Vec<i64>, Vec<u8>
                 Mix::Int8 => (8usize, false, false),
                 _ => (4, true, true),
             };
+            // per layer: codes, then K's and V's scales (and zero points)
             let codes = values * bits / 8;
             let gk = if per_channel { d } else { B };
             let (ks, vs) = (h * gk * 2, h * B * 2);
             let z = usize::from(asym);
-            let (k_scale, k_zero) = (codes, codes + ks);
-            let v_scale = k_zero + z * ks;
-            let v_zero = v_scale + vs;
-            let row = v_zero + z * vs;
-            let mut bytes = Vec::with_capacity(slots * row);
-            for _ in 0..slots {
-                for _ in 0..codes {
-                    bytes.push(rng.next() as u8);
+            let (k_scale, k_zero) = (layers * codes, layers * (codes + ks));
+            let v_scale = k_zero + z * layers * ks;
+            let v_zero = v_scale + layers * vs;
+            let row = v_zero + z * layers * vs;
+            let mut bytes = vec![0u8; slots * row];
+            for slot in 0..slots {
+                let r = &mut bytes[slot * row..(slot + 1) * row];
+                for c in &mut r[layer * codes..(layer + 1) * codes] {
+                    *c = rng.next() as u8;
                 }
-                for _ in (codes..row).step_by(2) {
-                    bytes.extend_from_slice(&small_f16(rng));
+                let mut sections = vec![(k_scale, ks), (v_scale, vs)];
+                if asym {
+                    sections.extend([(k_zero, ks), (v_zero, vs)]);
+                }
+                for (at, len) in sections {
+                    let at = at + layer * len;
+                    for x in r[at..at + len].chunks_exact_mut(2) {
+                        x.copy_from_slice(&small_f16(rng));
+                    }
                 }
             }
             let zf = |o: usize| if asym { o as i64 } else { -1 };
@@ -118,7 +139,7 @@ fn pool(mix: Mix, sh: &Shape, slots: usize, rng: &mut Rng) -> (Vec<i64>, Vec<u8>
                 0,
                 slots as i64,
                 row as i64,
-                1,
+                layers as i64,
                 -1,
                 d as i64,
                 0,
@@ -227,7 +248,7 @@ fn main() {
             let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
             let blocks = sh.tokens.div_ceil(B);
             let slots = sh.seqs * blocks;
-            let (desc, bytes) = pool(mix, sh, slots, &mut rng);
+            let (desc, bytes) = pool(mix, sh, slots, 1, 0, &mut rng);
             let pools = [Pool {
                 desc: PoolDesc::from_fields(0, &desc).unwrap(),
                 bytes: &bytes,
@@ -293,6 +314,135 @@ fn main() {
             println!(
                 "{:<14} {mix_name:<7} {used:>10.3} {one:>10.1} {pooled:>10.1}",
                 sh.name
+            );
+        }
+    }
+    if calls.is_none() {
+        cold(&shapes[..], &filter, isa);
+    }
+}
+
+/// Layers of a pool's row in the cold cases (SmolLM2's 30): a block's slice of one layer lies
+/// `row_bytes` (~740 KB for fp32) from the next block's, never next to it.
+const COLD_LAYERS: usize = 30;
+/// Bytes written between two cold calls: more than the L3 cache, as a model's weights and its
+/// other layers' KV stream through it between two calls at one layer.
+const COLD_FLUSH: usize = 64 << 20;
+
+/// SmolLM2 at 512 and 4096 tokens with the manager's layout (rows of 30 layers, blocks in
+/// shuffled slots, layer 15 read), timed on one thread hot (the same call again and again) and
+/// cold (64 MiB written before each call, so the blocks come from DRAM): the median per call.
+/// Labels `cold <shape> <mix>`.
+fn cold(shapes: &[Shape], filter: &[String], isa: Isa) {
+    println!(
+        "{:<19} {:<7} {:>10} {:>10} {:>10}",
+        "cold case", "mix", "MB read", "hot us", "cold us"
+    );
+    let mut flush = vec![0u8; COLD_FLUSH];
+    for sh in shapes
+        .iter()
+        .filter(|sh| matches!(sh.name, "smollm2-512" | "smollm2-4096"))
+    {
+        for mix_name in ["level0", "int8", "int4", "ladder"] {
+            let label = format!("cold {} {mix_name}", sh.name);
+            if !filter.is_empty() && !filter.iter().any(|f| label.contains(f.as_str())) {
+                continue;
+            }
+            let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+            let blocks = sh.tokens.div_ceil(B);
+            // a level for each block: the ladder's newest quarter at level 0, then int8, the
+            // rest int4 (benchmarks/attend_cpu.py's)
+            let levels: Vec<Mix> = match mix_name {
+                "level0" => vec![Mix::Level0],
+                "int8" => vec![Mix::Int8],
+                "int4" => vec![Mix::Int4],
+                _ => vec![Mix::Level0, Mix::Int8, Mix::Int4],
+            };
+            let block_pool: Vec<i32> = (0..blocks)
+                .map(|j| match levels.len() {
+                    1 => 0,
+                    _ if j >= blocks - blocks / 4 => 0,
+                    _ if j >= blocks - blocks / 2 => 1,
+                    _ => 2,
+                })
+                .collect();
+            let made: Vec<(Vec<i64>, Vec<u8>)> = levels
+                .iter()
+                .map(|&mix| pool(mix, sh, blocks, COLD_LAYERS, 15, &mut rng))
+                .collect();
+            let pools: Vec<Pool> = made
+                .iter()
+                .enumerate()
+                .map(|(i, (desc, bytes))| Pool {
+                    desc: PoolDesc::from_fields(i, desc).unwrap(),
+                    bytes,
+                })
+                .collect();
+            // each block in a random slot of its pool
+            let mut block_slot: Vec<i32> = (0..blocks as i32).collect();
+            for i in (1..blocks).rev() {
+                block_slot.swap(i, rng.next() as usize % (i + 1));
+            }
+            let used: f64 = block_pool
+                .iter()
+                .map(|&p| {
+                    let (desc, _) = &made[p as usize];
+                    (desc[5] as usize / COLD_LAYERS) as f64 / 1e6
+                })
+                .sum();
+            let q: Vec<u8> = (0..sh.hq * sh.d)
+                .flat_map(|_| (rng.unit() * 2.0 - 1.0).to_le_bytes())
+                .collect();
+            let seq_lens = [sh.tokens as i32];
+            let inputs = Inputs {
+                q: &q,
+                dtype: FloatDtype::F32,
+                seq_lens: &seq_lens,
+                block_pool: &block_pool,
+                block_slot: &block_slot,
+                pools: &pools,
+            };
+            let problem = Problem {
+                seqs: 1,
+                queries: 1,
+                q_heads: sh.hq,
+                kv_heads: sh.hkv,
+                block_size: B,
+                head_dim: sh.d,
+                max_blocks: blocks,
+                layer: 15,
+                scale: 1.0 / (sh.d as f32).sqrt(),
+            };
+            let mut out = vec![0u8; q.len()];
+            let mut mass = vec![0f32; blocks];
+            let mut call = || {
+                let outputs = Outputs {
+                    out: &mut out,
+                    mass: &mut mass,
+                };
+                let t0 = Instant::now();
+                attend(&problem, &inputs, outputs, Exec { threads: 1, isa }).unwrap();
+                t0.elapsed().as_secs_f64() * 1e6
+            };
+            let median = |mut v: Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let n = if sh.tokens > 1024 { 41 } else { 101 };
+            call();
+            let hot = median((0..4 * n).map(|_| call()).collect());
+            let cold = median(
+                (0..n)
+                    .map(|i| {
+                        flush.fill(i as u8);
+                        std::hint::black_box(&mut flush);
+                        call()
+                    })
+                    .collect(),
+            );
+            println!(
+                "{:<19} {mix_name:<7} {used:>10.3} {hot:>10.1} {cold:>10.1}",
+                format!("cold {}", sh.name)
             );
         }
     }
