@@ -1,10 +1,10 @@
 """Codecs: how a block of K/V is stored at each precision level.
 
 ``get_codec(name)`` returns one by name — ``fp16``/``bf16``/``fp32`` (level 0), ``int8``,
-``int4`` (KIVI-style), a ``learned:<name>`` pair of torch modules, or a codec a package declares
-in the ``kvtier.codecs`` entry-point group. Layouts and byte counts need only numpy; encoding
-and decoding need torch, and CuPy for the CUDA kernels. See docs/codecs.md for the measured
-quality and speed of each.
+``int4`` and ``int2`` (KIVI-style), a ``learned:<name>`` pair of torch modules, or a codec a
+package declares in the ``kvtier.codecs`` entry-point group. Layouts and byte counts need only
+numpy; encoding and decoding need torch, and CuPy for the CUDA kernels. See docs/codecs.md for
+the measured quality and speed of each.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from .base import Backend, BlockShape, Codec, Encoded, Section
 from .identity import IdentityCodec
-from .quant import INT4_GROUP_SIZE, Int4Codec, Int8Codec, QuantCodec
+from .quant import INT2_GROUP_SIZE, INT4_GROUP_SIZE, Int2Codec, Int4Codec, Int8Codec, QuantCodec
 from .registry import (
     ENTRY_POINT_GROUP,
     available_codecs,
@@ -25,12 +25,14 @@ from .registry import (
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "INT2_GROUP_SIZE",
     "INT4_GROUP_SIZE",
     "Backend",
     "BlockShape",
     "Codec",
     "Encoded",
     "IdentityCodec",
+    "Int2Codec",
     "Int4Codec",
     "Int8Codec",
     "LearnedCodec",

@@ -1,4 +1,5 @@
-"""Group-wise integer quantization: the ``int8`` and ``int4`` codecs and their torch reference.
+"""Group-wise integer quantization: the ``int8``, ``int4`` and ``int2`` codecs and their torch
+reference.
 
 A block is split into groups; each group stores integer codes and an fp16 scale (and an fp16
 zero point when asymmetric). Values are grouped per token, ``group_size`` values along the head
@@ -11,13 +12,18 @@ The rounding rule (the CUDA kernels in kernels/kvtier_codecs.cu follow it operat
 operation, so codes are bit-exact and scales equal):
 
 - symmetric: ``s = fp16(amax * fp32(1/qmax))``, ``q = round(x / s')`` clamped to
-  ``[-qmax, qmax]`` (``qmax`` 127 or 7);
+  ``[-qmax, qmax]`` (``qmax`` 127, 7 or 1 for 8, 4 or 2 bits);
 - asymmetric: ``s = fp16((max - min) * fp32(1/levels))``, ``z = fp16(min)``,
-  ``q = round((x - z) / s')`` clamped to ``[0, levels]`` (``levels`` 255 or 15);
+  ``q = round((x - z) / s')`` clamped to ``[0, levels]`` (``levels`` 255, 15 or 3);
 
 where ``s' = s`` if ``s > 0`` else 1, ``fp16()`` rounds to nearest even after clamping to
 ±65504, ``round`` is half-to-even, and every step is a single fp32 operation. Decoding is
 ``q * s (+ z)`` in fp32. Inputs beyond the fp16 range saturate.
+
+Codes narrower than a byte are packed ``8 / bits`` a byte along the head dimension, low bits
+first: element ``per * i + j`` of a row sits at bits ``bits * j`` .. ``bits * j + bits - 1`` of
+byte ``i`` (int4: element ``2i`` in the low nibble; int2: element ``4i + j`` at bits ``2j, 2j + 1``).
+Symmetric codes are two's complement in their ``bits`` (sign-extended when unpacked).
 """
 
 from __future__ import annotations
@@ -39,15 +45,19 @@ def _fp16_round(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-_FP16_MAX, _FP16_MAX).half().float()
 
 
-#: The grouping options of the built-in ``int4`` and ``int8`` codecs, by bits.
+#: The grouping options of the built-in ``int2``, ``int4`` and ``int8`` codecs, by bits.
 _BUILTIN_OPTIONS = {
+    2: {"asymmetric": True, "key_per_channel": True},
     4: {"asymmetric": True, "key_per_channel": True},
     8: {"asymmetric": False, "key_per_channel": False},
 }
+#: The class of the built-in codec of these bits (named in advice a user can run).
+_BUILTIN_CLASS = {2: "Int2Codec", 4: "Int4Codec", 8: "Int8Codec"}
 
 
 class QuantCodec(Codec):
-    """Integer codes with fp16 scales per group; the shared machinery of ``int8`` and ``int4``."""
+    """Integer codes with fp16 scales per group; the shared machinery of ``int8``, ``int4`` and
+    ``int2``."""
 
     layer_major = True
 
@@ -62,8 +72,8 @@ class QuantCodec(Codec):
         key_per_channel: bool,
         group_size: int | None = None,
     ) -> None:
-        if bits not in (4, 8):
-            raise InvalidArgumentError(f"bits: expected 4 or 8, got {bits!r}")
+        if bits not in (2, 4, 8):
+            raise InvalidArgumentError(f"bits: expected 2, 4 or 8, got {bits!r}")
         if group_size is not None and (
             not isinstance(group_size, int) or group_size < 2 or group_size % 2
         ):
@@ -89,9 +99,12 @@ class QuantCodec(Codec):
 
     def check_shape(self, shape: BlockShape) -> None:
         D = shape.head_dim
-        if self.bits == 4 and D % 2:  # no group size helps: say so first
+        per_byte = 8 // self.bits
+        if D % per_byte:  # no group size helps: say so first
+            odd = "is odd" if per_byte == 2 else f"is not divisible by {per_byte}"
+            count = {2: "two", 4: "four"}[per_byte]
             raise InvalidArgumentError(
-                f"head_dim {D} is odd: int4 packs two values a byte along it"
+                f"head_dim {D} {odd}: int{self.bits} packs {count} values a byte along it"
             )
         g = self.group(shape)
         if D % g:
@@ -110,7 +123,7 @@ class QuantCodec(Codec):
             for k, v in _BUILTIN_OPTIONS[self.bits].items()
             if getattr(self, k) != v
         )
-        cls = "Int4Codec" if self.bits == 4 else "Int8Codec"
+        cls = _BUILTIN_CLASS[self.bits]
         named = f"{base}-g{pick if pick is not None else 'head'}"
         return (
             f"head_dim {head_dim} is not divisible by group_size {group} of codec "
@@ -228,19 +241,30 @@ class QuantCodec(Codec):
 
     def _pack_codes(self, q: torch.Tensor) -> torch.Tensor:
         torch = torch_module()
-        if self.bits == 8:
+        bits = self.bits
+        if bits == 8:
             return q.to(torch.uint8) if self.asymmetric else q.to(torch.int8).view(torch.uint8)
-        nib = q.to(torch.int16) & 15  # two's complement nibble when symmetric
-        return (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
+        per_byte = 8 // bits
+        small = q.to(torch.int16) & ((1 << bits) - 1)  # two's complement when symmetric
+        packed = small[..., 0::per_byte]
+        for j in range(1, per_byte):
+            packed = packed | (small[..., j::per_byte] << (bits * j))
+        return packed.to(torch.uint8)
 
     def _unpack_codes(self, codes: torch.Tensor) -> torch.Tensor:
         torch = torch_module()
-        if self.bits == 8:
+        bits = self.bits
+        if bits == 8:
             return (codes if self.asymmetric else codes.view(torch.int8)).float()
-        nib = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
-        if not self.asymmetric:  # sign-extend the two's complement nibble
-            return nib.view(torch.int8).bitwise_xor_(8).float().sub_(8)
-        return nib.float()
+        per_byte, mask = 8 // bits, (1 << bits) - 1
+        fields = [codes & mask]
+        fields += [(codes >> (bits * j)) & mask for j in range(1, per_byte - 1)]
+        fields.append(codes >> (bits * (per_byte - 1)))  # the top field needs no mask
+        small = torch.stack(fields, dim=-1).flatten(-2)
+        if not self.asymmetric:  # sign-extend the two's complement field
+            sign = 1 << (bits - 1)
+            return small.view(torch.int8).bitwise_xor_(sign).float().sub_(sign)
+        return small.float()
 
 
 class Int8Codec(QuantCodec):
@@ -273,4 +297,26 @@ class Int4Codec(QuantCodec):
     ) -> None:
         super().__init__(
             name, 4, asymmetric=asymmetric, key_per_channel=key_per_channel, group_size=group_size
+        )
+
+
+#: Values per group of the ``int2`` codec's values (measured on SmolLM2, docs/codecs.md).
+INT2_GROUP_SIZE = 32
+
+
+class Int2Codec(QuantCodec):
+    """``int2``, KIVI-style like ``int4`` at 2 bits: keys per channel along the block's tokens,
+    values per token in groups of ``group_size``; asymmetric, fp16 scale and zero point per
+    group; four codes a byte (head_dim must be a multiple of 4)."""
+
+    def __init__(
+        self,
+        *,
+        group_size: int | None = INT2_GROUP_SIZE,
+        key_per_channel: bool = True,
+        asymmetric: bool = True,
+        name: str = "int2",
+    ) -> None:
+        super().__init__(
+            name, 2, asymmetric=asymmetric, key_per_channel=key_per_channel, group_size=group_size
         )

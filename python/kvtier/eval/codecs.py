@@ -35,7 +35,17 @@ from . import model as real
 WINDOWS = 4
 WINDOW_TOKENS = 512
 BLOCK_SIZE = 16
-DEFAULT_CODECS = ("fp16", "int8", "int8-asym", "int4", "int4-g64", "int4-tok", "int4-sym")
+DEFAULT_CODECS = (
+    "fp16",
+    "int8",
+    "int8-asym",
+    "int4",
+    "int4-g64",
+    "int4-tok",
+    "int4-sym",
+    "int2",
+    "int2-g64",
+)
 
 
 @dataclass
@@ -172,6 +182,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "int4-tok": ("int4", {"key_per_channel": False}),
     "int4-sym": ("int4", {"asymmetric": False}),
     "int8-g32": ("int8", {"group_size": 32}),
+    "int2-g16": ("int2", {"group_size": 16}),
+    "int2-g32": ("int2", {"group_size": 32}),
+    "int2-tok": ("int2", {"key_per_channel": False}),
+    "int2-sym": ("int2", {"asymmetric": False}),
     # plain symmetric per-token grouping, one scale per vector: magdir's equal-bytes peer
     "int4-sym-head": (
         "int4",
