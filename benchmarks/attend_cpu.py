@@ -4,9 +4,9 @@ fails.
 
 Cases: SmolLM2-135M decode (1 sequence, 1 query, 9 query heads over 3 K/V heads, head_dim 64,
 fp32) at 512 and 4096 tokens; Llama-3-8B decode (4 sequences of 528 tokens, 32 query heads over
-8, head_dim 128, fp16). Each over blocks all at level 0, all int8, all int4, and the ladder (the
-newest 25 % at level 0, the next 25 % int8, the oldest half int4). One layer's pools, so the
-bytes the kernel reads are exactly the pools' bytes that the block tables name.
+8, head_dim 128, fp16). Each over blocks all at level 0, all int8, all int4, all int2, and the
+ladder (the newest 25 % at level 0, the next 25 % int8, the oldest half int4). One layer's pools,
+so the bytes the kernel reads are exactly the pools' bytes that the block tables name.
 
 Beside each: a torch copy of the same number of bytes (``dst.copy_(src)``, which reads and
 writes them) and ``torch.nn.functional.scaled_dot_product_attention`` over a contiguous
@@ -33,7 +33,7 @@ from kvtier import _core
 from kvtier.attend import FLOAT_CODES, PoolView, attend_cpu, describe
 from kvtier.codecs import BlockShape, get_codec
 
-MIXES = ("level0", "int8", "int4", "ladder")
+MIXES = ("level0", "int8", "int4", "int2", "ladder")
 
 
 def best_us(fn: Callable[[], Any], repeat: int, budget_s: float = 0.15) -> float:
@@ -67,7 +67,7 @@ def case(
     B = 16
     shape = BlockShape(1, kv_heads, B, head_dim, dtype)
     blocks = -(-tokens // B)
-    levels = {"level0": [dtype], "int8": ["int8"], "int4": ["int4"]}.get(
+    levels = {"level0": [dtype], "int8": ["int8"], "int4": ["int4"], "int2": ["int2"]}.get(
         mix, [dtype, "int8", "int4"]
     )
     gen = torch.Generator().manual_seed(0)

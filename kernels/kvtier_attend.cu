@@ -1,6 +1,6 @@
 // kvtier's attention kernel: the attention output of the newest queries of S sequences at one
 // layer, computed straight over their K/V blocks where they lie in the pools (float pools read
-// as they are, int8/int4 pools dequantized in registers a tile at a time), without gathering
+// as they are, int8/int4/int2 pools dequantized in registers a tile at a time), without gathering
 // the cache or decoding it to a full-precision copy. The contract, the pool layouts, the 16
 // int64s that describe a pool and the torch reference it must match are in
 // python/kvtier/attend.py; the launches are in python/kvtier/attend_cuda.py.
@@ -131,10 +131,12 @@ __device__ void load_float_tile(const BlockRef& r, int kv, int hk, int H, int B,
 
 // One (layer, kv, head) tile of a QuantCodec row -> fp32 in shared memory, decoded as
 // kernels/kvtier_codecs.cu decodes (q * s, then + z, each one fp32 operation). Each thread
-// takes 4 code bytes at a time (4 int8 or 8 int4 values of one token).
+// takes a word of codes at a time, values of one token (D is a multiple of 8): 4 bytes (4 int8
+// or 8 int4 values), or 2 bytes of int2 (8 values; 4 bytes would cross a token where D is not
+// a multiple of 16).
 __device__ void load_quant_tile(const BlockRef& r, int kv, int hk, int H, int B, int D,
                                 float* dst, int stride) {
-    const int bits = r.dtype_or_bits;
+    const int bits = r.dtype_or_bits;  // 2, 4 or 8: codes low bits first in each byte
     const int tile_bytes = B * D * bits / 8;
     const u8* codes = r.row + r.codes + ((i64)(r.layer * 2 + kv) * H + hk) * tile_bytes;
     const bool per_channel = kv == 0 && (r.flags & FLAG_KEY_PER_CHANNEL);
@@ -144,10 +146,11 @@ __device__ void load_quant_tile(const BlockRef& r, int kv, int hk, int H, int B,
     const i64 first = ((i64)r.layer * H + hk) * groups;
     const u16* scales = (const u16*)(r.row + r.scale[kv]) + first;
     const u16* zeros = (const u16*)(r.row + r.zero[kv]) + first;  // read only when asymmetric
-    const int per_word = 32 / bits;
-    const unsigned mask = (1u << bits) - 1u;
+    const int word_bytes = bits == 2 ? 2 : 4;
+    const int per_word = 8 * word_bytes / bits;
+    const unsigned mask = (1u << bits) - 1u, sign = 1u << (bits - 1);
     const int valid = r.valid_tokens * D;
-    const bool aligned = ((u64)codes & 3) == 0;
+    const bool aligned = ((u64)codes & (word_bytes - 1)) == 0;
     for (int u = threadIdx.x; u < B * D / per_word; u += blockDim.x) {
         const int e = u * per_word, b = e / D, d0 = e % D;
         float* out = dst + b * stride + d0;
@@ -155,20 +158,16 @@ __device__ void load_quant_tile(const BlockRef& r, int kv, int hk, int H, int B,
             for (int k = 0; k < per_word; ++k) out[k] = 0.0f;
             continue;
         }
+        const u8* w = codes + (i64)word_bytes * u;
         unsigned word;
-        if (aligned) {
-            word = ((const unsigned*)codes)[u];
-        } else {
-            const u8* c = codes + 4 * u;
-            word = c[0] | (c[1] << 8) | (c[2] << 16) | ((unsigned)c[3] << 24);
-        }
+        if (word_bytes == 2) word = aligned ? ((const u16*)codes)[u] : w[0] | (w[1] << 8);
+        else if (aligned) word = ((const unsigned*)codes)[u];
+        else word = w[0] | (w[1] << 8) | (w[2] << 16) | ((unsigned)w[3] << 24);
         for (int k = 0; k < per_word; ++k) {  // value k: bits [k * bits, (k + 1) * bits)
             const int d = d0 + k;
             const unsigned c = (word >> (k * bits)) & mask;
-            float q;
-            if (asym) q = (float)c;
-            else if (bits == 8) q = (float)(signed char)c;
-            else q = (float)((int)(c ^ 8u) - 8);  // sign-extend the nibble
+            // two's complement when symmetric: (c ^ sign) - sign sign-extends `bits` bits
+            const float q = asym ? (float)c : (float)((int)(c ^ sign) - (int)sign);
             const int g = per_channel ? d : b * per_row + d / r.group;
             float x = __fmul_rn(q, half_to_float(scales[g]));
             if (asym) x = __fadd_rn(x, half_to_float(zeros[g]));

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.attend import PoolView
-from kvtier.codecs import BlockShape, Codec, Int4Codec, get_codec
+from kvtier.codecs import BlockShape, Codec, Int2Codec, Int4Codec, get_codec
 
 #: torch's dtype of each float level (and of each query dtype)
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -28,10 +28,17 @@ def dtype(name: str) -> Any:
     return getattr(torch, DTYPES[name])
 
 
-def int4(head_dim: int) -> str | Codec:
-    """int4 at its default group of 32 channels where ``head_dim`` allows it, else in groups of
-    16 (head_dim 80)."""
-    return "int4" if head_dim % 32 == 0 else Int4Codec(group_size=16, name="int4-g16")
+#: The codecs of fewer bits than a byte: the tests run int2 wherever they run int4.
+PACKED = ("int4", "int2")
+
+
+def packed(name: str, head_dim: int) -> str | Codec:
+    """``name`` (``int4`` or ``int2``) at its default group of 32 channels where ``head_dim``
+    allows it, else in groups of 16 (head_dim 80)."""
+    if head_dim % 32 == 0:
+        return name
+    cls = {"int4": Int4Codec, "int2": Int2Codec}[name]
+    return cls(group_size=16, name=f"{name}-g16")
 
 
 def pool(

@@ -6,7 +6,7 @@ different lengths in one call, GQA ratios 1 to 8, head sizes 64/80/128/256, bloc
 tokens, one thread and rayon's pool.
 
 The problems are tests/attend_problems.py's, as the CUDA kernel's tests build them (pools built
-by each codec's own ``encode``).
+by each codec's own ``encode``); int2 runs wherever int4 does (``attend_problems.PACKED``).
 
 Tolerances, against the reference computed in fp32 from the same dequantized values: the output within 1e-5 absolute plus 1e-5 relative
 for fp32 queries (fp32 accumulation in another order, the kernel's exp within 2 ulp of torch's),
@@ -24,10 +24,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attend_problems import assert_matches, int4, problem  # noqa: E402
+from attend_problems import PACKED, assert_matches, packed, problem  # noqa: E402
 
 from kvtier.attend import PoolView, attend_cpu, reference  # noqa: E402
-from kvtier.codecs import Codec, Int4Codec, Int8Codec  # noqa: E402
+from kvtier.codecs import Codec, Int2Codec, Int4Codec, Int8Codec  # noqa: E402
 from kvtier.errors import InvalidArgumentError  # noqa: E402
 
 TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 2e-2}
@@ -57,16 +57,31 @@ CUSTOM = [
     Int8Codec(asymmetric=True, group_size=8, name="int8-asym-g8"),
     Int4Codec(group_size=16, key_per_channel=False, asymmetric=False, name="int4-sym-g16"),
 ]
+# int2 as int4 above, and keys per token with one group a token (the zero point's q-sum path)
+# and groups of 2, the smallest a codec takes
+CUSTOM_INT2 = [
+    Int2Codec(group_size=None, name="int2-ghead"),
+    Int2Codec(group_size=16, key_per_channel=False, asymmetric=False, name="int2-sym-g16"),
+    Int2Codec(group_size=None, key_per_channel=False, name="int2-asym-ktok-ghead"),
+    Int2Codec(group_size=2, key_per_channel=False, name="int2-asym-ktok-g2"),
+]
 MIXES: dict[str, tuple[str, list[str | Codec]]] = {
     "fp32": ("fp32", ["fp32"]),
     "fp16": ("fp16", ["fp16"]),
     "bf16": ("bf16", ["bf16"]),
     "int8": ("fp32", ["int8"]),
     "int4": ("fp16", ["int4"]),
-    **{c.name: ("fp32", [c]) for c in CUSTOM},
+    "int2": ("fp16", ["int2"]),
+    "int2-g64": ("fp32", ["int2-g64"]),
+    **{c.name: ("fp32", [c]) for c in CUSTOM + CUSTOM_INT2},
     "ladder": ("fp16", ["fp16", "int8", "int4"]),
+    "int2-ladder": ("fp16", ["fp16", "int8", "int4", "int2"]),
     "bf16-ladder": ("bf16", ["bf16", "int8", "int4", CUSTOM[3]]),
-    "fp32-everything": ("fp32", ["fp32", "fp16", "bf16", "int8", "int4", *CUSTOM]),
+    "bf16-int2-ladder": ("bf16", ["bf16", "int8", "int2", CUSTOM_INT2[1]]),
+    "fp32-everything": (
+        "fp32",
+        ["fp32", "fp16", "bf16", "int8", "int4", "int2", *CUSTOM, *CUSTOM_INT2],
+    ),
 }
 
 
@@ -77,13 +92,14 @@ def test_every_codec_and_mix_of_levels_matches_the_reference(mix: str, queries: 
     _check(codecs=codecs, q_dtype=q_dtype, queries=queries, staging=True, threads=(1, 2))
 
 
+@pytest.mark.parametrize("low", PACKED)
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (80, 32), (128, 32), (256, 16)])
 def test_gqa_ratios_head_sizes_and_block_sizes_match_the_reference(
-    group: int, head_dim: int, block_size: int
+    low: str, group: int, head_dim: int, block_size: int
 ) -> None:
     _check(
-        codecs=["fp32", "int8", int4(head_dim)],
+        codecs=["fp32", "int8", packed(low, head_dim)],
         q_heads=2 * group,
         head_dim=head_dim,
         block_size=block_size,
@@ -93,16 +109,18 @@ def test_gqa_ratios_head_sizes_and_block_sizes_match_the_reference(
     )
 
 
+@pytest.mark.parametrize("low", PACKED)
 @pytest.mark.parametrize("queries", [1, 2, 16, 33])
-def test_many_sequences_of_odd_lengths_and_chunked_prefill(queries: int) -> None:
+def test_many_sequences_of_odd_lengths_and_chunked_prefill(low: str, queries: int) -> None:
     lengths = (33, 1 + queries, 70, 256, 17 + queries)
-    _check(codecs=["fp16", "int8", "int4"], q_dtype="fp16", queries=queries, lengths=lengths)
+    _check(codecs=["fp16", "int8", low], q_dtype="fp16", queries=queries, lengths=lengths)
 
 
-def test_long_sequences_split_over_the_pool_match_the_reference() -> None:
+@pytest.mark.parametrize("low", PACKED)
+def test_long_sequences_split_over_the_pool_match_the_reference(low: str) -> None:
     # large enough to leave the calling thread, with sequences cut into runs of blocks
     _check(
-        codecs=["fp32", "int8", "int4"],
+        codecs=["fp32", "int8", low],
         q_heads=16,
         head_dim=128,
         lengths=(1500, 700),
@@ -127,8 +145,9 @@ def test_skipped_blocks_get_no_mass_and_a_query_that_sees_nothing_gets_zeros() -
     torch.testing.assert_close(mass, want_mass, atol=MASS_TOLERANCE, rtol=0)
 
 
-def test_masses_may_be_numpy_and_tables_flat_or_int64() -> None:
-    args = problem(codecs=["fp16", "int4"], lengths=(50, 90))
+@pytest.mark.parametrize("low", PACKED)
+def test_masses_may_be_numpy_and_tables_flat_or_int64(low: str) -> None:
+    args = problem(codecs=["fp16", low], lengths=(50, 90))
     q, lens, block_pool, block_slot = args[:4]
     want, want_mass = reference(*args)
     out = torch.empty_like(q)

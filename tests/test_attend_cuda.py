@@ -2,7 +2,7 @@
 reference of the contract (kvtier.attend.reference): every codec and mix of levels, several pools
 in one sequence, skipped blocks, odd lengths, one and several queries, several sequences, GQA
 ratios 1 to 8, head sizes 64/80/128/256, the split (flash-decoding) path and the row tiles of long
-prefills.
+prefills; int2 wherever int4 (``attend_problems.PACKED``).
 
 Tolerances, against the reference computed in fp32 from the same dequantized values: the output
 within 1e-4 (fp32 q), 2e-3 (fp16) or 1.6e-2 (bf16) absolute plus the same relative (one or two
@@ -10,18 +10,23 @@ units in the last place of the output dtype: the kernel's exp2 and summation ord
 torch's); the mass, a probability, within 2e-5.
 
 The GPU tests need a CUDA device and CuPy; the NVRTC compile test needs only CuPy with a loadable
-NVRTC, as tests/test_kernels.py's."""
+NVRTC, as tests/test_kernels.py's; the host run of the kernel's tile decoder needs a C++ compiler
+and torch."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from attend_problems import assert_matches, int4, problem
+from attend_problems import PACKED, assert_matches, packed, problem
 from kernel_ptx import entry_points, ptx
 
-from kvtier.attend import PoolView, Problem, reference
+from kvtier.attend import PoolView, Problem, describe, reference
 from kvtier.attend_cuda import (
     ATTEND_THREADS,
     MAX_ROWS,
@@ -30,7 +35,15 @@ from kvtier.attend_cuda import (
     plan,
     shared_bytes,
 )
-from kvtier.codecs import BlockShape, Codec, Int4Codec, Int8Codec, get_codec
+from kvtier.codecs import (
+    BlockShape,
+    Codec,
+    Int2Codec,
+    Int4Codec,
+    Int8Codec,
+    QuantCodec,
+    get_codec,
+)
 
 TOLERANCE = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.6e-2}
 MASS_TOLERANCE = 2e-5
@@ -73,6 +86,134 @@ def test_the_launch_plan_covers_every_block_and_row_within_shared_memory(
     assert ATTEND_THREADS % 32 == 0
 
 
+# The kernel's quantized tile decoder (BlockRef and load_quant_tile, cut from the kernel's source)
+# compiled for the host, its CUDA built-ins given host meanings, and run for every thread of a CTA
+# one after another (the decoder's threads share nothing but the tile they write).
+_HOST_PRELUDE = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#define __device__
+#define __forceinline__ inline
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef long long i64;
+typedef unsigned long long u64;
+struct Dim { unsigned x; };
+static Dim threadIdx, blockDim;
+static float __fmul_rn(float a, float b) { return a * b; }  // -ffp-contract=off: no FMA
+static float __fadd_rn(float a, float b) { return a + b; }
+static float half_to_float(u16 h) {
+    const int e = (h >> 10) & 31, m = h & 1023;
+    const float v = e == 0 ? std::ldexp((float)m, -24)
+                  : e == 31 ? (m ? NAN : INFINITY) : std::ldexp((float)(m | 1024), e - 25);
+    return (h >> 15) ? -v : v;
+}
+"""
+_HOST_MAIN = r"""
+// argv: bits flags group layer valid_tokens H B D kv hk codes k_scale k_zero v_scale v_zero
+// row_bytes misalign; the row's bytes on stdin; the tile [B][D + 1] fp32 on stdout
+int main(int argc, char** argv) {
+    long a[17];
+    for (int i = 0; i < 17; ++i) a[i] = std::atol(argv[i + 1]);
+    std::vector<u8> buf(a[15] + a[16] + 8);
+    if (std::fread(buf.data() + a[16], 1, a[15], stdin) != (size_t)a[15]) return 1;
+    BlockRef r;
+    r.row = buf.data() + a[16];
+    r.kind = 1, r.dtype_or_bits = (int)a[0], r.flags = (int)a[1], r.group = (int)a[2];
+    r.layer = (int)a[3], r.valid_tokens = (int)a[4];
+    r.codes = a[10], r.scale[0] = a[11], r.zero[0] = a[12], r.scale[1] = a[13], r.zero[1] = a[14];
+    const int H = (int)a[5], B = (int)a[6], D = (int)a[7], stride = D + 1;
+    std::vector<float> tile(B * stride, NAN);
+    blockDim.x = 128;
+    for (threadIdx.x = 0; threadIdx.x < blockDim.x; ++threadIdx.x)
+        load_quant_tile(r, (int)a[8], (int)a[9], H, B, D, tile.data(), stride);
+    std::fwrite(tile.data(), sizeof(float), tile.size(), stdout);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_tile_decoder(tmp_path_factory: Any) -> Path:
+    """The kernel's load_quant_tile built for the host (skips without a C++ compiler)."""
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++ or clang++) to build the tile decoder for the host")
+    src = kernel_source()
+    flags = re.findall(r"^#define FLAG_\w+ \d+$", src, re.M)
+    start = src.index("struct BlockRef {")
+    ref = src[start : src.index("};", start) + 2]
+    start = src.index("__device__ void load_quant_tile(")
+    body = src[start : src.index("\n}\n", start) + 3]
+    out: Path = tmp_path_factory.mktemp("tile") / "decode"
+    source = out.with_suffix(".cpp")
+    source.write_text("\n".join([_HOST_PRELUDE, *flags, ref, body, _HOST_MAIN]))
+    cmd = [cxx, "-O1", "-std=c++17", "-ffp-contract=off", "-fno-strict-aliasing", "-o"]
+    subprocess.run([*cmd, str(out), str(source)], check=True, capture_output=True)
+    return out
+
+
+#: Codecs whose tiles the host run decodes: (bits, asymmetric, keys per channel, the values'
+#: group at most: the largest of 64, 32, 16, 8, 2 up to it that divides head_dim; None: a head)
+TILE_CODECS = {
+    "int8": (8, False, False, None),
+    "int4": (4, True, True, 32),
+    "int2": (2, True, True, 32),
+    "int2-g64": (2, True, True, 64),
+    "int2-sym-ktok-g16": (2, False, False, 16),
+    "int2-ktok-g2": (2, True, False, 2),
+    "int4-sym-ktok-g8": (4, False, False, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(TILE_CODECS))
+@pytest.mark.parametrize(("head_dim", "block_size"), [(8, 32), (24, 16), (64, 16), (80, 1)])
+def test_the_kernels_tile_decoder_on_the_host_matches_the_codec(
+    host_tile_decoder: Path, name: str, head_dim: int, block_size: int
+) -> None:
+    """Every (K or V, head) tile of a block decodes, on a host run of the kernel's decoder, to
+    the codec's own values bit for bit, and tokens past the valid ones to zeros: the codes of one
+    token never spill into the next (head_dim 8 and 24: an int2 token is less than a 4-byte
+    word), at any alignment of the row."""
+    torch = pytest.importorskip("torch")
+    bits, asymmetric, per_channel, most = TILE_CODECS[name]
+    group = None
+    if most is not None:
+        group = max(g for g in (2, 8, 16, 32, 64) if g <= most and head_dim % g == 0)
+    codec = QuantCodec(
+        name, bits, asymmetric=asymmetric, key_per_channel=per_channel, group_size=group
+    )
+    shape = BlockShape(2, 2, block_size, head_dim, "fp16")
+    gen = torch.Generator().manual_seed(head_dim * 100 + block_size)
+    x = torch.randn((1, *shape.dims), generator=gen) * 2
+    x[..., 3] *= 4
+    rows = codec.encode(x).data.contiguous()
+    want = codec.decode_layer(rows, shape, 1, dtype=torch.float32)[0]  # [2, H, B, D]
+    desc = describe([PoolView(rows, codec)], shape)[0]
+    row = rows[0].numpy().tobytes()
+    # (valid tokens, bytes the row lies past an aligned address, K or V, head)
+    for valid, misalign, kv, hk in [
+        (block_size, 0, 0, 0),
+        (block_size, 2, 1, 1),
+        (max(1, block_size - 3), 1, 1, 0),
+        (1, 0, 0, 1),
+    ]:
+        args = [
+            desc[1], desc[2], desc[8], 1, valid, 2, block_size, head_dim, kv, hk, *desc[9:14],
+            len(row), misalign,
+        ]  # fmt: skip
+        run = subprocess.run(
+            [str(host_tile_decoder), *map(str, args)], input=row, capture_output=True, check=True
+        )
+        tile = np.frombuffer(run.stdout, np.float32).reshape(block_size, head_dim + 1)
+        expect = want[kv, hk].clone()
+        expect[valid:] = 0.0
+        got = torch.from_numpy(tile[:, :head_dim].copy())
+        assert torch.equal(got, expect), (name, kv, hk, valid, misalign)
+
+
 # ---- on a GPU: the kernel against the reference ---------------------------------------------------
 
 
@@ -100,16 +241,24 @@ def _check(torch: Any, *, tables_on_gpu: bool = False, **kw: Any) -> Any:
 
 
 CUSTOM = Int4Codec(group_size=16, key_per_channel=False, asymmetric=False, name="int4-sym-g16")
+CUSTOM_INT2 = Int2Codec(group_size=16, key_per_channel=False, asymmetric=False, name="int2-sym-g16")
 MIXES: dict[str, tuple[str, list[str | Codec]]] = {
     "fp16": ("fp16", ["fp16"]),
     "bf16": ("bf16", ["bf16"]),
     "fp32": ("fp32", ["fp32"]),
     "int8": ("fp16", ["int8"]),
     "int4": ("fp16", ["int4"]),
+    "int2": ("fp16", ["int2"]),
+    "int2-g64": ("fp32", ["int2-g64"]),
     "int8-asym-g8": ("bf16", [Int8Codec(asymmetric=True, group_size=8, name="int8-asym-g8")]),
     "int4-sym-g16": ("fp32", [CUSTOM]),
+    "int2-sym-g16": ("fp32", [CUSTOM_INT2]),
+    # keys per token, a group a token; values in groups of 2 (the smallest a codec takes)
+    "int2-asym-ktok": ("fp16", [Int2Codec(group_size=2, key_per_channel=False, name="int2-ktok")]),
     "ladder": ("fp16", ["fp16", "int8", "int4"]),
+    "int2-ladder": ("fp16", ["fp16", "int8", "int4", "int2"]),
     "bf16-ladder": ("bf16", ["bf16", "int8", "int4", CUSTOM]),
+    "bf16-int2-ladder": ("bf16", ["bf16", "int8", "int2", CUSTOM_INT2]),
 }
 
 
@@ -124,15 +273,16 @@ def test_every_codec_and_mix_of_levels_matches_the_reference(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("low", PACKED)
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 @pytest.mark.parametrize("queries", [1, 3])
 def test_gqa_ratios_and_head_sizes_match_the_reference(
-    torch_cuda: Any, group: int, head_dim: int, queries: int
+    torch_cuda: Any, low: str, group: int, head_dim: int, queries: int
 ) -> None:
     _check(
         torch_cuda,
-        codecs=["fp16", "int8", int4(head_dim)],  # int4 in groups of 16 at head_dim 80
+        codecs=["fp16", "int8", packed(low, head_dim)],  # in groups of 16 at head_dim 80
         q_heads=2 * group,
         kv_heads=2,
         head_dim=head_dim,
@@ -143,21 +293,23 @@ def test_gqa_ratios_and_head_sizes_match_the_reference(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("low", PACKED)
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_odd_lengths_and_many_sequences_match_the_reference(
-    torch_cuda: Any, block_size: int
+    torch_cuda: Any, low: str, block_size: int
 ) -> None:
     lengths = [1, 2, block_size - 1, block_size, block_size + 1, 3 * block_size + 7, 257, 5]
-    _check(torch_cuda, codecs=["int4", "fp16"], lengths=lengths, block_size=block_size)
+    _check(torch_cuda, codecs=[low, "fp16"], lengths=lengths, block_size=block_size)
     # several queries: the causal mask inside and across blocks
     _check(torch_cuda, codecs=["int8", "fp16"], lengths=lengths[2:], queries=3, skip=0.3)
 
 
 @pytest.mark.gpu
-def test_long_contexts_split_the_block_table_and_still_match(torch_cuda: Any) -> None:
+@pytest.mark.parametrize("low", PACKED)
+def test_long_contexts_split_the_block_table_and_still_match(torch_cuda: Any, low: str) -> None:
     lp = _check(
         torch_cuda,
-        codecs=["fp16", "int8", "int4"],
+        codecs=["fp16", "int8", low],
         lengths=[6000],
         q_heads=32,
         kv_heads=8,
@@ -165,15 +317,14 @@ def test_long_contexts_split_the_block_table_and_still_match(torch_cuda: Any) ->
         skip=0.05,
     )
     assert lp.splits > 1, "the flash-decoding path is the one tested"
-    lp = _check(
-        torch_cuda, codecs=["bf16", "int4"], q_dtype="bf16", lengths=[4000, 3001], queries=4
-    )
+    lp = _check(torch_cuda, codecs=["bf16", low], q_dtype="bf16", lengths=[4000, 3001], queries=4)
     assert lp.splits > 1
 
 
 @pytest.mark.gpu
-def test_long_prefills_tile_their_rows_and_match(torch_cuda: Any) -> None:
-    lp = _check(torch_cuda, codecs=["fp16", "int4"], lengths=[200, 70], queries=60, q_heads=8)
+@pytest.mark.parametrize("low", PACKED)
+def test_long_prefills_tile_their_rows_and_match(torch_cuda: Any, low: str) -> None:
+    lp = _check(torch_cuda, codecs=["fp16", low], lengths=[200, 70], queries=60, q_heads=8)
     assert lp.row_tiles > 1 and lp.splits == 1
 
 

@@ -35,8 +35,9 @@ Pools, as the kernels read them: one row per slot, described by :data:`DESC_FIEL
   K then V, the level-0 pool (and a staging pool of decoded blocks, ``layers`` 1);
 - quant (``kind`` 1): ``uint8 [slots, row_bytes]``, the sections of
   :class:`kvtier.codecs.QuantCodec` at byte offsets within the row (documented with the codec
-  and in kernels/kvtier_codecs.cu): codes ``[layers, 2, Hkv, B, D * bits / 8]`` (4-bit: even
-  ``d`` in the low nibble; two's complement when symmetric, unsigned when asymmetric),
+  and in kernels/kvtier_codecs.cu): codes ``[layers, 2, Hkv, B, D * bits / 8]`` of 8, 4 or 2
+  bits (4-bit: even ``d`` in the low nibble; 2-bit: ``d = 4i + j`` at bits ``2j, 2j + 1`` of byte
+  ``i``; two's complement when symmetric, unsigned when asymmetric),
   ``k_scale`` fp16 ``[layers, Hkv, Gk]`` (``Gk = D`` per channel: one group per channel along the
   block's tokens; else ``B * D / group`` per token), ``k_zero`` (asymmetric only), ``v_scale``
   ``[layers, Hkv, B * D / group]``, ``v_zero``. A value decodes as ``q * s (+ z)`` in fp32.
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
 #: The int64s that describe one pool to the kernels, in order.
 DESC_FIELDS = (
     "kind",  # 0 float, 1 quant
-    "dtype_or_bits",  # float: 0 fp32, 1 fp16, 2 bf16; quant: 4 or 8
+    "dtype_or_bits",  # float: 0 fp32, 1 fp16, 2 bf16; quant: 2, 4 or 8
     "flags",  # quant: bit 0 asymmetric, bit 1 keys per channel
     "ptr",  # address of slot 0
     "slots",
@@ -91,7 +92,7 @@ def readable(codec: Codec) -> bool:
     staging pool first)."""
     if isinstance(codec, IdentityCodec):
         return True
-    return isinstance(codec, QuantCodec) and codec.bits in (4, 8)
+    return isinstance(codec, QuantCodec) and codec.bits in (2, 4, 8)
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """CUDA attention over stored blocks: kernels/kvtier_attend.cu through CuPy.
 
 :func:`attend_cuda` computes what :func:`kvtier.attend.reference` computes (the contract is in
-:mod:`kvtier.attend`), reading every block where it lies: float pools as they are, int8/int4
-pools dequantized a tile at a time in shared memory. Two launches per call, on the caller's
-current torch stream: the attention itself (one CTA per sequence, K/V head, split of the block
-table and tile of up to 16 (query, head) rows, so a head's K/V bytes are read once for its
-whole GQA group), then a small combine that merges the splits (flash-decoding) and sums each
+:mod:`kvtier.attend`), reading every block where it lies: float pools as they are, int8, int4
+and int2 pools dequantized a tile at a time in shared memory. Two launches per call, on the
+caller's current torch stream: the attention itself (one CTA per sequence, K/V head, split of
+the block table and tile of up to 16 (query, head) rows, so a head's K/V bytes are read once for
+its whole GQA group), then a small combine that merges the splits (flash-decoding) and sums each
 block's attention mass. The kernel file says why the mass needs the second launch.
 
 :func:`plan` picks the launch shape from the problem's sizes alone (no device values), so a

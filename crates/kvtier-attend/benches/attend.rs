@@ -1,7 +1,7 @@
 //! Time per call of the kernel at the decode shapes of benchmarks/attend_cpu.py (SmolLM2 at 512
 //! and 4096 tokens, and 1024 and 2048 between them where splitting a call over threads starts
 //! to pay; Llama-3-8B 4 x 528), over blocks all at level 0, all int8 (symmetric, per
-//! token) and all int4 (asymmetric, keys per channel), with no Python in the way:
+//! token), all int4 and all int2 (asymmetric, keys per channel), with no Python in the way:
 //! `cargo bench -p kvtier-attend [-- FILTER]`. Prints figures (best mean of several batches),
 //! never passes or fails. `KVTIER_BENCH_ISA=scalar` runs the portable loops;
 //! `KVTIER_BENCH_CALLS=N` makes N calls of each case on one thread and times nothing (for
@@ -30,6 +30,7 @@ enum Mix {
     Level0,
     Int8,
     Int4,
+    Int2,
 }
 
 struct Shape {
@@ -100,10 +101,11 @@ fn pool(
                 bytes,
             )
         }
-        Mix::Int8 | Mix::Int4 => {
+        Mix::Int8 | Mix::Int4 | Mix::Int2 => {
             let (bits, asym, per_channel) = match mix {
                 Mix::Int8 => (8usize, false, false),
-                _ => (4, true, true),
+                Mix::Int4 => (4, true, true),
+                _ => (2, true, true),
             };
             // per layer: codes, then K's and V's scales (and zero points)
             let codes = values * bits / 8;
@@ -240,6 +242,7 @@ fn main() {
             (Mix::Level0, "level0"),
             (Mix::Int8, "int8"),
             (Mix::Int4, "int4"),
+            (Mix::Int2, "int2"),
         ] {
             let label = format!("{} {mix_name}", sh.name);
             if !filter.is_empty() && !filter.iter().any(|f| label.contains(f.as_str())) {
@@ -343,7 +346,7 @@ fn cold(shapes: &[Shape], filter: &[String], isa: Isa) {
         .iter()
         .filter(|sh| matches!(sh.name, "smollm2-512" | "smollm2-4096"))
     {
-        for mix_name in ["level0", "int8", "int4", "ladder"] {
+        for mix_name in ["level0", "int8", "int4", "int2", "ladder"] {
             let label = format!("cold {} {mix_name}", sh.name);
             if !filter.is_empty() && !filter.iter().any(|f| label.contains(f.as_str())) {
                 continue;
@@ -356,6 +359,7 @@ fn cold(shapes: &[Shape], filter: &[String], isa: Isa) {
                 "level0" => vec![Mix::Level0],
                 "int8" => vec![Mix::Int8],
                 "int4" => vec![Mix::Int4],
+                "int2" => vec![Mix::Int2],
                 _ => vec![Mix::Level0, Mix::Int8, Mix::Int4],
             };
             let block_pool: Vec<i32> = (0..blocks)

@@ -7,8 +7,9 @@
 //! Layouts (one row per slot):
 //! - float: `[layers, 2, Hkv, B, D]` elements of the pool's dtype, K then V;
 //! - quant: sections at byte offsets within the row: codes `[layers, 2, Hkv, B, D * bits / 8]`
-//!   (4-bit: even `d` in the low nibble), `k_scale`/`k_zero` fp16 `[layers, Hkv, Gk]` (`Gk = D`
-//!   per channel, else `B * D / group` per token), `v_scale`/`v_zero` `[layers, Hkv, B * D /
+//!   (4-bit: even `d` in the low nibble; 2-bit: `d = 4i + j` in bits `2j..2j + 2` of byte `i`;
+//!   a token's codes start on a whole byte), `k_scale`/`k_zero` fp16 `[layers, Hkv, Gk]` (`Gk =
+//!   D` per channel, else `B * D / group` per token), `v_scale`/`v_zero` `[layers, Hkv, B * D /
 //!   group]`; zero points only when asymmetric. Sections need no alignment.
 
 use crate::error::{Error, Result};
@@ -49,7 +50,7 @@ impl FloatDtype {
 /// Where the sections of a quantized row lie, and how its values are grouped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QuantFormat {
-    /// 4 or 8
+    /// 2, 4 or 8
     pub bits: u8,
     /// codes unsigned with an fp16 zero point per group (else two's complement, no zero)
     pub asymmetric: bool,
@@ -109,9 +110,10 @@ impl PoolDesc {
             })?),
             1 => {
                 let bits = match f[1] {
+                    2 => 2,
                     4 => 4,
                     8 => 8,
-                    b => return Err(format!("bits: expected 4 or 8, got {b}")),
+                    b => return Err(format!("bits: expected 2, 4 or 8, got {b}")),
                 };
                 if f[2] & !3 != 0 {
                     return Err(format!("flags: expected bits 0 and 1 only, got {}", f[2]));
@@ -219,9 +221,11 @@ impl PoolDesc {
                 })
             }
             Format::Quant(q) => {
-                if m(dim, usize::from(q.bits))? % 8 != 0 {
+                let per_byte = 8 / usize::from(q.bits);
+                if dim % per_byte != 0 {
                     return Err(fail(format!(
-                        "head_dim {dim}: 4-bit codes need an even head_dim"
+                        "head_dim {dim}: {}-bit codes need a head_dim that is a multiple of {per_byte}",
+                        q.bits
                     )));
                 }
                 if q.group == 0 || dim % q.group != 0 {

@@ -1,10 +1,11 @@
 //! kvtier's CPU attention kernel: attention of the newest queries of many sequences over their
 //! KV blocks where they lie in kvtier's pools: float blocks (fp32, fp16, bf16) as they are,
-//! int8 and int4 codes widened in registers inside the score and value loops (a code turned
-//! into an f32 once for every query row of its GQA group; scales and zero points folded into
-//! the queries, the scores or the weights), never as a full-precision copy of the sequence. The contract, and the torch reference this kernel
-//! matches, is python/kvtier/attend.py; this crate knows nothing of Python or torch (the
-//! bindings in crates/kvtier-py build the slices from tensor addresses).
+//! int8, int4 and int2 codes widened in registers inside the score and value loops (a code
+//! turned into an f32 once for every query row of its GQA group; scales and zero points folded
+//! into the queries, the scores or the weights), never as a full-precision copy of the
+//! sequence. The contract, and the torch reference this kernel matches, is
+//! python/kvtier/attend.py; this crate knows nothing of Python or torch (the bindings in
+//! crates/kvtier-py build the slices from tensor addresses).
 //!
 //! [`attend`] checks the whole call first ([`Problem`] sizes against the buffers, every pool
 //! descriptor against the problem, every used block's pool and slot against its pool), so no

@@ -1,9 +1,9 @@
 //! The kernel against a naive reference: every block decoded value by value from its bytes (a
 //! decoder written here, apart from the crate's), softmax and sums in f64. Pools are built
 //! here too, in the layouts of python/kvtier/attend.py, with blocks of one sequence spread over
-//! float and quantized pools, skipped blocks, partial last blocks, GQA, causal queries; each
-//! case runs the portable loops and (where the CPU has them) the AVX2 loops, on one thread and
-//! on several.
+//! float and quantized (int8, int4, int2) pools, skipped blocks, partial last blocks, GQA, causal
+//! queries; each case runs the portable loops and (where the CPU has them) the AVX2 loops, on
+//! one thread and on several.
 
 use kvtier_attend::{
     attend, has_avx2, Error, Exec, FloatDtype, Inputs, Isa, Outputs, Pool, PoolDesc, Problem,
@@ -112,12 +112,39 @@ const INT8: Codec = Codec::Quant {
     per_channel: false,
     group: None,
 };
-const INT4: Codec = Codec::Quant {
-    bits: 4,
-    asym: true,
-    per_channel: true,
-    group: Some(32),
-};
+const INT4: Codec = grouped(4, 32);
+const INT2: Codec = grouped(2, 32);
+/// The sub-byte codes: every case that reads int4 runs again with int2 in its place.
+const PACKED: [Codec; 2] = [INT4, INT2];
+
+/// Asymmetric codes of `bits`, keys per channel, values per token in groups of `group` (KIVI,
+/// as the built-in int4 and int2).
+const fn grouped(bits: u8, group: usize) -> Codec {
+    Codec::Quant {
+        bits,
+        asym: true,
+        per_channel: true,
+        group: Some(group),
+    }
+}
+
+/// `codec` with its width swapped for `bits`'s (the same grouping).
+fn with_bits(codec: Codec, bits: u8) -> Codec {
+    match codec {
+        Codec::Quant {
+            asym,
+            per_channel,
+            group,
+            ..
+        } => Codec::Quant {
+            bits,
+            asym,
+            per_channel,
+            group,
+        },
+        float => float,
+    }
+}
 
 /// Section offsets of a quantized row: codes, k_scale, k_zero, v_scale, v_zero, and its size.
 fn quant_offsets(
@@ -203,14 +230,11 @@ fn make_pool(
             for _ in 0..slots {
                 let mut row = vec![0u8; row_bytes];
                 // random codes and scales: the reference decodes whatever is there
-                let levels = if bits == 8 { 256 } else { 16 };
+                let width = usize::from(bits);
+                let per_byte = 8 / width;
                 for t in 0..l * 2 * h * b * d {
-                    let code = rng.below(levels) as u8;
-                    if bits == 8 {
-                        row[t] = code;
-                    } else {
-                        row[t / 2] |= code << (4 * (t % 2));
-                    }
+                    let code = rng.below(1 << width) as u8;
+                    row[t / per_byte] |= code << (width * (t % per_byte));
                 }
                 for (sec, lo, hi) in [
                     (1, 0.002, 0.05),
@@ -222,7 +246,13 @@ fn make_pool(
                     if (sec == 2 || sec == 4) && !asym {
                         continue;
                     }
-                    let (lo, hi) = if bits == 4 { (lo * 16.0, hi) } else { (lo, hi) };
+                    // fewer levels, larger scales: values of a similar spread
+                    let (lo, hi) = match (bits, sec) {
+                        (8, _) => (lo, hi),
+                        (4, _) => (lo * 16.0, hi),
+                        (_, 1 | 3) => (0.2, 1.0),
+                        _ => (lo, hi),
+                    };
                     for at in (start..end).step_by(2) {
                         let u = (rng.next() >> 40) as f32 / (1u64 << 24) as f32;
                         row[at..at + 2]
@@ -285,15 +315,15 @@ fn decode(
         } => {
             let group = group.unwrap_or(d);
             let off = quant_offsets(shape, bits, asym, per_channel, group);
-            let raw = if bits == 8 {
-                row[elem]
+            // element e in bits (e % per_byte) * width.. of byte e / per_byte, low bits first
+            let width = u32::from(bits);
+            let per_byte = 8 / width as usize;
+            let byte = u32::from(row[elem / per_byte]);
+            let raw = (byte >> (width * (elem % per_byte) as u32)) & ((1 << width) - 1);
+            let code = if asym || raw < 1 << (width - 1) {
+                raw as f32
             } else {
-                (row[elem / 2] >> (4 * (elem % 2))) & 15
-            };
-            let code = match (bits, asym) {
-                (8, false) => f32::from(raw as i8),
-                (4, false) => f32::from(if raw >= 8 { raw as i8 - 16 } else { raw as i8 }),
-                _ => f32::from(raw),
+                raw as f32 - (1u32 << width) as f32 // two's complement
             };
             let gv = b * d / group;
             let (groups, gi, scale_sec) = if kv == 0 && per_channel {
@@ -647,7 +677,7 @@ fn every_float_pool_dtype() {
 #[test]
 fn every_quant_format() {
     let mut seed = 100;
-    for bits in [4u8, 8] {
+    for bits in [2u8, 4, 8] {
         for asym in [false, true] {
             for per_channel in [false, true] {
                 for group in [None, Some(16), Some(8), Some(2)] {
@@ -672,18 +702,26 @@ fn every_quant_format() {
 
 #[test]
 fn mixed_pools_in_one_sequence_decode_and_prefill() {
-    let codecs = [
-        Codec::Float(FloatDtype::F16),
-        INT8,
-        INT4,
-        Codec::Float(FloatDtype::F32),
-    ];
-    for (seed, q_n) in [(1u64, 1usize), (2, 3), (3, 16), (4, 21)] {
-        check(
-            &case(SHAPE, q_n, 4, &[130, 21, 64, 97], &codecs, FloatDtype::F32),
-            seed,
-        );
+    for (k, packed) in (0u64..).zip(PACKED) {
+        let codecs = [
+            Codec::Float(FloatDtype::F16),
+            INT8,
+            packed,
+            Codec::Float(FloatDtype::F32),
+        ];
+        for (seed, q_n) in [(1u64, 1usize), (2, 3), (3, 16), (4, 21)] {
+            check(
+                &case(SHAPE, q_n, 4, &[130, 21, 64, 97], &codecs, FloatDtype::F32),
+                seed + 100 * k,
+            );
+        }
     }
+    // the whole ladder in one sequence
+    let ladder = [Codec::Float(FloatDtype::F16), INT8, INT4, INT2];
+    check(
+        &case(SHAPE, 3, 4, &[130, 21, 64, 97], &ladder, FloatDtype::F32),
+        5,
+    );
 }
 
 #[test]
@@ -699,28 +737,22 @@ fn gqa_ratios_head_dims_block_sizes() {
                     block,
                     dim,
                 };
-                let int4 = if dim % 32 == 0 {
-                    INT4
-                } else {
-                    Codec::Quant {
-                        bits: 4,
-                        asym: true,
-                        per_channel: true,
-                        group: Some(16),
-                    }
-                };
-                let codecs = [Codec::Float(FloatDtype::Bf16), INT8, int4];
-                check(
-                    &case(
-                        shape,
-                        2,
-                        2 * ratio,
-                        &[block * 2 + 3, 9],
-                        &codecs,
-                        FloatDtype::F32,
-                    ),
-                    seed,
-                );
+                // the default group of 32 where head_dim allows it, else 16 (head_dim 80)
+                let group = if dim % 32 == 0 { 32 } else { 16 };
+                for (k, bits) in (0u64..).zip([4, 2]) {
+                    let codecs = [Codec::Float(FloatDtype::Bf16), INT8, grouped(bits, group)];
+                    check(
+                        &case(
+                            shape,
+                            2,
+                            2 * ratio,
+                            &[block * 2 + 3, 9],
+                            &codecs,
+                            FloatDtype::F32,
+                        ),
+                        seed + 1000 * k,
+                    );
+                }
             }
         }
     }
@@ -736,32 +768,43 @@ fn odd_head_dims_and_block_sizes() {
             block,
             dim,
         };
-        let codecs = [
-            Codec::Float(FloatDtype::F32),
-            Codec::Float(FloatDtype::F16),
-            INT8,
-            Codec::Quant {
-                bits: 4,
-                asym: false,
-                per_channel: false,
-                group: Some(2),
-            },
-        ];
-        check(
-            &case(shape, 3, 6, &[29, 4, 17], &codecs, FloatDtype::F32),
-            seed,
-        );
+        let sym_g2 = Codec::Quant {
+            bits: 4,
+            asym: false,
+            per_channel: false,
+            group: Some(2),
+        };
+        // 2-bit codes where a token's codes fill whole bytes (dim a multiple of 4)
+        let widths: &[u8] = if dim % 4 == 0 { &[4, 2] } else { &[4] };
+        for (k, &bits) in (0u64..).zip(widths) {
+            let codecs = [
+                Codec::Float(FloatDtype::F32),
+                Codec::Float(FloatDtype::F16),
+                INT8,
+                with_bits(sym_g2, bits),
+            ];
+            check(
+                &case(shape, 3, 6, &[29, 4, 17], &codecs, FloatDtype::F32),
+                seed + 100 * k,
+            );
+        }
     }
 }
 
 #[test]
 fn fp16_and_bf16_queries_and_outputs() {
-    let codecs = [Codec::Float(FloatDtype::F16), INT8, INT4];
-    check(&case(SHAPE, 2, 4, &[70, 33], &codecs, FloatDtype::F16), 400);
-    check(
-        &case(SHAPE, 2, 4, &[70, 33], &codecs, FloatDtype::Bf16),
-        401,
-    );
+    for (k, packed) in (0u64..).zip(PACKED) {
+        let codecs = [Codec::Float(FloatDtype::F16), INT8, packed];
+        let seed = 400 + 10 * k;
+        check(
+            &case(SHAPE, 2, 4, &[70, 33], &codecs, FloatDtype::F16),
+            seed,
+        );
+        check(
+            &case(SHAPE, 2, 4, &[70, 33], &codecs, FloatDtype::Bf16),
+            seed + 1,
+        );
+    }
 }
 
 #[test]
@@ -771,9 +814,18 @@ fn skipped_blocks_and_queries_that_see_nothing() {
     c.skip_eighths = 8;
     check(&c, 500);
     // most skipped, with prefill (early queries may see only skipped blocks)
-    let mut c = case(SHAPE, 20, 4, &[40, 50, 23], &[INT8, INT4], FloatDtype::F32);
-    c.skip_eighths = 6;
-    check(&c, 501);
+    for (k, packed) in (0u64..).zip(PACKED) {
+        let mut c = case(
+            SHAPE,
+            20,
+            4,
+            &[40, 50, 23],
+            &[INT8, packed],
+            FloatDtype::F32,
+        );
+        c.skip_eighths = 6;
+        check(&c, 501 + 10 * k);
+    }
 }
 
 #[test]
@@ -785,17 +837,12 @@ fn long_sequences_split_over_threads() {
         block: 16,
         dim: 128,
     };
-    let mut c = case(
-        shape,
-        1,
-        16,
-        &[2100, 900],
-        &[Codec::Float(FloatDtype::F32), INT8, INT4],
-        FloatDtype::F32,
-    );
-    c.layer = 0;
-    c.codecs = vec![Codec::Float(FloatDtype::F32), INT4, INT8]; // pools 1: staging
-    check(&c, 600);
+    for (k, packed) in (0u64..).zip(PACKED) {
+        let codecs = [Codec::Float(FloatDtype::F32), packed, INT8]; // pool 1: staging
+        let mut c = case(shape, 1, 16, &[2100, 900], &codecs, FloatDtype::F32);
+        c.layer = 0;
+        check(&c, 600 + 10 * k);
+    }
 }
 
 #[test]
@@ -848,6 +895,27 @@ fn fp32_pool_not_four_aligned_is_widened() {
 }
 
 // ---- errors -----------------------------------------------------------------------------------
+
+#[test]
+fn refuses_int2_blocks_whose_tokens_end_inside_a_byte() {
+    let shape = Shape {
+        layers: 2,
+        heads: 1,
+        block: 16,
+        dim: 6,
+    };
+    for (bits, ok) in [(4, true), (2, false)] {
+        let c = case(shape, 1, 2, &[20], &[grouped(bits, 2)], FloatDtype::F32);
+        let b = build(&c, &mut Rng(11));
+        match run(&c, &b, 0.5, Exec::default()) {
+            Ok(_) => assert!(ok, "{bits}-bit codes of head_dim 6 read"),
+            Err(Error::InvalidPool { pool: 0, reason }) => {
+                assert!(!ok && reason.contains("multiple of 4"), "{reason}");
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
 
 #[test]
 fn refuses_what_it_cannot_read() {

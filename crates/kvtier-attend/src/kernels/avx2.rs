@@ -1,8 +1,8 @@
 //! The AVX2 + FMA + F16C implementation of [`Kernels`], with explicit intrinsics: the score
 //! tile a register block of (rows x tokens) dot products reduced by `vhaddps`, the value tile a
 //! register block of (rows x 8-float columns), both compiled once per encoding of the block's
-//! elements ([`load8`]: fp32 loaded, fp16 widened by `vcvtph2ps`, int8 and nibble codes turned
-//! into f32 eight at a time in registers, each shared by the tile's rows), and an exp of
+//! elements ([`load8`]: fp32 loaded, fp16 widened by `vcvtph2ps`, int8, 4-bit and 2-bit codes
+//! turned into f32 eight at a time in registers, each shared by the tile's rows), and an exp of
 //! Cephes' polynomial (max relative error ~2 ulp). [`Kernels::enter`] runs the driver's loops
 //! compiled with the same features.
 //!
@@ -39,6 +39,23 @@ const E_I8: u8 = 3;
 const E_U8: u8 = 4;
 const E_I4: u8 = 5;
 const E_U4: u8 = 6;
+const E_I2: u8 = 7;
+const E_U2: u8 = 8;
+
+/// The encoding an `E_*` constant stands for.
+const fn encoding(e: u8) -> Encoding {
+    match e {
+        E_F32 => Encoding::F32,
+        E_F16 => Encoding::F16,
+        E_BF16 => Encoding::Bf16,
+        E_I8 => Encoding::I8,
+        E_U8 => Encoding::U8,
+        E_I4 => Encoding::I4,
+        E_U4 => Encoding::U4,
+        E_I2 => Encoding::I2,
+        _ => Encoding::U2,
+    }
+}
 
 /// Calls `$f::<E>($args)` with `E` the const of the runtime encoding `$enc`.
 macro_rules! by_encoding {
@@ -51,6 +68,8 @@ macro_rules! by_encoding {
             Encoding::U8 => $f::<E_U8>($($arg),*),
             Encoding::I4 => $f::<E_I4>($($arg),*),
             Encoding::U4 => $f::<E_U4>($($arg),*),
+            Encoding::I2 => $f::<E_I2>($($arg),*),
+            Encoding::U2 => $f::<E_U2>($($arg),*),
         }
     };
 }
@@ -185,7 +204,7 @@ unsafe fn enter<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// Elements `i..i + 8` of `src` as f32 (`i` a multiple of 8 for the 4-bit encodings: whole
+/// Elements `i..i + 8` of `src` as f32 (`i` a multiple of 8 for the packed encodings: whole
 /// bytes).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -199,45 +218,58 @@ unsafe fn load8<const E: u8>(src: *const u8, i: usize) -> __m256 {
         }
         E_I8 => _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(src.add(i).cast()))),
         E_U8 => _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(src.add(i).cast()))),
-        _ => {
-            // 8 nibbles of a little-endian u32, element e in bits 4e..4e+4
-            let word = src.add(i / 2).cast::<u32>().read_unaligned();
-            let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-            let nib = _mm256_and_si256(
-                _mm256_srlv_epi32(_mm256_set1_epi32(word as i32), shifts),
-                _mm256_set1_epi32(15),
-            );
-            let v = if E == E_I4 {
-                let eight = _mm256_set1_epi32(8);
-                _mm256_sub_epi32(_mm256_xor_si256(nib, eight), eight)
-            } else {
-                nib
-            };
-            _mm256_cvtepi32_ps(v)
-        }
+        E_I4 => unpack8(src.add(i / 2), 4, true),
+        E_U4 => unpack8(src.add(i / 2), 4, false),
+        E_I2 => unpack8(src.add(i / 4), 2, true),
+        _ => unpack8(src.add(i / 4), 2, false),
     }
+}
+
+/// 8 codes of `bits` (4 or 2) packed low bits first in the `bits` bytes at `src`, as f32: two's
+/// complement when `signed`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack8(src: *const u8, bits: u32, signed: bool) -> __m256 {
+    let word = if bits == 4 {
+        src.cast::<u32>().read_unaligned()
+    } else {
+        u32::from(src.cast::<u16>().read_unaligned())
+    };
+    // element e's bits (b * e..b * (e + 1)) shifted to the top of its lane, then down to the
+    // bottom: arithmetically (sign-extended) when signed
+    let b = bits as i32;
+    let up = _mm256_sllv_epi32(
+        _mm256_set1_epi32(word as i32),
+        _mm256_setr_epi32(
+            32 - b,
+            32 - 2 * b,
+            32 - 3 * b,
+            32 - 4 * b,
+            32 - 5 * b,
+            32 - 6 * b,
+            32 - 7 * b,
+            32 - 8 * b,
+        ),
+    );
+    let down = _mm256_set1_epi32(32 - b);
+    let v = if signed {
+        _mm256_srav_epi32(up, down)
+    } else {
+        _mm256_srlv_epi32(up, down)
+    };
+    _mm256_cvtepi32_ps(v)
 }
 
 /// Element `i` of `src` as f32 (the tails of rows whose length is not a multiple of 8).
 #[inline]
 unsafe fn load1<const E: u8>(src: *const u8, i: usize) -> f32 {
-    let enc = match E {
-        E_F32 => Encoding::F32,
-        E_F16 => Encoding::F16,
-        E_BF16 => Encoding::Bf16,
-        E_I8 => Encoding::I8,
-        E_U8 => Encoding::U8,
-        E_I4 => Encoding::I4,
-        _ => Encoding::U4,
-    };
-    let mut x = [0f32; 2];
-    // a 4-bit element: widen the byte's pair and keep the one asked for
-    let (at, pair) = match enc {
-        Encoding::I4 | Encoding::U4 => (i & !1, 2),
-        _ => (i, 1),
-    };
-    let bytes = std::slice::from_raw_parts(src.add(enc.bytes(at)), enc.bytes(pair));
-    Scalar.widen(bytes, enc, &mut x[..pair]);
+    let enc = encoding(E);
+    let mut x = [0f32; 4];
+    // a packed element: widen its byte's elements and keep the one asked for
+    let per = enc.per_byte();
+    let at = i - i % per;
+    let bytes = std::slice::from_raw_parts(src.add(enc.bytes(at)), enc.bytes(per));
+    Scalar.widen(bytes, enc, &mut x[..per]);
     x[i - at]
 }
 
@@ -611,70 +643,22 @@ unsafe fn add_dots(x: &[f32], y: &[f32], out: &mut [f32]) {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn widen(src: &[u8], enc: Encoding, dst: &mut [f32]) {
-    let n = dst.len();
+    let n8 = dst.len() & !7;
     let (s, o) = (src.as_ptr(), dst.as_mut_ptr());
-    let n8 = n & !7;
-    let mut i = 0;
-    match enc {
-        Encoding::F32 => {
-            while i < n8 {
-                _mm256_storeu_ps(o.add(i), _mm256_loadu_ps(s.add(4 * i).cast()));
-                i += 8;
-            }
-        }
-        Encoding::F16 => {
-            while i < n8 {
-                let h = _mm_loadu_si128(s.add(2 * i).cast());
-                _mm256_storeu_ps(o.add(i), _mm256_cvtph_ps(h));
-                i += 8;
-            }
-        }
-        Encoding::Bf16 => {
-            while i < n8 {
-                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(s.add(2 * i).cast()));
-                _mm256_storeu_ps(o.add(i), _mm256_castsi256_ps(_mm256_slli_epi32::<16>(h)));
-                i += 8;
-            }
-        }
-        Encoding::I8 => {
-            while i < n8 {
-                let b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(s.add(i).cast()));
-                _mm256_storeu_ps(o.add(i), _mm256_cvtepi32_ps(b));
-                i += 8;
-            }
-        }
-        Encoding::U8 => {
-            while i < n8 {
-                let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(s.add(i).cast()));
-                _mm256_storeu_ps(o.add(i), _mm256_cvtepi32_ps(b));
-                i += 8;
-            }
-        }
-        Encoding::I4 | Encoding::U4 => {
-            // 8 nibbles of a little-endian u32, element e in bits 4e..4e+4
-            let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-            let fifteen = _mm256_set1_epi32(15);
-            let eight = _mm256_set1_epi32(8);
-            let signed = enc == Encoding::I4;
-            while i < n8 {
-                let word = s.add(i / 2).cast::<u32>().read_unaligned();
-                let nib = _mm256_and_si256(
-                    _mm256_srlv_epi32(_mm256_set1_epi32(word as i32), shifts),
-                    fifteen,
-                );
-                let v = if signed {
-                    _mm256_sub_epi32(_mm256_xor_si256(nib, eight), eight)
-                } else {
-                    nib
-                };
-                _mm256_storeu_ps(o.add(i), _mm256_cvtepi32_ps(v));
-                i += 8;
-            }
-        }
+    by_encoding!(enc, widen8(s, o, n8));
+    if n8 < dst.len() {
+        // the tail starts on a whole byte: n8 is a multiple of 8
+        Scalar.widen(&src[enc.bytes(n8)..], enc, &mut dst[n8..]);
     }
-    if i < n {
-        // the tail starts on a whole byte: i is a multiple of 8
-        Scalar.widen(&src[enc.bytes(i)..], enc, &mut dst[i..]);
+}
+
+/// `dst[..n8]` = elements `..n8` of `src` (`n8` a multiple of 8).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen8<const E: u8>(src: *const u8, dst: *mut f32, n8: usize) {
+    let mut i = 0;
+    while i < n8 {
+        _mm256_storeu_ps(dst.add(i), load8::<E>(src, i));
+        i += 8;
     }
 }
 

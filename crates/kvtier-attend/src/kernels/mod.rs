@@ -49,6 +49,10 @@ pub(crate) enum Encoding {
     /// two 4-bit codes a byte, the even element in the low nibble, two's complement
     I4,
     U4,
+    /// four 2-bit codes a byte, element `4i + j` in bits `2j..2j + 2` of byte `i`, two's
+    /// complement
+    I2,
+    U2,
 }
 
 impl Encoding {
@@ -60,12 +64,29 @@ impl Encoding {
         }
     }
 
+    /// The codes of a quantized pool of `bits` (2, 4 or 8: what `PoolDesc` accepts), unsigned
+    /// when `asymmetric`.
     pub fn of_codes(bits: u8, asymmetric: bool) -> Self {
+        debug_assert!(matches!(bits, 2 | 4 | 8), "bits {bits}");
         match (bits, asymmetric) {
             (8, false) => Self::I8,
             (8, true) => Self::U8,
-            (_, false) => Self::I4,
-            (_, true) => Self::U4,
+            (4, false) => Self::I4,
+            (4, true) => Self::U4,
+            (_, false) => Self::I2,
+            (_, true) => Self::U2,
+        }
+    }
+
+    /// Codes of fewer bits than a byte: `(bits, signed)`; element `i` lies in bits
+    /// `bits * (i % per_byte)..` of byte `i / per_byte`, low bits first.
+    pub const fn packed(self) -> Option<(u32, bool)> {
+        match self {
+            Self::I4 => Some((4, true)),
+            Self::U4 => Some((4, false)),
+            Self::I2 => Some((2, true)),
+            Self::U2 => Some((2, false)),
+            _ => None,
         }
     }
 
@@ -75,8 +96,24 @@ impl Encoding {
             Self::F32 => 4 * n,
             Self::F16 | Self::Bf16 => 2 * n,
             Self::I8 | Self::U8 => n,
-            Self::I4 | Self::U4 => n.div_ceil(2),
+            Self::I4 | Self::U4 | Self::I2 | Self::U2 => n.div_ceil(self.per_byte()),
         }
+    }
+
+    /// Elements that share one byte (1 for whole-byte encodings).
+    pub fn per_byte(self) -> usize {
+        self.packed().map_or(1, |(bits, _)| (8 / bits) as usize)
+    }
+}
+
+/// The code in the low `bits` bits of `raw` as a number: two's complement when `signed`.
+#[inline(always)]
+fn packed_code(raw: u8, bits: u32, signed: bool) -> f32 {
+    if signed {
+        let sign = 1i8 << (bits - 1);
+        f32::from((raw as i8 ^ sign) - sign)
+    } else {
+        f32::from(raw)
     }
 }
 
@@ -321,15 +358,14 @@ impl Kernels for Scalar {
                     *o = f32::from(b);
                 }
             }
-            Encoding::I4 | Encoding::U4 => {
-                let signed = enc == Encoding::I4;
+            Encoding::I4 | Encoding::U4 | Encoding::I2 | Encoding::U2 => {
+                let Some((bits, signed)) = enc.packed() else {
+                    unreachable!("{enc:?} is packed")
+                };
+                let (per, mask) = (enc.per_byte(), (1u8 << bits) - 1);
                 for (i, o) in dst.iter_mut().enumerate() {
-                    let nib = (src[i / 2] >> (4 * (i % 2))) & 15;
-                    *o = if signed {
-                        f32::from(((nib ^ 8) as i8) - 8)
-                    } else {
-                        f32::from(nib)
-                    };
+                    let raw = (src[i / per] >> (bits as usize * (i % per))) & mask;
+                    *o = packed_code(raw, bits, signed);
                 }
             }
         }
