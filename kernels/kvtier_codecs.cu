@@ -10,9 +10,11 @@
 // A float pool is [slots, L, 2, H, B, D] in the model dtype (K then V, per layer). A packed
 // pool is [slots, row_bytes] uint8; every quantized codec writes the same sections, at byte
 // offsets the host computes from python/kvtier/codecs/quant.py (one source of truth):
-//   codes    [L, 2, H, B, D * bits / 8]  int8 two's complement (symmetric) or unsigned codes
-//                                       (asymmetric); 4-bit codes two a byte, even d in the
-//                                       low nibble
+//   codes    [L, 2, H, B, D * bits / 8]  two's complement (symmetric) or unsigned codes
+//                                       (asymmetric) of 8, 4 or 2 bits; 8 / bits codes a byte
+//                                       along D, low bits first: element per*i + j at bits
+//                                       bits*j .. bits*j + bits-1 of byte i (4-bit: even d in
+//                                       the low nibble; 2-bit: d = 4i + j at bits 2j, 2j + 1)
 //   k_scale  [L, H, Gk] fp16, k_zero (asymmetric only), v_scale [L, H, Gv], v_zero
 // Keys are grouped per channel along the block's tokens (Gk = D) or per token like values
 // (groups of `group` values along D: Gv = B * D / group).
@@ -23,6 +25,7 @@
 //   symmetric:  s = fp16(amax * (1/qmax));            q = rint(x / s'),       clamp [-qmax, qmax]
 //   asymmetric: s = fp16((max - min) * (1/levels));  z = fp16(min);
 //                                                     q = rint((x - z) / s'), clamp [0, levels]
+//   qmax 127, 7, 1 and levels 255, 15, 3 for 8, 4, 2 bits; 1/qmax and 1/levels are fp32 constants.
 //   s' = s where s > 0, else 1; fp16() rounds to nearest even after clamping to +-65504.
 //   decode: x = q * s (+ z), then rounded to the output dtype (nearest even).
 
@@ -72,20 +75,30 @@ __device__ __forceinline__ i64 zero_index(const Layout& f, int kv, int l, int h,
     return ((kv == 0 ? f.k_zero : f.v_zero) >> 1) + ((i64)l * H + h) * groups;
 }
 
-__device__ __forceinline__ float qmax_sym(int bits) { return bits == 8 ? 127.0f : 7.0f; }
-__device__ __forceinline__ float levels_asym(int bits) { return bits == 8 ? 255.0f : 15.0f; }
-__device__ __forceinline__ float inv_qmax_sym(int bits) { return bits == 8 ? 1.0f / 127.0f : 1.0f / 7.0f; }
-__device__ __forceinline__ float inv_levels_asym(int bits) { return bits == 8 ? 1.0f / 255.0f : 1.0f / 15.0f; }
+__device__ __forceinline__ float qmax_sym(int bits) {
+    return bits == 8 ? 127.0f : bits == 4 ? 7.0f : 1.0f;
+}
+__device__ __forceinline__ float levels_asym(int bits) {
+    return bits == 8 ? 255.0f : bits == 4 ? 15.0f : 3.0f;
+}
+__device__ __forceinline__ float inv_qmax_sym(int bits) {
+    return bits == 8 ? 1.0f / 127.0f : bits == 4 ? 1.0f / 7.0f : 1.0f;
+}
+__device__ __forceinline__ float inv_levels_asym(int bits) {
+    return bits == 8 ? 1.0f / 255.0f : bits == 4 ? 1.0f / 15.0f : 1.0f / 3.0f;
+}
 
-// The integer code of element d (of a tile row) read from a packed row, as a float.
+// The integer code of element d of tile row b, as a float: field d % per_byte of the row's
+// byte d / per_byte, sign-extended when symmetric.
 __device__ __forceinline__ float read_code(const u8* codes, const Layout& f, int b, int d, int D) {
     if (f.bits == 8) {
         u8 c = codes[(i64)b * D + d];
         return f.asym ? (float)c : (float)(signed char)c;
     }
-    u8 c = codes[((i64)b * D + d) >> 1];
-    int nib = (d & 1) ? (c >> 4) : (c & 15);
-    return f.asym ? (float)nib : (float)((nib ^ 8) - 8);
+    const int per_byte = 8 / f.bits, sign = 1 << (f.bits - 1);  // D is a multiple of per_byte
+    const u8 c = codes[((i64)b * D + d) / per_byte];
+    const int field = (c >> (f.bits * (d % per_byte))) & ((1 << f.bits) - 1);
+    return f.asym ? (float)field : (float)((field ^ sign) - sign);
 }
 
 __device__ __forceinline__ float dequantize(float q, float s, float z, int asym) {
@@ -141,6 +154,7 @@ __device__ void quantize_tile(float* tile, const Layout& f, u8* row, int l, int 
 
     // Codes, one output byte per thread step: coalesced writes.
     const int per_byte = 8 / f.bits;
+    const unsigned mask = (1u << f.bits) - 1u;
     const int n_bytes = B * D / per_byte;
     const float lo = f.asym ? 0.0f : -qmax_sym(f.bits);
     const float hi = f.asym ? levels_asym(f.bits) : qmax_sym(f.bits);
@@ -153,7 +167,7 @@ __device__ void quantize_tile(float* tile, const Layout& f, u8* row, int l, int 
             const float s = scales[g] > 0.0f ? scales[g] : 1.0f;
             const float x = f.asym ? __fsub_rn(tile[b * stride + d], zeros[g]) : tile[b * stride + d];
             const int q = (int)fminf(fmaxf(rintf(__fdiv_rn(x, s)), lo), hi);
-            byte |= ((unsigned)q & (f.bits == 8 ? 0xffu : 0xfu)) << (4 * k);
+            byte |= ((unsigned)q & mask) << (f.bits * k);
         }
         codes[e] = (u8)byte;
     }

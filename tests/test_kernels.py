@@ -12,12 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from kernel_ptx import entry_points
 from kernel_ptx import ptx as compile_ptx
 
 from kvtier import _core
-from kvtier.codecs import BlockShape, Int4Codec, Int8Codec, QuantCodec, get_codec
+from kvtier.codecs import BlockShape, Int2Codec, Int4Codec, Int8Codec, QuantCodec, get_codec
 from kvtier.codecs.cuda import kernel_source
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
@@ -78,6 +79,17 @@ def test_the_compiled_kernels_never_fuse_the_rounding_steps(ptx: str) -> None:
     assert not re.search(r"\bdiv\.(approx|full)\.f32\b", ptx)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_the_compiled_kernels_carry_the_reciprocal_of_every_code_range(ptx: str, bits: int) -> None:
+    # s = fp16(range * fp32(1/levels)) and fp16(amax * fp32(1/qmax)): the kernels hold the same
+    # fp32 constants as quant.py (1/1 needs no multiply), as PTX immediates 0fXXXXXXXX
+    levels, qmax = 2**bits - 1, 2 ** (bits - 1) - 1
+    for n in (levels, qmax):
+        if n > 1:
+            word = int(np.float32(1.0 / n).view(np.uint32))
+            assert f"0f{word:08X}" in ptx, f"1/{n} of int{bits}"
+
+
 # ---- on a GPU: the kernels against the torch reference -------------------------------------------
 
 
@@ -90,6 +102,10 @@ CODECS: dict[str, Callable[[], QuantCodec]] = {
     "int4-g64": lambda: Int4Codec(group_size=64),
     "int4-sym": lambda: Int4Codec(asymmetric=False),
     "int4-ktok": lambda: Int4Codec(key_per_channel=False),
+    "int2": lambda: Int2Codec(),
+    "int2-g64": lambda: Int2Codec(group_size=64),
+    "int2-sym": lambda: Int2Codec(asymmetric=False),
+    "int2-ktok": lambda: Int2Codec(key_per_channel=False),
 }
 SHAPE = BlockShape(2, 4, 16, 64)
 STEP = 2.0**-24  # the smallest fp16 subnormal
@@ -123,6 +139,7 @@ def edge_blocks(torch: Any, n: int, shape: BlockShape, dtype: str, seed: int) ->
     def uniform(a: float) -> Any:
         return (torch.rand((B, D), generator=g) * 2 - 1) * a
 
+    halves3 = torch.randint(0, 3, (B, D), generator=g) + 0.5
     halves = torch.randint(0, 15, (B, D), generator=g) + 0.5
     halves127 = torch.randint(0, 127, (B, D), generator=g) + 0.5
     huge = torch.randn((B, D), generator=g) * 1e6
@@ -144,6 +161,9 @@ def edge_blocks(torch: Any, n: int, shape: BlockShape, dtype: str, seed: int) ->
         spread(1.4 * 7 * STEP, -1.4 * 7 * STEP, uniform(1.4 * 7 * STEP)),
         spread(0.7 * 255 * STEP, -0.7 * 255 * STEP, uniform(0.7 * 255 * STEP)),
         spread(0.7 * 15 * STEP, -0.7 * 15 * STEP, uniform(0.7 * 15 * STEP)),
+        spread(1.4 * STEP, -1.4 * STEP, uniform(1.4 * STEP)),  # int2 symmetric, bf16/fp32 only
+        spread(0.7 * 3 * STEP, -0.7 * 3 * STEP, uniform(0.7 * 3 * STEP)),
+        spread(3.0, 0.0, halves3),
         huge,
         spread(15.0, 0.0, halves),
         spread(127.0, 0.0, halves127),
@@ -215,6 +235,10 @@ TRANSCODES = [
     ("int4", "int4-sym"),
     ("int4-ktok", "int4"),
     ("int8", "int8-chan-asym"),
+    ("int4", "int2"),
+    ("int2", "int8"),
+    ("int2-sym", "int2-g64"),
+    ("int2-ktok", "int2"),
 ]
 
 
@@ -250,7 +274,7 @@ def test_gpu_transcode_to_a_codec_without_kernels_falls_back(torch_cuda: Any) ->
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("which", ["int8", "int4", "int4-sym"])
+@pytest.mark.parametrize("which", ["int8", "int4", "int4-sym", "int2", "int2-sym"])
 def test_gpu_pool_calls_match_the_cpu_path_slot_for_slot(
     torch_cuda: Any, which: str, dtype: str
 ) -> None:
@@ -295,10 +319,14 @@ def test_gpu_pool_slots_may_be_cuda_tensors(torch_cuda: Any) -> None:
 
 
 SHAPES = [
-    ("b32-d128", BlockShape(2, 2, 32, 128), ["int8", "int8-asym", "int4", "int4-g64", "int4-ktok"]),
+    (
+        "b32-d128",
+        BlockShape(2, 2, 32, 128),
+        ["int8", "int8-asym", "int4", "int4-g64", "int4-ktok", "int2", "int2-g64"],
+    ),
     ("d80-int8", BlockShape(2, 2, 16, 80), ["int8", "int8-asym", "int8-chan-asym"]),
     # 64 x 257 fp32 of shared memory: more than the 48 KiB a launch gets by default
-    ("b64-d256", BlockShape(1, 2, 64, 256), ["int8", "int4", "int4-g64"]),
+    ("b64-d256", BlockShape(1, 2, 64, 256), ["int8", "int4", "int4-g64", "int2"]),
 ]
 
 
