@@ -230,16 +230,18 @@ unsafe fn load8<const E: u8>(src: *const u8, i: usize) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn unpack8(src: *const u8, bits: u32, signed: bool) -> __m256 {
-    let word = if bits == 4 {
-        src.cast::<u32>().read_unaligned()
+    // the codes' bytes in every 32-bit lane (2-bit: the 16-bit word twice, one `vpbroadcastw`;
+    // its upper copy leaves the lane in the shift below)
+    let words = if bits == 4 {
+        _mm256_set1_epi32(src.cast::<i32>().read_unaligned())
     } else {
-        u32::from(src.cast::<u16>().read_unaligned())
+        _mm256_set1_epi16(src.cast::<i16>().read_unaligned())
     };
     // element e's bits (b * e..b * (e + 1)) shifted to the top of its lane, then down to the
     // bottom: arithmetically (sign-extended) when signed
     let b = bits as i32;
     let up = _mm256_sllv_epi32(
-        _mm256_set1_epi32(word as i32),
+        words,
         _mm256_setr_epi32(
             32 - b,
             32 - 2 * b,
