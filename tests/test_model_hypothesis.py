@@ -90,6 +90,8 @@ def configs(draw: st.DrawFn, kind: str = "any") -> dict[str, Any]:
         "scissorhands_window": one(st.sampled_from([1, 4, 8])),
         "evict_on_full": one(st.sampled_from([True, True, False]) if cache else st.booleans()),
     }
+    if 0 in ladder:  # a drop level: the rank split may also drop the lowest ranked blocks
+        cfg["drop_ratio"] = one(st.sampled_from([0.0, 0.25, 0.5, 1.0]))
     if not split and one(st.integers(0, 2 if cache else 4)) == 0:
         cfg["pool_slots"] = [("device", 0, one(st.integers(1, 8)))]
     return cfg

@@ -68,6 +68,7 @@ def test_pool_shares_put_most_of_the_host_budget_at_the_bottom_level_unless_give
         ({"device_budget": "1GiB"}, "device_budget is set by vLLM's own KV pool"),
         ({"pool_shares": "a,b"}, "pool_shares: expected comma-separated fractions"),
         ({"no_such_field": 1}, "unknown config field"),
+        ({"ladder": "bf16,int4,drop"}, "a 'drop' level has no meaning there"),
     ],
 )
 def test_bad_keys_and_values_are_refused_clearly(extra: dict[str, object], message: str) -> None:

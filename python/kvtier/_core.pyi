@@ -50,6 +50,7 @@ class Core:
         enable_compression: bool = True,
         pressure_only: bool = False,
         compression_ratio: float = 0.5,
+        drop_ratio: float = 0.0,
         recent_window: int = 128,
         sink_blocks: int = 1,
         weights: tuple[float, float, float] = ...,

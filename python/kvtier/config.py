@@ -207,6 +207,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "VLLM_KV_COMPRESSION_RATIO",
     ),
     _var(
+        "drop_ratio",
+        "float",
+        "with a `drop` level at the end of the ladder: fraction of the compressible blocks, "
+        "lowest ranked first, that leave attention for good (never sent back: a drop is not "
+        "recoverable)",
+    ),
+    _var(
         "levels",
         "int",
         "number of precision levels when no ladder is given: 1 = dtype, 2 = +int8, 3 = +int4",
@@ -331,6 +338,8 @@ class KvtierConfig:
 
     enable_compression: bool = True
     compression_ratio: float = 0.5
+    #: fraction of the compressible blocks that leave attention (needs a ``drop`` level)
+    drop_ratio: float = 0.0
     levels: int = 3
     #: codec per level; ``None`` derives it from ``levels`` and the model dtype.
     ladder: tuple[str, ...] | None = None
@@ -463,6 +472,7 @@ class KvtierConfig:
         set_("share_prefixes", _bool(self, "share_prefixes"))
 
         set_("compression_ratio", _number(self, "compression_ratio", 0.0, 1.0))
+        set_("drop_ratio", _number(self, "drop_ratio", 0.0, 1.0))
         set_("headroom", _number(self, "headroom", 0.0, 1.0, hi_open=True))
         set_("hysteresis", _number(self, "hysteresis", 0.0, 1.0))
         set_("decay", _number(self, "decay", 0.0, 1.0, lo_open=True))
@@ -536,6 +546,11 @@ class KvtierConfig:
             set_("ladder", ladder)
             # The ladder wins: levels is its length.
             set_("levels", len(ladder))
+        if self.drop_ratio > 0 and (self.ladder is None or self.ladder[-1] != "drop"):
+            raise ConfigError(
+                f"drop_ratio {self.drop_ratio:g}: needs a ladder ending in a 'drop' level, e.g. "
+                "ladder='fp16,int8,int4,drop'"
+            )
         if self.pool_shares is not None and len(self.pool_shares) != self.levels:
             raise ConfigError(
                 f"pool_shares: expected one fraction per level ({self.levels}), "
@@ -556,6 +571,10 @@ class KvtierConfig:
                     f"ladder: invalid codec name {name!r}: expected names like fp16, int8, int4, "
                     "drop, learned:mine"
                 )
+        if "drop" in names[:-1]:
+            raise ConfigError(
+                f"ladder: 'drop' must be the last level (it holds no bytes), got {','.join(names)}"
+            )
         if len(set(names)) != len(names):
             raise ConfigError(f"ladder: expected distinct codec names, got {','.join(names)}")
         if names[0] not in ("fp16", "bf16", "fp32"):

@@ -324,13 +324,13 @@ class BlockManager:
                 f"ladder: level 0 is {self.ladder[0]!r} but the model dtype is {dtype_str!r}: "
                 "level 0 holds K/V exactly as the model wrote it"
             )
-        if "drop" in self.ladder:
-            raise ConfigError(
-                "ladder: the BlockManager does not support a 'drop' level yet (it would leave "
-                "attention with gaps); use the simulator to study drop policies"
-            )
-        self.codecs: list[Codec] = [get_codec(name) for name in self.ladder]
+        # A `drop` level (last, checked by the config) holds no bytes: its blocks have left
+        # attention. It has no codec, pool nor store; gather and attend skip its blocks.
+        kept = self.ladder[:-1] if self.ladder[-1] == "drop" else self.ladder
+        self.drop_level = len(kept) if len(kept) < len(self.ladder) else None
+        self.codecs: list[Codec] = [get_codec(name) for name in kept]
         self.level_bytes = [c.bytes_per_block(self.shape) for c in self.codecs]
+        self.level_bytes += [0] * (len(self.ladder) - len(kept))
         budgets: dict[str, int] = {"device": self._device_budget()}
         for tier in TIERS[1:]:
             budget = self._budget(tier)
@@ -354,13 +354,13 @@ class BlockManager:
                 "one shape under the default name would read each other's K/V"
             )
         shares = config.pool_shares or default_shares(
-            len(self.ladder), self.level_bytes, config.compression_ratio
-        )
+            len(self.codecs), self.level_bytes, config.compression_ratio
+        ) + (0.0,) * (len(self.ladder) - len(self.codecs))
         self.slots: dict[tuple[str, int], int] = {}
         for tier, budget in budgets.items():
             assert budget is not None
             for level, (share, nbytes) in enumerate(zip(shares, self.level_bytes, strict=True)):
-                self.slots[tier, level] = int(share * budget // nbytes)
+                self.slots[tier, level] = int(share * budget // nbytes) if nbytes else 0
         if self.slots["device", 0] < 1:
             raise ConfigError(
                 f"device budget {budgets['device']} B holds no level-0 block of "
@@ -379,6 +379,7 @@ class BlockManager:
             policy=config.policy,
             enable_compression=config.enable_compression,
             compression_ratio=config.compression_ratio,
+            drop_ratio=config.drop_ratio,
             recent_window=config.recent_window,
             sink_blocks=config.sink_blocks,
             weights=config.weights,
@@ -399,7 +400,7 @@ class BlockManager:
         self.instance = uuid.uuid4().hex[:16]
         self.pools: dict[tuple[str, int], Any] = {}
         for (tier, level), n in self.slots.items():
-            if tier in STORE_TIERS:
+            if tier in STORE_TIERS or level == self.drop_level:
                 continue
             on = self.device if tier == "device" else torch.device("cpu")
             pin = tier == "host" and self.device.type == "cuda"
@@ -513,7 +514,7 @@ class BlockManager:
                     tls_cert=cfg.remote_tls_cert,
                     tls_key=cfg.remote_tls_key,
                 )
-            for level, codec in enumerate(self.ladder):
+            for level, codec in enumerate(self.ladder[: len(self.codecs)]):
                 stores[tier, level] = store.with_namespace(
                     base_ns.with_codec(codec, self.shape.dtype, str(self.shape))
                 )
@@ -532,7 +533,7 @@ class BlockManager:
                     # Slot keys only (instance.slot), never the published prefix hashes.
                     mine = [k for k in store.keys() if k.startswith(f"{self.instance}.")]  # noqa: SIM118
                     store.delete_many(mine)
-                if level == len(self.ladder) - 1:
+                if level == len(self.codecs) - 1:
                     store.close()
 
     def __enter__(self) -> BlockManager:
@@ -597,6 +598,12 @@ class BlockManager:
         """Tokens whose K/V ``layer`` holds for ``seq``."""
         with self._lock:
             return int(self._seq(seq).lengths[self._layer(layer)])
+
+    def attended_tokens(self, seq: int, layer: int = 0) -> int:
+        """Tokens of ``seq`` that attention still sees at ``layer``: :meth:`num_tokens` less
+        those of the blocks a ``drop`` level took out (what :meth:`gather` returns)."""
+        with self._lock:
+            return self._attended(seq, int(self._seq(seq).lengths[self._layer(layer)]))[1]
 
     def sequences(self) -> list[int]:
         with self._lock:
@@ -708,7 +715,9 @@ class BlockManager:
     def gather(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every token of ``seq`` at ``layer``, ``[num_tokens, num_kv_heads,
         head_dim]`` each, decoded to the model dtype, contiguous, on the device. Counts a read
-        of each block for the scheduler."""
+        of each block for the scheduler. Under a ladder with a ``drop`` level, the tokens of
+        dropped blocks are left out (fewer than :meth:`num_tokens`, in order; the sink blocks
+        and the recent window are never dropped, so the newest tokens are always the last)."""
         tokens, blocks = self._gather_blocks(seq, layer)
         m, bs = blocks.shape[0], self.block_size
         kv = blocks.permute(1, 0, 3, 2, 4).reshape(2, m * bs, *self.shape.dims[2:5:2])
@@ -719,7 +728,8 @@ class BlockManager:
         """The blocks of ``seq`` at ``layer`` as stored, decoded to the model dtype, on the
         device: ``[num_blocks, 2, num_kv_heads, block_size, head_dim]`` (K then V), the last
         block possibly partial (its rows past :meth:`num_tokens` undefined). For engines whose
-        own cache is paged: no token-major copy on the way. Counts a read of each block."""
+        own cache is paged: no token-major copy on the way. Counts a read of each block.
+        Dropped blocks (a ``drop`` level) are left out, as :meth:`gather` leaves them."""
         return self._gather_blocks(seq, layer)[1]
 
     def _gather_blocks(self, seq: int, layer: int) -> tuple[int, torch.Tensor]:
@@ -727,9 +737,8 @@ class BlockManager:
         layer = self._layer(layer)
         bs = self.block_size
         with self._lock:
-            tokens = int(self._seq(seq).lengths[layer])
-            m = -(-tokens // bs)
-            blocks = self.core.sequence_blocks(seq)[:m]
+            blocks, tokens = self._attended(seq, int(self._seq(seq).lengths[layer]))
+            m = len(blocks)
             need = np.minimum(bs, tokens - bs * np.arange(m))
             short = np.nonzero(self._written[blocks, layer] < need)[0]
             if len(short):
@@ -884,7 +893,8 @@ class BlockManager:
 
     def record_attention(self, seq: int, layer: int, weights: Any) -> None:
         """Feeds attention weights whose last axis runs over the sequence's tokens (e.g.
-        ``[heads, queries, tokens]`` from eager attention). Each block is credited the attention
+        ``[heads, queries, tokens]`` from eager attention; the tokens :meth:`gather` returns,
+        so without those of dropped blocks). Each block is credited the attention
         *mass* it received: the weights are averaged over the leading axes (so a prefill's many
         queries weigh no more than one decode step's), then summed over the block's tokens, as
         H2O accumulates attention. The core smooths these masses over reports."""
@@ -892,6 +902,7 @@ class BlockManager:
         layer = self._layer(layer)
         with self._lock:
             tokens = int(self._seq(seq).lengths[layer])
+            blocks, tokens = self._attended(seq, tokens)  # weights over what gather returned
             if w.dim() < 1 or w.shape[-1] != tokens:
                 raise InvalidArgumentError(
                     f"weights: expected a last axis of {tokens} tokens (sequence {seq}, layer "
@@ -899,7 +910,6 @@ class BlockManager:
                 )
             per_token = w.detach().float().reshape(-1, tokens).mean(0).cpu().numpy()
             mass = _per_block(per_token, self.block_size)
-            blocks = self.core.sequence_blocks(seq)[: len(mass)]
             self.core.record_attention(blocks, mass.astype(np.float32))
 
     def set_learned_scores(self, seq: int, scores: Any, first_block: int = 0) -> None:
@@ -1167,12 +1177,14 @@ class BlockManager:
         """Pool occupancy, bytes saved and move counters, read from the core."""
         with self._lock:
             self._free_orphans()
+            dropped = self._dropped_blocks()
             pools = tuple(
                 PoolStats(
                     tier=tier,
                     level=level,
                     codec=self.ladder[level],
-                    blocks=used,
+                    # a drop level holds no slots: it counts the blocks out of attention
+                    blocks=dropped if level == self.drop_level and tier == "device" else used,
                     capacity_blocks=cap,
                     bytes=nbytes,
                     capacity_bytes=cap * self.level_bytes[level],
@@ -1188,6 +1200,13 @@ class BlockManager:
                 sequences=len(self._seqs),
                 tokens=tokens,
             )
+
+    def _dropped_blocks(self) -> int:
+        """Blocks of live sequences that a ``drop`` level took out of attention."""
+        if self.drop_level is None or not self._seqs:
+            return 0
+        blocks = np.unique(np.concatenate([self.core.sequence_blocks(s) for s in self._seqs]))
+        return int((self.core.block_info(blocks)["level"] == self.drop_level).sum())
 
     def get_compression_stats(self) -> dict[str, Any]:
         """``memory_saved_mb``, ``avg_compression_ratio``, per-pool blocks and bytes, and the
@@ -1207,6 +1226,8 @@ class BlockManager:
             if tier in readable_tiers and readable(self.codecs[level]):
                 self._attend_lut[Plan.TIERS.index(tier), level] = len(self._attend_views)
                 self._attend_views.append(PoolView(pool, self.codecs[level]))
+        if self.drop_level is not None:
+            self._attend_lut[:, self.drop_level] = -1  # out of attention: the kernels skip it
         self._attend_desc = describe(self._attend_views, self.shape)
         self._attention_batches: dict[tuple[int, ...], _AttentionBatch] = {}
         self._device_index = self.device.index if self.device.type == "cuda" else -1
@@ -1552,6 +1573,17 @@ class BlockManager:
                 info["slot"][rows],
                 blocks[rows],
             )
+
+    def _attended(self, seq: int, tokens: int) -> tuple[np.ndarray, int]:
+        """The blocks of the first ``tokens`` tokens of ``seq`` that attention sees, and their
+        tokens: all of them, less those a ``drop`` level took out. Dropped blocks are full ones
+        (never the sink, the recent window, nor the block being filled), so the tokens left
+        fill the blocks left in order."""
+        blocks = self.core.sequence_blocks(seq)[: -(-tokens // self.block_size)]
+        if self.drop_level is None:
+            return blocks, tokens
+        kept = blocks[self.core.block_info(blocks)["level"] != self.drop_level]
+        return kept, tokens - (len(blocks) - len(kept)) * self.block_size
 
     def _check_not_lost(self, seq: int, blocks: np.ndarray) -> None:
         lost = blocks[self._lost[blocks]]

@@ -433,6 +433,7 @@ class ModelCore:
         enable_compression: bool = True,
         pressure_only: bool = False,
         compression_ratio: float = 0.5,
+        drop_ratio: float = 0.0,
         recent_window: int = 128,
         sink_blocks: int = 1,
         weights: tuple[float, float, float] = (0.4, 0.4, 0.2),
@@ -456,6 +457,7 @@ class ModelCore:
         lb = [int(b) for b in level_bytes]
         f = _f32
         ratio, headroom, hyst = f(compression_ratio), f(headroom), f(hysteresis)
+        drop_ratio = f(drop_ratio)
         decay, ema = f(decay), f(attention_ema)
         ws = [f(w) for w in weights]
 
@@ -472,6 +474,12 @@ class ModelCore:
             raise bad("level_bytes", "expected non-increasing bytes per level")
         if not 0.0 <= ratio <= 1.0:
             raise bad("compression_ratio", f"{compression_ratio} is not in [0, 1]")
+        if not 0.0 <= drop_ratio <= 1.0:
+            raise bad("drop_ratio", f"{drop_ratio} is not in [0, 1]")
+        if drop_ratio > 0.0 and 0 not in lb:
+            raise bad(
+                "drop_ratio", "needs a drop level (a level of 0 bytes) at the end of the ladder"
+            )
         if not 0.0 <= headroom < 1.0:
             raise bad("headroom", f"{headroom} is not in [0, 1)")
         if not 0.0 <= hyst <= 1.0:
@@ -495,6 +503,7 @@ class ModelCore:
         self.enable_compression = enable_compression
         self.pressure_only = pressure_only
         self.compression_ratio = ratio
+        self.drop_ratio = drop_ratio
         self.recent_window = recent_window
         self.sink_blocks = sink_blocks
         self.weights = ws
@@ -1100,7 +1109,10 @@ class ModelCore:
     def _level_wishes(self) -> list[tuple[int, int, bool]]:
         """(block, wished level, protected) per referenced block, by block id."""
         bs, window, sinks = self.block_size, self.recent_window, self.sink_blocks
-        compress = self.enable_compression and not self.pressure_only and self.last_kept > 0
+        drops = self.drop_level is not None and self.drop_ratio > 0.0
+        compress = (
+            self.enable_compression and not self.pressure_only and (self.last_kept > 0 or drops)
+        )
         low = min(self.last_kept, 2)
         ratio, hyst = self.compression_ratio, self.hysteresis
         lb, level, key = self.level_bytes, self.level, self._key
@@ -1119,13 +1131,29 @@ class ModelCore:
             if self.policy == "importance":
                 self._normalise_importance(blocks)
             ranked: list[tuple[Key, int]] = []
+            dropped = 0
             for i, b in enumerate(blocks):
                 if i < sinks or i >= recent_from:
                     want(b, 0)
                     protected.add(b)
                 elif lb[level[b]] > 0:
                     ranked.append((key(b), b))
+                else:
+                    dropped += 1
             if not compress:
+                for _, b in ranked:
+                    want(b, 0)
+                continue
+            if self.drop_level is not None and self.drop_ratio > 0.0:
+                # The lowest ranked leave attention until drop_ratio of the ranked blocks (the
+                # dropped ones counted: they never come back) are out.
+                out = int(_round_half_away(self.drop_ratio * float(len(ranked) + dropped)))
+                more = min(max(0, out - dropped), len(ranked))
+                ranked.sort()
+                for _, b in ranked[:more]:
+                    want(b, self.drop_level)
+                ranked = ranked[more:]
+            if low == 0:  # only level 0 holds bytes: the blocks kept stay there
                 for _, b in ranked:
                     want(b, 0)
                 continue
@@ -1210,7 +1238,7 @@ class ModelCore:
                 down.append((key(b), b, lv))
         down.sort()
         for _, b, lv in down:
-            self._push_move(p, b, DEMOTE, lv)
+            self._push_move(p, b, DROP if lv == self.drop_level else DEMOTE, lv)
 
     def _relieve_pressure(self, p: _Pass, wishes: list[tuple[int, int, bool]]) -> int:
         budget = self.budget

@@ -207,7 +207,7 @@ impl PyCore {
     #[pyo3(signature = (
         level_bytes, *, tiers = vec![("device".to_string(), None)], block_size = 16,
         policy = "importance", enable_compression = true, pressure_only = false, compression_ratio = 0.5,
-        recent_window = 128, sink_blocks = 1, weights = (0.4, 0.4, 0.2), headroom = 0.1,
+        drop_ratio = 0.0, recent_window = 128, sink_blocks = 1, weights = (0.4, 0.4, 0.2), headroom = 0.1,
         hysteresis = 0.1, max_move_bytes = None, decay = 0.9, attention_ema = 0.5,
         scissorhands_window = 8, write_through = false, evict_on_full = true,
         namespace = "default", pool_slots = vec![], pool_headroom = false
@@ -221,6 +221,7 @@ impl PyCore {
         enable_compression: bool,
         pressure_only: bool,
         compression_ratio: f32,
+        drop_ratio: f32,
         recent_window: i64,
         sink_blocks: i64,
         weights: (f32, f32, f32),
@@ -258,6 +259,7 @@ impl PyCore {
             enable_compression,
             pressure_only,
             compression_ratio,
+            drop_ratio,
             recent_window: config_int("recent_window", recent_window.into())?,
             sink_blocks: config_int("sink_blocks", sink_blocks.into())?,
             weights: [weights.0, weights.1, weights.2],

@@ -115,6 +115,10 @@ pub struct Config {
     pub pressure_only: bool,
     /// Fraction of those blocks that go to level 1 (the rest go to level 2).
     pub compression_ratio: f32,
+    /// With a `drop` level: fraction of each live sequence's ranked blocks (those outside its
+    /// sink blocks and recent window, dropped ones included) that leave attention, lowest
+    /// ranked first. `compression_ratio` then splits the blocks kept.
+    pub drop_ratio: f32,
     /// Tokens at the end of each sequence kept at level 0.
     pub recent_window: u32,
     /// Leading blocks of each sequence kept at level 0 (attention sinks).
@@ -162,6 +166,7 @@ impl Default for Config {
             enable_compression: true,
             pressure_only: false,
             compression_ratio: 0.5,
+            drop_ratio: 0.0,
             recent_window: 128,
             sink_blocks: 1,
             weights: [0.4, 0.4, 0.2],
@@ -221,6 +226,18 @@ impl Config {
             return Err(invalid(
                 "compression_ratio",
                 format!("{} is not in [0, 1]", self.compression_ratio),
+            ));
+        }
+        if !unit(self.drop_ratio) {
+            return Err(invalid(
+                "drop_ratio",
+                format!("{} is not in [0, 1]", self.drop_ratio),
+            ));
+        }
+        if self.drop_ratio > 0.0 && self.drop_level().is_none() {
+            return Err(invalid(
+                "drop_ratio",
+                "needs a drop level (a level of 0 bytes) at the end of the ladder",
             ));
         }
         if !unit(self.headroom) || self.headroom >= 1.0 {

@@ -219,7 +219,8 @@ impl Core {
     }
 
     fn config_ranks_live(cfg: &Config) -> bool {
-        cfg.enable_compression && !cfg.pressure_only && cfg.last_kept_level() > 0
+        let drops = cfg.drop_ratio > 0.0 && cfg.drop_level().is_some();
+        cfg.enable_compression && !cfg.pressure_only && (cfg.last_kept_level() > 0 || drops)
     }
 
     /// Bytes above which a tier's pressure pass demotes and offloads to keep its headroom.
@@ -268,6 +269,7 @@ impl Core {
         let low = self.cfg.last_kept_level().min(2);
         let ratio = f64::from(self.cfg.compression_ratio);
         let hyst = f64::from(self.cfg.hysteresis);
+        let drop_level = self.cfg.drop_level().filter(|_| self.cfg.drop_ratio > 0.0);
         // Sequences are only read here; taking them out lets the loop update statistics.
         // In id order, so that a plan does not depend on the map's layout.
         let ids = self.sequence_ids();
@@ -283,6 +285,7 @@ impl Core {
             }
             eligible.clear();
             rest.clear();
+            let mut dropped = 0;
             for (i, &b) in blocks.iter().enumerate() {
                 let row = &self.blocks.rows[b as usize];
                 any_shared |= row.refcount > 1;
@@ -298,7 +301,7 @@ impl Core {
                         });
                     }
                 } else if row.loc.slot == NO_SLOT {
-                    continue;
+                    dropped += 1;
                 } else if row.loc.level <= 1 {
                     eligible.push((self.key(b as usize), b));
                 } else {
@@ -306,6 +309,18 @@ impl Core {
                 }
             }
             if !compress {
+                continue;
+            }
+            if let Some(level) = drop_level {
+                self.drop_lowest(&mut wishes, [&mut eligible, &mut rest], dropped, level);
+            }
+            if low == 0 {
+                // Only level 0 holds bytes (a ladder of the dtype and `drop`): the rest stay.
+                wishes.extend(eligible.iter().map(|&(_, block)| Wish {
+                    block,
+                    level: 0,
+                    protected: false,
+                }));
                 continue;
             }
             // The level-1 quota is `ratio` of the ranked blocks. A lossy level cannot give
@@ -362,6 +377,38 @@ impl Core {
         } else {
             wishes
         }
+    }
+
+    /// The `drop_ratio` quota of one sequence: of its ranked blocks (`ranked`, plus `dropped`
+    /// already out of attention), the lowest ranked leave attention until the quota is met.
+    /// Those are taken out of `ranked` and wished at the drop `level`. Dropping is one-way: a
+    /// dropped block is never ranked back in, so the quota counts the ones already gone.
+    fn drop_lowest(
+        &self,
+        wishes: &mut Vec<Wish>,
+        ranked: [&mut Ranked; 2],
+        dropped: usize,
+        level: u8,
+    ) {
+        let [eligible, rest] = ranked;
+        let total = (eligible.len() + rest.len() + dropped) as f64;
+        let quota = (f64::from(self.cfg.drop_ratio) * total).round() as usize;
+        let more = quota.saturating_sub(dropped);
+        if more == 0 {
+            return;
+        }
+        let mut all: Ranked = eligible.iter().chain(rest.iter()).copied().collect();
+        let more = more.min(all.len());
+        // (key, block) pairs are distinct: the `more` lowest are those at or below the cut.
+        let cut = *all.select_nth_unstable(more - 1).1;
+        let out = |x: &(Key, u32)| *x <= cut;
+        wishes.extend(all[..more].iter().map(|&(_, block)| Wish {
+            block,
+            level,
+            protected: false,
+        }));
+        eligible.retain(|x| !out(x));
+        rest.retain(|x| !out(x));
     }
 
     /// One wish per block: a block shared by several sequences takes the most precise level
@@ -584,10 +631,14 @@ impl Core {
     }
 
     /// Demotes a device block to `level`, first backing it up to the next tier when
-    /// write-through is on and no higher-precision copy exists.
+    /// write-through is on and no higher-precision copy exists. To a drop level the block
+    /// leaves attention for good (nothing to copy, nothing backed up: it is never ranked back).
     fn demote_to(&mut self, pass: &mut Pass, b: u32, level: u8) -> bool {
         let i = b as usize;
         let loc = self.blocks.rows[i].loc;
+        if self.cfg.level_bytes[usize::from(level)] == 0 {
+            return self.push_move(pass, b, MoveKind::Drop, loc, Some((loc.tier, level)));
+        }
         if self.cfg.write_through && self.cfg.tiers.len() > 1 && self.blocks.copy[i].is_none() {
             let next = self.cfg.tiers[self.tier_pos(loc.tier) + 1..]
                 .first()

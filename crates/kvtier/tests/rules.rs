@@ -59,6 +59,72 @@ fn sink_and_recent_window_stay_at_level_0_and_the_rest_split_by_ratio() {
 }
 
 #[test]
+fn drop_ratio_takes_the_lowest_ranked_out_of_attention_and_counts_them_later() {
+    let mut c = core(Config {
+        level_bytes: vec![64, 32, 16, 0],
+        drop_ratio: 0.3,
+        ..cfg()
+    });
+    let (s, blocks) = seq_with(&mut c, 100, 10);
+    let mid: Vec<u32> = blocks[1..8].to_vec();
+    c.set_magnitude(&mid, &(1..=7).map(|x| x as f32).collect::<Vec<_>>())
+        .unwrap();
+    let plan = commit(&mut c);
+    let drops: Vec<u32> = plan
+        .moves
+        .iter()
+        .filter(|m| m.kind == MoveKind::Drop)
+        .map(|m| m.block)
+        .collect();
+    assert_eq!(drops.len(), 2, "round(0.3 * 7) = 2 of the 7 ranked blocks");
+    let level = |c: &Core, b: u32| c.block_loc(b).unwrap().level;
+    // The two lowest leave; of the 5 kept, round(2.5) = 3 most important at level 1.
+    let levels: Vec<u8> = mid.iter().map(|&b| level(&c, b)).collect();
+    assert_eq!(levels, vec![3, 3, 2, 2, 1, 1, 1]);
+    assert_eq!(
+        (level(&c, blocks[0]), level(&c, blocks[9])),
+        (0, 0),
+        "sink, recent"
+    );
+    assert_eq!(
+        c.tier_bytes()[0],
+        3 * 64 + 3 * 32 + 2 * 16,
+        "a dropped block holds nothing"
+    );
+    // Four more blocks: 11 ranked now, 2 of them gone: round(3.3) = 3 out, so one more.
+    c.append_blocks(s, &[200, 201, 202, 203]).unwrap();
+    let later = commit(&mut c);
+    assert_eq!(
+        later
+            .moves
+            .iter()
+            .filter(|m| m.kind == MoveKind::Drop)
+            .count(),
+        1
+    );
+    assert!(
+        c.lookup(&[100, 101]).len() == 1,
+        "a dropped block leaves the prefix index"
+    );
+}
+
+#[test]
+fn a_drop_ratio_needs_a_drop_level() {
+    let err = Core::new(Config {
+        drop_ratio: 0.5,
+        ..cfg()
+    })
+    .err();
+    assert!(matches!(
+        err,
+        Some(Error::InvalidConfig {
+            field: "drop_ratio",
+            ..
+        })
+    ));
+}
+
+#[test]
 fn a_device_budget_demotes_lowest_first_then_offloads() {
     let mut cfg = cfg();
     cfg.enable_compression = true;

@@ -147,7 +147,11 @@ class TieredLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         return self.cache._update(self.layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        # Keys of dropped blocks are not returned: the mask spans the keys attention gets,
+        # offset so that the newest (never dropped) sit at their true positions. Older keys
+        # then sit at or after theirs, still before every query: causal masking is unchanged.
+        seen, kept = self.get_seq_length(), self.cache._attended(self.layer_idx)
+        return kept + query_length, seen - kept
 
     def get_seq_length(self) -> int:
         return self.cache._length(self.layer_idx)
@@ -220,8 +224,15 @@ class TieredCache(Cache):
                 )
         elif hasattr(model, "dtype") and hasattr(model, "device"):
             self.manager = self._new_manager(model.dtype, model.device)
-        if feedback and _attn_implementation(model) == "eager":
+        # With eager feedback the hook ends the forward pass (_layer_done) after the last
+        # layer's attention has reported its weights, over the K/V that update returned; a step
+        # before it could drop blocks those weights still cover.
+        self._hooked = feedback and _attn_implementation(model) == "eager"
+        if self._hooked:
             attention_feedback(model)
+        self.drops = self.kvtier_config.resolved_ladder("fp32")[-1] == "drop"
+        if self.drops and isinstance(model, torch.nn.Module):
+            _refuse_padding_with_drops(model)
         self.forwards = 0
         #: move counts summed over this cache's steps
         self.moves: dict[str, int] = {}
@@ -286,7 +297,8 @@ class TieredCache(Cache):
             _PENDING.value = (self, layer, keys)
             return keys, values
         out = self._gathered(layer)
-        self._layer_done(layer)
+        if not self._hooked:
+            self._layer_done(layer)
         return out
 
     def _layer_done(self, layer: int) -> None:
@@ -319,6 +331,23 @@ class TieredCache(Cache):
         if not self.sequences or self.manager is None:
             return 0
         return self.manager.num_tokens(self.sequences[0], layer)
+
+    def _attended(self, layer: int) -> int:
+        """Tokens attention sees at ``layer`` (fewer than :meth:`_length` once blocks are
+        dropped); every row must see as many, since their K/V are stacked."""
+        bm = self.manager
+        if not self.sequences or bm is None:
+            return 0
+        if bm.drop_level is None:
+            return bm.num_tokens(self.sequences[0], layer)
+        counts = {bm.attended_tokens(seq, layer) for seq in self.sequences}
+        if len(counts) > 1 and not self.attend:  # the kernels take ragged rows
+            raise InvalidArgumentError(
+                f"layer {layer}: the batch rows have dropped different numbers of blocks "
+                f"({sorted(counts)} tokens left), so their K/V cannot be stacked; run the rows "
+                "in separate caches, or use attn_implementation='kvtier'"
+            )
+        return min(counts)
 
     def record_attention(self, layer: int, weights: torch.Tensor) -> None:
         """Attention weights ``[batch, heads, queries, tokens]`` of ``layer`` for the scheduler
@@ -362,6 +391,12 @@ class TieredCache(Cache):
         if keep >= length or self.manager is None:
             return
         bm, keep = self.manager, max(keep, 0)
+        if any(bm.attended_tokens(seq) < length for seq in self.sequences):
+            raise InvalidArgumentError(
+                "crop: blocks of this cache were dropped (a 'drop' level), so the K/V of the "
+                "kept tokens cannot be rebuilt at their positions; crop needs a ladder without "
+                "'drop'"
+            )
         for row, seq in enumerate(self.sequences):
             kept = bm.add_sequence()
             for layer in range(self.num_layers):
@@ -471,11 +506,12 @@ def attention_feedback(model: Any) -> list[Any]:
 
     def hook(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         cache = kwargs.get("past_key_values")
-        if not isinstance(cache, TieredCache) or not isinstance(output, tuple) or len(output) < 2:
-            return
-        weights = output[1]
+        if not isinstance(cache, TieredCache) or not cache._hooked:
+            return  # not a TieredCache, or one built with feedback=False
+        weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
         if isinstance(weights, torch.Tensor) and weights.dim() == 4:
             cache.record_attention(module.layer_idx, weights.detach())
+        cache._layer_done(module.layer_idx)
 
     handles = [
         module.register_forward_hook(hook, with_kwargs=True)
@@ -484,6 +520,32 @@ def attention_feedback(model: Any) -> list[Any]:
     ]
     model._kvtier_feedback_handles = handles
     return handles
+
+
+def _refuse_padding_with_drops(model: torch.nn.Module) -> None:
+    """Registers (once per model) a forward pre-hook that refuses a padded batch served by a
+    :class:`TieredCache` whose ladder drops blocks: the mask of the keys left after a drop
+    spans them at shifted positions, where a padding token could be taken for a real one."""
+    if getattr(model, "_kvtier_padding_hook", None) is not None:
+        return
+
+    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+        if (
+            isinstance(cache, TieredCache)
+            and cache.drops
+            and isinstance(mask, torch.Tensor)
+            and mask.dim() == 2
+            and not bool(mask.all())
+        ):
+            raise InvalidArgumentError(
+                "attention_mask: this batch is padded, and the TieredCache's ladder drops "
+                "blocks ('drop' level), which supports unpadded batches only; run rows of "
+                "different lengths in separate caches, or use a ladder without 'drop'"
+            )
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    model._kvtier_padding_hook = handle  # type: ignore[assignment]
 
 
 # -- attention over the blocks ---------------------------------------------------------------------

@@ -157,6 +157,12 @@ def connector_config(
         _VARS["policy"].name
     ):
         policy = CONNECTOR_POLICY
+    if env.ladder is not None and env.ladder[-1] == "drop":
+        raise ConfigError(
+            "ladder: the connector's tiers are a prefix cache behind vLLM's own pool, whose "
+            "attention kvtier does not run: a block leaves it by eviction, so a 'drop' level "
+            f"has no meaning there; remove it from {','.join(env.ladder)}"
+        )
     shares = env.pool_shares
     if shares is None and env.enable_compression and env.levels > 1:
         # Capacity behind vLLM's pool: level 0 stages one step's saves, the bottom holds.
