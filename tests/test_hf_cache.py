@@ -300,6 +300,9 @@ def test_kvtier_eval_cache_command_prints_its_table_as_json(smollm2, capsys):
         (["--passkey-lengths", "1k"], "expected comma-separated positive integers, got '1k'"),
         (["--passkey-depths", "0.5,2"], "expected comma-separated numbers from 0 to 1"),
         (["--methods", "dynamic,kvtier-int3"], "unknown method(s) kvtier-int3: expected some of"),
+        (["--methods", "kvpress-knorm@1"], "unknown method(s) kvpress-knorm@1: expected some of"),
+        (["--from-json", "/no/such/file.json"], "cannot read /no/such/file.json"),
+        (["--plot", "curve.webmx"], "matplotlib writes no '.webmx' files"),
     ],
 )
 def test_kvtier_eval_cache_rejects_bad_options_before_loading_the_model(
@@ -351,3 +354,103 @@ def test_caches_on_a_shared_manager_free_their_rows_however_they_end(smollm2):
             del cache
         assert torch.equal(got, want), (i, how)
         assert bm.sequences() == [], (i, how)
+
+
+#: A small ``kvtier eval cache --json`` result: the baseline, a peer and two kvtier rows.
+RESULT = {
+    "model": "SmolLM2-135M",
+    "text": "wikitext2_test.raw",
+    "windows": 1,
+    "window_tokens": 256,
+    "skipped": [],
+    "rows": [
+        {
+            "method": m,
+            "perplexity": p,
+            "kv_bytes": b,
+            "kv_bytes_fp16": b // 2,
+            "ppl_change": c,
+            "bytes_vs_dynamic": b / 1000,
+            "bytes_vs_fp16": b / 1000,
+        }
+        for m, p, b, c in [
+            ("dynamic", 25.5, 1000, 0.0),
+            ("quanto-int4", 25.8, 221, 0.012),
+            ("kvpress-knorm@0.5", 27.0, 750, 0.06),
+            ("kvtier-int4", 25.6, 302, 0.004),
+            ("kvtier-int2-aggressive", 26.1, 200, 0.02),
+        ]
+    ],
+}
+
+
+def test_kvtier_eval_cache_plots_a_saved_result_without_running_the_model(
+    tmp_path, monkeypatch, capsys
+):
+    pyplot = pytest.importorskip("matplotlib.pyplot", reason="matplotlib (kvtier[plot]) absent")
+    from kvtier.cli import main
+
+    monkeypatch.setattr(real, "load_smollm2", lambda *a: pytest.fail("the model was loaded"))
+    saved = tmp_path / "quality.json"
+    saved.write_text(json.dumps(RESULT))
+    assert main(["eval", "cache", "--from-json", str(saved), "--plot", str(tmp_path / "c")]) == 0
+    out, err = capsys.readouterr()
+    # the table of the saved rows on stdout, where the plot went on stderr
+    assert [line.split(" | ")[0] for line in out.splitlines()[2:]] == [
+        f"| {r['method']}" for r in RESULT["rows"]
+    ]
+    assert f"wrote {tmp_path / 'c.png'}" in err
+    image = pyplot.imread(tmp_path / "c.png")
+    height, width, channels = image.shape
+    assert width >= 800 and height >= 500 and channels in (3, 4)
+    assert image.std() > 0.05, "the plot has marks on it"
+
+
+def test_quanto_int2_bytes_count_its_packed_codes_and_fp16_scales(smollm2):
+    """quanto-int2 packs four codes a byte, with a scale and a shift per group of 64 values
+    (fp32 here, fp16 in a 16-bit deployment): its bytes must count exactly that."""
+    pytest.importorskip("optimum.quanto", reason="optimum-quanto (kvtier[bench]) absent")
+    model, tok = smollm2
+    cfg = model.config
+    ids = real.windows(tok, 1, 64)[0]
+    held = {}
+    for bits in (4, 2):
+        cache = quality.methods()[f"quanto-int{bits}"].make(model)
+        with torch.no_grad():
+            model(ids[None], past_key_values=cache, use_cache=True)  # a prefill: all quantized
+        held[bits] = quality.cache_bytes(cache)
+    values = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 64 * cfg.head_dim  # K and V
+    groups = values // 64
+    for bits in (4, 2):
+        assert held[bits] == (
+            values * bits // 8 + groups * 2 * 4,
+            values * bits // 8 + groups * 2 * 2,
+        )
+    assert held[2][1] < 0.6 * held[4][1]
+
+
+KVPRESS_ABSENT = (
+    "kvpress is not installed: kvpress 0.5.5 pins transformers<5.3, so pip cannot install it "
+    f"beside kvtier[hf]; it runs without its pins: {quality.KVPRESS_INSTALL}"
+)
+
+
+def test_a_kvpress_press_shrinks_the_prefill_and_nothing_else(smollm2):
+    """A press at ratio 0 is DynamicCache exactly (the positions after a prefill are the
+    text's); at 0.5 it holds half the prefill's tokens and every token decoded after it."""
+    pytest.importorskip("kvpress", reason=KVPRESS_ABSENT)
+    model, tok = smollm2
+    windows = real.windows(tok, 1, 256)
+    rows = {
+        name: quality.perplexity(model, quality.method(name), windows)
+        for name in ("dynamic", "kvpress-knorm@0", "kvpress-knorm@0.5")
+    }
+    assert rows["kvpress-knorm@0"]["perplexity"] == rows["dynamic"]["perplexity"]
+    # 255 tokens held by DynamicCache; the press keeps 64 of the 128 prefilled, then 127 more.
+    assert rows["kvpress-knorm@0.5"]["kv_bytes"] * 255 == rows["dynamic"]["kv_bytes"] * 191
+    assert rows["kvpress-knorm@0.5"]["perplexity"] != rows["dynamic"]["perplexity"]
+    # the passkey decodes greedily by hand after the pressed prefill; at ratio 0, as generate
+    found = quality.passkey(
+        model, tok, quality.method("kvpress-knorm@0"), lengths=(512,), depths=(0.5,)
+    )
+    assert found["accuracy"] == 1.0

@@ -2,8 +2,9 @@
 
 SmolLM2-135M (fp32, on the CPU, eager attention so that attention weights reach the scheduler)
 reads WikiText-2. Each *method* is a transformers ``Cache``: ``DynamicCache`` (the baseline),
-transformers' ``QuantizedCache`` (quanto and HQQ backends, the peers), and ``TieredCache`` with
-several kvtier settings. For each we measure
+transformers' ``QuantizedCache`` (quanto at 4 and 2 bits, HQQ at 4), kvpress's presses on a
+``DynamicCache`` (``kvpress-knorm@0.5``: the press, and the fraction of each prefill's tokens it
+drops), and ``TieredCache`` with several kvtier settings. For each we measure
 
 - **perplexity**: each window of ``--tokens`` tokens is split in half. The first half is the
   context, run as one prefill; the scheduler then steps (compressing what left the recent
@@ -13,13 +14,19 @@ several kvtier settings. For each we measure
   exactly, and larger chunks differ only in that a chunk's own tokens see each other at full
   precision (as the recent window always does);
 - **passkey retrieval**: a 5-digit key hidden in filler text at several depths of prompts of
-  1K and 2K tokens, then ``generate`` (greedy) through the cache; exact match of the key;
+  1K and 2K tokens, then ``generate`` (greedy) through the cache; exact match of the key
+  (a press compresses the prompt's prefill, then decodes greedily token by token);
 - **KV bytes** held at the end of each window (what the cache's tensors take; kvtier's from its
   pools), against ``DynamicCache``'s, and "fp16-equivalent": the same with every floating-point
   tensor counted at 2 bytes, i.e. the cache a 16-bit deployment of the model would hold;
 - **speed** of ``generate`` (greedy, 64 new tokens) after prompts of 512 and 4,096 tokens: the
   decode rate (one over the median time from one new token's logits to the next; the mean
   rate is in the JSON too) and the prefill's seconds.
+
+A press compresses during a prefill only (kvpress's prefill presses): the first half of a
+perplexity window, where the other caches compress too, and a passkey prompt; the tokens after
+it are kept whole. ``--plot`` draws perplexity against fp16-equivalent bytes, from a run or from
+a saved ``--json`` result (``--from-json``).
 
 Each method runs the model with an attention implementation: ``eager`` (the default, so that
 attention weights reach the scheduler), ``sdpa``, or ``kvtier`` (attention over the blocks,
@@ -29,6 +36,7 @@ attention weights reach the scheduler), ``sdpa``, or ``kvtier`` (attention over 
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import math
@@ -46,7 +54,7 @@ import torch.nn.functional as F
 
 from ..cli import CommandParser, non_negative_int, positive_int
 from ..config import KvtierConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, require
 from ..integrations.hf import TieredCache
 from . import model as real
 
@@ -68,6 +76,10 @@ class Method:
     make: Callable[[Any], Any]
     #: the model's attention implementation for this method
     attn: str = "eager"
+    #: a kvpress press, built afresh for each prefill, that compresses the cache during it
+    press: Callable[[], Any] | None = None
+    #: the module this method imports, and how to install it when it is missing
+    needs: tuple[str, str] | None = None
 
 
 def _kvtier(name: str, about: str, attn: str = "eager", **fields: Any) -> Method:
@@ -75,7 +87,10 @@ def _kvtier(name: str, about: str, attn: str = "eager", **fields: Any) -> Method
     return Method(name, about, lambda model: TieredCache(model, config), attn)
 
 
-def _quantized(backend: str) -> Method:
+_BENCH = "pip install 'kvtier[bench]'"
+
+
+def _quantized(backend: str, nbits: int) -> Method:
     def make(model: Any) -> Any:
         from transformers import QuantizedCache
 
@@ -83,35 +98,62 @@ def _quantized(backend: str) -> Method:
         bin_dir = str(Path(sys.executable).parent)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        return QuantizedCache(backend=backend, config=model.config, nbits=4)
+        return QuantizedCache(backend=backend, config=model.config, nbits=nbits)
+
+    module = {"quanto": "optimum.quanto", "hqq": "hqq"}[backend]
+    return Method(
+        f"{backend}-int{nbits}",
+        f"transformers QuantizedCache, {backend}, {nbits} bits, groups of 64, last 128 tokens full",
+        make,
+        needs=(module, _BENCH),
+    )
+
+
+#: kvpress's presses that run offline on SmolLM2 (no statistics or weights to download), by the
+#: name a method gives them: ``kvpress-<name>@<compression ratio>``.
+PRESSES = {"knorm": "KnormPress", "snapkv": "SnapKVPress", "expected": "ExpectedAttentionPress"}
+#: kvpress 0.5.5 pins transformers<5.3 (pip would downgrade the model's transformers), so it goes
+#: in without its pins, beside the few packages it imports.
+KVPRESS_INSTALL = (
+    "pip install --no-deps kvpress==0.5.5 datasets multiprocess pyarrow xxhash 'pandas<3' "
+    "pytz six 'fire<0.7'"
+)
+
+
+def _kvpress(press: str, ratio: float) -> Method:
+    """DynamicCache with kvpress's ``press`` active during every prefill (the first half of a
+    perplexity window, a passkey prompt): it drops the fraction ``ratio`` of the prefilled
+    tokens' K/V in every layer; what is decoded after the prefill is kept whole."""
+
+    def make_press() -> Any:
+        kvpress = importlib.import_module("kvpress")  # untyped, and installed only by hand
+        return getattr(kvpress, PRESSES[press])(compression_ratio=ratio)
 
     return Method(
-        f"{backend}-int4",
-        f"transformers QuantizedCache, {backend}, 4 bits, groups of 64, last 128 tokens full",
-        make,
+        f"kvpress-{press}@{ratio:g}",
+        f"kvpress {PRESSES[press]}, compression ratio {ratio:g} at prefill, on DynamicCache",
+        _dynamic,
+        press=make_press,
+        needs=("kvpress", KVPRESS_INSTALL),
     )
+
+
+def _dynamic(model: Any) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
 
 
 def methods() -> dict[str, Method]:
     """Every method by name; kvtier ones keep the first block and the last 128 tokens at level 0
     (the aggressive one 32), as QuantizedCache keeps its last 128 tokens unquantized."""
-    from transformers import DynamicCache
-
     ladder = ("fp32", "int8", "int4")
     rows = [
-        Method(
-            "dynamic",
-            "transformers DynamicCache (baseline)",
-            lambda m: DynamicCache(config=m.config),
-        ),
-        Method(
-            "dynamic-sdpa",
-            "transformers DynamicCache, sdpa attention",
-            lambda m: DynamicCache(config=m.config),
-            "sdpa",
-        ),
-        _quantized("quanto"),
-        _quantized("hqq"),
+        Method("dynamic", "transformers DynamicCache (baseline)", _dynamic),
+        Method("dynamic-sdpa", "transformers DynamicCache, sdpa attention", _dynamic, "sdpa"),
+        _quantized("quanto", 4),
+        _quantized("hqq", 4),
+        _quantized("quanto", 2),
         _kvtier(
             "kvtier-exact",
             "TieredCache, level 0 only (must equal the baseline)",
@@ -176,7 +218,25 @@ def methods() -> dict[str, Method]:
             recent_window=32,
         ),
     ]
+    rows += [_kvpress(press, ratio) for press in PRESSES for ratio in (0.5, 0.75)]
     return {m.name: m for m in rows}
+
+
+def method(name: str) -> Method | None:
+    """The method called ``name``: one of :func:`methods`, or a press at any compression
+    ratio from 0 to 1 (``kvpress-knorm@0.6``); None for a name that is neither."""
+    found = methods().get(name)
+    if found is not None:
+        return found
+    family, at, ratio_text = name.partition("@")
+    press = family.removeprefix("kvpress-")
+    if not (at and family.startswith("kvpress-") and press in PRESSES):
+        return None
+    try:
+        ratio = float(ratio_text)
+    except ValueError:
+        return None
+    return _kvpress(press, ratio) if 0.0 <= ratio < 1.0 else None
 
 
 DEFAULT_METHODS = (
@@ -237,6 +297,55 @@ def _release(cache: Any) -> None:
         cache.close()
 
 
+def _prefill(model: Any, method: Method, ids: torch.Tensor, cache: Any) -> Any:
+    """One forward pass of ``ids`` (a row of token ids) into the empty ``cache``, with the
+    method's press, if any, compressing the cache during it; the model's output."""
+    if method.press is None:
+        return model(ids[None], past_key_values=cache, use_cache=True)
+    with method.press()(model):
+        # kvpress's hooks tell a prefill by the ``cache_position`` keyword, which transformers
+        # no longer passes to attention layers (since 5.3): pass it, the layers hand it on.
+        return model(
+            ids[None], past_key_values=cache, use_cache=True, cache_position=torch.arange(len(ids))
+        )
+
+
+def _positions(start: int, count: int) -> torch.Tensor:
+    # Explicit positions: after a press the cache holds fewer tokens than the text has, and
+    # the model would otherwise number the next ones from the cache's length.
+    return torch.arange(start, start + count)[None]
+
+
+@torch.no_grad()
+def _greedy(
+    model: Any,
+    method: Method,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    eos: int | None = None,
+    on_logits: Callable[[], None] = lambda: None,
+) -> torch.Tensor:
+    """Greedy decoding token by token after a prefill of ``prompt`` (the new tokens), for the
+    methods ``generate`` cannot serve: a press leaves fewer tokens in the cache than the
+    prompt has, where ``generate`` would take the cache's length for the next position."""
+    cache = method.make(model)
+    try:
+        logits = _prefill(model, method, prompt, cache).logits[0, -1]
+        out: list[int] = []
+        while True:
+            on_logits()
+            out.append(int(logits.argmax()))
+            if len(out) == new_tokens or out[-1] == eos:
+                return torch.tensor(out)
+            step = torch.tensor([[out[-1]]])
+            position = _positions(len(prompt) + len(out) - 1, 1)
+            logits = model(
+                step, past_key_values=cache, use_cache=True, position_ids=position
+            ).logits[0, -1]
+    finally:
+        _release(cache)
+
+
 # -- perplexity ------------------------------------------------------------------------------------
 
 
@@ -251,12 +360,13 @@ def perplexity(
         context = len(ids) // 2
         cache = method.make(model)
         try:
-            logits = model(ids[None, :context], past_key_values=cache, use_cache=True).logits[
-                0, -1:
-            ]
+            logits = _prefill(model, method, ids[:context], cache).logits[0, -1:]
             for s in range(context, len(ids) - 1, chunk):
                 part = ids[s : min(s + chunk, len(ids) - 1)]
-                out = model(part[None], past_key_values=cache, use_cache=True).logits[0]
+                position = _positions(s, len(part))
+                out = model(
+                    part[None], past_key_values=cache, use_cache=True, position_ids=position
+                ).logits[0]
                 logits = torch.cat([logits, out])
             target = ids[context:]
             nll += float(F.cross_entropy(logits.float(), target, reduction="sum"))
@@ -315,19 +425,23 @@ def passkey(
         for depth in depths:
             key = str(rng.randrange(10_000, 100_000))
             ids = passkey_prompt(tokenizer, length, depth, key)[None]
-            cache = method.make(model)
-            try:
-                out = model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    past_key_values=cache,
-                    do_sample=False,
-                    max_new_tokens=8,
-                    pad_token_id=tokenizer.eos_token_id,
-                )
-            finally:
-                _release(cache)
-            answer = tokenizer.decode(out[0, ids.shape[1] :])
+            if method.press is not None:
+                new = _greedy(model, method, ids[0], 8, tokenizer.eos_token_id)
+            else:
+                cache = method.make(model)
+                try:
+                    out = model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        past_key_values=cache,
+                        do_sample=False,
+                        max_new_tokens=8,
+                        pad_token_id=tokenizer.eos_token_id,
+                    )
+                finally:
+                    _release(cache)
+                new = out[0, ids.shape[1] :]
+            answer = tokenizer.decode(new)
             found = "".join(c for c in answer.strip()[:8] if c.isdigit())[:5]
             trials.append(
                 {"tokens": ids.shape[1], "depth": depth, "key": key, "found": found == key}
@@ -345,21 +459,29 @@ class _StepClock:
         self.times: list[float] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.times.append(time.perf_counter())
+        self.tick()
         return scores
+
+    def tick(self) -> None:
+        self.times.append(time.perf_counter())
 
 
 @torch.no_grad()
 def speed(
     model: Any, method: Method, prompt: torch.Tensor, new_tokens: int = SPEED_NEW
 ) -> dict[str, Any]:
-    """A greedy ``generate`` of ``new_tokens`` after ``prompt``: the prefill's seconds (to the
-    first token's logits) and the decode rate (one over the median step between new tokens)."""
+    """A greedy ``generate`` of ``new_tokens`` after ``prompt`` (for a press, the same greedy
+    decoding token by token): the prefill's seconds (to the first token's logits) and the decode
+    rate (one over the median step between new tokens)."""
     from transformers import LogitsProcessorList
 
     ids = prompt[None]
-    cache = method.make(model)
     clock = _StepClock()
+    if method.press is not None:
+        start = time.perf_counter()
+        _greedy(model, method, prompt, new_tokens, on_logits=clock.tick)
+        return _rates(clock.times, start, len(prompt), new_tokens)
+    cache = method.make(model)
     try:
         start = time.perf_counter()
         model.generate(
@@ -374,13 +496,16 @@ def speed(
         )
     finally:
         _release(cache)
-    times = clock.times
+    return _rates(clock.times, start, int(ids.shape[1]), new_tokens)
+
+
+def _rates(times: list[float], start: float, prompt: int, new_tokens: int) -> dict[str, Any]:
     steps = sorted(b - a for a, b in itertools.pairwise(times))
     # The median step: on a shared machine a few steps stall on other work, and the mean
     # would carry those stalls into one method's figure and not another's.
     median = steps[len(steps) // 2] if steps else 0.0
     return {
-        "prompt": int(ids.shape[1]),
+        "prompt": prompt,
         "new_tokens": new_tokens,
         "prefill_s": times[0] - start,
         "decode_tokens_per_s": 1 / median if median > 0 else None,
@@ -393,24 +518,27 @@ def speed(
 
 def available(names: list[str]) -> tuple[list[Method], list[str]]:
     """The methods whose packages are installed, and a note for each left out."""
-    table = methods()
-    unknown = [n for n in names if n not in table]
+    found = {name: method(name) for name in names}
+    unknown = [name for name, m in found.items() if m is None]
     if unknown:
+        presses = "|".join(PRESSES)
         raise ConfigError(
-            f"unknown method(s) {', '.join(unknown)}: expected some of {', '.join(table)}",
+            f"unknown method(s) {', '.join(unknown)}: expected some of {', '.join(methods())}, "
+            f"or kvpress-{{{presses}}}@RATIO with RATIO from 0 to 1 (1 excluded)",
             hint="run 'kvtier eval cache --help' for the methods",
         )
     chosen, skipped = [], []
-    needs = {"quanto-int4": "optimum.quanto", "hqq-int4": "hqq"}
     for name in names:
-        module = needs.get(name)
-        if module is not None:
+        m = found[name]
+        assert m is not None
+        if m.needs is not None:
+            module, install = m.needs
             try:
-                __import__(module)
-            except ImportError:
-                skipped.append(f"{name}: {module} is not installed (pip install 'kvtier[bench]')")
+                importlib.import_module(module)
+            except ImportError as exc:
+                skipped.append(f"{name}: {module} is not importable ({exc}); {install}")
                 continue
-        chosen.append(table[name])
+        chosen.append(m)
     return chosen, skipped
 
 
@@ -499,6 +627,99 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: How each family of methods (the method's name up to its first '-') is drawn: kvtier's one
+#: colour and marker, each peer its own.
+_STYLES = {
+    "kvtier": ("tab:blue", "o", "kvtier TieredCache"),
+    "dynamic": ("black", "*", "DynamicCache (baseline)"),
+    "quanto": ("tab:orange", "s", "QuantizedCache, quanto"),
+    "hqq": ("tab:red", "D", "QuantizedCache, HQQ"),
+    "kvpress": ("tab:green", "^", "kvpress press on DynamicCache"),
+}
+
+
+def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write a plot of each method's perplexity against the fp16-equivalent KV bytes it held,
+    relative to DynamicCache's (a 16-bit cache holding every token), one labelled point per
+    method; returns the file written (``path``, with ``.png`` added when it has no suffix).
+    Needs ``kvtier[plot]``."""
+    require("matplotlib", "plot", purpose="--plot needs matplotlib")
+    from matplotlib.figure import Figure
+
+    from ..report import resolve_plot_path
+
+    out = resolve_plot_path(path)
+    rows = [r for r in result["rows"] if "bytes_vs_fp16" in r]
+    if not rows:
+        raise ConfigError(
+            "nothing to plot: no row has bytes relative to the baseline (the run had no "
+            "'dynamic' row)",
+            hint="run the 'dynamic' method with the others",
+        )
+    # A bare Figure (no pyplot) renders with the Agg canvas and leaves the user's backend alone.
+    fig = Figure(figsize=(8, 5.5), layout="constrained")
+    ax = fig.add_subplot()
+    families: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        families.setdefault(r["method"].split("-")[0], []).append(r)
+    for family, group in families.items():
+        colour, marker, label = _STYLES.get(family, ("tab:gray", "X", family))
+        ax.scatter(
+            [r["bytes_vs_fp16"] for r in group],
+            [r["perplexity"] for r in group],
+            c=colour,
+            marker=marker,
+            s=70 if marker == "*" else 36,
+            label=label,
+        )
+    ys = [r["perplexity"] for r in rows]
+    # Perplexity on a log scale (a constant factor is a constant step) once the points spread
+    # widely, so that a far-off peer does not flatten the rest against the baseline.
+    wide = max(ys) > 1.3 * min(ys)
+    if wide:
+        ax.set_yscale("log")
+    _label(ax, rows, wide)
+    base = next((r for r in rows if r["method"] == "dynamic"), None)
+    if base is not None:
+        ax.axhline(base["perplexity"], color="black", linewidth=0.6, linestyle="--")
+    ax.set_xlabel("KV bytes held, fp16-equivalent, relative to a 16-bit DynamicCache")
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_title(
+        f"{result.get('model', '')}: {result.get('windows', '?')} windows of "
+        f"{result.get('window_tokens', '?')} tokens of {result.get('text', '')}",
+        fontsize=9,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(out, dpi=150)
+    return out
+
+
+def _label(ax: Any, rows: list[dict[str, Any]], log: bool) -> None:
+    """Name each point, moving a name up when it would overlap one already placed nearby."""
+    xs = [r["bytes_vs_fp16"] for r in rows]
+    ys = [math.log(r["perplexity"]) if log else r["perplexity"] for r in rows]
+    # Positions in points of the plot's area (about 480 x 310), near enough to spot overlaps.
+    x_scale = 480 / ((max(xs) - min(xs)) or 1)
+    y_scale = 310 / ((max(ys) - min(ys)) or 1)
+    placed: list[tuple[float, float, float]] = []  # left, bottom, right of each name
+    for r, x, y in sorted(zip(rows, xs, ys, strict=True), key=lambda t: (t[1], t[2])):
+        left, bottom = x * x_scale + 4, y * y_scale + 3
+        right = left + 3.6 * len(r["method"])  # 7-point type: about 3.6 points a character
+        while any(left < qr and ql < right and abs(bottom - qb) < 9 for ql, qb, qr in placed):
+            bottom += 9
+        placed.append((left, bottom, right))
+        moved = bottom - (y * y_scale + 3)
+        ax.annotate(
+            r["method"],
+            (r["bytes_vs_fp16"], r["perplexity"]),
+            xytext=(4, 3 + moved),
+            textcoords="offset points",
+            fontsize=7,
+            arrowprops={"arrowstyle": "-", "linewidth": 0.4, "color": "gray"} if moved else None,
+        )
+
+
 def _num(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -549,13 +770,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = CommandParser(
         prog="kvtier eval cache",
         description="Perplexity, passkey retrieval, KV bytes and tokens/s of DynamicCache, "
-        "QuantizedCache and kvtier's TieredCache on SmolLM2-135M and WikiText-2.",
+        "QuantizedCache, kvpress's presses and kvtier's TieredCache on SmolLM2-135M and "
+        "WikiText-2.",
     )
     parser.add_argument(
         "--methods",
         type=_names,
         default=list(DEFAULT_METHODS),
-        help=f"comma-separated (default: {','.join(DEFAULT_METHODS)})",
+        help=f"comma-separated (default: {','.join(DEFAULT_METHODS)}); others: "
+        f"{','.join(n for n in methods() if n not in DEFAULT_METHODS and '@' not in n)}, and "
+        "a kvpress press at any "
+        f"compression ratio, kvpress-{{{'|'.join(PRESSES)}}}@RATIO (needs kvpress: "
+        f"{KVPRESS_INSTALL})",
     )
     parser.add_argument("--windows", type=positive_int, default=WINDOWS, help="WikiText-2 windows")
     parser.add_argument(
@@ -588,17 +814,60 @@ def main(argv: list[str] | None = None) -> int:
         help=f"prompt lengths of the speed runs (default: {','.join(map(str, SPEED_PROMPTS))})",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
-    result = run(
-        args.methods,
-        windows=args.windows,
-        tokens=args.tokens,
-        chunk=args.chunk,
-        lengths=args.passkey_lengths,
-        depths=args.passkey_depths,
-        speed_new=args.speed_tokens,
-        speed_prompts=args.speed_prompts,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="also write a plot of perplexity against fp16-equivalent bytes (.png, .svg, .pdf; "
+        "needs kvtier[plot])",
     )
+    parser.add_argument(
+        "--from-json",
+        metavar="PATH",
+        type=Path,
+        help="read the results from a file of this command's --json output instead of running "
+        "the models (the options of the run are then ignored)",
+    )
+    args = parser.parse_args(argv)
+    plot_path = None
+    if args.plot:
+        require("matplotlib", "plot", purpose="--plot needs matplotlib")
+        from ..report import resolve_plot_path
+
+        # Checked now, so that a bad path fails before the run rather than after it.
+        plot_path = resolve_plot_path(args.plot)
+    if args.from_json is not None:
+        result = _load(args.from_json)
+    else:
+        result = run(
+            args.methods,
+            windows=args.windows,
+            tokens=args.tokens,
+            chunk=args.chunk,
+            lengths=args.passkey_lengths,
+            depths=args.passkey_depths,
+            speed_new=args.speed_tokens,
+            speed_prompts=args.speed_prompts,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
     print(json.dumps(result, indent=2) if args.json else table(result))
+    if plot_path is not None:
+        print(f"wrote {plot(result, plot_path)}", file=sys.stderr)
     return 0
+
+
+def _load(path: Path) -> dict[str, Any]:
+    """A result written by ``kvtier eval cache --json``."""
+    hint = "give a file written by 'kvtier eval cache --json > FILE'"
+    try:
+        result = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", hint=hint) from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not JSON: {exc}", hint=hint) from None
+    rows = result.get("rows") if isinstance(result, dict) else None
+    if not isinstance(rows, list) or not all(
+        isinstance(r, dict) and {"method", "perplexity", "kv_bytes"} <= r.keys() for r in rows
+    ):
+        raise ConfigError(f"{path} holds no rows of 'kvtier eval cache --json'", hint=hint)
+    result.setdefault("skipped", [])
+    return result
