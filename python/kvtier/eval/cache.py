@@ -217,6 +217,35 @@ def methods() -> dict[str, Method]:
             compression_ratio=0.0,
             recent_window=32,
         ),
+        # Below int4 (issue 32): 2-bit blocks, and blocks out of attention altogether.
+        _kvtier(
+            "kvtier-int2",
+            "ladder fp32,int2 (KIVI-style 2 bits) beyond a recent window of 32",
+            ladder=("fp32", "int2"),
+            recent_window=32,
+        ),
+        _kvtier(
+            "kvtier-int4-int2",
+            "ladder fp32,int4,int2, ratio 0.25 (a quarter int4), recent window 32",
+            ladder=("fp32", "int4", "int2"),
+            compression_ratio=0.25,
+            recent_window=32,
+        ),
+        _kvtier(
+            "kvtier-2bit-drop",
+            "ladder fp32,int2,drop, drop ratio 0.1, recent window 32 (<= 0.25 of fp16 bytes)",
+            ladder=("fp32", "int2", "drop"),
+            drop_ratio=0.1,
+            recent_window=32,
+        ),
+        _kvtier(
+            "kvtier-drop",
+            "ladder fp32,drop, drop ratio 0.5, h2o, recent window 32 (eviction only)",
+            ladder=("fp32", "drop"),
+            drop_ratio=0.5,
+            policy="h2o",
+            recent_window=32,
+        ),
     ]
     rows += [_kvpress(press, ratio) for press in PRESSES for ratio in (0.5, 0.75)]
     return {m.name: m for m in rows}
@@ -255,6 +284,11 @@ DEFAULT_METHODS = (
     "kvtier-h2o-attend",
     "kvtier-lru",
     "kvtier-aggressive",
+    "quanto-int2",
+    "kvtier-int2",
+    "kvtier-int4-int2",
+    "kvtier-2bit-drop",
+    "kvtier-drop",
 )
 
 
@@ -677,7 +711,12 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     # widely, so that a far-off peer does not flatten the rest against the baseline.
     wide = max(ys) > 1.3 * min(ys)
     if wide:
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
     _label(ax, rows, wide)
     base = next((r for r in rows if r["method"] == "dynamic"), None)
     if base is not None:
