@@ -67,6 +67,21 @@ def test_attend_over_every_level_equals_sdpa_over_the_gathered_kv(dtype: Any) ->
     assert_attends_like_sdpa(bm, seq, queries(7, 3, dtype))  # a chunk: causal over the prefix
 
 
+@pytest.mark.parametrize("ladder", ["fp16,int4,int2", "fp16,int4,int2-rot"])
+def test_int2_blocks_in_place_and_rotated_int2_staged_equal_sdpa(ladder: str) -> None:
+    """int2 codes are read where they lie; a rotated codec has no kernel: its blocks are
+    decoded (un-rotated) into the staging pool for the call."""
+    bm = manager(ladder=ladder, recent_window=16)
+    seq = bm.add_sequence()
+    x = kv(6 * BS + 5, seed=4)
+    for layer in range(LAYERS):
+        bm.append(seq, layer, x[layer, 0], x[layer, 1])
+    bm.step()
+    assert 2 in bm.core.block_info(bm.core.sequence_blocks(seq))["level"]
+    assert bm._attend_lut[0, 2] == (-2 if ladder.endswith("rot") else 2)
+    assert_attends_like_sdpa(bm, seq, queries(3, 6))
+
+
 def test_a_batch_of_sequences_of_different_lengths_in_one_call() -> None:
     bm = manager(recent_window=16)
     seqs, xs = [], []

@@ -570,6 +570,31 @@ def test_kivi_groups_keys_per_channel_so_an_outlier_channel_stays_contained(
     assert per_channel < bound
 
 
+def test_rotated_int2_is_int2_of_the_hadamard_rotated_vectors_and_holds_outliers_better() -> None:
+    from kvtier.codecs.quant import _hadamard
+
+    shape = BlockShape(2, 2, 16, 64)
+    x = blocks(2, shape, torch.float32, seed=6)
+    x[:, :, 1, ..., 9] *= 30  # an outlier channel of values: a 2-bit per-token group cannot
+    rot, plain = get_codec("int2-rot"), get_codec("int2")
+    h = _hadamard(64, "cpu")
+    torch.testing.assert_close(h @ h.T, torch.eye(64), atol=1e-6, rtol=0)
+    got = rot.decode(rot.encode(x), dtype=torch.float32)
+    want = plain.decode(plain.encode(x @ h), dtype=torch.float32) @ h.T
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert rot.bytes_per_block(shape) == plain.bytes_per_block(shape)
+    err = {
+        c.name: float((c.decode(c.encode(x), dtype=torch.float32) - x)[:, :, 1].norm())
+        for c in (rot, plain)
+    }
+    assert err["int2-rot"] < 0.85 * err["int2"], err
+    with pytest.raises(PayloadError):  # another format: never decoded as plain int2
+        plain.decode(rot.encode(x))
+    with pytest.raises(InvalidArgumentError, match="not a power of two"):
+        rot.bytes_per_block(BlockShape(2, 2, 16, 96))
+    assert not rot.has_kernels and plain.has_kernels
+
+
 # ---- 6. transcode -------------------------------------------------------------------------------
 
 

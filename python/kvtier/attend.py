@@ -92,7 +92,7 @@ def readable(codec: Codec) -> bool:
     staging pool first)."""
     if isinstance(codec, IdentityCodec):
         return True
-    return isinstance(codec, QuantCodec) and codec.bits in (2, 4, 8)
+    return isinstance(codec, QuantCodec) and codec.bits in (2, 4, 8) and not codec.rotate
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ Symmetric codes are two's complement in their ``bits`` (sign-extended when unpac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -71,6 +72,7 @@ class QuantCodec(Codec):
         asymmetric: bool,
         key_per_channel: bool,
         group_size: int | None = None,
+        rotate: bool = False,
     ) -> None:
         if bits not in (2, 4, 8):
             raise InvalidArgumentError(f"bits: expected 2, 4 or 8, got {bits!r}")
@@ -86,12 +88,18 @@ class QuantCodec(Codec):
         self.asymmetric = bool(asymmetric)
         self.key_per_channel = bool(key_per_channel)
         self.group_size = group_size
+        self.rotate = bool(rotate)
+        if self.rotate:
+            # The kernels read codes of unrotated K/V; a rotated codec runs the torch reference
+            # (on any device) and attention stages its blocks decoded.
+            self.has_kernels = False
 
     @property
     def format(self) -> str:
         group = "head" if self.group_size is None else str(self.group_size)
         keys = "chan" if self.key_per_channel else "tok"
-        return f"int{self.bits}-{'asym' if self.asymmetric else 'sym'}-k{keys}-g{group}"
+        rot = "-rot" if self.rotate else ""
+        return f"int{self.bits}-{'asym' if self.asymmetric else 'sym'}-k{keys}-g{group}{rot}"
 
     def group(self, shape: BlockShape) -> int:
         """Values per group along the head dimension."""
@@ -109,6 +117,11 @@ class QuantCodec(Codec):
         g = self.group(shape)
         if D % g:
             raise InvalidArgumentError(self._group_advice(D, g))
+        if self.rotate and D & (D - 1):
+            raise InvalidArgumentError(
+                f"head_dim {D} is not a power of two: codec {self.name!r} rotates each head "
+                "vector by a Hadamard matrix, which needs one; use it without rotate=True"
+            )
 
     def _group_advice(self, head_dim: int, group: int) -> str:
         """Why ``group`` does not fit ``head_dim``, the group sizes that do, and how to use one."""
@@ -188,6 +201,8 @@ class QuantCodec(Codec):
     def _encode(self, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
         torch = torch_module()
         x = blocks.float()
+        if self.rotate:
+            x = x @ _hadamard(x.shape[-1], x.device)
         n, L, _, H, B, D = x.shape
         parts = {}
         if not self.key_per_channel:
@@ -211,6 +226,10 @@ class QuantCodec(Codec):
         return parts
 
     def _decode(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
+        x = self._dequantize(parts, shape)
+        return x @ _hadamard(shape.head_dim, x.device).T if self.rotate else x
+
+    def _dequantize(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
         torch = torch_module()
         q = self._unpack_codes(parts["codes"])  # [n, L, 2, H, B, D] fp32
         n = q.shape[0]
@@ -267,6 +286,25 @@ class QuantCodec(Codec):
         return small.float()
 
 
+def _hadamard(dim: int, device: Any) -> torch.Tensor:
+    """The orthogonal ``[dim, dim]`` rotation of rotated codecs: a Sylvester Hadamard matrix
+    with fixed random column signs, scaled by ``dim ** -0.5`` (QuaRot's choice, Ashkboos et al.,
+    2024). Rotating a head vector spreads its outlier channels over all of them, which is what
+    2-bit groups cannot hold; being orthogonal, it is undone exactly by its transpose."""
+    return _hadamard_cpu(dim).to(device)
+
+
+@functools.cache
+def _hadamard_cpu(dim: int) -> torch.Tensor:
+    torch = torch_module()
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    # fixed signs (a seeded generator: the same matrix on every machine, so stored rows decode)
+    signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(0)) * 2 - 1
+    return h * signs.float()[None, :] / dim**0.5
+
+
 class Int8Codec(QuantCodec):
     """``int8``: one fp16 scale per token and head (symmetric by default; the asymmetric form
     adds an fp16 zero point and measured no better on real K/V, see docs/codecs.md)."""
@@ -315,8 +353,14 @@ class Int2Codec(QuantCodec):
         group_size: int | None = INT2_GROUP_SIZE,
         key_per_channel: bool = True,
         asymmetric: bool = True,
+        rotate: bool = False,
         name: str = "int2",
     ) -> None:
         super().__init__(
-            name, 2, asymmetric=asymmetric, key_per_channel=key_per_channel, group_size=group_size
+            name,
+            2,
+            asymmetric=asymmetric,
+            key_per_channel=key_per_channel,
+            group_size=group_size,
+            rotate=rotate,
         )

@@ -40,6 +40,10 @@ _BUILTINS: dict[str, CodecFactory] = {
     # values grouped by 64: the leaner int2 (0.203 of fp16 with 16-token blocks and head_dim
     # 128, against int2's 0.219), for heads of 64 or more
     "int2-g64": lambda: Int2Codec(group_size=64, name="int2-g64"),
+    # int2 of Hadamard-rotated head vectors (QuaRot): same bytes, a fraction of the error on
+    # SmolLM2 (docs/quality.md); the torch reference on every device, staged for attention
+    "int2-rot": lambda: Int2Codec(rotate=True, name="int2-rot"),
+    "int2-rot-g64": lambda: Int2Codec(group_size=64, rotate=True, name="int2-rot-g64"),
 }
 
 _lock = threading.Lock()

@@ -233,9 +233,10 @@ def methods() -> dict[str, Method]:
         ),
         _kvtier(
             "kvtier-2bit-drop",
-            "ladder fp32,int2,drop, drop ratio 0.1, recent window 32 (<= 0.25 of fp16 bytes)",
+            "ladder fp32,int2,drop, drop ratio 0.1, h2o, recent window 32 (<= 0.25 of fp16 bytes)",
             ladder=("fp32", "int2", "drop"),
             drop_ratio=0.1,
+            policy="h2o",
             recent_window=32,
         ),
         _kvtier(
