@@ -232,6 +232,18 @@ def methods() -> dict[str, Method]:
             recent_window=32,
         ),
         _kvtier(
+            "kvtier-int2-rot",
+            "ladder fp32,int2-rot (int2 of Hadamard-rotated vectors), recent window 32",
+            ladder=("fp32", "int2-rot"),
+            recent_window=32,
+        ),
+        _kvtier(
+            "kvtier-2bit",
+            "ladder fp32,int2-rot-g64, recent window 16: the aggressive ladder (<= 0.25 of fp16)",
+            ladder=("fp32", "int2-rot-g64"),
+            recent_window=16,
+        ),
+        _kvtier(
             "kvtier-2bit-drop",
             "ladder fp32,int2,drop, drop ratio 0.1, h2o, recent window 32 (<= 0.25 of fp16 bytes)",
             ladder=("fp32", "int2", "drop"),
@@ -288,6 +300,8 @@ DEFAULT_METHODS = (
     "quanto-int2",
     "kvtier-int2",
     "kvtier-int4-int2",
+    "kvtier-int2-rot",
+    "kvtier-2bit",
     "kvtier-2bit-drop",
     "kvtier-drop",
 )
