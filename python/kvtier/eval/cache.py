@@ -676,6 +676,9 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: Perplexity beyond this many times the baseline's is drawn at the plot's top edge.
+OFF_SCALE = 1.5
+
 #: How each family of methods (the method's name up to its first '-') is drawn: kvtier's one
 #: colour and marker, each peer its own.
 _STYLES = {
@@ -705,6 +708,16 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
             "'dynamic' row)",
             hint="run the 'dynamic' method with the others",
         )
+    base = next((r for r in rows if r["method"] == "dynamic"), None)
+    # Perplexity above OFF_SCALE x the baseline's is drawn at that edge, its value in its name:
+    # a collapsed peer (quanto at 2 bits: 10x) would otherwise flatten every other point.
+    cap = OFF_SCALE * base["perplexity"] if base is not None else math.inf
+    rows = [
+        r
+        if r["perplexity"] <= cap
+        else {**r, "perplexity": cap, "method": f"{r['method']} ({r['perplexity']:.0f}, off scale)"}
+        for r in rows
+    ]
     # A bare Figure (no pyplot) renders with the Agg canvas and leaves the user's backend alone.
     fig = Figure(figsize=(8, 5.5), layout="constrained")
     ax = fig.add_subplot()
@@ -721,19 +734,7 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
             s=70 if marker == "*" else 36,
             label=label,
         )
-    ys = [r["perplexity"] for r in rows]
-    # Perplexity on a log scale (a constant factor is a constant step) once the points spread
-    # widely, so that a far-off peer does not flatten the rest against the baseline.
-    wide = max(ys) > 1.3 * min(ys)
-    if wide:
-        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
-        ax.set_yscale("log")
-        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(NullFormatter())
-    _label(ax, rows, wide)
-    base = next((r for r in rows if r["method"] == "dynamic"), None)
+    _label(ax, rows)
     if base is not None:
         ax.axhline(base["perplexity"], color="black", linewidth=0.6, linestyle="--")
     ax.set_xlabel("KV bytes held, fp16-equivalent, relative to a 16-bit DynamicCache")
@@ -749,10 +750,10 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     return out
 
 
-def _label(ax: Any, rows: list[dict[str, Any]], log: bool) -> None:
+def _label(ax: Any, rows: list[dict[str, Any]]) -> None:
     """Name each point, moving a name up when it would overlap one already placed nearby."""
     xs = [r["bytes_vs_fp16"] for r in rows]
-    ys = [math.log(r["perplexity"]) if log else r["perplexity"] for r in rows]
+    ys = [r["perplexity"] for r in rows]
     # Positions in points of the plot's area (about 480 x 310), near enough to spot overlaps.
     x_scale = 480 / ((max(xs) - min(xs)) or 1)
     y_scale = 310 / ((max(ys) - min(ys)) or 1)
