@@ -238,9 +238,16 @@ def methods() -> dict[str, Method]:
             recent_window=32,
         ),
         _kvtier(
-            "kvtier-2bit",
-            "ladder fp32,int2-rot-g64, recent window 16: the aggressive ladder (<= 0.25 of fp16)",
+            "kvtier-int2-rot-g64",
+            "ladder fp32,int2-rot-g64, recent window 16",
             ladder=("fp32", "int2-rot-g64"),
+            recent_window=16,
+        ),
+        _kvtier(
+            "kvtier-2bit",
+            "ladder fp32,int2-rot,int2-rot-g64, ratio 0.5, recent window 16: the aggressive "
+            "ladder (<= 0.25 of the fp16 bytes)",
+            ladder=("fp32", "int2-rot", "int2-rot-g64"),
             recent_window=16,
         ),
         _kvtier(
@@ -301,6 +308,7 @@ DEFAULT_METHODS = (
     "kvtier-int2",
     "kvtier-int4-int2",
     "kvtier-int2-rot",
+    "kvtier-int2-rot-g64",
     "kvtier-2bit",
     "kvtier-2bit-drop",
     "kvtier-drop",
