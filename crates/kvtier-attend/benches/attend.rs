@@ -43,6 +43,23 @@ struct Shape {
     dtype: FloatDtype,
 }
 
+impl Shape {
+    /// One decode step (a query per sequence) of `seqs` sequences over `max_blocks` blocks.
+    fn decode_step(&self, seqs: usize, max_blocks: usize, layer: usize) -> Problem {
+        Problem {
+            seqs,
+            queries: 1,
+            q_heads: self.hq,
+            kv_heads: self.hkv,
+            block_size: B,
+            head_dim: self.d,
+            max_blocks,
+            layer,
+            scale: 1.0 / (self.d as f32).sqrt(),
+        }
+    }
+}
+
 const B: usize = 16;
 
 /// fp16 bits of a value in [2^-7, 2^-5): small scales, like real ones
@@ -276,17 +293,7 @@ fn main() {
                 block_slot: &block_slot,
                 pools: &pools,
             };
-            let problem = Problem {
-                seqs: sh.seqs,
-                queries: 1,
-                q_heads: sh.hq,
-                kv_heads: sh.hkv,
-                block_size: B,
-                head_dim: sh.d,
-                max_blocks: blocks,
-                layer: 0,
-                scale: 1.0 / (sh.d as f32).sqrt(),
-            };
+            let problem = sh.decode_step(sh.seqs, blocks, 0);
             let mut out = vec![0u8; q.len()];
             let mut mass = vec![0f32; slots];
             let mut time = |threads: usize| {
@@ -406,17 +413,7 @@ fn cold(shapes: &[Shape], filter: &[String], isa: Isa) {
                 block_slot: &block_slot,
                 pools: &pools,
             };
-            let problem = Problem {
-                seqs: 1,
-                queries: 1,
-                q_heads: sh.hq,
-                kv_heads: sh.hkv,
-                block_size: B,
-                head_dim: sh.d,
-                max_blocks: blocks,
-                layer: 15,
-                scale: 1.0 / (sh.d as f32).sqrt(),
-            };
+            let problem = sh.decode_step(1, blocks, 15);
             let mut out = vec![0u8; q.len()];
             let mut mass = vec![0f32; blocks];
             let mut call = || {
