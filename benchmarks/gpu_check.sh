@@ -30,11 +30,12 @@ run() { # name, timeout (s), command...
     tail -n 25 "$OUT/$name.log"
 }
 
-run pytest-gpu "${GPU_CHECK_PYTEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider \
+run pytest-gpu "${GPU_CHECK_PYTEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider \
     -o addopts="--strict-markers -ra" --continue-on-collection-errors -m gpu -q ${GPU_CHECK_TESTS:-tests}
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
-    run bench-codecs 180 python3 -m kvtier bench codecs --no-quanto --no-cpu
-    run bench-manager 120 python3 -m kvtier bench manager --no-cpu
-    run bench-vllm-paths 120 python3 benchmarks/vllm_paths.py --device cuda
+    run bench-codecs 100 python3 -m kvtier bench codecs --no-quanto --no-cpu
+    run bench-attend 90 python3 -m kvtier bench attend --backend cuda
+    run bench-manager 60 python3 -m kvtier bench manager --no-cpu
+    run bench-vllm-paths 60 python3 benchmarks/vllm_paths.py --device cuda
 fi
 printf '%s\n' "${status[@]}" | tee "$OUT/summary.txt"

@@ -327,8 +327,7 @@ def attend_cuda(
     combine = module.get_function(f"kvtier_attend_combine_{suffix}")
     if lp.shared_bytes > _DEFAULT_SMEM and main.max_dynamic_shared_size_bytes < lp.shared_bytes:
         main.max_dynamic_shared_size_bytes = lp.shared_bytes
-    stream = torch.cuda.current_stream(index)
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+    with cupy.cuda.Device(index), codecs_cuda.torch_stream(index):
         main(
             (S * p.kv_heads, lp.splits, lp.row_tiles),
             (ATTEND_THREADS,),

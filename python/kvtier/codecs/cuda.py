@@ -110,6 +110,17 @@ def _as_cupy(t: torch.Tensor) -> Any:
     return _cupy().from_dlpack(t)
 
 
+def torch_stream(index: int) -> Any:
+    """The current torch stream of device ``index`` as a CuPy stream, to launch on inside a
+    ``with``: through the CUDA stream protocol where CuPy and torch speak it (CuPy 14 deprecates
+    ``ExternalStream``), else by its raw handle."""
+    cupy, torch = _cupy(), torch_module()
+    stream = torch.cuda.current_stream(index)
+    if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
+        return cupy.cuda.Stream.from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream, index)
+
+
 def _launch(
     name: str, device: torch.device, grid: int, args: tuple[Any, ...], smem: int = 0
 ) -> None:
@@ -120,8 +131,7 @@ def _launch(
     fn = compiled(KERNEL_FILE, index).get_function(name)
     if smem > _DEFAULT_SMEM:
         fn.max_dynamic_shared_size_bytes = smem
-    stream = torch.cuda.current_stream(index)
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+    with cupy.cuda.Device(index), torch_stream(index):
         fn((grid,), (THREADS,), args, shared_mem=smem)
 
 
