@@ -337,16 +337,25 @@ def test_a_full_device_refuses_new_blocks_naming_the_budget() -> None:
     assert core.block_info(blocks)["refcount"].tolist() == [2, 2]
 
 
-def test_a_full_device_evicts_cached_blocks_when_allowed() -> None:
-    core = kvtier.Core([64], tiers=[("device", 64 * 4)], evict_on_full=True, policy="lru")
+@pytest.mark.parametrize("prefix_aware", [True, False])
+def test_a_full_device_evicts_cached_blocks_when_allowed(prefix_aware: bool) -> None:
+    core = kvtier.Core(
+        [64], tiers=[("device", 64 * 4)], evict_on_full=True, policy="lru", prefix_aware=prefix_aware
+    )
     done = core.add_sequence()
     core.append_blocks(done, np.arange(1, 5, dtype=U64))
     core.free_sequence(done)
     core.record_reads(np.array([0, 2], dtype=U32))  # blocks 1 and 3 are least recently read
     seq = core.add_sequence()
     core.append_blocks(seq, np.array([7, 8], dtype=U64))
-    assert core.lookup(np.array([1], dtype=U64)).tolist() == [0]
-    assert core.lookup(np.array([2], dtype=U64)).tolist() == []
+    hashes = np.arange(1, 5, dtype=U64)
+    if prefix_aware:
+        # Only leaves go, least recent first: the chain 1-2-3-4 loses 4, then 3 (a leaf now).
+        assert core.lookup(hashes).tolist() == [0, 1]
+    else:
+        # Plain LRU takes blocks 1 and 3 and strands 2 and 4 behind them.
+        assert core.lookup(np.array([1], dtype=U64)).tolist() == [0]
+        assert core.lookup(np.array([2], dtype=U64)).tolist() == []
     assert core.counters()["evictions"] == 2
     # Live blocks are never evicted: with nothing cached left, the device is full.
     core.append_blocks(seq, np.array([9, 10], dtype=U64))

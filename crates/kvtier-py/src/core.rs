@@ -210,7 +210,7 @@ impl PyCore {
         drop_ratio = 0.0, recent_window = 128, sink_blocks = 1, weights = (0.4, 0.4, 0.2), headroom = 0.1,
         hysteresis = 0.1, max_move_bytes = None, decay = 0.9, attention_ema = 0.5,
         scissorhands_window = 8, write_through = false, evict_on_full = true,
-        namespace = "default", pool_slots = vec![], pool_headroom = false
+        namespace = "default", pool_slots = vec![], pool_headroom = false, prefix_aware = true
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -236,6 +236,7 @@ impl PyCore {
         namespace: &str,
         pool_slots: Vec<(String, Int, Int)>,
         pool_headroom: bool,
+        prefix_aware: bool,
     ) -> PyResult<Self> {
         let pool_slots = pool_slots
             .into_iter()
@@ -276,6 +277,7 @@ impl PyCore {
             namespace: kvtier::namespace_seed(namespace),
             pool_slots,
             pool_headroom,
+            prefix_aware,
         };
         Ok(PyCore {
             inner: Mutex::new(Core::new(cfg).py_err()?),
@@ -285,6 +287,12 @@ impl PyCore {
     #[getter]
     fn block_size(&self) -> u32 {
         self.config().block_size
+    }
+
+    /// Whether cached blocks form prefix trees and eviction takes leaves only.
+    #[getter]
+    fn prefix_aware(&self) -> bool {
+        self.config().prefix_aware
     }
 
     #[getter]
@@ -501,7 +509,9 @@ impl PyCore {
     }
 
     /// Columns describing blocks: tier, level, slot, refcount, pinned, position, hash (0 for
-    /// a partial block), has_copy, score (the policy's primary ranking value).
+    /// a partial block), has_copy, score (the policy's primary ranking value), indexed (in the
+    /// prefix index) and parent (in the prefix tree; -1 for a root, an unindexed block or a
+    /// plain core).
     fn block_info<'py>(
         &self,
         py: Python<'py>,
@@ -523,6 +533,8 @@ impl PyCore {
                     cols.hash.push(c.block_hash(b)?.unwrap_or(0));
                     cols.has_copy.push(c.block_copy(b)?.is_some());
                     cols.score.push(c.block_score(b)?.primary());
+                    cols.indexed.push(c.block_indexed(b)?);
+                    cols.parent.push(c.block_parent(b)?.map_or(-1, i64::from));
                 }
                 Ok(cols)
             })
@@ -537,6 +549,8 @@ impl PyCore {
         d.set_item("hash", PyArray1::from_vec(py, cols.hash))?;
         d.set_item("has_copy", PyArray1::from_vec(py, cols.has_copy))?;
         d.set_item("score", PyArray1::from_vec(py, cols.score))?;
+        d.set_item("indexed", PyArray1::from_vec(py, cols.indexed))?;
+        d.set_item("parent", PyArray1::from_vec(py, cols.parent))?;
         Ok(d)
     }
 
@@ -545,7 +559,8 @@ impl PyCore {
         usage_rows(self.with(py, |c| c.usage()))
     }
 
-    /// Cached blocks an eviction could free now, per pool: `[(tier, level, blocks, bytes)]`.
+    /// What evicting could free now, per pool: `[(tier, level, blocks, bytes)]` of its cached
+    /// blocks whose every indexed descendant is cached too (eviction takes leaves).
     fn reclaimable(&self, py: Python<'_>) -> Vec<(&'static str, u8, u64, u64)> {
         self.with(py, |c| c.reclaimable())
             .into_iter()
@@ -608,6 +623,8 @@ struct BlockColumns {
     hash: Vec<u64>,
     has_copy: Vec<bool>,
     score: Vec<f64>,
+    indexed: Vec<bool>,
+    parent: Vec<i64>,
 }
 
 pub fn counters_dict<'py>(

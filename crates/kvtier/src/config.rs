@@ -151,6 +151,12 @@ pub struct Config {
     /// An engine whose pools are fixed partitions of its memory (the Python `BlockManager`)
     /// needs this: a full level cannot borrow the bytes another level leaves free.
     pub pool_headroom: bool,
+    /// Cached blocks form prefix trees (a block is worth loading only while every block before
+    /// it is held), and eviction takes leaves only: the policy ranks the leaves, and a parent
+    /// becomes one when its last cached child goes. Off ("plain"), the policy ranks every cached
+    /// block, as a cache of independent blocks would (LMCache's simulator does): an evicted
+    /// parent then strands its children.
+    pub prefix_aware: bool,
 }
 
 impl Default for Config {
@@ -181,6 +187,7 @@ impl Default for Config {
             namespace: 0,
             pool_slots: Vec::new(),
             pool_headroom: false,
+            prefix_aware: true,
         }
     }
 }

@@ -7,10 +7,17 @@
 //! happen only through a [`crate::Plan`] (two-phase: plan reserves destination slots, commit frees
 //! the sources), so a slot is never reused before the copy out of it is done.
 //!
+//! Cached blocks form prefix trees (`Config::prefix_aware`): each indexed block links to its
+//! parent, the block indexed under the hash before its own, and a block is indexed only while
+//! its parent is (a block at position 0 is a root). Eviction takes leaves only, so no cached
+//! block is ever stranded behind a missing one; anything else that takes a block out of the
+//! index (`forget`, a drop) takes its descendants with it.
+//!
 //! Invariants: every live block with a slot holds exactly one slot of the pool of its
-//! (tier, level); per-tier byte counters equal the bytes of the slots in use; a cached block is
-//! in the eviction index of its pool exactly while it is evictable (refcount 0, unpinned, not in
-//! a pending plan).
+//! (tier, level); per-tier byte counters equal the bytes of the slots in use; a block is in the
+//! cache index of its pool exactly while it is cached (refcount 0, unpinned, not in a pending
+//! plan, holding a slot), and in the pool's leaf queue too while it is also a leaf; a block is
+//! reclaimable (counted per pool) while it is cached and so is every indexed descendant.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -19,7 +26,7 @@ use crate::config::{Config, PolicyKind, Tier};
 use crate::error::{Error, Result};
 use crate::evict::{EvictionQueue, Ticket};
 use crate::pool::SlotPool;
-use crate::prefix::{chain_hash, PrefixIndex, Table};
+use crate::prefix::{chain_hash, PrefixIndex};
 use crate::stats::{BlockStats, DecayTable, KNOWN_ATTENTION, KNOWN_LEARNED, KNOWN_MAGNITUDE};
 
 pub const NO_SLOT: u32 = u32::MAX;
@@ -123,21 +130,7 @@ macro_rules! with_policy_key {
     }};
 }
 
-/// [`Ranking`] with the rows: the key of a block by its id.
-#[derive(Clone, Copy)]
-pub(crate) struct Ranker<'a> {
-    ranking: Ranking<'a>,
-    rows: &'a [BlockRow],
-}
-
-impl Ranker<'_> {
-    #[inline(always)]
-    pub(crate) fn key(&self, b: usize) -> Key {
-        self.ranking.key(b, &self.rows[b])
-    }
-}
-
-/// The pool of a (tier, level): its index in `Core::pools` and `Core::evictable`, copied out
+/// The pool of a (tier, level): its index in `Core::pools` and `Core::caches`, copied out
 /// of the core so that a loop over blocks computes it from registers.
 #[derive(Clone, Copy)]
 pub(crate) struct PoolMap {
@@ -216,6 +209,10 @@ pub struct Counters {
     pub cancelled_moves: u64,
 }
 
+/// A block `append_tokens` is about to add: its hash and the hash before it (a full block),
+/// the indexed block it shares, and its tokens.
+type PlannedBlock = (Option<(u64, u64)>, Option<u32>, usize);
+
 /// What an append did: the blocks added to the sequence, and which of them were already
 /// cached (shared, nothing to write) rather than new.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -249,10 +246,10 @@ pub(crate) struct BlockRow {
     pub(crate) loc: Loc,
     pub(crate) refcount: u32,
     pub(crate) pins: u32,
-    /// Eviction-index entry version; older entries are stale.
+    /// Cache-index entry version; older entries are stale.
     pub(crate) version: u32,
-    /// Pool whose eviction index counts this block, or `NOT_EVICTABLE`.
-    pub(crate) evictable_in: u32,
+    /// Pool whose cache index counts this block, or `NOT_CACHED`.
+    pub(crate) cached_in: u32,
     pub(crate) position: u32,
     pub(crate) fill: u32,
     pub(crate) hash: u64,
@@ -264,14 +261,20 @@ pub(crate) struct BlockRow {
     pub(crate) live: bool,
     pub(crate) moving: bool,
     pub(crate) indexed: bool,
+    /// Cached, and so is every indexed descendant: evicting leaf after leaf can free it. Counted
+    /// in the pool of `cached_in`.
+    pub(crate) reclaimable: bool,
 }
 
-pub(crate) const NOT_EVICTABLE: u32 = u32::MAX;
+pub(crate) const NOT_CACHED: u32 = u32::MAX;
+/// No block: a root's parent, the end of a list of children.
+pub(crate) const NO_BLOCK: u32 = u32::MAX;
 
 impl BlockRow {
-    /// Unreferenced, unpinned, not moving and holding a slot: the eviction index may take it.
+    /// Unreferenced, unpinned, not moving and holding a slot: cached, ready to be demoted,
+    /// offloaded or (a leaf) evicted.
     #[inline(always)]
-    fn is_evictable(&self) -> bool {
+    fn is_cached(&self) -> bool {
         self.live
             && self.refcount == 0
             && self.pins == 0
@@ -295,22 +298,15 @@ impl BlockRow {
         };
     }
 
-    /// Takes the block out of its pool's eviction index (`queues`), if it is in one: its entry
-    /// goes stale.
+    /// Takes the block out of its pool's cache index (`queues`), if it is in one: its entries
+    /// go stale. Its `reclaimable` flag stays for the caller to settle.
     #[inline(always)]
-    fn leave_eviction_index(&mut self, queues: &mut [Evictable]) {
-        if self.evictable_in != NOT_EVICTABLE {
-            queues[self.evictable_in as usize].count -= 1;
-            self.evictable_in = NOT_EVICTABLE;
-        }
-    }
-
-    /// Takes the block (`b`, of this row) out of the prefix index (its table), if it is in it.
-    #[inline(always)]
-    pub(crate) fn leave_prefix_index(&mut self, index: &mut Table<'_>, b: u32) {
-        if self.indexed {
-            self.indexed = false;
-            index.remove(self.hash, b);
+    fn leave_cache(&mut self, queues: &mut [PoolCache]) {
+        if self.cached_in != NOT_CACHED {
+            let q = &mut queues[self.cached_in as usize];
+            q.count -= 1;
+            q.reclaimable -= u64::from(self.reclaimable);
+            self.cached_in = NOT_CACHED;
         }
     }
 
@@ -337,7 +333,7 @@ impl Default for BlockRow {
             refcount: 0,
             pins: 0,
             version: 0,
-            evictable_in: NOT_EVICTABLE,
+            cached_in: NOT_CACHED,
             position: 0,
             fill: 0,
             hash: 0,
@@ -347,7 +343,119 @@ impl Default for BlockRow {
             live: false,
             moving: false,
             indexed: false,
+            reclaimable: false,
         }
+    }
+}
+
+/// A block's place in the prefix tree (prefix-aware cores; all `NO_BLOCK` otherwise): its
+/// parent, its indexed children as a doubly linked list of siblings, and how many of those
+/// children are not reclaimable.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Link {
+    pub(crate) parent: u32,
+    pub(crate) first_child: u32,
+    next: u32,
+    prev: u32,
+    blockers: u32,
+}
+
+impl Default for Link {
+    fn default() -> Self {
+        Link {
+            parent: NO_BLOCK,
+            first_child: NO_BLOCK,
+            next: NO_BLOCK,
+            prev: NO_BLOCK,
+            blockers: 0,
+        }
+    }
+}
+
+impl Link {
+    #[inline(always)]
+    pub(crate) fn is_leaf(&self) -> bool {
+        self.first_child == NO_BLOCK
+    }
+}
+
+/// Links indexed block `b` (whose row is `rows[b]`; in no parent's list of children) under
+/// `parent` (`NO_BLOCK`: a root), with whatever children it has. The caller settles the
+/// parent's `reclaimable` and evictability.
+#[inline(always)]
+fn attach(links: &mut [Link], rows: &[BlockRow], b: u32, parent: u32) {
+    let link = &mut links[b as usize];
+    (link.parent, link.next, link.prev) = (parent, NO_BLOCK, NO_BLOCK);
+    if parent == NO_BLOCK {
+        return;
+    }
+    let first = links[parent as usize].first_child;
+    links[b as usize].next = first;
+    if first != NO_BLOCK {
+        links[first as usize].prev = b;
+    }
+    let p = &mut links[parent as usize];
+    p.first_child = b;
+    p.blockers += u32::from(!rows[b as usize].reclaimable);
+}
+
+/// Unlinks `b`, a leaf, from its parent's children and returns the parent. The caller settles
+/// the parent.
+#[inline(always)]
+fn detach(links: &mut [Link], rows: &[BlockRow], b: u32) -> u32 {
+    let Link {
+        parent, next, prev, ..
+    } = links[b as usize];
+    debug_assert!(
+        links[b as usize].is_leaf(),
+        "detaching a block with children"
+    );
+    if prev != NO_BLOCK {
+        links[prev as usize].next = next;
+    } else if parent != NO_BLOCK {
+        links[parent as usize].first_child = next;
+    }
+    if next != NO_BLOCK {
+        links[next as usize].prev = prev;
+    }
+    if parent != NO_BLOCK {
+        links[parent as usize].blockers -= u32::from(!rows[b as usize].reclaimable);
+    }
+    links[b as usize] = Link::default();
+    parent
+}
+
+/// Brings block `b`'s `reclaimable` flag up to date (cached, and no indexed child that is not
+/// reclaimable), and its ancestors' as far as the change reaches.
+#[inline(always)]
+fn settle_reclaimable(rows: &mut [BlockRow], links: &mut [Link], queues: &mut [PoolCache], b: u32) {
+    let mut b = b;
+    loop {
+        let row = &mut rows[b as usize];
+        let now = row.cached_in != NOT_CACHED && links[b as usize].blockers == 0;
+        if now == row.reclaimable {
+            return;
+        }
+        row.reclaimable = now;
+        if row.cached_in != NOT_CACHED {
+            let q = &mut queues[row.cached_in as usize];
+            if now {
+                q.reclaimable += 1;
+            } else {
+                q.reclaimable -= 1;
+            }
+        }
+        let parent = links[b as usize].parent;
+        if !row.indexed || parent == NO_BLOCK {
+            return;
+        }
+        let p = &mut links[parent as usize];
+        if now {
+            p.blockers -= 1;
+        } else {
+            p.blockers += 1;
+        }
+        b = parent;
     }
 }
 
@@ -357,6 +465,8 @@ pub(crate) struct Blocks {
     pub(crate) rows: Vec<BlockRow>,
     /// A higher-precision copy kept in a lower tier (write-through), if any.
     pub(crate) copy: Vec<Option<Loc>>,
+    /// Places in the prefix tree (prefix-aware cores).
+    pub(crate) links: Vec<Link>,
     free_ids: Vec<u32>,
     /// One bit per block id, set while live: batch calls validate ids against this compact
     /// copy (1M blocks in 128 KiB) instead of touching each block's row twice.
@@ -368,6 +478,7 @@ impl Blocks {
         Blocks {
             rows: Vec::with_capacity(n),
             copy: Vec::with_capacity(n),
+            links: Vec::with_capacity(n),
             free_ids: Vec::new(),
             live_bits: Vec::with_capacity(n.div_ceil(64)),
         }
@@ -378,6 +489,7 @@ impl Blocks {
         let b = self.rows.len() as u32;
         self.rows.push(BlockRow::default());
         self.copy.push(None);
+        self.links.push(Link::default());
         self.live_bits.resize(self.rows.len().div_ceil(64), 0);
         b
     }
@@ -400,53 +512,78 @@ impl Blocks {
     }
 }
 
-/// The evictable blocks of one pool: how many, and their queue in key order (which may also
-/// hold stale entries).
+/// The cached blocks of one pool: how many, and two queues in key order (which may also hold
+/// stale entries): every cached block, what demotion and offload take; and the cached leaves,
+/// what eviction takes (prefix-aware cores; a plain core evicts from the first).
 #[derive(Debug, Clone)]
-struct Evictable {
-    queue: EvictionQueue,
+pub(crate) struct PoolCache {
+    cached: EvictionQueue,
+    leaves: EvictionQueue,
     count: u64,
+    /// Of them, those evicting leaf after leaf can free (see `BlockRow::reclaimable`).
+    reclaimable: u64,
     slot_bytes: u64,
-    /// Pushes left before the queue is next checked for piled-up stale entries.
+    /// Pushes left before the queues are next checked for piled-up stale entries.
     pushes_to_check: u64,
 }
 
-impl Evictable {
-    /// Queues block `b` (its row already says it is evictable in this pool, at this version)
-    /// under `key`.
-    #[inline(always)]
-    fn push(&mut self, rows: &[BlockRow], p: usize, key: Key, ticket: Ticket) {
-        self.queue.push(key, ticket);
-        self.pushed(rows, p, 1);
+/// Which queue of a pool: every cached block, or the cached leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cached {
+    Any,
+    Leaves,
+}
+
+impl PoolCache {
+    fn new(slot_bytes: u64) -> PoolCache {
+        PoolCache {
+            cached: EvictionQueue::default(),
+            leaves: EvictionQueue::default(),
+            count: 0,
+            reclaimable: 0,
+            slot_bytes,
+            pushes_to_check: 1,
+        }
+    }
+
+    fn queue(&mut self, which: Cached) -> &mut EvictionQueue {
+        match which {
+            Cached::Any => &mut self.cached,
+            Cached::Leaves => &mut self.leaves,
+        }
     }
 
     /// Counts `n` blocks just queued; every so many pushes, drops the stale entries once they
     /// outnumber the live ones (keys change, and each change leaves one behind).
     #[inline(always)]
-    fn pushed(&mut self, rows: &[BlockRow], p: usize, n: u64) {
+    fn pushed(&mut self, rows: &[BlockRow], links: &[Link], p: usize, n: u64) {
         self.count += n;
         self.pushes_to_check = self.pushes_to_check.saturating_sub(n);
         if self.pushes_to_check == 0 {
-            self.drop_stale_entries(rows, p);
+            self.drop_stale_entries(rows, links, p);
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn drop_stale_entries(&mut self, rows: &[BlockRow], p: usize) {
+    fn drop_stale_entries(&mut self, rows: &[BlockRow], links: &[Link], p: usize) {
         let bound = 2 * self.count + 1024;
-        if self.queue.len() as u64 > bound {
-            self.queue.retain(|e| Core::entry_valid(rows, p, e));
+        if self.cached.len() as u64 > bound {
+            self.cached.retain(|e| Core::entry_valid(rows, p, e));
         }
-        // A push adds one entry: the queue passes the bound no sooner than this (give or take
-        // the live count shrinking meanwhile, which the next check catches).
-        self.pushes_to_check = (bound + 1).saturating_sub(self.queue.len() as u64).max(1);
+        if self.leaves.len() as u64 > bound {
+            self.leaves.retain(|e| Core::leaf_valid(rows, links, p, e));
+        }
+        // A push adds at most one entry to each queue: neither passes the bound sooner than
+        // this (give or take the live count shrinking meanwhile, which the next check catches).
+        let longest = self.cached.len().max(self.leaves.len()) as u64;
+        self.pushes_to_check = (bound + 1).saturating_sub(longest).max(1);
     }
 
-    /// Bytes of the evictable blocks (derived: every block moving in or out would pay for a
+    /// Bytes of the reclaimable blocks (derived: every block moving in or out would pay for a
     /// running sum).
-    fn bytes(&self) -> u64 {
-        self.count * self.slot_bytes
+    fn reclaimable_bytes(&self) -> u64 {
+        self.reclaimable * self.slot_bytes
     }
 }
 
@@ -477,8 +614,8 @@ pub struct Core {
     next_seq: u32,
     pub(crate) step: u32,
     clock: u64,
-    /// The eviction index of each pool, by pool index.
-    evictable: Vec<Evictable>,
+    /// The cache index of each pool, by pool index.
+    caches: Vec<PoolCache>,
     /// Position of each tier in the config (`usize::MAX` if absent), by `Tier as usize`.
     tier_at: [usize; 4],
     pub(crate) pending: Option<crate::Plan>,
@@ -524,14 +661,9 @@ impl Core {
         }
         Ok(Core {
             tier_at,
-            evictable: pools
+            caches: pools
                 .iter()
-                .map(|p| Evictable {
-                    queue: EvictionQueue::default(),
-                    count: 0,
-                    slot_bytes: cfg.level_bytes[usize::from(p.level())],
-                    pushes_to_check: 1,
-                })
+                .map(|p| PoolCache::new(cfg.level_bytes[usize::from(p.level())]))
                 .collect(),
             decay: DecayTable::new(cfg.decay),
             tier_bytes: vec![0; cfg.tiers.len()],
@@ -721,18 +853,21 @@ impl Core {
 
     /// Frees a block whose last reference is gone: its slots, its index entry, its id.
     pub(crate) fn release_block(&mut self, b: u32) {
-        self.detach(b);
+        self.detach_block(b);
         self.free_id_and_slot(b);
     }
 
-    /// What releasing a block takes besides its id and slot: its eviction-index and prefix-
-    /// index entries and its lower-tier copy.
+    /// What releasing a block takes besides its id and slot: its cache-index and prefix-index
+    /// entries (and, prefix-aware, its place in the tree) and its lower-tier copy.
     #[inline(always)]
-    fn detach(&mut self, b: u32) {
-        self.unindex(b);
-        let row = &mut self.blocks.rows[b as usize];
-        debug_assert!(row.live && row.refcount == 0 && !row.moving);
-        row.leave_prefix_index(&mut self.index.table(0), b);
+    fn detach_block(&mut self, b: u32) {
+        self.leave_cache(b);
+        debug_assert!({
+            let row = &self.blocks.rows[b as usize];
+            row.live && row.refcount == 0 && !row.moving
+        });
+        self.leave_prefix_index(b);
+        self.settle_block(b);
         self.release_copy(b);
         self.counters.released += 1;
     }
@@ -768,75 +903,208 @@ impl Core {
         }
     }
 
-    // ---- the eviction index ------------------------------------------------------------------
+    // ---- the prefix tree -----------------------------------------------------------------------
 
-    #[inline]
-    fn is_evictable(&self, b: usize) -> bool {
-        self.blocks.rows[b].is_evictable()
+    /// Whether blocks form prefix trees (`Config::prefix_aware`).
+    #[inline(always)]
+    pub(crate) fn prefix_aware(&self) -> bool {
+        self.cfg.prefix_aware
     }
 
-    /// Re-derives whether `b` is evictable (and where) after any change to its refcount, pins,
-    /// moving flag, location or ranking key; keeps the per-pool counts and queues in step.
+    /// The parent a block at `position` whose hash chains on from `prev` takes in the prefix
+    /// tree: `NO_BLOCK` for a root (position 0, or a plain core), the block indexed under `prev`
+    /// otherwise. `None`: none is, and the block must not be indexed (it would be stranded).
+    #[inline(always)]
+    fn parent_for(&self, position: u32, prev: u64) -> Option<u32> {
+        if !self.prefix_aware() || position == 0 {
+            return Some(NO_BLOCK);
+        }
+        self.index.get(prev)
+    }
+
+    /// Indexes block `b` under `hash` with `parent` (from `parent_for`) unless another block
+    /// holds that hash; returns whether it did.
+    fn index_block(&mut self, b: u32, hash: u64, parent: Option<u32>) -> bool {
+        let Some(parent) = parent else {
+            return false;
+        };
+        if !self.index.insert(hash, b) {
+            return false;
+        }
+        self.blocks.rows[b as usize].indexed = true;
+        if self.prefix_aware() {
+            attach(&mut self.blocks.links, &self.blocks.rows, b, parent);
+            if parent != NO_BLOCK {
+                self.settle_block(parent);
+            }
+        }
+        true
+    }
+
+    /// Takes `b` out of the prefix index, with every indexed descendant first (a block whose
+    /// parent is gone can never load). A descendant that nothing else holds is released;
+    /// one a sequence references stays, private to it.
+    pub(crate) fn leave_prefix_index(&mut self, b: u32) {
+        if !self.blocks.rows[b as usize].indexed {
+            return;
+        }
+        if !self.blocks.links[b as usize].is_leaf() {
+            // Descendants in preorder; leaving in reverse takes each after its own.
+            let mut order = Vec::new();
+            let mut stack = vec![self.blocks.links[b as usize].first_child];
+            while let Some(mut c) = stack.pop() {
+                while c != NO_BLOCK {
+                    order.push(c);
+                    let link = &self.blocks.links[c as usize];
+                    stack.push(link.first_child);
+                    c = link.next;
+                }
+            }
+            for &c in order.iter().rev() {
+                self.unindex_leaf(c);
+                self.refresh_evictable(c);
+                self.release_if_orphan(c);
+            }
+        }
+        self.unindex_leaf(b);
+    }
+
+    /// Takes an indexed block without indexed children out of the prefix index and the tree;
+    /// its parent may become a leaf.
+    fn unindex_leaf(&mut self, b: u32) {
+        let row = &mut self.blocks.rows[b as usize];
+        row.indexed = false;
+        let hash = row.hash;
+        self.index.remove(hash, b);
+        if self.prefix_aware() {
+            let parent = detach(&mut self.blocks.links, &self.blocks.rows, b);
+            if parent != NO_BLOCK {
+                self.refresh_evictable(parent); // a leaf now, perhaps
+            }
+        }
+    }
+
+    /// Takes a leaf planned for eviction out of the prefix tree (it stays indexed, its bytes
+    /// where they are, until the plan commits), so that its parent may become a leaf and go
+    /// in the same plan. Returns its parent's hash, for [`Core::unpark`] (`None`: a root).
+    pub(crate) fn park(&mut self, b: u32) -> Option<u64> {
+        let parent = detach(&mut self.blocks.links, &self.blocks.rows, b);
+        if parent == NO_BLOCK {
+            return None;
+        }
+        self.refresh_evictable(parent); // a leaf now, perhaps
+        Some(self.blocks.rows[parent as usize].hash)
+    }
+
+    /// Links a parked block back into the tree (its eviction was cancelled): under the block
+    /// indexed under `parent_hash` now; if none is (the parent left meanwhile), the block
+    /// leaves the index too (it could never load).
+    pub(crate) fn unpark(&mut self, b: u32, parent_hash: Option<u64>) {
+        let row = &self.blocks.rows[b as usize];
+        if !row.live || !row.indexed || self.blocks.links[b as usize].parent != NO_BLOCK {
+            return;
+        }
+        let parent = match parent_hash {
+            None => NO_BLOCK,
+            Some(h) => match self.index.get(h) {
+                Some(p) => p,
+                None => {
+                    self.leave_prefix_index(b);
+                    return;
+                }
+            },
+        };
+        attach(&mut self.blocks.links, &self.blocks.rows, b, parent);
+        if parent != NO_BLOCK {
+            self.refresh_evictable(parent); // not a leaf any more
+        }
+    }
+
+    // ---- the cache index -------------------------------------------------------------------------
+
+    #[inline]
+    fn is_cached(&self, b: usize) -> bool {
+        self.blocks.rows[b].is_cached()
+    }
+
+    /// Re-derives whether `b` is cached (and where, and whether a leaf and reclaimable) after
+    /// any change to its refcount, pins, moving flag, location, children or ranking key; keeps
+    /// the per-pool counts and queues in step.
     #[inline]
     pub(crate) fn refresh_evictable(&mut self, b: u32) {
-        self.unindex(b);
-        self.index_if_evictable(b);
+        self.leave_cache(b);
+        self.enter_cache_if_cached(b);
+        self.settle_block(b);
     }
 
-    /// Enters a block that is in no eviction index into its pool's, if it is evictable now.
+    /// Brings `b`'s `reclaimable` flag (and its ancestors') up to date.
     #[inline(always)]
-    fn index_if_evictable(&mut self, b: u32) {
+    fn settle_block(&mut self, b: u32) {
+        settle_reclaimable(
+            &mut self.blocks.rows,
+            &mut self.blocks.links,
+            &mut self.caches,
+            b,
+        );
+    }
+
+    /// Enters a block that is in no cache index into its pool's, if it is cached now.
+    #[inline(always)]
+    fn enter_cache_if_cached(&mut self, b: u32) {
         let pools = self.pool_map();
+        let leaves = self.prefix_aware();
         let Core {
             cfg,
             decay,
             stats,
             blocks,
-            evictable,
+            caches,
             ..
         } = self;
         let ranking = Ranking { cfg, decay, stats };
-        enqueue_if_evictable(
+        enqueue_if_cached(
             &mut blocks.rows,
-            evictable,
+            &blocks.links,
+            caches,
             |b, row| ranking.key(b, row),
             pools,
+            leaves,
             b,
         );
     }
 
-    /// Takes a block out of the eviction index (its entry goes stale).
+    /// Takes a block out of the cache index (its entries go stale); the caller settles it.
     #[inline]
-    fn unindex(&mut self, b: u32) {
-        self.blocks.rows[b as usize].leave_eviction_index(&mut self.evictable);
+    fn leave_cache(&mut self, b: u32) {
+        self.blocks.rows[b as usize].leave_cache(&mut self.caches);
     }
 
-    /// `refresh_evictable` for a change that can only make a block non-evictable.
+    /// `refresh_evictable` for a change that can only make a block not cached.
     pub(crate) fn refresh_evictable_if_indexed(&mut self, b: u32) {
-        if self.blocks.rows[b as usize].evictable_in != NOT_EVICTABLE {
+        if self.blocks.rows[b as usize].cached_in != NOT_CACHED {
             self.refresh_evictable(b);
         }
     }
 
-    /// Whether an eviction-index entry of `pool` still stands for its block.
+    /// Whether a cache-index entry of `pool` still stands for its block.
     fn entry_valid(rows: &[BlockRow], pool: usize, t: &Ticket) -> bool {
         let row = &rows[t.block as usize];
-        row.evictable_in as usize == pool && row.version == t.version
+        row.cached_in as usize == pool && row.version == t.version
     }
 
-    /// The ranking inputs and the eviction queues, borrowed apart: a queue asks for the keys
-    /// of its blocks while it changes.
+    /// Whether a leaf-queue entry of `pool` still stands for its block: valid, and a leaf.
+    fn leaf_valid(rows: &[BlockRow], links: &[Link], pool: usize, t: &Ticket) -> bool {
+        Self::entry_valid(rows, pool, t) && links[t.block as usize].is_leaf()
+    }
+
+    /// The queue eviction takes from: the leaves (prefix-aware), else every cached block.
     #[inline(always)]
-    fn ranker_and_queues(&mut self) -> (Ranker<'_>, &mut [Evictable]) {
-        let ranker = Ranker {
-            ranking: Ranking {
-                cfg: &self.cfg,
-                decay: &self.decay,
-                stats: &self.stats,
-            },
-            rows: &self.blocks.rows,
-        };
-        (ranker, &mut self.evictable)
+    pub(crate) fn victims(&self) -> Cached {
+        if self.prefix_aware() {
+            Cached::Leaves
+        } else {
+            Cached::Any
+        }
     }
 
     #[inline(always)]
@@ -847,26 +1115,57 @@ impl Core {
         }
     }
 
-    /// The lowest-ranked evictable block of a pool, left in place.
+    /// The lowest-ranked block of a pool's queue `which`, left in place.
     #[inline]
-    pub(crate) fn peek_evictable(&mut self, pool: usize) -> Option<(Key, u32)> {
-        let (ranker, queues) = self.ranker_and_queues();
-        let top = queues[pool].queue.peek_valid(
-            |t| Self::entry_valid(ranker.rows, pool, t),
-            |b| ranker.key(b as usize),
-        );
+    pub(crate) fn peek_cached(&mut self, pool: usize, which: Cached) -> Option<(Key, u32)> {
+        let ranking = Ranking {
+            cfg: &self.cfg,
+            decay: &self.decay,
+            stats: &self.stats,
+        };
+        let (rows, links) = (&self.blocks.rows, &self.blocks.links);
+        let key_of = |b: u32| ranking.key(b as usize, &rows[b as usize]);
+        let queue = self.caches[pool].queue(which);
+        let top = match which {
+            Cached::Any => queue.peek_valid(|t| Self::entry_valid(rows, pool, t), key_of),
+            Cached::Leaves => queue.peek_valid(|t| Self::leaf_valid(rows, links, pool, t), key_of),
+        };
         top.map(|e| (e.key, e.ticket.block))
     }
 
-    /// The lowest-ranked evictable block among `pools`.
+    /// Takes the lowest-ranked entry of a pool's queue of every cached block out of it (the
+    /// block stays cached: the caller puts the entry back).
+    pub(crate) fn pop_cached(&mut self, pool: usize) -> Option<(Key, Ticket)> {
+        let ranking = Ranking {
+            cfg: &self.cfg,
+            decay: &self.decay,
+            stats: &self.stats,
+        };
+        let rows = &self.blocks.rows;
+        let key_of = |b: u32| ranking.key(b as usize, &rows[b as usize]);
+        let t = self.caches[pool]
+            .cached
+            .pop_valid(|t| Self::entry_valid(rows, pool, t), key_of)?;
+        Some((key_of(t.block), t))
+    }
+
+    /// Puts an entry taken by [`Core::pop_cached`] back, if it still stands for its block.
+    pub(crate) fn restore_cached(&mut self, pool: usize, key: Key, ticket: Ticket) {
+        if Self::entry_valid(&self.blocks.rows, pool, &ticket) {
+            self.caches[pool].cached.push(key, ticket);
+        }
+    }
+
+    /// The lowest-ranked block of queue `which` among `pools`.
     #[inline]
-    pub(crate) fn lowest_evictable(
+    pub(crate) fn lowest_cached(
         &mut self,
         pools: impl IntoIterator<Item = usize>,
+        which: Cached,
     ) -> Option<(Key, u32)> {
         let mut best: Option<(Key, u32)> = None;
         for p in pools {
-            if let Some(c) = self.peek_evictable(p) {
+            if let Some(c) = self.peek_cached(p, which) {
                 if best.is_none_or(|b| c < b) {
                     best = Some(c);
                 }
@@ -875,9 +1174,21 @@ impl Core {
         best
     }
 
-    /// Evicts the `k` lowest-ranked evictable blocks of the (device, level 0) pool for new
-    /// blocks to reuse their ids and slots (`recycled`); the caller checked there are `k`.
+    /// The lowest-ranked evictable block among `pools` (a leaf, when prefix-aware).
+    #[inline]
+    pub(crate) fn lowest_evictable(
+        &mut self,
+        pools: impl IntoIterator<Item = usize>,
+    ) -> Option<(Key, u32)> {
+        let which = self.victims();
+        self.lowest_cached(pools, which)
+    }
+
+    /// Evicts the `k` lowest-ranked cached blocks of the (device, level 0) pool of a plain
+    /// core for new blocks to reuse their ids and slots (`recycled`); the caller checked there
+    /// are `k`.
     fn evict_for_reuse(&mut self, k: u64) {
+        debug_assert!(!self.prefix_aware());
         let pool = self.pool_index(Tier::Device, 0);
         let first = self.recycled.len();
         let Core {
@@ -885,15 +1196,15 @@ impl Core {
             decay,
             stats,
             blocks,
-            evictable,
+            caches,
             index,
             recycled,
             ..
         } = self;
         let ranking = Ranking { cfg, decay, stats };
-        let queue = &mut evictable[pool];
+        let cache = &mut caches[pool];
         pop_evictable(
-            &mut queue.queue,
+            &mut cache.cached,
             &mut blocks.rows,
             index,
             ranking,
@@ -901,7 +1212,8 @@ impl Core {
             k,
             recycled,
         );
-        queue.count -= k;
+        cache.count -= k;
+        cache.reclaimable -= k; // a plain core's cached blocks are all reclaimable
         self.counters.evictions += k;
         self.counters.released += k;
         if self.cfg.tiers.len() > 1 {
@@ -923,11 +1235,52 @@ impl Core {
         self.recycled = recycled;
     }
 
-    /// Removes a cached block from the cache entirely (no copy needed: nobody reads it).
+    /// Removes a cached block from the cache entirely (no copy needed: nobody reads it). A
+    /// prefix-aware core evicts leaves only.
     pub(crate) fn evict_now(&mut self, b: u32) {
-        debug_assert!(self.is_evictable(b as usize));
+        debug_assert!(self.is_cached(b as usize));
+        debug_assert!(!self.prefix_aware() || self.blocks.links[b as usize].is_leaf());
         self.counters.evictions += 1;
         self.release_block(b);
+    }
+
+    /// Evicts cached blocks until one level-0 slot of the device is free: its lowest-ranked
+    /// leaf, else (its reclaimable blocks all have children elsewhere) the lowest-ranked of
+    /// them, leaves of its subtree first. False if the pool holds nothing reclaimable.
+    fn evict_level0_slot(&mut self) -> bool {
+        let pool = self.pool_index(Tier::Device, 0);
+        let which = self.victims();
+        if let Some((_, b)) = self.peek_cached(pool, which) {
+            self.evict_now(b);
+            return true;
+        }
+        if self.caches[pool].reclaimable == 0 {
+            return false;
+        }
+        // The lowest-ranked reclaimable block: entries that are not are set aside and put back.
+        let mut aside = Vec::new();
+        let found = loop {
+            let Some((key, ticket)) = self.pop_cached(pool) else {
+                break None;
+            };
+            aside.push((key, ticket));
+            if self.blocks.rows[ticket.block as usize].reclaimable {
+                break Some(ticket.block);
+            }
+        };
+        for (key, ticket) in aside {
+            self.caches[pool].cached.push(key, ticket);
+        }
+        let Some(top) = found else {
+            return false;
+        };
+        // Every descendant of a reclaimable block is cached: the first leaf down goes.
+        let mut leaf = top;
+        while !self.blocks.links[leaf as usize].is_leaf() {
+            leaf = self.blocks.links[leaf as usize].first_child;
+        }
+        self.evict_now(leaf);
+        true
     }
 
     pub(crate) fn stats_mut(&mut self) -> &mut [BlockStats] {
@@ -1023,15 +1376,18 @@ impl Core {
         if fits(self) {
             return Ok(());
         }
-        // Whether evicting every cached device block would make room, decided before evicting
-        // anything: a failed append evicts nothing. Evicting level-0 blocks frees level-0
-        // slots; evicting any block frees bytes.
+        // Whether evicting every reclaimable device block would make room, decided before
+        // evicting anything: a failed append evicts nothing. Evicting level-0 blocks frees
+        // level-0 slots; evicting any block frees bytes.
         let levels = self.cfg.num_levels();
-        let reclaimable: u64 = self.evictable[..levels].iter().map(Evictable::bytes).sum();
+        let reclaimable: u64 = self.caches[..levels]
+            .iter()
+            .map(PoolCache::reclaimable_bytes)
+            .sum();
         let bytes_ok = u128::from(self.tier_bytes[0]) + u128::from(need)
             <= u128::from(budget) + u128::from(reclaimable);
         let free_slots = u64::from(self.pools[pool0].free_count());
-        let slots_ok = n <= free_slots + self.evictable[pool0].count;
+        let slots_ok = n <= free_slots + self.caches[pool0].reclaimable;
         let evict = self.cfg.evict_on_full;
         if !evict || !bytes_ok || !slots_ok {
             let free = budget.saturating_sub(self.tier_bytes[0]);
@@ -1054,6 +1410,24 @@ impl Core {
                     free: free_slots,
                 }
             });
+        }
+        if self.prefix_aware() {
+            // Leaves only: level-0 slots first (each such eviction frees bytes too), then bytes.
+            while n > u64::from(self.pools[pool0].free_count()) {
+                let freed = self.evict_level0_slot();
+                debug_assert!(freed, "room was checked before evicting");
+                if !freed {
+                    break;
+                }
+            }
+            while !fits(self) {
+                let Some((_, b)) = self.lowest_evictable(0..levels) else {
+                    break;
+                };
+                self.evict_now(b);
+            }
+            debug_assert!(fits(self), "room was checked before evicting");
+            return Ok(());
         }
         // It does not fit yet (checked above): each round evicts, then checks again.
         loop {
@@ -1096,26 +1470,28 @@ impl Core {
     }
 
     /// A new level-0 device block (see [`Core::new_device_id`]) holding `fill` tokens at
-    /// `position` of its sequence; with a hash, it is indexed under it unless another block has
-    /// it.
-    fn new_device_block(&mut self, position: u32, fill: u32, hash: Option<u64>) -> u32 {
+    /// `position` of its sequence; with `(hash, the hash before it)`, it is indexed under the
+    /// hash unless another block has it (or, prefix-aware, no block has the one before).
+    fn new_device_block(&mut self, position: u32, fill: u32, hash: Option<(u64, u64)>) -> u32 {
         let b = self.new_device_id();
-        let indexed = hash.is_some_and(|h| self.index.insert(h, b));
         let new = BlockRow {
             position,
             fill,
-            hash: hash.unwrap_or(0),
-            indexed,
+            hash: hash.map_or(0, |(h, _)| h),
             ..BlockRow::default()
         };
         self.init_block(b, new);
+        if let Some((h, prev)) = hash {
+            let parent = self.parent_for(position, prev);
+            self.index_block(b, h, parent);
+        }
         b
     }
 
     fn share(&mut self, b: u32) {
         self.blocks.rows[b as usize].refcount += 1;
         self.counters.shared_hits += 1;
-        self.unindex(b); // referenced: not evictable
+        self.refresh_evictable(b); // referenced: not cached
     }
 
     /// Appends full blocks given by their (already chained) hashes — how a trace replays. A hash
@@ -1153,7 +1529,8 @@ impl Core {
         let missing = share_indexed(
             &self.index,
             &mut self.blocks.rows,
-            &mut self.evictable,
+            &mut self.blocks.links,
+            &mut self.caches,
             hashes,
             out,
         );
@@ -1185,6 +1562,10 @@ impl Core {
         self.counters.allocated += missing;
         ids.clear();
         self.new_ids = ids;
+        if self.prefix_aware() && missing > 0 {
+            let prev = self.seqs[&seq].chain;
+            self.link_new_blocks(start, prev, hashes, out);
+        }
         let s = self.seqs.get_mut(&seq).expect("checked above");
         s.blocks.extend_from_slice(&out.blocks);
         s.tokens += bs * hashes.len() as u64;
@@ -1192,6 +1573,31 @@ impl Core {
             s.chain = h;
         }
         Ok(())
+    }
+
+    /// Puts the new blocks an append indexed (`fill_in`) into the prefix tree, each under the
+    /// block indexed before it (`prev`: the hash before the first); one whose parent is not
+    /// indexed leaves the index again (it would be stranded), and so do the blocks after it.
+    #[inline(never)]
+    fn link_new_blocks(&mut self, start: u32, prev: u64, hashes: &[u64], out: &Appended) {
+        for (k, (&b, &shared)) in out.blocks.iter().zip(&out.shared).enumerate() {
+            if shared || !self.blocks.rows[b as usize].indexed {
+                continue;
+            }
+            let before = if k == 0 { prev } else { hashes[k - 1] };
+            match self.parent_for(start + k as u32, before) {
+                Some(parent) => {
+                    attach(&mut self.blocks.links, &self.blocks.rows, b, parent);
+                    if parent != NO_BLOCK {
+                        self.settle_block(parent);
+                    }
+                }
+                None => {
+                    self.blocks.rows[b as usize].indexed = false;
+                    self.index.remove(hashes[k], b);
+                }
+            }
+        }
     }
 
     fn unshare(&mut self, b: u32) {
@@ -1222,11 +1628,12 @@ impl Core {
             full.extend_from_slice(&tokens[..head]);
             chain = chain_hash(chain, &full);
         }
-        let mut new_blocks: Vec<(Option<u64>, Option<u32>, usize)> = Vec::new(); // hash, shared, len
+        let mut new_blocks: Vec<PlannedBlock> = Vec::new();
         for chunk in rest.chunks(bs) {
             if chunk.len() == bs {
+                let prev = chain;
                 chain = chain_hash(chain, chunk);
-                new_blocks.push((Some(chain), self.index.get(chain), bs));
+                new_blocks.push((Some((chain, prev)), self.index.get(chain), bs));
             } else {
                 new_blocks.push((None, None, chunk.len()));
             }
@@ -1248,12 +1655,14 @@ impl Core {
             s.partial.extend_from_slice(&tokens[..head]);
             self.blocks.rows[last as usize].fill += head as u32;
             if s.partial.len() == bs {
-                let h = chain_hash(s.chain, &s.partial);
+                let (prev, h) = (s.chain, chain_hash(s.chain, &s.partial));
                 s.chain = h;
                 s.partial.clear();
                 self.blocks.rows[last as usize].hash = h;
                 // An identical block may already be indexed; this one then stays private.
-                self.blocks.rows[last as usize].indexed = self.index.insert(h, last);
+                let position = self.blocks.rows[last as usize].position;
+                let parent = self.parent_for(position, prev);
+                self.index_block(last, h, parent);
             }
         }
         let mut out = Appended::default();
@@ -1264,7 +1673,7 @@ impl Core {
                 Some(b) => b,
                 None => self.new_device_block(position, len as u32, hash),
             };
-            if let Some(h) = hash {
+            if let Some((h, _)) = hash {
                 s.chain = h;
             } else {
                 s.partial = rest[offset..offset + len].to_vec();
@@ -1369,15 +1778,17 @@ impl Core {
             decay,
             stats,
             blocks,
-            evictable,
+            caches,
             ..
         } = self;
         let ranking = Ranking { cfg, decay, stats };
         drop_refs(
             &mut blocks.rows,
-            evictable,
+            &mut blocks.links,
+            caches,
             ranking,
             pools,
+            cfg.prefix_aware,
             &s.blocks,
             &mut orphans,
         );
@@ -1393,13 +1804,13 @@ impl Core {
     }
 
     /// Takes blocks out of the prefix index (their bytes are incomplete and must not be shared
-    /// again); each is freed once nothing references it.
+    /// again), prefix-aware with every block after them in a cached prefix (those could never
+    /// load); each is freed once nothing references it.
     pub fn forget(&mut self, ids: &[u32]) -> Result<()> {
         self.check_blocks(ids)?;
         for &b in ids {
-            let row = &mut self.blocks.rows[b as usize];
-            if row.indexed {
-                row.leave_prefix_index(&mut self.index.table(0), b);
+            if self.blocks.rows[b as usize].indexed {
+                self.leave_prefix_index(b);
                 self.refresh_evictable(b);
                 self.release_if_orphan(b);
             }
@@ -1450,7 +1861,7 @@ impl Core {
                 self.step,
                 self.clock,
             );
-            if row.evictable_in != NOT_EVICTABLE {
+            if row.cached_in != NOT_CACHED {
                 self.refresh_evictable(b); // its recency is part of its key
             }
         }
@@ -1474,7 +1885,7 @@ impl Core {
             s.attn_sum += m;
             s.attn_history = (s.attn_history << 1) | u32::from(f64::from(m) >= mean);
             s.known |= KNOWN_ATTENTION;
-            if self.blocks.rows[i].evictable_in != NOT_EVICTABLE {
+            if self.blocks.rows[i].cached_in != NOT_CACHED {
                 self.refresh_evictable(b);
             }
         }
@@ -1594,25 +2005,41 @@ impl Core {
     }
 
     pub fn cached_blocks(&self) -> u64 {
-        self.evictable.iter().map(|e| e.count).sum()
+        self.caches.iter().map(|e| e.count).sum()
     }
 
-    /// What evicting could free now, per pool: `(tier, level, blocks, bytes)` of its cached
-    /// (unreferenced, unpinned, not moving) blocks.
+    /// What evicting could free now, per pool: `(tier, level, blocks, bytes)` of its
+    /// reclaimable blocks (cached, and, prefix-aware, with every indexed descendant cached:
+    /// eviction takes leaves, so a block whose subtree holds a referenced, pinned or moving
+    /// block cannot go yet).
     pub fn reclaimable(&self) -> Vec<(Tier, u8, u64, u64)> {
         let levels = self.cfg.num_levels();
-        self.evictable
+        self.caches
             .iter()
             .enumerate()
             .map(|(p, e)| {
                 (
                     self.cfg.tiers[p / levels].tier,
                     (p % levels) as u8,
-                    e.count,
-                    e.bytes(),
+                    e.reclaimable,
+                    e.reclaimable_bytes(),
                 )
             })
             .collect()
+    }
+
+    /// The parent of an indexed block in the prefix tree (`None` for a root, an unindexed
+    /// block, or a plain core).
+    pub fn block_parent(&self, b: u32) -> Result<Option<u32>> {
+        self.check_blocks(&[b])?;
+        let parent = self.blocks.links[b as usize].parent;
+        Ok((self.blocks.rows[b as usize].indexed && parent != NO_BLOCK).then_some(parent))
+    }
+
+    /// Whether a block is in the prefix index (a later prompt with its prefix can share it).
+    pub fn block_indexed(&self, b: u32) -> Result<bool> {
+        self.check_blocks(&[b])?;
+        Ok(self.blocks.rows[b as usize].indexed)
     }
 
     /// Whether allocations may evict cached blocks (`Config::evict_on_full`). An engine that
@@ -1622,33 +2049,43 @@ impl Core {
     }
 }
 
-/// Enters block `b`, in no eviction index, into its pool's if it is evictable now, ranked by
-/// `key`. Takes the core's parts apart (rows, queues) so that a loop over many blocks keeps them
-/// at hand instead of reloading them from the core after every write.
+/// Enters block `b`, in no cache index, into its pool's if it is cached now, ranked by `key`:
+/// the queue of every cached block, and the leaf queue too when `leaves` (prefix-aware) and it
+/// is a leaf. Counts it (as reclaimable too if its flag says so; the caller settles the flag).
+/// Takes the core's parts apart (rows, queues) so that a loop over many blocks keeps them at
+/// hand instead of reloading them from the core after every write.
 #[inline(always)]
-fn enqueue_if_evictable(
+fn enqueue_if_cached(
     rows: &mut [BlockRow],
-    queues: &mut [Evictable],
+    links: &[Link],
+    queues: &mut [PoolCache],
     key: impl Fn(usize, &BlockRow) -> Key,
     pools: PoolMap,
+    leaves: bool,
     b: u32,
 ) {
     let i = b as usize;
     let row = &rows[i];
-    debug_assert_eq!(row.evictable_in, NOT_EVICTABLE);
-    if !row.is_evictable() {
+    debug_assert_eq!(row.cached_in, NOT_CACHED);
+    if !row.is_cached() {
         return;
     }
     let p = pools.of(row.loc.tier, row.loc.level);
     let key = key(i, row);
     let row = &mut rows[i];
     row.version = row.version.wrapping_add(1);
-    row.evictable_in = p as u32;
+    row.cached_in = p as u32;
     let ticket = Ticket {
         block: b,
         version: row.version,
     };
-    queues[p].push(rows, p, key, ticket);
+    let q = &mut queues[p];
+    q.reclaimable += u64::from(row.reclaimable);
+    q.cached.push(key, ticket);
+    if leaves && links[i].is_leaf() {
+        q.leaves.push(key, ticket);
+    }
+    q.pushed(rows, links, p, 1);
 }
 
 /// The lookup pass of an append: each hash's indexed block, referenced at once (shared) so that
@@ -1658,7 +2095,8 @@ fn enqueue_if_evictable(
 fn share_indexed(
     index: &PrefixIndex,
     rows: &mut [BlockRow],
-    queues: &mut [Evictable],
+    links: &mut [Link],
+    queues: &mut [PoolCache],
     hashes: &[u64],
     out: &mut Appended,
 ) -> u64 {
@@ -1670,7 +2108,8 @@ fn share_indexed(
             Some(b) => {
                 let row = &mut rows[b as usize];
                 row.refcount += 1;
-                row.leave_eviction_index(queues); // referenced: not evictable
+                row.leave_cache(queues); // referenced: not cached
+                settle_reclaimable(rows, links, queues, b);
                 b
             }
             None => {
@@ -1750,10 +2189,10 @@ impl NewBlocks<'_> {
     }
 }
 
-/// Pops the `k` lowest-ranked blocks of pool `pool`'s eviction queue onto `out`, then takes
-/// each out of the eviction index and the prefix index: what `Core::detach` does, less the
-/// eviction-index count and the counters, which the caller updates once for all `k`; it checked
-/// that there are `k`.
+/// Pops the `k` lowest-ranked blocks of a plain core's pool `pool` (its queue of every cached
+/// block) onto `out`, then takes each out of the cache index and the prefix index: what
+/// `Core::detach_block` does, less the cache-index counts and the counters, which the caller
+/// updates once for all `k`; it checked that there are `k`.
 #[inline(never)] // a call boundary: its &mut arguments do not alias
 fn pop_evictable(
     queue: &mut EvictionQueue,
@@ -1775,46 +2214,56 @@ fn pop_evictable(
     let mut table = index.table(0);
     for &b in &out[first..] {
         let row = &mut rows[b as usize];
-        debug_assert!(row.is_evictable());
-        row.evictable_in = NOT_EVICTABLE;
-        row.leave_prefix_index(&mut table, b);
+        debug_assert!(row.is_cached());
+        row.cached_in = NOT_CACHED;
+        row.reclaimable = false;
+        if row.indexed {
+            row.indexed = false;
+            table.remove(row.hash, b);
+        }
     }
 }
 
 /// Drops one reference to each of `blocks`. A block that nothing references any more joins its
-/// pool's eviction index if it is cached (indexed) and evictable; one that is not indexed goes
-/// to `orphans`, for the caller to release unless something else holds it (a pin, a move).
+/// pool's cache index if it is indexed and cached (and the leaf queue too, prefix-aware, if it
+/// is a leaf); one that is not indexed goes to `orphans`, for the caller to release unless
+/// something else holds it (a pin, a move).
+#[allow(clippy::too_many_arguments)]
 #[inline(never)] // a call boundary: its &mut arguments do not alias
 fn drop_refs(
     rows: &mut [BlockRow],
-    queues: &mut [Evictable],
+    links: &mut [Link],
+    queues: &mut [PoolCache],
     ranking: Ranking<'_>,
     pools: PoolMap,
+    prefix_aware: bool,
     blocks: &[u32],
     orphans: &mut Vec<u32>,
 ) {
     let Some(&first) = blocks.first() else {
         return;
     };
-    // A sequence's blocks are mostly in one pool, the first block's: its queue takes them
-    // through one pusher; blocks of other pools are queued one by one after.
+    // A sequence's blocks are mostly in one pool, the first block's: its queues take them
+    // through one pusher each; blocks of other pools are queued one by one after.
     let home = rows[first as usize].loc;
     let p0 = pools.of(home.tier, home.level);
     let mut elsewhere = Vec::new();
-    let queued = queues[p0].queue.len();
+    let mut pushed = 0;
     with_policy_key!(ranking, |key| {
-        let mut pusher = queues[p0].queue.pusher(blocks.len());
+        let PoolCache { cached, leaves, .. } = &mut queues[p0];
+        let mut pusher = cached.pusher(blocks.len());
+        let mut leaf_pusher = prefix_aware.then(|| leaves.pusher(blocks.len()));
         for &b in blocks {
             let row = &mut rows[b as usize];
             row.refcount -= 1;
             if row.refcount != 0 {
-                continue; // still referenced: it was not evictable and is not now
+                continue; // still referenced: it was not cached and is not now
             }
             if !row.indexed {
                 orphans.push(b);
                 continue;
             }
-            if !row.is_evictable() {
+            if !row.is_cached() {
                 continue;
             }
             if (row.loc.tier, row.loc.level) != (home.tier, home.level) {
@@ -1823,20 +2272,32 @@ fn drop_refs(
             }
             let k = key(b as usize, row);
             row.version = row.version.wrapping_add(1);
-            row.evictable_in = p0 as u32;
-            pusher.push(
-                k,
-                Ticket {
-                    block: b,
-                    version: row.version,
-                },
-            );
+            row.cached_in = p0 as u32;
+            let ticket = Ticket {
+                block: b,
+                version: row.version,
+            };
+            pusher.push(k, ticket);
+            if let Some(leaves) = leaf_pusher.as_mut().filter(|_| links[b as usize].is_leaf()) {
+                leaves.push(k, ticket);
+            }
+            pushed += 1;
         }
     });
-    let pushed = queues[p0].queue.len() - queued;
-    queues[p0].pushed(rows, p0, pushed as u64);
+    queues[p0].pushed(rows, links, p0, pushed);
     for b in elsewhere {
-        enqueue_if_evictable(rows, queues, |b, row| ranking.key(b, row), pools, b);
+        enqueue_if_cached(
+            rows,
+            links,
+            queues,
+            |b, row| ranking.key(b, row),
+            pools,
+            prefix_aware,
+            b,
+        );
+    }
+    for &b in blocks {
+        settle_reclaimable(rows, links, queues, b);
     }
 }
 

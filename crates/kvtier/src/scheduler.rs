@@ -21,7 +21,7 @@
 //!    are evicted and, if the ladder has a `drop` level, live ones dropped.
 
 use crate::config::{Config, Tier};
-use crate::core::{Core, Key, Loc, NO_SLOT};
+use crate::core::{Cached, Core, Key, Loc, NO_SLOT};
 use crate::error::{Error, Result};
 use crate::stats::BlockStats;
 
@@ -78,6 +78,10 @@ pub struct Plan {
     pub deferred: u64,
     /// Bytes still over a budget after everything the plan could do.
     pub unmet_bytes: u64,
+    /// Blocks this plan evicts, each with its parent's hash in the prefix tree (`None`: a
+    /// root): taken out of the tree when planned (their parent may go in the same plan, after
+    /// them), linked back if the eviction is cancelled or the plan aborted.
+    pub(crate) parked: Vec<(u32, Option<u64>)>,
 }
 
 /// Blocks with their ranking keys.
@@ -94,6 +98,7 @@ struct Wish {
 /// Mutable state of one planning pass.
 struct Pass {
     moves: Vec<Move>,
+    parked: Vec<(u32, Option<u64>)>,
     projected: Vec<u64>,
     moved_bytes: u64,
     cap: u64,
@@ -108,6 +113,7 @@ impl Pass {
     fn new(projected: Vec<u64>, cap: u64, reserved: [u64; Tier::ALL.len()]) -> Pass {
         Pass {
             moves: Vec::new(),
+            parked: Vec::new(),
             projected,
             moved_bytes: 0,
             cap,
@@ -180,6 +186,7 @@ impl Core {
             noop_promotions: pass.noop_promotions,
             deferred: pass.deferred,
             unmet_bytes: unmet,
+            parked: pass.parked,
         }
     }
 
@@ -529,6 +536,20 @@ impl Core {
         src: Loc,
         dst: Option<(Tier, u8)>,
     ) -> bool {
+        self.push_move_into(pass, block, kind, src, dst, None)
+    }
+
+    /// [`Core::push_move`] into slot `slot` of the destination pool when given (a slot an
+    /// eviction of this plan handed on, see [`Core::demote_into_evicted`]), else a free one.
+    fn push_move_into(
+        &mut self,
+        pass: &mut Pass,
+        block: u32,
+        kind: MoveKind,
+        src: Loc,
+        dst: Option<(Tier, u8)>,
+        slot: Option<u32>,
+    ) -> bool {
         let copies = !matches!(kind, MoveKind::Evict | MoveKind::Drop);
         let src_bytes = self.level_bytes(src.level);
         if copies && pass.moved_bytes + src_bytes > pass.cap {
@@ -541,6 +562,11 @@ impl Core {
                 tier,
                 level,
                 slot: NO_SLOT,
+            }),
+            (_, Some((tier, level))) if slot.is_some() => Some(Loc {
+                tier,
+                level,
+                slot: slot.expect("given"),
             }),
             (_, Some((tier, level))) => match self.take_slot(tier, level) {
                 Some(loc) => Some(loc),
@@ -569,6 +595,13 @@ impl Core {
         if kind != MoveKind::Backup {
             self.blocks.rows[block as usize].moving = true;
             self.refresh_evictable_if_indexed(block);
+        }
+        if kind == MoveKind::Evict
+            && self.prefix_aware()
+            && self.blocks.rows[block as usize].indexed
+        {
+            let parent = self.park(block);
+            pass.parked.push((block, parent));
         }
         pass.moves.push(Move {
             block,
@@ -634,6 +667,11 @@ impl Core {
     /// write-through is on and no higher-precision copy exists. To a drop level the block
     /// leaves attention for good (nothing to copy, nothing backed up: it is never ranked back).
     fn demote_to(&mut self, pass: &mut Pass, b: u32, level: u8) -> bool {
+        self.demote_to_slot(pass, b, level, None)
+    }
+
+    /// [`Core::demote_to`] into slot `slot` of the destination pool when given.
+    fn demote_to_slot(&mut self, pass: &mut Pass, b: u32, level: u8, slot: Option<u32>) -> bool {
         let i = b as usize;
         let loc = self.blocks.rows[i].loc;
         if self.cfg.level_bytes[usize::from(level)] == 0 {
@@ -650,7 +688,102 @@ impl Core {
                 }
             }
         }
-        self.push_move(pass, b, MoveKind::Demote, loc, Some((loc.tier, level)))
+        self.push_move_into(
+            pass,
+            b,
+            MoveKind::Demote,
+            loc,
+            Some((loc.tier, level)),
+            slot,
+        )
+    }
+
+    /// Demotes `b` into the slot of `victim`, a cached leaf at a lower level of `b`'s tier that
+    /// this plan evicts for it: one plan makes the room and fills it. The victim leaves the
+    /// prefix index at once (nothing may share it now that its slot takes `b`'s bytes) and its
+    /// row gives the slot up; commit or abort then releases it (an abort cannot restore it).
+    fn demote_into_evicted(&mut self, pass: &mut Pass, b: u32, victim: u32) -> bool {
+        let bytes = self.level_bytes(self.blocks.rows[b as usize].loc.level);
+        if pass.moved_bytes + bytes > pass.cap {
+            pass.deferred += 1;
+            return false;
+        }
+        let at = self.blocks.rows[victim as usize].loc;
+        if !self.push_move(pass, victim, MoveKind::Evict, at, None) {
+            return false;
+        }
+        if pass.parked.last().is_some_and(|p| p.0 == victim) {
+            pass.parked.pop(); // never linked back: it leaves the index now
+        }
+        self.leave_prefix_index(victim);
+        self.blocks.rows[victim as usize].loc.slot = NO_SLOT;
+        self.demote_to_slot(pass, b, at.level, Some(at.slot))
+    }
+
+    /// The lowest-ranked cached leaf below `level` in `tier` that may give its slot to `b`
+    /// (`b` live: any; `b` cached: one ranked below it).
+    fn leaf_below(&mut self, tier: Tier, level: u8, b: u32, is_live: bool) -> Option<u32> {
+        let last_kept = self.cfg.last_kept_level();
+        let pools: Vec<usize> = (level + 1..=last_kept)
+            .map(|l| self.pool_index(tier, l))
+            .collect();
+        let (key, victim) = self.lowest_evictable(pools)?;
+        (is_live || key < self.key(b as usize)).then_some(victim)
+    }
+
+    /// Whether `b` may be evicted now: a plain core evicts any cached block, a prefix-aware one
+    /// leaves only.
+    fn evictable_now(&self, b: u32) -> bool {
+        !self.prefix_aware() || self.blocks.links[b as usize].is_leaf()
+    }
+
+    /// Live blocks of tier `tier` a pressure pass may move, lowest key last (`pop` takes the
+    /// lowest): unprotected ones (any move), or protected ones that are complete (`guarded`: a
+    /// move to the next tier only, keeping their level, when room for new blocks is asked for;
+    /// a block still being written stays where new K/V goes).
+    fn movable_live(
+        &self,
+        wishes: &[Wish],
+        tier: Tier,
+        level: Option<u8>,
+        guarded: bool,
+    ) -> Ranked {
+        let full = self.cfg.block_size;
+        let mut live: Ranked = wishes
+            .iter()
+            .filter(|w| {
+                let row = &self.blocks.rows[w.block as usize];
+                let loc = row.loc;
+                w.protected == guarded
+                    && (!guarded || row.fill == full)
+                    && self.movable(w.block)
+                    && loc.tier == tier
+                    && level.is_none_or(|l| loc.level == l)
+                    && loc.slot != NO_SLOT
+            })
+            .map(|w| (self.key(w.block as usize), w.block))
+            .collect();
+        live.sort_unstable_by(|a, b| b.cmp(a));
+        live
+    }
+
+    /// Takes a cached block's entry out of its pool's queue of every cached block for the rest
+    /// of a pass (`aside`): no move applies to it now, and blocks ranked above it may still go.
+    fn set_aside(&mut self, b: u32, aside: &mut Vec<(usize, Key, crate::evict::Ticket)>) {
+        let loc = self.blocks.rows[b as usize].loc;
+        let pool = self.pool_index(loc.tier, loc.level);
+        if let Some((key, ticket)) = self.pop_cached(pool) {
+            debug_assert_eq!(ticket.block, b, "the lowest entry is the block's");
+            aside.push((pool, key, ticket));
+        }
+    }
+
+    /// Puts back the entries a pass set aside (those still valid: the pass may have moved a
+    /// block meanwhile).
+    fn put_back(&mut self, aside: Vec<(usize, Key, crate::evict::Ticket)>) {
+        for (pool, key, ticket) in aside {
+            self.restore_cached(pool, key, ticket);
+        }
     }
 
     /// Pass 3 for one tier. Returns the bytes it could not bring under the budget.
@@ -661,22 +794,32 @@ impl Core {
         if pass.projected[t] <= self.pressure_threshold(t, budget, pass.reserved[t]) {
             return 0;
         }
+        let mut aside = Vec::new();
+        let unmet = self.relieve_tier(pass, t, budget, wishes, &mut aside);
+        self.put_back(aside);
+        unmet
+    }
+
+    fn relieve_tier(
+        &mut self,
+        pass: &mut Pass,
+        t: usize,
+        budget: u64,
+        wishes: &[Wish],
+        aside: &mut Vec<(usize, Key, crate::evict::Ticket)>,
+    ) -> u64 {
         let soft = self.soft_budget(budget).saturating_sub(pass.reserved[t]);
         let tier = self.cfg.tiers[t].tier;
         let next = self.cfg.tiers.get(t + 1).map(|c| c.tier);
         let levels = self.cfg.num_levels();
         let last_kept = self.cfg.last_kept_level();
         let demotable = self.cfg.enable_compression && last_kept > 0;
-        // Live blocks of this tier that may be moved, least important first.
-        let mut live: Vec<(Key, u32)> = wishes
-            .iter()
-            .filter(|w| {
-                let loc = self.blocks.rows[w.block as usize].loc;
-                !w.protected && self.movable(w.block) && loc.tier == tier && loc.slot != NO_SLOT
-            })
-            .map(|w| (self.key(w.block as usize), w.block))
-            .collect();
-        live.sort_unstable_by(|a, b| b.cmp(a)); // pop() takes the lowest
+        let mut live = self.movable_live(wishes, tier, None, false);
+        let mut guarded = if pass.reserved[t] > 0 && next.is_some() {
+            self.movable_live(wishes, tier, None, true)
+        } else {
+            Vec::new()
+        };
         let all_pools: Vec<usize> = (t * levels..(t + 1) * levels).collect();
         let mut pools: Vec<usize> = Vec::with_capacity(levels);
         // Live blocks no soft action fits wait for the hard pass (which may drop them).
@@ -691,52 +834,71 @@ impl Core {
                 let np = self.tier_pos(n);
                 self.fits(pass, np, self.level_bytes(last_kept))
             });
-            // Cached blocks are candidates where some action applies to their pool.
+            // Cached blocks are candidates where demoting or offloading applies to their pool
+            // (any cached block: it stays loadable), and above the budget where only evicting
+            // does (the leaves, prefix-aware).
             pools.clear();
             pools.extend(all_pools.iter().copied().filter(|p| {
                 let level = (p % levels) as u8;
-                hard || next_room || (demotable && level < last_kept)
+                next_room || (demotable && level < last_kept)
             }));
-            let cached = self.lowest_evictable(pools.iter().copied());
+            let mut cached = self.lowest_cached(pools.iter().copied(), Cached::Any);
+            if hard {
+                let leaf = self.lowest_evictable(all_pools.iter().copied());
+                if leaf.is_some_and(|l| cached.is_none_or(|c| l < c)) {
+                    cached = leaf;
+                }
+            }
             let from_live = live.last().copied();
-            let (b, is_live) = match (cached, from_live) {
-                (Some(c), Some(l)) if l < c => (l.1, true),
-                (Some(c), _) => (c.1, false),
-                (None, Some(l)) => (l.1, true),
+            let (b, is_live, is_guarded) = match (cached, from_live) {
+                (Some(c), Some(l)) if l < c => (l.1, true, false),
+                (Some(c), _) => (c.1, false, false),
+                (None, Some(l)) => (l.1, true, false),
                 (None, None) if !hard => {
                     hard = true;
                     live.append(&mut skipped);
                     live.sort_unstable_by(|a, b| b.cmp(a));
                     continue;
                 }
-                (None, None) => return pass.projected[t] - budget,
+                (None, None) => match guarded.pop() {
+                    Some((_, g)) => (g, true, true),
+                    None => return pass.projected[t] - budget,
+                },
             };
-            if is_live {
+            if is_live && !is_guarded {
                 live.pop();
             }
             let loc = self.blocks.rows[b as usize].loc;
-            let acted = if demotable && loc.level < last_kept {
+            let acted = if !is_guarded && demotable && loc.level < last_kept {
                 self.demote_to(pass, b, loc.level + 1)
             } else if let (true, Some(n)) = (next_room, next) {
                 self.push_move(pass, b, MoveKind::Offload, loc, Some((n, loc.level)))
-            } else if hard && !is_live {
+            } else if hard && !is_live && self.evictable_now(b) {
                 self.push_move(pass, b, MoveKind::Evict, loc, None)
-            } else if let (true, true, Some(d)) = (hard, is_live, self.cfg.drop_level()) {
+            } else if let (true, true, false, Some(d)) =
+                (hard, is_live, is_guarded, self.cfg.drop_level())
+            {
                 self.push_move(pass, b, MoveKind::Drop, loc, Some((tier, d)))
             } else {
                 false
             };
-            if !acted && is_live && !hard {
+            if acted || is_guarded {
+                continue;
+            }
+            if is_live && !hard {
                 skipped.push((self.key(b as usize), b));
-            } else if !acted && !is_live {
+            } else if !is_live {
                 // The move cap or a full pool stopped a copy: keeping the headroom is off for
-                // this plan; above the budget itself, the block is evicted (that copies nothing).
+                // this plan; above the budget itself, the block is evicted (that copies
+                // nothing) if it is a leaf, else set aside.
                 if !hard {
                     hard = true;
                     live.append(&mut skipped);
                     live.sort_unstable_by(|a, b| b.cmp(a));
-                } else {
+                } else if self.evictable_now(b) {
                     self.push_move(pass, b, MoveKind::Evict, loc, None);
+                } else {
+                    self.set_aside(b, aside);
                 }
             }
         }
@@ -744,9 +906,11 @@ impl Core {
 
     /// Pass 4 (with `pool_headroom`), for one explicitly sized pool filled past `1 - headroom`
     /// of its slots (for the device's level-0 pool, also past the slots of the room asked
-    /// for): its lowest-ranked movable blocks are demoted when the next level's pool has a free
-    /// slot, else offloaded when the next tier has room; cached blocks of a completely full pool
-    /// are evicted. Protected blocks stay.
+    /// for): its lowest-ranked movable blocks are demoted, as deep as needed, to the first lower
+    /// level with a free slot, else offloaded when the next tier has room (a protected block
+    /// too, when room is asked for, if it is complete), else demoted into the slot of a
+    /// lower-ranked cached leaf below that the plan evicts for it. Cached leaves of the pool
+    /// itself are evicted where it is completely full or room is asked for.
     fn relieve_pool(&mut self, pass: &mut Pass, t: usize, level: u8, wishes: &[Wish]) {
         let levels = self.cfg.num_levels();
         let p = t * levels + usize::from(level);
@@ -783,49 +947,64 @@ impl Core {
         if used <= soft {
             return;
         }
-        let mut live: Vec<(Key, u32)> = wishes
-            .iter()
-            .filter(|w| {
-                let loc = self.blocks.rows[w.block as usize].loc;
-                !w.protected && self.movable(w.block) && loc.tier == tier && loc.level == level
-            })
-            .map(|w| (self.key(w.block as usize), w.block))
-            .collect();
-        live.sort_unstable_by(|a, b| b.cmp(a)); // pop() takes the lowest
-        let demotable = self.cfg.enable_compression && level < self.cfg.last_kept_level();
+        let mut live = self.movable_live(wishes, tier, Some(level), false);
         let next = self.cfg.tiers.get(t + 1).map(|c| c.tier);
+        let mut guarded = if room > 0 && next.is_some() {
+            self.movable_live(wishes, tier, Some(level), true)
+        } else {
+            Vec::new()
+        };
+        let last_kept = self.cfg.last_kept_level();
+        let demotable = self.cfg.enable_compression && level < last_kept;
+        let mut aside = Vec::new();
         while used > soft {
-            let cached = self.lowest_evictable([p]);
-            let (b, is_live) = match (cached, live.last().copied()) {
-                (Some(c), Some(l)) if l < c => (l.1, true),
-                (Some(c), _) => (c.1, false),
-                (None, Some(l)) => (l.1, true),
-                (None, None) => return,
+            let cached = self.lowest_cached([p], Cached::Any);
+            let (b, is_live, is_guarded) = match (cached, live.last().copied()) {
+                (Some(c), Some(l)) if l < c => (l.1, true, false),
+                (Some(c), _) => (c.1, false, false),
+                (None, Some(l)) => (l.1, true, false),
+                (None, None) => match guarded.pop() {
+                    Some((_, g)) => (g, true, true),
+                    None => break,
+                },
             };
-            if is_live {
+            if is_live && !is_guarded {
                 live.pop();
             }
             let loc = self.blocks.rows[b as usize].loc;
-            let room = |c: &Core, tier: Tier, level: u8| {
+            let free = |c: &Core, tier: Tier, level: u8| {
                 c.pools[c.pool_index(tier, level)].free_count() > 0
             };
-            let acted = if demotable && room(self, tier, level + 1) {
-                self.demote_to(pass, b, level + 1)
-            } else if let Some(n) = next.filter(|&n| {
-                room(self, n, level) && self.fits(pass, self.tier_pos(n), self.level_bytes(level))
-            }) {
-                self.push_move(pass, b, MoveKind::Offload, loc, Some((n, level)))
-            } else if !is_live && used >= cap {
-                self.push_move(pass, b, MoveKind::Evict, loc, None)
-            } else {
-                false
+            let below = (level + 1..=last_kept).find(|&l| free(self, tier, l));
+            let acted = match below {
+                Some(l) if demotable && !is_guarded => self.demote_to(pass, b, l),
+                _ => {
+                    let victim = if demotable && !is_guarded {
+                        self.leaf_below(tier, level, b, is_live)
+                    } else {
+                        None
+                    };
+                    if let Some(n) = next.filter(|&n| {
+                        free(self, n, level)
+                            && self.fits(pass, self.tier_pos(n), self.level_bytes(level))
+                    }) {
+                        self.push_move(pass, b, MoveKind::Offload, loc, Some((n, level)))
+                    } else if let Some(victim) = victim {
+                        self.demote_into_evicted(pass, b, victim)
+                    } else if !is_live && self.evictable_now(b) && (used >= cap || room > 0) {
+                        self.push_move(pass, b, MoveKind::Evict, loc, None)
+                    } else {
+                        false
+                    }
+                }
             };
             if acted {
                 used -= 1;
             } else if !is_live {
-                return; // the lowest cached block cannot move: nothing below it can either
+                self.set_aside(b, &mut aside); // a block ranked above it may still go
             }
         }
+        self.put_back(aside);
     }
 
     /// Applies a pending plan after the engine copied its bytes: sources are freed now. A move
@@ -833,19 +1012,32 @@ impl Core {
     /// cancelled (its destination freed, the block left where it was) and counted.
     pub fn commit(&mut self, plan_id: u64) -> Result<()> {
         let plan = self.take_pending(plan_id)?;
+        let mut parked = plan.parked.iter().peekable();
         for m in &plan.moves {
             let b = m.block;
             let i = b as usize;
+            let parent = match parked.peek() {
+                Some(&&(p, hash)) if p == b && m.kind == MoveKind::Evict => {
+                    parked.next();
+                    Some(hash)
+                }
+                _ => None,
+            };
             // The engine pinned the block (it reads it), or a new request shares a block planned
-            // for eviction, while the plan was pending: that move no longer applies.
+            // for eviction (or one after it in a prefix: the block is no leaf any more), while
+            // the plan was pending: that move no longer applies.
             let pinned = self.blocks.rows[i].pins > 0 && m.kind != MoveKind::Backup;
-            let reshared = m.kind == MoveKind::Evict && self.blocks.rows[i].refcount > 0;
+            let reshared = m.kind == MoveKind::Evict
+                && (self.blocks.rows[i].refcount > 0 || !self.blocks.links[i].is_leaf());
             if pinned || reshared {
                 if let Some(dst) = m.dst {
                     self.give_slot(dst);
                 }
                 self.blocks.rows[i].moving = false;
                 self.counters.cancelled_moves += 1;
+                if let Some(hash) = parent {
+                    self.unpark(b, hash);
+                }
                 continue;
             }
             match m.kind {
@@ -873,7 +1065,7 @@ impl Core {
                 MoveKind::Drop => {
                     self.give_slot(m.src);
                     self.blocks.rows[i].loc = m.dst.expect("a drop has a destination level");
-                    self.blocks.rows[i].leave_prefix_index(&mut self.index.table(0), b);
+                    self.leave_prefix_index(b);
                     self.counters.drops += 1;
                 }
                 MoveKind::Demote | MoveKind::Offload | MoveKind::Fetch => {
@@ -903,6 +1095,9 @@ impl Core {
                 self.give_slot(dst);
             }
             self.blocks.rows[m.block as usize].moving = false;
+        }
+        for &(b, parent) in plan.parked.iter().rev() {
+            self.unpark(b, parent);
         }
         self.counters.aborts += 1;
         self.settle(&plan);

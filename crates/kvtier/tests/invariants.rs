@@ -2,6 +2,11 @@
 //! slot out twice and `used + free == capacity`; per-tier bytes equal the bytes of slots in use;
 //! a committed plan never leaves a tier over its budget; pinned blocks never move; a shared
 //! block moves at most once per plan; freeing everything (and evicting) restores the empty state.
+//!
+//! Prefix-aware, under every policy: no indexed block is stranded (its ancestors are all
+//! indexed, up to a root), the per-pool reclaimable counts equal a brute-force count (cached
+//! blocks whose whole subtree is cached), and an append never fails while cached, unpinned
+//! blocks hold the room it needs.
 
 use proptest::prelude::*;
 use std::collections::HashSet;
@@ -39,7 +44,13 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn config(policy: PolicyKind, evict_on_full: bool, host: bool, write_through: bool) -> Config {
+fn config(
+    policy: PolicyKind,
+    evict_on_full: bool,
+    host: bool,
+    write_through: bool,
+    pools: bool,
+) -> Config {
     let mut tiers = vec![TierConfig {
         tier: Tier::Device,
         budget_bytes: Some(40 * 64),
@@ -50,6 +61,20 @@ fn config(policy: PolicyKind, evict_on_full: bool, host: bool, write_through: bo
             budget_bytes: Some(40 * 32),
         });
     }
+    // Fixed slots per pool, as the Python BlockManager gives them (its pressure pass 4).
+    let pool_slots = if pools {
+        let mut slots = vec![
+            (Tier::Device, 0, 14),
+            (Tier::Device, 1, 12),
+            (Tier::Device, 2, 48),
+        ];
+        if host {
+            slots.extend([(Tier::Host, 0, 8), (Tier::Host, 1, 8), (Tier::Host, 2, 32)]);
+        }
+        slots
+    } else {
+        Vec::new()
+    };
     Config {
         block_size: 4,
         level_bytes: vec![64, 32, 16],
@@ -59,8 +84,126 @@ fn config(policy: PolicyKind, evict_on_full: bool, host: bool, write_through: bo
         evict_on_full,
         write_through,
         max_move_bytes: Some(64 * 6),
+        pool_slots,
+        pool_headroom: pools,
         ..Config::default()
     }
+}
+
+/// Whether each block is cached (unreferenced, unpinned, not in the pending plan, holding a
+/// slot), with `also_referenced` counted as referenced.
+fn cached_blocks(core: &Core, also_referenced: &HashSet<u32>) -> HashSet<u32> {
+    let moving: HashSet<u32> = core
+        .pending_plan()
+        .map(|p| {
+            p.moves
+                .iter()
+                .filter(|m| m.kind != MoveKind::Backup)
+                .map(|m| m.block)
+                .collect()
+        })
+        .unwrap_or_default();
+    (0..core.num_block_ids() as u32)
+        .filter(|&b| {
+            core.block_loc(b)
+                .is_ok_and(|loc| loc.slot != kvtier::NO_SLOT)
+                && core.block_refcount(b).unwrap() == 0
+                && !core.block_pinned(b).unwrap()
+                && !moving.contains(&b)
+                && !also_referenced.contains(&b)
+        })
+        .collect()
+}
+
+/// Blocks eviction (leaf after leaf) can free: cached, with every indexed descendant cached.
+fn reclaimable_blocks(core: &Core, cached: &HashSet<u32>) -> HashSet<u32> {
+    let mut children: std::collections::HashMap<u32, Vec<u32>> = Default::default();
+    for b in 0..core.num_block_ids() as u32 {
+        if let Ok(Some(p)) = core.block_parent(b) {
+            children.entry(p).or_default().push(b);
+        }
+    }
+    fn all_cached(
+        b: u32,
+        cached: &HashSet<u32>,
+        children: &std::collections::HashMap<u32, Vec<u32>>,
+    ) -> bool {
+        cached.contains(&b)
+            && children
+                .get(&b)
+                .is_none_or(|cs| cs.iter().all(|&c| all_cached(c, cached, children)))
+    }
+    cached
+        .iter()
+        .copied()
+        .filter(|&b| all_cached(b, cached, &children))
+        .collect()
+}
+
+/// No indexed block is stranded: following parents from any indexed block reaches a root
+/// through indexed blocks only; and the core's reclaimable counts are the brute-force ones.
+fn check_tree(core: &Core) {
+    let n = core.num_block_ids() as u32;
+    for b in 0..n {
+        if !core.block_indexed(b).unwrap_or(false) {
+            continue;
+        }
+        let (mut at, mut steps) = (b, 0u32);
+        while let Some(p) = core.block_parent(at).unwrap() {
+            assert!(
+                core.block_indexed(p).unwrap(),
+                "block {b} stranded: {p} not indexed"
+            );
+            at = p;
+            steps += 1;
+            assert!(steps <= n, "a cycle through block {b}");
+        }
+    }
+    let reclaimable = reclaimable_blocks(core, &cached_blocks(core, &HashSet::new()));
+    for (tier, level, count, _) in core.reclaimable() {
+        let want = reclaimable
+            .iter()
+            .filter(|&&b| {
+                let loc = core.block_loc(b).unwrap();
+                (loc.tier, loc.level) == (tier, level)
+            })
+            .count() as u64;
+        assert_eq!(count, want, "reclaimable blocks in {tier}/{level}");
+    }
+}
+
+/// Whether an append of `hashes` fits once every reclaimable device block is evicted (what
+/// `evict_on_full` may do): the blocks it shares are referenced first.
+fn room_exists(core: &Core, hashes: &[u64]) -> bool {
+    let shared: HashSet<u32> = hashes
+        .iter()
+        .filter_map(|&h| core.lookup(&[h]).first().copied())
+        .collect();
+    let missing = hashes
+        .iter()
+        .filter(|&&h| core.lookup(&[h]).is_empty())
+        .count() as u64;
+    let reclaimable = reclaimable_blocks(core, &cached_blocks(core, &shared));
+    let cfg = core.config();
+    let on_device: Vec<kvtier::Loc> = reclaimable
+        .iter()
+        .map(|&b| core.block_loc(b).unwrap())
+        .filter(|l| l.tier == Tier::Device)
+        .collect();
+    let freed_bytes: u64 = on_device
+        .iter()
+        .map(|l| cfg.level_bytes[usize::from(l.level)])
+        .sum();
+    let freed_slots = on_device.iter().filter(|l| l.level == 0).count() as u64;
+    let usage = core.usage();
+    let pool0 = usage
+        .iter()
+        .find(|u| u.tier == Tier::Device && u.level == 0)
+        .unwrap();
+    let free0 = u64::from(pool0.capacity_slots - pool0.used_slots);
+    let budget = cfg.tiers[0].budget_bytes.unwrap_or(u64::MAX);
+    let need = missing * cfg.level_bytes[0];
+    missing <= free0 + freed_slots && core.tier_bytes()[0] + need <= budget + freed_bytes
 }
 
 /// Checks the bookkeeping invariants that must hold between any two calls.
@@ -136,8 +279,15 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
             Op::Add => seqs.push(core.add_sequence()),
             Op::AppendBlocks(s, hashes) => {
                 if let Some(seq) = pick(&seqs, s) {
+                    let room = cfg.prefix_aware && cfg.evict_on_full && room_exists(&core, &hashes);
                     match core.append_blocks(seq, &hashes) {
-                        Ok(_) | Err(Error::OutOfCapacity { .. } | Error::OutOfSlots { .. }) => {}
+                        Ok(_) => {}
+                        Err(e @ (Error::OutOfCapacity { .. } | Error::OutOfSlots { .. })) => {
+                            prop_assert!(
+                                !room,
+                                "append refused while cached blocks held the room: {e}"
+                            );
+                        }
                         Err(Error::InvalidArgument { .. }) => {} // sequence ends in a partial block
                         Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
                     }
@@ -217,15 +367,23 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
                     }
                 } else {
                     core.abort(plan.id).unwrap();
-                    prop_assert_eq!(
-                        core.tier_bytes(),
-                        &before[..],
-                        "abort changed the bytes held"
-                    );
+                    // Every block stays where it was, but for one evicted to give its slot to
+                    // another move of the plan (that cannot be undone).
+                    let mut want = before.clone();
+                    for m in plan.moves.iter().filter(|m| m.kind == MoveKind::Evict) {
+                        if core.block_loc(m.block).is_err() {
+                            let t = cfg.tier_index(m.src.tier).unwrap();
+                            want[t] -= cfg.level_bytes[usize::from(m.src.level)];
+                        }
+                    }
+                    prop_assert_eq!(core.tier_bytes(), &want[..], "abort changed the bytes held");
                 }
             }
         }
         check_state(&core);
+        if cfg.prefix_aware {
+            check_tree(&core);
+        }
     }
     // Free everything: only cached blocks remain, and evicting them empties every pool.
     if !pinned.is_empty() {
@@ -243,7 +401,12 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
     if cfg.tiers.len() > 1 {
         core.set_budget(Tier::Host, Some(0)).unwrap();
     }
-    for _ in 0..4 {
+    // Leaf-first eviction under the move cap (demotions go first) takes a few plans for a
+    // long chain, but every plan makes progress.
+    for _ in 0..64 {
+        if core.live_blocks() == 0 {
+            break;
+        }
         let id = core.plan().unwrap().id;
         core.commit(id).unwrap();
     }
@@ -266,7 +429,10 @@ proptest! {
         evict in any::<bool>(),
         host in any::<bool>(),
         write_through in any::<bool>(),
+        pools in any::<bool>(),
+        prefix_aware in any::<bool>(),
     ) {
-        run(ops, config(policy, evict, host, write_through))?;
+        let cfg = Config { prefix_aware, ..config(policy, evict, host, write_through, pools) };
+        run(ops, cfg)?;
     }
 }

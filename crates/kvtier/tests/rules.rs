@@ -268,18 +268,29 @@ fn a_full_device_refuses_or_evicts_cached_blocks() {
     c.free_sequence(s).unwrap(); // cached, but eviction is off
     assert!(c.append_blocks(s2, &[9]).is_err());
     cfg.evict_on_full = true;
-    let mut c = core(cfg);
-    let (s, _) = seq_with(&mut c, 1, 3);
-    c.free_sequence(s).unwrap();
-    let s2 = c.add_sequence();
-    c.append_blocks(s2, &[9]).unwrap();
-    assert_eq!(c.counters().evictions, 1);
-    assert_eq!(
-        c.lookup(&[1, 2, 3]).len(),
-        0,
-        "block 1 (least recent) was evicted"
-    );
-    assert_eq!(c.lookup(&[2, 3]).len(), 2);
+    for prefix_aware in [true, false] {
+        let mut c = core(Config {
+            prefix_aware,
+            ..cfg.clone()
+        });
+        let (s, _) = seq_with(&mut c, 1, 3);
+        c.free_sequence(s).unwrap();
+        let s2 = c.add_sequence();
+        c.append_blocks(s2, &[9]).unwrap();
+        assert_eq!(c.counters().evictions, 1);
+        if prefix_aware {
+            // The leaf goes: the rest of the prefix still loads.
+            assert_eq!(
+                c.lookup(&[1, 2, 3]).len(),
+                2,
+                "block 3 (the leaf) was evicted"
+            );
+        } else {
+            // Plain: block 1 (least recent) goes, and strands blocks 2 and 3.
+            assert_eq!(c.lookup(&[1, 2, 3]).len(), 0, "block 1 was evicted");
+            assert_eq!(c.lookup(&[2, 3]).len(), 2);
+        }
+    }
 }
 
 #[test]
@@ -393,9 +404,52 @@ fn budgeted(budget: u64, evict_on_full: bool) -> Config {
     }
 }
 
+/// Prefix-aware, a plan evicts leaf after leaf (the leaf first, then its parent, which the
+/// eviction made a leaf), and a cancelled eviction cancels its parent's and links the block
+/// back: a prefix shared again while the plan was pending stays whole.
+#[test]
+fn commit_cancels_evicting_a_prefix_shared_or_pinned_meanwhile() {
+    let mut c = core(budgeted(400, false));
+    let (s, blocks) = seq_with(&mut c, 1, 4);
+    c.free_sequence(s).unwrap();
+    c.set_budget(Tier::Device, Some(200)).unwrap();
+    let plan = c.plan().unwrap().clone();
+    assert_eq!(
+        plan.moves.iter().map(|m| m.block).collect::<Vec<_>>(),
+        [blocks[3], blocks[2]],
+        "the leaf, then its parent"
+    );
+    let s2 = c.add_sequence();
+    assert_eq!(
+        c.append_blocks(s2, &[1, 2, 3]).unwrap().blocks,
+        blocks[..3],
+        "shared again"
+    );
+    c.pin(&blocks[3..]).unwrap(); // and the engine reads the leaf
+    c.commit(plan.id).unwrap();
+    assert_eq!(c.counters().cancelled_moves, 2);
+    assert_eq!(c.counters().evictions, 0);
+    assert_eq!(c.block_parent(blocks[3]).unwrap(), Some(blocks[2]));
+    c.unpin(&blocks[3..]).unwrap();
+    assert_eq!(c.lookup(&[1, 2, 3, 4]).len(), 4);
+    // Aborted, a plan links its evictions back too.
+    c.free_sequence(s2).unwrap();
+    let plan = c.plan().unwrap().clone();
+    assert_eq!(plan.moves.len(), 2);
+    c.abort(plan.id).unwrap();
+    assert_eq!(c.block_parent(blocks[3]).unwrap(), Some(blocks[2]));
+    assert_eq!(c.lookup(&[1, 2, 3, 4]).len(), 4);
+    let plan = c.plan().unwrap().clone();
+    c.commit(plan.id).unwrap();
+    assert_eq!(c.lookup(&[1, 2, 3, 4]).len(), 2);
+}
+
 #[test]
 fn commit_cancels_evicting_a_block_shared_or_pinned_meanwhile() {
-    let mut c = core(budgeted(400, false));
+    let mut c = core(Config {
+        prefix_aware: false,
+        ..budgeted(400, false)
+    });
     let (s, blocks) = seq_with(&mut c, 1, 4);
     c.free_sequence(s).unwrap();
     c.set_budget(Tier::Device, Some(200)).unwrap();
@@ -690,4 +744,47 @@ fn a_plan_with_room_frees_that_many_level_0_slots_by_demoting() {
     let s2 = c.add_sequence();
     c.append_blocks(s2, &[20, 21, 22, 23]).unwrap();
     assert_eq!(c.counters().evictions, 0);
+}
+
+/// A write needs a level-0 slot that a cached block holds whose children sit at lower levels:
+/// prefix-aware, its subtree goes first, leaf by leaf, then the block itself; plain, the block
+/// goes alone and strands its children.
+#[test]
+fn a_write_evicts_below_a_level_0_block_to_free_its_slot() {
+    for prefix_aware in [true, false] {
+        let mut c = core(Config {
+            recent_window: 0,
+            sink_blocks: 1, // block 0 stays at level 0; the others go down
+            pool_slots: vec![
+                (Tier::Device, 0, 3),
+                (Tier::Device, 1, 4),
+                (Tier::Device, 2, 4),
+            ],
+            prefix_aware,
+            ..cfg()
+        });
+        let (s, blocks) = seq_with(&mut c, 1, 3);
+        commit(&mut c);
+        let levels: Vec<u8> = blocks
+            .iter()
+            .map(|&b| c.block_loc(b).unwrap().level)
+            .collect();
+        assert_eq!(levels[0], 0);
+        assert!(levels[1] > 0 && levels[2] > 0, "{levels:?}");
+        c.free_sequence(s).unwrap();
+        seq_with(&mut c, 7, 2); // live: level 0 is full
+        let (_, new) = seq_with(&mut c, 9, 1);
+        assert_eq!(c.block_loc(new[0]).unwrap().level, 0);
+        if prefix_aware {
+            assert_eq!(c.counters().evictions, 3, "the subtree, then its root");
+            assert!(c.lookup(&[1]).is_empty());
+        } else {
+            assert_eq!(c.counters().evictions, 1);
+            assert_eq!(
+                c.lookup(&[2, 3]).len(),
+                2,
+                "stranded behind the evicted block 1"
+            );
+        }
+    }
 }
