@@ -452,21 +452,28 @@ def test_a_sequence_freed_before_any_step_leaves_its_blocks_ranked_by_their_lear
     None
 ):
     """A save (add, write, score, free, as the vLLM connector does) never lives through a
-    plan: its cached blocks are still ranked by the scores it set, so the lowest-scored go
-    first when room is needed. Scores may start at any block (the blocks a save added)."""
+    plan: its cached blocks are still ranked by the scores it set, so of leaves read as often,
+    the lowest-scored goes first when room is needed (eviction takes leaves: a prefix loses its
+    tail, never a block in its middle). Scores may start at any block (the blocks a save
+    added)."""
     bm = manager(device_blocks=4, enable_compression=False, weights=(0.0, 1.0, 0.0))
-    a = bm.add_sequence(np.arange(4 * BS))
-    append_all(bm, a, kv(4 * BS, seed=15))
-    bm.set_learned_scores(a, [9.0, 0.5, 0.0, 0.0])
-    bm.set_learned_scores(a, [5.0, 1.0], first_block=2)  # blocks 2 and 3
-    with pytest.raises(InvalidArgumentError, match="first_block: expected 0 to 4"):
-        bm.set_learned_scores(a, [1.0], first_block=5)
+    low, high = np.arange(2 * BS), np.arange(2 * BS) + 1000
+    a = bm.add_sequence(low)
+    append_all(bm, a, kv(2 * BS, seed=15))
+    bm.set_learned_scores(a, [9.0, 5.0])
+    bm.set_learned_scores(a, [0.5], first_block=1)  # its leaf scores lowest
+    with pytest.raises(InvalidArgumentError, match="first_block: expected 0 to 2"):
+        bm.set_learned_scores(a, [1.0], first_block=3)
+    b = bm.add_sequence(high)
+    append_all(bm, b, kv(2 * BS, seed=16))
+    bm.set_learned_scores(b, [0.5, 9.0])  # its leaf scores highest
     bm.free(a)
-    b = bm.add_sequence()
-    append_all(bm, b, kv(2 * BS, seed=16))  # evicts two cached blocks: the two lowest-scored
-    assert bm.get_compression_stats()["evictions"] == 2
-    assert bm.lookup(np.arange(BS)) == BS  # block 0 (9.0) is kept, block 1 (0.5) is not
-    assert bm.lookup(np.arange(2 * BS)) == BS
+    bm.free(b)
+    c = bm.add_sequence()
+    append_all(bm, c, kv(BS, seed=17))  # evicts one cached leaf: the lower-scored
+    assert bm.get_compression_stats()["evictions"] == 1
+    assert bm.lookup(low) == BS, "a's leaf (0.5) went"
+    assert bm.lookup(high) == 2 * BS, "b's leaf (9.0) stayed"
 
 
 def poison(x: Any, value: float = float("nan")) -> Any:

@@ -16,7 +16,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .config import MAX_SIZE, MAX_U32, POLICIES, KvtierConfig, normalize_dtype, parse_bytes
+from .config import (
+    MAX_SIZE,
+    MAX_U32,
+    PLAIN,
+    POLICIES,
+    KvtierConfig,
+    normalize_dtype,
+    parse_bytes,
+)
 from .errors import ConfigError, KvtierError, require
 from .shapes import MODELS, model_shape
 
@@ -24,6 +32,8 @@ __all__ = ["main"]
 
 #: The dtype each model's checkpoint ships in: the default level 0 of the ladder.
 MODEL_DTYPES = {"llama3-8b": "bf16", "llama2-7b": "fp16", "smollm2-135m": "bf16"}
+#: What ``simulate --policy`` and ``--compare`` take: the policies, and each on a plain core.
+SIMULATED_POLICIES = POLICIES + tuple(PLAIN + p for p in POLICIES)
 
 #: Default device budget: about what an 80 GB GPU keeps for KV next to Llama-3-8B's 16 GB of
 #: weights. That is 1,000 full-precision 512-token blocks of Llama-3-8B (64 MiB each): on the
@@ -120,9 +130,10 @@ def _policy_list(text: str) -> tuple[str, ...]:
     specs = []
     for part in text.split(","):
         policy, sep, ladder = part.strip().lower().partition(":")
-        if policy not in POLICIES:
+        if policy not in SIMULATED_POLICIES:
             raise argparse.ArgumentTypeError(
-                f"unknown policy {policy!r} in {text!r}: expected names from {', '.join(POLICIES)}"
+                f"unknown policy {policy!r} in {text!r}: expected names from "
+                f"{', '.join(SIMULATED_POLICIES)}"
             )
         levels = [level.strip() for level in ladder.split("+")] if sep else []
         if sep and not all(levels):
@@ -219,15 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
     policy = sim.add_mutually_exclusive_group()
     policy.add_argument(
         "--policy",
-        choices=POLICIES,
-        help="scheduling policy (default: KVTIER_POLICY, else importance)",
+        choices=SIMULATED_POLICIES,
+        metavar="POLICY",
+        help=f"scheduling policy: {', '.join(POLICIES)}, or plain-lru etc. for eviction that "
+        "ranks every cached block rather than the leaves of the prefix trees (default: "
+        "KVTIER_POLICY, else importance)",
     )
     policy.add_argument(
         "--compare",
         type=_policy_list,
         metavar="P1,P2,...",
-        help=f"run several policies side by side ({', '.join(POLICIES)}); each may name its "
-        "own ladder, e.g. lru:bf16,importance:bf16+int8+int4",
+        help="run several policies side by side (as --policy); each may name its own ladder, "
+        "e.g. plain-lru:bf16,lru:bf16,importance:bf16+int8+int4",
     )
     sim.add_argument(
         "--limit",
@@ -311,8 +325,9 @@ def _resolve_dtype(args: argparse.Namespace, base: KvtierConfig) -> str:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     policies = list(args.compare) if args.compare else None
+    first = policies[0].partition(":")[0] if policies else args.policy
     base = KvtierConfig.from_env(
-        policy=policies[0].partition(":")[0] if policies else args.policy,
+        policy=None if first is None else first.removeprefix(PLAIN),
         ladder=args.ladder,
         # Either budget form on the command line outranks both KVTIER_DEVICE_* variables.
         device_budget=args.device_bytes,
@@ -322,7 +337,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         remote_budget=args.remote_bytes,
     )
     if policies is None:
-        policies = [base.policy]
+        policies = [args.policy or base.policy]
     dtype = _resolve_dtype(args, base)
     ladder = base.resolved_ladder(dtype)
     if ladder[0] != dtype:

@@ -38,6 +38,9 @@ __all__ = [
 
 #: Scheduling policies the core knows by name.
 POLICIES: tuple[str, ...] = ("importance", "lru", "lfu", "h2o", "scissorhands")
+#: ``kvtier simulate``'s prefix of a policy on a plain core (``plain-lru``): eviction ranks every
+#: cached block, not the leaves of the prefix trees (``prefix_aware`` off).
+PLAIN = "plain-"
 
 #: Most levels a ladder may have.
 MAX_LEVELS = 8
@@ -313,6 +316,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "when a new block does not fit even after demoting and offloading, evict cached "
         "blocks (those no live sequence references), lowest-ranked first; 0: keep them and fail",
     ),
+    _var(
+        "prefix_aware",
+        "bool",
+        "cached blocks form prefix trees: eviction takes leaves only (the policy ranks the "
+        "leaves), so no cached block is stranded behind an evicted one; 0: plain, the policy "
+        "ranks every cached block (LMCache's simulator does)",
+    ),
     _var("namespace", "str", "namespace of prefix hashes and stored keys (model, codec, tenant)"),
 )
 
@@ -374,6 +384,7 @@ class KvtierConfig:
     scissorhands_window: int = 8
     write_through: bool = False
     evict_on_full: bool = True
+    prefix_aware: bool = True
     namespace: str = "default"
 
     # -- construction ---------------------------------------------------------------------------
@@ -469,6 +480,7 @@ class KvtierConfig:
         set_("enable_compression", _bool(self, "enable_compression"))
         set_("write_through", _bool(self, "write_through"))
         set_("evict_on_full", _bool(self, "evict_on_full"))
+        set_("prefix_aware", _bool(self, "prefix_aware"))
         set_("share_prefixes", _bool(self, "share_prefixes"))
 
         set_("compression_ratio", _number(self, "compression_ratio", 0.0, 1.0))

@@ -396,6 +396,7 @@ class BlockManager:
             namespace=config.namespace,
             pool_slots=[(t, lv, n) for (t, lv), n in self.slots.items()],
             pool_headroom=True,
+            prefix_aware=config.prefix_aware,
         )
         self.instance = uuid.uuid4().hex[:16]
         self.pools: dict[tuple[str, int], Any] = {}
@@ -1400,7 +1401,13 @@ class BlockManager:
                 self._publish()
             with self._lock:
                 self._resume_stores()
-                plan = self.core.plan(blocks * self.level_bytes[0])
+                # The plan may evict cached leaves for the room (into whose slots blocks of
+                # level 0 go) as far as the config allows eviction at all.
+                self.core.evict_on_full = self.config.evict_on_full
+                try:
+                    plan = self.core.plan(blocks * self.level_bytes[0])
+                finally:
+                    self.core.evict_on_full = False
                 if self._slots_after(plan) < blocks:
                     self.core.abort(plan.id)
                     return
@@ -1438,9 +1445,15 @@ class BlockManager:
         device_bytes = dict(self.core.tier_bytes())["device"]
         _, _, used0, cap0, _ = self._pool_usage("device", 0)
         cached_bytes, cached0 = device_bytes - live_bytes, used0 - live0
+        behind = self._tiers[1:]
         if cached_bytes and not self.config.evict_on_full:
             why = "the device is full and evict_on_full is off, so its cached blocks are kept"
             fix = "set evict_on_full, free sequences, or raise device_budget/device_blocks"
+        elif behind:
+            # Complete live blocks go to the tiers behind the device when room is needed, so
+            # what is left on it is what they could not take.
+            why = f"the live sequences do not fit in the device and {'/'.join(behind)} tiers"
+            fix = f"free sequences, or raise device_budget/device_blocks or the {behind[0]} budget"
         else:
             why = "the live sequences do not fit on the device"
             fix = "free sequences, or raise device_budget/device_blocks (or add a host tier)"

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ._core import Core, Simulator
-from .config import MAX_SIZE, MAX_U32, KvtierConfig
+from .config import MAX_SIZE, MAX_U32, PLAIN, KvtierConfig
 from .errors import ConfigError
 from .shapes import KVShape, PrefillCost, model_shape
 from .traces import Trace
@@ -112,9 +112,15 @@ class SimulationConfig:
 
 
 def parse_policy_spec(spec: str, default_ladder: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
-    """``"lru"`` or ``"lru:fp16"`` / ``"importance:fp16+int8+int4"`` → (policy, ladder)."""
+    """``"lru"`` or ``"lru:fp16"`` / ``"importance:fp16+int8+int4"`` → (policy, ladder); the
+    policy keeps a ``plain-`` prefix (see :func:`split_plain`)."""
     policy, _, ladder = spec.partition(":")
     return policy.strip(), tuple(x.strip() for x in ladder.split("+")) if ladder else default_ladder
+
+
+def split_plain(policy: str) -> tuple[str, bool]:
+    """``"plain-lru"`` → ``("lru", True)``; ``"lru"`` → ``("lru", False)``."""
+    return (policy.removeprefix(PLAIN), True) if policy.startswith(PLAIN) else (policy, False)
 
 
 def build_core(config: SimulationConfig, policy: str, ladder: tuple[str, ...]) -> Core:
@@ -134,11 +140,13 @@ def build_core(config: SimulationConfig, policy: str, ladder: tuple[str, ...]) -
             f"{level_bytes[k - 1]} at {ladder[k - 1]}: a lower level must not be larger",
             hint="use larger blocks (the default is 512 tokens), or a ladder without that level",
         )
+    policy, plain = split_plain(policy)
     return Core(
         level_bytes,
         tiers=config.tiers(),
         block_size=config.block_tokens,
         policy=policy,
+        prefix_aware=base.prefix_aware and not plain,
         enable_compression=base.enable_compression and len(ladder) > 1,
         pressure_only=not config.split_live,
         compression_ratio=base.compression_ratio,

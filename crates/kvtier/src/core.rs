@@ -106,6 +106,22 @@ impl Ranking<'_> {
             PolicyKind::Importance => Key::new(f64::from(stats().importance), freq(), recency),
         }
     }
+
+    /// The key eviction ranks a cached leaf by (prefix-aware cores): [`Ranking::key`], but
+    /// under `importance`, reuse first, then importance. Eviction decides whether a block will
+    /// be loaded again, which its decayed reads tell; how much attention needs its precision,
+    /// which importance tells, decides its level (`key`: demotion and offload order).
+    #[inline(always)]
+    pub(crate) fn evict_key(&self, b: usize, row: &BlockRow) -> Key {
+        match self.cfg.policy {
+            PolicyKind::Importance => Key::new(
+                self.decay.log_count(row.reads, row.reads_step),
+                f64::from(self.stats[b].importance),
+                row.last_access,
+            ),
+            _ => self.key(b, row),
+        }
+    }
 }
 
 /// Evaluates `$body` with `$key` bound to the key function of `$ranking`'s policy
@@ -1066,7 +1082,7 @@ impl Core {
             &mut blocks.rows,
             &blocks.links,
             caches,
-            |b, row| ranking.key(b, row),
+            ranking,
             pools,
             leaves,
             b,
@@ -1124,11 +1140,16 @@ impl Core {
             stats: &self.stats,
         };
         let (rows, links) = (&self.blocks.rows, &self.blocks.links);
-        let key_of = |b: u32| ranking.key(b as usize, &rows[b as usize]);
         let queue = self.caches[pool].queue(which);
         let top = match which {
-            Cached::Any => queue.peek_valid(|t| Self::entry_valid(rows, pool, t), key_of),
-            Cached::Leaves => queue.peek_valid(|t| Self::leaf_valid(rows, links, pool, t), key_of),
+            Cached::Any => queue.peek_valid(
+                |t| Self::entry_valid(rows, pool, t),
+                |b| ranking.key(b as usize, &rows[b as usize]),
+            ),
+            Cached::Leaves => queue.peek_valid(
+                |t| Self::leaf_valid(rows, links, pool, t),
+                |b| ranking.evict_key(b as usize, &rows[b as usize]),
+            ),
         };
         top.map(|e| (e.key, e.ticket.block))
     }
@@ -1301,6 +1322,19 @@ impl Core {
             ..
         } = self;
         Ranking { cfg, decay, stats }.key(b, &blocks.rows[b])
+    }
+
+    /// The eviction key of a block (see [`Ranking::evict_key`]).
+    #[inline(always)]
+    pub(crate) fn evict_key(&self, b: usize) -> Key {
+        let Core {
+            cfg,
+            decay,
+            blocks,
+            stats,
+            ..
+        } = self;
+        Ranking { cfg, decay, stats }.evict_key(b, &blocks.rows[b])
     }
 
     // ---- sequences -----------------------------------------------------------------------------
@@ -2049,9 +2083,9 @@ impl Core {
     }
 }
 
-/// Enters block `b`, in no cache index, into its pool's if it is cached now, ranked by `key`:
-/// the queue of every cached block, and the leaf queue too when `leaves` (prefix-aware) and it
-/// is a leaf. Counts it (as reclaimable too if its flag says so; the caller settles the flag).
+/// Enters block `b`, in no cache index, into its pool's if it is cached now: the queue of every
+/// cached block (ranked by its key), and the leaf queue too (by its eviction key) when `leaves`
+/// (prefix-aware) and it is a leaf. Counts it (as reclaimable too if its flag says so; the caller settles the flag).
 /// Takes the core's parts apart (rows, queues) so that a loop over many blocks keeps them at
 /// hand instead of reloading them from the core after every write.
 #[inline(always)]
@@ -2059,7 +2093,7 @@ fn enqueue_if_cached(
     rows: &mut [BlockRow],
     links: &[Link],
     queues: &mut [PoolCache],
-    key: impl Fn(usize, &BlockRow) -> Key,
+    ranking: Ranking<'_>,
     pools: PoolMap,
     leaves: bool,
     b: u32,
@@ -2071,7 +2105,8 @@ fn enqueue_if_cached(
         return;
     }
     let p = pools.of(row.loc.tier, row.loc.level);
-    let key = key(i, row);
+    let key = ranking.key(i, row);
+    let evict_key = ranking.evict_key(i, row);
     let row = &mut rows[i];
     row.version = row.version.wrapping_add(1);
     row.cached_in = p as u32;
@@ -2083,7 +2118,7 @@ fn enqueue_if_cached(
     q.reclaimable += u64::from(row.reclaimable);
     q.cached.push(key, ticket);
     if leaves && links[i].is_leaf() {
-        q.leaves.push(key, ticket);
+        q.leaves.push(evict_key, ticket);
     }
     q.pushed(rows, links, p, 1);
 }
@@ -2279,22 +2314,14 @@ fn drop_refs(
             };
             pusher.push(k, ticket);
             if let Some(leaves) = leaf_pusher.as_mut().filter(|_| links[b as usize].is_leaf()) {
-                leaves.push(k, ticket);
+                leaves.push(ranking.evict_key(b as usize, row), ticket);
             }
             pushed += 1;
         }
     });
     queues[p0].pushed(rows, links, p0, pushed);
     for b in elsewhere {
-        enqueue_if_cached(
-            rows,
-            links,
-            queues,
-            |b, row| ranking.key(b, row),
-            pools,
-            prefix_aware,
-            b,
-        );
+        enqueue_if_cached(rows, links, queues, ranking, pools, prefix_aware, b);
     }
     for &b in blocks {
         settle_reclaimable(rows, links, queues, b);

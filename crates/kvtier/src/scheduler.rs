@@ -720,21 +720,16 @@ impl Core {
         self.demote_to_slot(pass, b, at.level, Some(at.slot))
     }
 
-    /// The lowest-ranked cached leaf below `level` in `tier` that may give its slot to `b`
-    /// (`b` live: any; `b` cached: one ranked below it).
+    /// The cached leaf below `level` in `tier` eviction would take first, if it may give its
+    /// slot to `b`: any for a live block; for a cached one, a leaf eviction would take before
+    /// it (by eviction key).
     fn leaf_below(&mut self, tier: Tier, level: u8, b: u32, is_live: bool) -> Option<u32> {
         let last_kept = self.cfg.last_kept_level();
         let pools: Vec<usize> = (level + 1..=last_kept)
             .map(|l| self.pool_index(tier, l))
             .collect();
         let (key, victim) = self.lowest_evictable(pools)?;
-        (is_live || key < self.key(b as usize)).then_some(victim)
-    }
-
-    /// Whether `b` may be evicted now: a plain core evicts any cached block, a prefix-aware one
-    /// leaves only.
-    fn evictable_now(&self, b: u32) -> bool {
-        !self.prefix_aware() || self.blocks.links[b as usize].is_leaf()
+        (is_live || key < self.evict_key(b as usize)).then_some(victim)
     }
 
     /// Live blocks of tier `tier` a pressure pass may move, lowest key last (`pop` takes the
@@ -800,6 +795,12 @@ impl Core {
         unmet
     }
 
+    /// [`Core::relieve_pressure`]'s loop. Soft actions first, lowest key first among the cached
+    /// blocks of pools where one applies and the live blocks: demote one level, else offload;
+    /// above the budget itself, a live block that neither fits is dropped (with a drop level);
+    /// then, where room is asked for, complete protected blocks go to the next tier. Above the
+    /// budget itself, with none of that left, cached leaves are evicted, lowest eviction key
+    /// first (a prefix-aware core's leaves, a plain core's cached blocks).
     fn relieve_tier(
         &mut self,
         pass: &mut Pass,
@@ -834,83 +835,83 @@ impl Core {
                 let np = self.tier_pos(n);
                 self.fits(pass, np, self.level_bytes(last_kept))
             });
-            // Cached blocks are candidates where demoting or offloading applies to their pool
-            // (any cached block: it stays loadable), and above the budget where only evicting
-            // does (the leaves, prefix-aware).
             pools.clear();
             pools.extend(all_pools.iter().copied().filter(|p| {
                 let level = (p % levels) as u8;
                 next_room || (demotable && level < last_kept)
             }));
-            let mut cached = self.lowest_cached(pools.iter().copied(), Cached::Any);
-            if hard {
-                let leaf = self.lowest_evictable(all_pools.iter().copied());
-                if leaf.is_some_and(|l| cached.is_none_or(|c| l < c)) {
-                    cached = leaf;
-                }
-            }
-            let from_live = live.last().copied();
-            let (b, is_live, is_guarded) = match (cached, from_live) {
-                (Some(c), Some(l)) if l < c => (l.1, true, false),
-                (Some(c), _) => (c.1, false, false),
-                (None, Some(l)) => (l.1, true, false),
-                (None, None) if !hard => {
+            let cached = self.lowest_cached(pools.iter().copied(), Cached::Any);
+            let (b, is_live) = match (cached, live.last().copied()) {
+                (Some(c), Some(l)) if l < c => (l.1, true),
+                (Some(c), _) => (c.1, false),
+                (None, Some(l)) => (l.1, true),
+                (None, None) => {
+                    // Nothing left to demote or offload but complete protected blocks, which
+                    // may go to the next tier for the room asked for.
+                    if let (Some((_, g)), true, Some(n)) = (guarded.pop(), next_room, next) {
+                        let loc = self.blocks.rows[g as usize].loc;
+                        self.push_move(pass, g, MoveKind::Offload, loc, Some((n, loc.level)));
+                        continue;
+                    }
+                    if hard {
+                        break;
+                    }
                     hard = true;
                     live.append(&mut skipped);
                     live.sort_unstable_by(|a, b| b.cmp(a));
                     continue;
                 }
-                (None, None) => match guarded.pop() {
-                    Some((_, g)) => (g, true, true),
-                    None => return pass.projected[t] - budget,
-                },
             };
-            if is_live && !is_guarded {
+            if is_live {
                 live.pop();
             }
             let loc = self.blocks.rows[b as usize].loc;
-            let acted = if !is_guarded && demotable && loc.level < last_kept {
+            let acted = if demotable && loc.level < last_kept {
                 self.demote_to(pass, b, loc.level + 1)
             } else if let (true, Some(n)) = (next_room, next) {
                 self.push_move(pass, b, MoveKind::Offload, loc, Some((n, loc.level)))
-            } else if hard && !is_live && self.evictable_now(b) {
-                self.push_move(pass, b, MoveKind::Evict, loc, None)
-            } else if let (true, true, false, Some(d)) =
-                (hard, is_live, is_guarded, self.cfg.drop_level())
-            {
+            } else if let (true, true, Some(d)) = (hard, is_live, self.cfg.drop_level()) {
                 self.push_move(pass, b, MoveKind::Drop, loc, Some((tier, d)))
             } else {
                 false
             };
-            if acted || is_guarded {
+            if acted {
                 continue;
             }
             if is_live && !hard {
                 skipped.push((self.key(b as usize), b));
             } else if !is_live {
                 // The move cap or a full pool stopped a copy: keeping the headroom is off for
-                // this plan; above the budget itself, the block is evicted (that copies
-                // nothing) if it is a leaf, else set aside.
+                // this plan, and the block waits for the evictions.
                 if !hard {
                     hard = true;
                     live.append(&mut skipped);
                     live.sort_unstable_by(|a, b| b.cmp(a));
-                } else if self.evictable_now(b) {
-                    self.push_move(pass, b, MoveKind::Evict, loc, None);
-                } else {
-                    self.set_aside(b, aside);
                 }
+                self.set_aside(b, aside);
             }
         }
+        // Above the budget itself, with nothing left to demote or offload: evictions.
+        self.put_back(std::mem::take(aside));
+        while pass.projected[t] > budget {
+            let Some((_, leaf)) = self.lowest_evictable(all_pools.iter().copied()) else {
+                return pass.projected[t] - budget;
+            };
+            let loc = self.blocks.rows[leaf as usize].loc;
+            self.push_move(pass, leaf, MoveKind::Evict, loc, None);
+        }
+        0
     }
 
     /// Pass 4 (with `pool_headroom`), for one explicitly sized pool filled past `1 - headroom`
     /// of its slots (for the device's level-0 pool, also past the slots of the room asked
-    /// for): its lowest-ranked movable blocks are demoted, as deep as needed, to the first lower
-    /// level with a free slot, else offloaded when the next tier has room (a protected block
-    /// too, when room is asked for, if it is complete), else demoted into the slot of a
-    /// lower-ranked cached leaf below that the plan evicts for it. Cached leaves of the pool
-    /// itself are evicted where it is completely full or room is asked for.
+    /// for): its movable blocks, lowest key first, are demoted as deep as needed, to the first
+    /// lower level with a free slot, else offloaded when the next tier has room, else demoted
+    /// into the slot of a cached leaf below that the plan evicts for it (one that would be
+    /// evicted before the block; for room, where `evict_on_full` allows). When none is left,
+    /// the pool's own cached leaves are evicted where it is completely full or (`evict_on_full`)
+    /// room is asked for, lowest eviction key first, and then, for room, complete protected
+    /// blocks offloaded.
     fn relieve_pool(&mut self, pass: &mut Pass, t: usize, level: u8, wishes: &[Wish]) {
         let levels = self.cfg.num_levels();
         let p = t * levels + usize::from(level);
@@ -956,47 +957,38 @@ impl Core {
         };
         let last_kept = self.cfg.last_kept_level();
         let demotable = self.cfg.enable_compression && level < last_kept;
+        // Room for new blocks may evict cached leaves (the pool's own, or one below whose slot
+        // a block of the pool takes) when the engine allows evicting for room.
+        let evict_for_room = room > 0 && self.cfg.evict_on_full;
+        let free =
+            |c: &Core, tier: Tier, level: u8| c.pools[c.pool_index(tier, level)].free_count() > 0;
+        let offload_to = |c: &Core, pass: &Pass| {
+            next.filter(|&n| free(c, n, level) && c.fits(pass, c.tier_pos(n), c.level_bytes(level)))
+        };
         let mut aside = Vec::new();
         while used > soft {
             let cached = self.lowest_cached([p], Cached::Any);
-            let (b, is_live, is_guarded) = match (cached, live.last().copied()) {
-                (Some(c), Some(l)) if l < c => (l.1, true, false),
-                (Some(c), _) => (c.1, false, false),
-                (None, Some(l)) => (l.1, true, false),
-                (None, None) => match guarded.pop() {
-                    Some((_, g)) => (g, true, true),
-                    None => break,
-                },
+            let (b, is_live) = match (cached, live.last().copied()) {
+                (Some(c), Some(l)) if l < c => (l.1, true),
+                (Some(c), _) => (c.1, false),
+                (None, Some(l)) => (l.1, true),
+                (None, None) => break,
             };
-            if is_live && !is_guarded {
+            if is_live {
                 live.pop();
             }
             let loc = self.blocks.rows[b as usize].loc;
-            let free = |c: &Core, tier: Tier, level: u8| {
-                c.pools[c.pool_index(tier, level)].free_count() > 0
-            };
             let below = (level + 1..=last_kept).find(|&l| free(self, tier, l));
-            let acted = match below {
-                Some(l) if demotable && !is_guarded => self.demote_to(pass, b, l),
-                _ => {
-                    let victim = if demotable && !is_guarded {
-                        self.leaf_below(tier, level, b, is_live)
-                    } else {
-                        None
-                    };
-                    if let Some(n) = next.filter(|&n| {
-                        free(self, n, level)
-                            && self.fits(pass, self.tier_pos(n), self.level_bytes(level))
-                    }) {
-                        self.push_move(pass, b, MoveKind::Offload, loc, Some((n, level)))
-                    } else if let Some(victim) = victim {
-                        self.demote_into_evicted(pass, b, victim)
-                    } else if !is_live && self.evictable_now(b) && (used >= cap || room > 0) {
-                        self.push_move(pass, b, MoveKind::Evict, loc, None)
-                    } else {
-                        false
+            let acted = match (below, offload_to(self, pass)) {
+                (Some(l), _) if demotable => self.demote_to(pass, b, l),
+                (_, Some(n)) => self.push_move(pass, b, MoveKind::Offload, loc, Some((n, level))),
+                _ if demotable && evict_for_room => {
+                    match self.leaf_below(tier, level, b, is_live) {
+                        Some(victim) => self.demote_into_evicted(pass, b, victim),
+                        None => false,
                     }
                 }
+                _ => false,
             };
             if acted {
                 used -= 1;
@@ -1005,6 +997,25 @@ impl Core {
             }
         }
         self.put_back(aside);
+        while used > soft && (used >= cap || evict_for_room) {
+            let Some((_, leaf)) = self.lowest_evictable([p]) else {
+                break;
+            };
+            let loc = self.blocks.rows[leaf as usize].loc;
+            self.push_move(pass, leaf, MoveKind::Evict, loc, None);
+            used -= 1;
+        }
+        while used > soft {
+            let Some((_, g)) = guarded.pop() else {
+                break;
+            };
+            if let Some(n) = offload_to(self, pass) {
+                let loc = self.blocks.rows[g as usize].loc;
+                if self.push_move(pass, g, MoveKind::Offload, loc, Some((n, level))) {
+                    used -= 1;
+                }
+            }
+        }
     }
 
     /// Applies a pending plan after the engine copied its bytes: sources are freed now. A move

@@ -655,17 +655,26 @@ fn a_plan_with_room_offloads_cached_blocks_so_that_new_ones_evict_nothing() {
         4,
         "every old block still cached"
     );
-    // More room than the device can give (its two live blocks are the recent window, which
-    // stays): its cached blocks go to the host, and nothing is evicted for the rest.
+    // More room than the device can give: its cached blocks go to the host, then its two live
+    // blocks, the recent window (complete: level 0 on the host is still level 0; only a block
+    // being written stays where new K/V goes), and nothing is evicted for the rest.
     let plan = c.plan_with_room(10 * 100).unwrap().clone();
     let moved: Vec<(u32, MoveKind)> = plan.moves.iter().map(|m| (m.block, m.kind)).collect();
     assert_eq!(
         moved,
         vec![
             (blocks[2], MoveKind::Offload),
-            (blocks[3], MoveKind::Offload)
+            (blocks[3], MoveKind::Offload),
+            (new[0], MoveKind::Offload),
+            (new[1], MoveKind::Offload),
         ]
     );
+    c.abort(plan.id).unwrap();
+    // A block being written (partial) stays.
+    let s3 = c.add_sequence();
+    let partial = c.append_tokens(s3, &[1, 2]).unwrap().blocks[0];
+    let plan = c.plan_with_room(10 * 100).unwrap().clone();
+    assert!(plan.moves.iter().all(|m| m.block != partial));
     c.abort(plan.id).unwrap();
 }
 
