@@ -96,6 +96,23 @@ def counter(llm: Any, name: str) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == name)
 
 
+def cached_by_source(llm: Any) -> dict[str, float]:
+    """vLLM's ``vllm:prompt_tokens_cached_by_source``: prompt tokens by the cache tier that
+    supplied them (``device`` its own prefix cache; the connector's through
+    ``get_external_cache_hit_sources``)."""
+    by_source: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_cached_by_source":
+            source = m.labels["source"]
+            by_source[source] = by_source.get(source, 0) + m.value
+    return by_source
+
+
+def gained(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What each count of ``after`` gained since ``before``."""
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
 def loadable_blocks(p: list[int]) -> int:
     """Whole blocks of a prompt before its last token (vLLM computes that one itself)."""
     return (len(p) - 1) // BLOCK
@@ -118,12 +135,18 @@ def host_engine(vllm_model_dir: Any) -> Iterator[Any]:
 def test_a_second_pass_loads_every_prompt_from_the_host_tier_exactly(
     host_engine: Any, prompts: list[list[int]]
 ) -> None:
+    """vLLM counts the loaded tokens as external hits from host memory (its
+    ``vllm:prompt_tokens_cached_by_source``); the connector's figures split them by tier and
+    level."""
     llm = host_engine
     first = generate(llm, prompts)
     stats = connector(llm).get_compression_stats()["connector"]
     assert stats["saved_blocks"] == sum(len(p) // BLOCK for p in prompts)
     llm.reset_prefix_cache()  # vLLM's own cache is gone: only kvtier can serve the prefixes
     hits_before = counter(llm, "vllm:external_prefix_cache_hits")
+    local_before = counter(llm, "vllm:prefix_cache_hits")
+    sources_before = cached_by_source(llm)
+    tiers_before = stats["hit_tokens_by_tier"]
     second = generate(llm, prompts)
     stats = connector(llm).get_compression_stats()["connector"]
     assert stats["loaded_blocks"] == sum(loadable_blocks(p) for p in prompts)
@@ -133,6 +156,17 @@ def test_a_second_pass_loads_every_prompt_from_the_host_tier_exactly(
     assert hit_tokens == BLOCK * sum(loadable_blocks(p) for p in prompts)
     for a, b in zip(first, second, strict=True):
         assert list(a.token_ids) == list(b.token_ids)
+    # ... by source (get_external_cache_hit_sources): every one from host memory, and the
+    # sources add up to vLLM's hits (its own prefix cache's under "device").
+    sources = gained(cached_by_source(llm), sources_before)
+    external = {k: v for k, v in sources.items() if k != "device" and v}
+    assert external == {"host": hit_tokens}
+    local_hits = counter(llm, "vllm:prefix_cache_hits") - local_before
+    assert sum(sources.values()) == hit_tokens + local_hits
+    # The connector's figures: the same tokens, in the host tier at bf16.
+    assert gained(stats["hit_tokens_by_tier"], tiers_before) == {"host": hit_tokens}
+    assert stats["hit_tokens_by_level"] == {"bf16": stats["hit_tokens"]}
+    assert stats["hit_tokens_by_tier_level"] == {"host": {"bf16": stats["hit_tokens"]}}
 
 
 def two_passes(
@@ -214,6 +248,8 @@ def test_a_tensor_parallel_engine_saves_and_loads_each_ranks_shard(
     assert got["external_hits"] == BLOCK * loadable
     ranks = got["stats"]["ranks"]
     assert [r["connector"]["loaded_blocks"] for r in ranks] == [loadable] * 3
+    # Where the hits were, as the scheduler's lookups over the workers' sockets found them.
+    assert got["stats"]["connector"]["hit_tokens_by_tier"] == {"host": BLOCK * loadable}
     assert [r["pools"][0]["bytes"] for r in ranks] == [ranks[0]["pools"][0]["bytes"]] * 3
 
 
@@ -263,6 +299,9 @@ def test_a_decode_engine_loads_a_prefill_process_kv_through_redis_and_survives_f
             stats = dict(conn.get_compression_stats()["connector"])
             assert stats["loaded_blocks"] == sum(loadable_blocks(p) for p in prompts[:2])
             assert stats["saved_blocks"] == 0  # a consumer only loads
+            # Found on the server (vLLM's source: external_unspecified), at level 0.
+            assert stats["hit_tokens_by_tier"]["remote"] == BLOCK * stats["loaded_blocks"]
+            assert stats["hit_tokens_by_level"] == {"bf16": stats["hit_tokens"]}
             assert [list(o.token_ids) for o in got] == want[:2]
             # Flip one byte in the middle of every value on the server.
             for key in raw.scan_iter():
@@ -309,10 +348,20 @@ def test_blocks_offloaded_to_disk_load_back_exactly_and_a_deleted_file_is_recomp
         }
         assert pools.get(("disk", 0), 0) > 0, pools
         llm.reset_prefix_cache()
+        sources_before = cached_by_source(llm)
+        hits_before = counter(llm, "vllm:external_prefix_cache_hits")
         got = generate(llm, prompts)
         stats = dict(conn.get_compression_stats()["connector"])
         assert stats["load_errors"] == 0 and stats["loaded_blocks"] > 0
         assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
+        # vLLM counts hits from disk (the rest from host memory), adding up to its external
+        # hits; the connector's figures say the same.
+        sources = gained(cached_by_source(llm), sources_before)
+        hits = counter(llm, "vllm:external_prefix_cache_hits") - hits_before
+        assert sources["disk"] > 0, sources
+        assert sources["disk"] + sources["host"] == hits
+        by_tier = stats["hit_tokens_by_tier"]
+        assert by_tier["disk"] > 0 and sum(by_tier.values()) == stats["hit_tokens"]
         files = [f for f in tmp_path.rglob("*") if f.is_file()]
         assert files
         for f in files:
@@ -353,6 +402,11 @@ def test_loads_from_int8_and_int4_levels_stay_close_to_recompute(vllm_model_dir:
         got = generate(llm, prompts)
         stats = conn.get_compression_stats()["connector"]
         assert stats["loaded_blocks"] >= len(prompts)
+        # Hits by the level the lookup found them at: most at int4, the rest at int8 or bf16.
+        by_level = stats["hit_tokens_by_level"]
+        assert list(by_level) == ["bf16", "int8", "int4"]
+        assert by_level["int4"] > 0 and sum(by_level.values()) == stats["hit_tokens"], by_level
+        assert stats["hit_tokens_by_tier_level"]["host"] == by_level
         same_tokens = total = 0
         deltas = []
         for a, b in zip(want, got, strict=True):

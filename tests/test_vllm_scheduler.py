@@ -139,6 +139,9 @@ class Engine:
         self.atol = atol  # what a lossy level may change in a loaded value (0: exact)
         self.checked_tokens = 0
         self.preempted = 0
+        #: vLLM's external-hit figures, as its scheduler reported them each step
+        self.external_hits = 0
+        self.hits_by_source: dict[str, int] = {}
 
     @property
     def connector(self) -> Any:
@@ -216,7 +219,13 @@ class Engine:
             )
         for req_id in sampled:
             self.outputs[req_id].append(sampled[req_id])
-        sched.update_from_output(out, self.aggregator.aggregate(results))
+        reports = sched.update_from_output(out, self.aggregator.aggregate(results))
+        for report in reports.values():
+            hits = report.scheduler_stats and report.scheduler_stats.connector_prefix_cache_stats
+            if hits:
+                self.external_hits += hits.hits
+                for source, n in hits.hits_by_source.items():
+                    self.hits_by_source[source.value] = self.hits_by_source.get(source.value, 0) + n
         return out
 
     def run(self, timeout: float = 60.0) -> None:
@@ -279,7 +288,7 @@ def prompt(seed: int, blocks: int, extra: int = 5) -> list[int]:
     return [100 + (seed * 7919 + i * 31) % 20000 for i in range(blocks * BLOCK + extra)]
 
 
-def stats(engine: Engine) -> dict[str, int]:
+def stats(engine: Engine) -> dict[str, Any]:
     return dict(engine.connector.get_compression_stats()["connector"])
 
 
@@ -412,6 +421,94 @@ def test_hits_on_disk_load_in_the_background_and_lost_files_are_recomputed(
     assert engine.blocks_in_use() == 0
 
 
+def test_hits_are_reported_by_the_tier_and_level_the_lookup_found_them_in(
+    engine_factory: Callable[..., Engine], tmp_path: Any
+) -> None:
+    """A host tier of four blocks with a disk tier behind it, two prompts of three blocks: the
+    connector tells vLLM how many of each prompt's loaded tokens came from host memory and how
+    many from disk (vLLM's ``vllm:prompt_tokens_cached_by_source``), adding up to vLLM's
+    external hits, and its own figures split them by tier and level the same way."""
+    engine = engine_factory(
+        num_blocks=64, host_budget="24KiB", disk_budget="16MiB", disk_path=str(tmp_path)
+    )
+    a, b = prompt(12, 3), prompt(13, 3)
+    saved_and_forgotten(engine, a, b)
+    before = engine.connector.get_compression_stats()["connector"]
+    # Where the worker's tiers hold each prompt's blocks now (both are looked up in one step).
+    want: dict[str, int] = {}
+    for p in (a, b):
+        for (tier, _), n in engine.worker.tiers.lookup(p[:-1]).places(0, len(p)).items():
+            want[tier] = want.get(tier, 0) + n
+    assert want["host"] > 0 and want["disk"] > 0, want
+    engine.external_hits, engine.hits_by_source = 0, {}
+    engine.add("a", a)
+    engine.add("b", b)
+    engine.run()
+    assert stats(engine)["load_errors"] == 0
+    assert engine.external_hits == 6 * BLOCK
+    assert engine.hits_by_source == want  # vLLM files a mismatch under external_unspecified
+    after = engine.connector.get_compression_stats()["connector"]
+    gained = {
+        t: n - before["hit_tokens_by_tier"][t] for t, n in after["hit_tokens_by_tier"].items()
+    }
+    assert gained == want
+    assert after["hit_tokens_by_level"] == {"bf16": after["hit_tokens"]}
+
+
+def test_hit_sources_name_each_tier_as_vllm_does_and_ranks_load_from_the_farthest() -> None:
+    """Without an engine: the connector's tiers as vLLM's source labels (the server, a store,
+    is ``external_unspecified``; tokens no tier accounts for too), the split of a hit by
+    tier and level, and a tensor-parallel hit: as long as the shortest rank's, each block from
+    the farthest tier any rank holds it in."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from kvtier.integrations.vllm import hit_sources
+    from kvtier.integrations.worker_link import Counters, Held
+
+    places = {
+        ("host", "bf16"): 64,
+        ("host", "int4"): 32,
+        ("disk", "int4"): 32,
+        ("remote", "bf16"): 32,
+    }
+    assert hit_sources(places, 192) == {
+        CacheHitSource.HOST: 96,
+        CacheHitSource.DISK: 32,
+        CacheHitSource.EXTERNAL_UNSPECIFIED: 32 + 32,
+    }
+    assert hit_sources({}, 0) == {} and hit_sources({("host", "bf16"): 32}, 32) == {
+        CacheHitSource.HOST: 32
+    }
+
+    rank0 = Held.of_blocks(
+        [("host", "bf16"), ("host", "bf16"), ("host", "int4"), ("disk", "int4")], BLOCK
+    )
+    rank1 = Held.of_blocks([("host", "bf16"), ("disk", "int8"), ("host", "int4")], BLOCK)
+    assert (rank0.tokens, rank0.resident) == (4 * BLOCK, 3 * BLOCK)
+    assert rank0.places(BLOCK, 4 * BLOCK) == {
+        ("host", "bf16"): BLOCK,
+        ("host", "int4"): BLOCK,
+        ("disk", "int4"): BLOCK,
+    }
+    both = Held.slowest([rank0, rank1])
+    assert both.runs == (("host", "bf16", BLOCK), ("disk", "int8", BLOCK), ("host", "int4", BLOCK))
+    assert (both.tokens, both.resident) == (3 * BLOCK, BLOCK)
+    assert Held.slowest([rank0, Held()]).tokens == 0
+
+    counters = Counters()
+    counters.count_hits(rank0.places(BLOCK, 4 * BLOCK))
+    assert counters.hit_tokens == 3 * BLOCK
+    assert counters.as_dict()["hit_tokens"] == 3 * BLOCK  # only numbers: vLLM adds them up
+    assert counters.hits_by(["host", "disk"], ["bf16", "int8", "int4"]) == {
+        "hit_tokens_by_tier": {"host": 2 * BLOCK, "disk": BLOCK},
+        "hit_tokens_by_level": {"bf16": BLOCK, "int8": 0, "int4": 2 * BLOCK},
+        "hit_tokens_by_tier_level": {
+            "host": {"bf16": BLOCK, "int8": 0, "int4": BLOCK},
+            "disk": {"bf16": 0, "int8": 0, "int4": BLOCK},
+        },
+    }
+
+
 def test_a_cache_salt_shares_blocks_with_its_own_salt_only(
     engine_factory: Callable[..., Engine],
 ) -> None:
@@ -507,7 +604,7 @@ def test_tensor_parallel_ranks_store_their_own_heads_and_a_rank_that_lost_blocks
     a, b = prompt(9, 3), prompt(10, 3)
     saved_and_forgotten(engine, a, b)
     for w in ranks:
-        assert w.tiers.lookup(a[:-1])[0] == 3 * BLOCK
+        assert w.tiers.lookup(a[:-1]).tokens == 3 * BLOCK
     assert sorted(d.name for d in tmp_path.iterdir()) == ["tp0", "tp1", "tp2"]
     engine.add("a", a)
     engine.run()
@@ -551,4 +648,8 @@ def test_a_save_larger_than_level_0_is_written_in_pieces(
     assert counters["save_failures"] == 0 and counters["saved_blocks"] == 8
     engine.add("a", a)
     engine.run()
-    assert stats(engine)["loaded_blocks"] == 8
+    counters = stats(engine)
+    assert counters["loaded_blocks"] == 8
+    # The lookup found most of them at int8, and says so.
+    assert counters["hit_tokens_by_level"]["int8"] > counters["hit_tokens_by_level"]["bf16"]
+    assert sum(counters["hit_tokens_by_level"].values()) == 8 * BLOCK

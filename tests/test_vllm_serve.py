@@ -36,9 +36,10 @@ def call(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> 
         return bytes(resp.read())
 
 
-def metric(text: str, name: str) -> float:
-    found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    return sum(float(v) for v in found)
+def metric(text: str, name: str, label: str = "") -> float:
+    """The sum of metric ``name`` over its series (those with ``label``, e.g. ``source="host"``)."""
+    found = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for labels, v in found if label in labels)
 
 
 def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
@@ -102,6 +103,12 @@ def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
         assert metric(text, "vllm:kvtier_loaded_blocks_total") == loadable
         assert metric(text, "vllm:kvtier_load_errors_total") == 0
         assert metric(text, "vllm:external_prefix_cache_hits_total") == loadable * BLOCK
+        # ... from host memory, as the scheduler's lookup over the worker's socket found them.
+        by_source = "vllm:prompt_tokens_cached_by_source_total"
+        assert metric(text, by_source, 'source="host"') == loadable * BLOCK
+        assert metric(text, by_source) == metric(text, by_source, 'source="device"') + (
+            loadable * BLOCK
+        )
     finally:
         server.terminate()
         try:

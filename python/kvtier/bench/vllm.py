@@ -455,7 +455,7 @@ def _loadable(llm: Any, turns: Sequence[Turn]) -> int:
     link = _connector(llm).link
     reachable: set[tuple[int, ...]] = set()
     for turn in turns:
-        hit = int(link.lookup(list(turn.tokens))[0])
+        hit = link.lookup(list(turn.tokens)).tokens
         reachable.update(turn.tokens[:end] for end in range(BLOCK, hit + 1, BLOCK))
     return len(reachable) * BLOCK
 

@@ -61,7 +61,17 @@ from ..config import ENV_VARS, KvtierConfig, parse_bytes
 from ..errors import ConfigError, KvtierError, require
 from ..manager import BlockManager
 from .paged import layout_for_backend, load_blocks, load_layer, loadable_blocks, save_blocks
-from .worker_link import Counters, Link, WorkerTiers, forget, link_to_worker, serve
+from .worker_link import (
+    CONNECTOR_TIERS,
+    Counters,
+    Held,
+    Link,
+    Place,
+    WorkerTiers,
+    forget,
+    link_to_worker,
+    serve,
+)
 
 require("vllm", "vllm", purpose="kvtier.integrations.vllm plugs into vLLM")
 import torch  # noqa: E402  (vLLM brings torch)
@@ -74,6 +84,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -86,7 +97,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.vllm")
 
-__all__ = ["KVTierConnector", "KVTierMetadata", "KVTierStats", "connector_config"]
+__all__ = [
+    "HIT_SOURCES",
+    "KVTierConnector",
+    "KVTierMetadata",
+    "KVTierStats",
+    "connector_config",
+    "hit_sources",
+]
 
 #: The ranking policy when the user names none: eviction by recency never strands a prefix.
 CONNECTOR_POLICY = "lru"
@@ -97,6 +115,14 @@ CONNECTOR_KEYS = frozenset({"load_failure_policy", "async_loads", "scorer"})
 #: ``async_loads``: when a hit loads in the worker's background while the request waits.
 ASYNC_LOADS = ("auto", "always", "never")
 _VARS = {var.field: var for var in ENV_VARS}
+#: vLLM's label (``vllm:prompt_tokens_cached_by_source``) for hits in each of the connector's
+#: tiers. The server is a store that engines share, not another vLLM instance handing its KV
+#: over (vLLM's ``p2p``): vLLM files a remote store under ``external_unspecified``.
+HIT_SOURCES = {
+    "host": CacheHitSource.HOST,
+    "disk": CacheHitSource.DISK,
+    "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
 #: KvtierConfig fields vLLM decides, not the user.
 VLLM_OWNED = {
     "block_size": "vLLM's block size (--block-size)",
@@ -217,6 +243,21 @@ class KVTierMetadata(KVConnectorMetadata):
     finishing: set[str] = field(default_factory=set)
 
 
+def hit_sources(places: Mapping[Place, int], tokens: int) -> dict[CacheHitSource, int]:
+    """``tokens`` hit tokens by vLLM's source label, from where they lie (``places``: tokens by
+    tier and level); any ``places`` does not account for are ``external_unspecified``, so that
+    the counts add up to ``tokens`` as vLLM requires. Only non-zero counts."""
+    sources: dict[CacheHitSource, int] = {}
+    for (tier, _), n in places.items():
+        source = HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        sources[source] = sources.get(source, 0) + n
+    rest = tokens - sum(sources.values())
+    if rest:
+        unspecified = CacheHitSource.EXTERNAL_UNSPECIFIED
+        sources[unspecified] = sources.get(unspecified, 0) + rest
+    return {source: n for source, n in sources.items() if n}
+
+
 @dataclass
 class _Hit:
     """What the tiers can load of a waiting request's prompt: ``tokens[start:end]``."""
@@ -224,6 +265,7 @@ class _Hit:
     start: int  # vLLM's own hit
     end: int
     background: bool
+    held: Held  # where the lookup found the prompt's blocks
 
 
 @dataclass
@@ -339,6 +381,8 @@ class KVTierConnector(KVConnectorBase_V1):
         # scheduler side
         self._requests: dict[str, _Request] = {}
         self._hits: dict[str, _Hit] = {}
+        #: this step's admitted loads, for get_external_cache_hit_sources: (start, held)
+        self._admitted: dict[str, tuple[int, Held]] = {}
         #: each admitted request's cache_salt (a request of unknown salt is never saved)
         self._salts: dict[str, str | None] = {}
         self._loads: list[LoadSpec] = []
@@ -380,15 +424,24 @@ class KVTierConnector(KVConnectorBase_V1):
         and level: the manager's ``device`` tier is this connector's host tier) and, under
         ``connector``, what the connector did (lookups and hit tokens: the scheduler's; loaded
         and saved blocks, load errors: the worker's). On the scheduler side it asks the worker;
-        with tensor parallelism, rank 0's figures, and each rank's under ``ranks``."""
+        with tensor parallelism, rank 0's figures, and each rank's under ``ranks``.
+
+        ``connector`` also splits ``hit_tokens`` (the tokens beyond vLLM's own hit that the
+        scheduler's lookups found) by where the lookup found them: ``hit_tokens_by_tier``
+        (``host``, ``disk``, ``remote``: the connector's tiers), ``hit_tokens_by_level`` (the
+        ladder's codec names) and ``hit_tokens_by_tier_level`` (``{tier: {level: tokens}}``),
+        a zero for each tier and level the tiers have that had no hit."""
         stats = self._tiers.stats() if self._tiers is not None else self.link.stats()
         counters = stats.pop("worker")
         for rank in stats.get("ranks", ()):  # tensor parallel: each worker's own figures
             rank["connector"] = rank.pop("worker")
-        if self.role == KVConnectorRole.SCHEDULER:
-            mine = self._counters.as_dict()
-            counters = {k: v + mine[k] for k, v in counters.items()}
-        stats["connector"] = counters
+        mine = self._counters if self.role == KVConnectorRole.SCHEDULER else Counters()
+        own = mine.as_dict()
+        counters = {k: v + own[k] for k, v in counters.items()}
+        pools = stats.get("pools", ())
+        tiers = list(dict.fromkeys(CONNECTOR_TIERS[p["tier"]] for p in pools))
+        levels = list(dict.fromkeys(p["codec"] for p in sorted(pools, key=lambda p: p["level"])))
+        stats["connector"] = {**counters, **mine.hits_by(tiers, levels)}
         return stats
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -667,20 +720,21 @@ class KVTierConnector(KVConnectorBase_V1):
         tokens = list(request.prompt_token_ids or [])
         # vLLM computes at least the prompt's last token itself.
         try:
-            hit, resident = self.link.lookup(tokens[: len(tokens) - 1], salt)
+            held = self.link.lookup(tokens[: len(tokens) - 1], salt)
         except KvtierError as exc:
             log.warning("kvtier: lookup failed (%s); a miss", exc)
             return 0, False
         counters = self._counters
         counters.lookups += 1
+        hit = held.tokens
         if hit <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
             return 0, False
         background = self._async_loads == "always" or (
-            self._async_loads == "auto" and resident < hit
+            self._async_loads == "auto" and held.resident < hit
         )
-        self._hits[request.request_id] = _Hit(num_computed_tokens, hit, background)
-        counters.hit_tokens += hit - num_computed_tokens
+        self._hits[request.request_id] = _Hit(num_computed_tokens, hit, background, held)
+        counters.count_hits(held.places(num_computed_tokens, hit))
         return hit - num_computed_tokens, background
 
     def update_state_after_alloc(
@@ -699,11 +753,26 @@ class KVTierConnector(KVConnectorBase_V1):
         salt = self._salts.get(request.request_id)
         load = LoadSpec(request.request_id, salt, tokens, start, block_ids, hit.background)
         self._loads.append(load)
+        self._admitted[request.request_id] = (start, hit.held)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The tokens vLLM admitted from the tiers for ``request`` this step, by the tier the
+        lookup found them in (vLLM's ``vllm:prompt_tokens_cached_by_source``): ``host`` for
+        host memory, ``disk``, and ``external_unspecified`` for the server (see
+        :data:`HIT_SOURCES`)."""
+        admitted = self._admitted.pop(request.request_id, None)
+        if admitted is None:
+            return hit_sources({}, num_external_tokens)
+        start, held = admitted
+        return hit_sources(held.places(start, start + num_external_tokens), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVTierMetadata(loads=self._loads, saves=self._finish_saves)
         meta.finishing = {save.req_id for save in self._finish_saves}
         self._loads, self._finish_saves = [], []
+        self._admitted.clear()  # vLLM asks for a load's sources in the step that admits it
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             if new.prompt_token_ids is None or new.req_id not in self._salts:

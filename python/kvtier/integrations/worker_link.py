@@ -7,8 +7,8 @@ default) the worker is a process of its own. So the worker answers on a Unix soc
 process (local only, named after the engine id, authenticated with it), and a scheduler in the
 same process takes the direct path. Either way the scheduler sees one :class:`Link`.
 
-Only questions cross the socket: how many leading tokens of a prompt the tiers can load, and
-their figures. Bytes never do, and the scheduler never changes the tiers: what it decides goes to
+Only questions cross the socket: how many leading tokens of a prompt the tiers can load and where
+they lie (tier and level, in runs: :class:`Held`), and their figures. Bytes never do, and the scheduler never changes the tiers: what it decides goes to
 the worker in vLLM's connector metadata.
 """
 
@@ -19,12 +19,13 @@ import logging
 import os
 import tempfile
 import threading
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby, pairwise
 from multiprocessing.connection import Client, Connection, Listener
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-
+from .._core import Plan
 from ..errors import KvtierError
 
 if TYPE_CHECKING:
@@ -35,7 +36,102 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.vllm")
 
-__all__ = ["Counters", "Link", "WorkerTiers", "link_to_worker", "serve"]
+__all__ = [
+    "CONNECTOR_TIERS",
+    "Counters",
+    "Held",
+    "Link",
+    "Place",
+    "WorkerTiers",
+    "link_to_worker",
+    "serve",
+]
+
+#: The connector's name for each of the manager's tiers. The manager lives in host memory, so its
+#: ``device`` tier is the connector's host tier (the connector gives it no ``host`` tier of its
+#: own; one would be host memory too).
+CONNECTOR_TIERS = {"device": "host", "host": "host", "disk": "disk", "remote": "remote"}
+#: The connector's tiers, nearest first: a load waits for the farthest of its blocks.
+_DISTANCE = {"host": 0, "disk": 1, "remote": 2}
+
+#: Where a place's tokens lie: (connector tier, level name).
+Place = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the tiers hold of a prompt: its leading tokens they can load (whole blocks), as runs
+    ``(tier, level name, tokens)`` of consecutive tokens in one place, in prompt order; the tier
+    in the connector's words (``host``, ``disk``, ``remote``)."""
+
+    runs: tuple[tuple[str, str, int], ...] = ()
+
+    @classmethod
+    def of_blocks(cls, places: Iterable[Place], block_size: int) -> Held:
+        """From each held block's place, in prompt order."""
+        return cls(
+            tuple(
+                (tier, level, block_size * sum(1 for _ in run))
+                for (tier, level), run in groupby(places)
+            )
+        )
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, _, n in self.runs)
+
+    @property
+    def resident(self) -> int:
+        """The leading tokens in host memory: copied at once, within the step."""
+        resident = 0
+        for tier, _, n in self.runs:
+            if tier != "host":
+                break
+            resident += n
+        return resident
+
+    def places(self, start: int, end: int) -> dict[Place, int]:
+        """How many of the prompt's tokens ``[start, end)`` lie in each place (tokens past the
+        held ones in none)."""
+        out: dict[Place, int] = {}
+        at = 0
+        for tier, level, n in self.runs:
+            lo, hi = max(start, at), min(end, at + n)
+            if lo < hi:
+                out[tier, level] = out.get((tier, level), 0) + hi - lo
+            at += n
+        return out
+
+    def _place_at(self, position: int) -> Place:
+        at = 0
+        for tier, level, n in self.runs:
+            at += n
+            if position < at:
+                return tier, level
+        raise IndexError(position)
+
+    @classmethod
+    def slowest(cls, helds: Sequence[Held]) -> Held:
+        """What tensor-parallel ranks hold together: a token loads only if every rank holds
+        it, from the farthest tier any rank holds it in (that rank's level)."""
+        end = min(h.tokens for h in helds)
+        cuts = {0, end}
+        for held in helds:
+            at = 0
+            for _, _, n in held.runs:
+                at += n
+                cuts.add(min(at, end))
+        bounds = sorted(cuts)
+        pieces = []
+        for lo, hi in pairwise(bounds):
+            places = [h._place_at(lo) for h in helds]
+            tier, level = max(places, key=lambda p: _DISTANCE[p[0]])  # the first farthest
+            pieces.append((tier, level, hi - lo))
+        runs = [
+            (tier, level, sum(n for *_, n in run))
+            for (tier, level), run in groupby(pieces, key=lambda p: (p[0], p[1]))
+        ]
+        return cls(tuple(runs))
 
 
 @dataclass
@@ -48,9 +144,35 @@ class Counters:
     load_errors: int = 0
     saved_blocks: int = 0
     save_failures: int = 0
+    #: ``hit_tokens`` by the place (tier, level name) where the lookup found them
+    hits_by_place: dict[Place, int] = field(default_factory=dict)
+
+    def count_hits(self, places: Mapping[Place, int]) -> None:
+        """Counts hit tokens, by where they lie."""
+        for place, tokens in places.items():
+            self.hit_tokens += tokens
+            self.hits_by_place[place] = self.hits_by_place.get(place, 0) + tokens
 
     def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
+        """The counts (what vLLM's stats carry: each adds up over intervals and workers)."""
+        return {name: value for name, value in vars(self).items() if isinstance(value, int)}
+
+    def hits_by(self, tiers: Sequence[str], levels: Sequence[str]) -> dict[str, Any]:
+        """``hit_tokens`` by tier, by level name and by both (``{tier: {level: tokens}}``), with
+        a zero for each of ``tiers`` and ``levels`` that had none."""
+        by_tier = dict.fromkeys(tiers, 0)
+        by_level = dict.fromkeys(levels, 0)
+        both = {tier: dict.fromkeys(levels, 0) for tier in tiers}
+        for (tier, level), tokens in self.hits_by_place.items():
+            by_tier[tier] = by_tier.get(tier, 0) + tokens
+            by_level[level] = by_level.get(level, 0) + tokens
+            both.setdefault(tier, dict.fromkeys(levels, 0))
+            both[tier][level] = both[tier].get(level, 0) + tokens
+        return {
+            "hit_tokens_by_tier": by_tier,
+            "hit_tokens_by_level": by_level,
+            "hit_tokens_by_tier_level": both,
+        }
 
 
 @dataclass
@@ -62,16 +184,22 @@ class WorkerTiers:
     caches: list[torch.Tensor]
     counters: Counters = field(default_factory=Counters)
 
-    def lookup(self, tokens: list[int], salt: str | None = None) -> tuple[int, int]:
-        """Leading tokens of ``tokens`` (a request of cache salt ``salt``) the tiers can load
-        (whole blocks), and how many of them lie in host memory (the manager's device tier), to
-        be copied at once; the rest are on disk or on the server."""
+    def lookup(self, tokens: list[int], salt: str | None = None) -> Held:
+        """The leading tokens of ``tokens`` (a request of cache salt ``salt``) the tiers can load
+        (whole blocks), and where each block lies (tier and level) now."""
         manager = self.manager
-        hit = manager.lookup(tokens, salt=salt)
-        blocks = manager.core.lookup_tokens(tokens, salt)[: hit // manager.block_size]
-        away = np.flatnonzero(manager.core.block_info(blocks)["tier"] != 0)
-        resident = int(away[0]) if len(away) else len(blocks)
-        return hit, resident * manager.block_size
+        bs = manager.block_size
+        hit = manager.lookup(tokens, salt=salt) // bs
+        blocks = manager.core.lookup_tokens(tokens, salt)[:hit]
+        info = manager.core.block_info(blocks)
+        places = [
+            (CONNECTOR_TIERS[Plan.TIERS[tier]], manager.ladder[level])
+            for tier, level in zip(info["tier"].tolist(), info["level"].tolist(), strict=True)
+        ]
+        if manager.config.share_prefixes:
+            # Blocks past the core's own that the server holds: published at level 0.
+            places += [("remote", manager.ladder[0])] * (hit - len(blocks))
+        return Held.of_blocks(places, bs)
 
     def stats(self) -> dict[str, Any]:
         stats = self.manager.get_compression_stats()
@@ -80,7 +208,7 @@ class WorkerTiers:
 
 
 class Link(Protocol):
-    def lookup(self, tokens: list[int], salt: str | None = None) -> tuple[int, int]: ...
+    def lookup(self, tokens: list[int], salt: str | None = None) -> Held: ...
     def stats(self) -> dict[str, Any]: ...
 
 
@@ -141,8 +269,8 @@ def _answer(conn: Connection, tiers: WorkerTiers) -> None:
             except (EOFError, OSError):
                 return
             try:
-                if op == "lookup":
-                    conn.send(("ok", tiers.lookup(*arg)))
+                if op == "lookup":  # plain tuples cross the socket: (tier, level, tokens) runs
+                    conn.send(("ok", tiers.lookup(*arg).runs))
                 elif op == "stats":
                     conn.send(("ok", tiers.stats()))
                 else:
@@ -184,9 +312,9 @@ class _SocketLink:
             raise KvtierError(f"the worker's tiers failed: {value}")
         return value
 
-    def lookup(self, tokens: list[int], salt: str | None = None) -> tuple[int, int]:
-        hit, resident = self._ask("lookup", (tokens, salt))
-        return int(hit), int(resident)
+    def lookup(self, tokens: list[int], salt: str | None = None) -> Held:
+        runs = self._ask("lookup", (tokens, salt))
+        return Held(tuple((str(tier), str(level), int(n)) for tier, level, n in runs))
 
     def stats(self) -> dict[str, Any]:
         value: dict[str, Any] = self._ask("stats", None)
@@ -200,9 +328,8 @@ class _AllRanks:
     def __init__(self, links: list[Link]) -> None:
         self.links = links
 
-    def lookup(self, tokens: list[int], salt: str | None = None) -> tuple[int, int]:
-        hits = [link.lookup(tokens, salt) for link in self.links]
-        return min(h for h, _ in hits), min(r for _, r in hits)
+    def lookup(self, tokens: list[int], salt: str | None = None) -> Held:
+        return Held.slowest([link.lookup(tokens, salt) for link in self.links])
 
     def stats(self) -> dict[str, Any]:
         """Rank 0's figures, and every rank's under ``ranks``."""
