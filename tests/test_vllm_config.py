@@ -42,23 +42,49 @@ def test_defaults_and_the_original_variables() -> None:
 @pytest.mark.parametrize(
     ("extra", "environ", "shares"),
     [
-        # the connector's own default: level 0 stages a step's saves, the bottom level holds
-        ({}, {}, (0.08, 0.08, 0.84)),
-        ({"ladder": "bf16,int8,int4"}, {}, (0.08, 0.08, 0.84)),
-        ({"ladder": "bf16,int4"}, {}, (0.08, 0.92)),
+        # the connector's own default is sized by the worker (staging_shares)
+        ({}, {}, None),
+        ({"ladder": "bf16,int4"}, {}, None),
         # given shares are kept, from the extra config or the environment
         ({"pool_shares": "0.5,0.2,0.3"}, {}, (0.5, 0.2, 0.3)),
         ({}, {"KVTIER_POOL_SHARES": "0.4,0.3,0.3"}, (0.4, 0.3, 0.3)),
-        # one level, or compression off: nothing to split
-        ({"ladder": "bf16"}, {}, None),
-        ({"enable_compression": False}, {}, None),
-        ({}, {"VLLM_ENABLE_KV_COMPRESSION": "0"}, None),
     ],
 )
-def test_pool_shares_put_most_of_the_host_budget_at_the_bottom_level_unless_given(
+def test_pool_shares_stand_where_given(
     extra: dict[str, object], environ: dict[str, str], shares: tuple[float, ...] | None
 ) -> None:
     assert connector_config(extra, block_size=32, environ=environ).pool_shares == shares
+
+
+@pytest.mark.parametrize(
+    ("host_budget", "stage_blocks", "slots"),
+    [
+        # a step's blocks at level 0 and at int8, the rest of the budget at int4
+        ("1GiB", 8, {0: 8, 1: 8}),
+        # a budget of 16 bf16 blocks: a quarter of it stages at most, one slot each at least
+        (16, 8, {0: 2, 1: 2}),
+        (16, 1, {0: 1, 1: 1}),
+        (2, 8, {0: 1, 1: 1}),
+    ],
+)
+def test_staging_levels_hold_one_steps_saves_and_the_bottom_level_the_rest(
+    host_budget: str | int, stage_blocks: int, slots: dict[int, int]
+) -> None:
+    """The manager built from the shares has ``stage_blocks`` slots (bounded) at each level
+    above the bottom, and the bottom level takes every byte they leave."""
+    from kvtier import BlockManager
+    from kvtier.codecs.base import BlockShape
+
+    shape = BlockShape(2, 2, 32, 64, "bf16")
+    bf16_block = 2 * 2 * 2 * 32 * 64 * 2
+    budget = host_budget if isinstance(host_budget, str) else host_budget * bf16_block
+    cfg = connector_config({"host_budget": str(budget)}, block_size=32, environ={})
+    shares = vllm_integration.staging_shares(cfg, shape, stage_blocks)
+    assert len(shares) == 3 and abs(sum(shares) - 1.0) < 1e-9
+    bm = BlockManager(cfg.replace(pool_shares=shares), 2, 2, 64, dtype="bf16", device="cpu")
+    assert {lv: bm.slots["device", lv] for lv in (0, 1)} == slots
+    staged = sum(bm.level_bytes[lv] * n for lv, n in slots.items())
+    assert bm.slots["device", 2] == (cfg.device_budget - staged) // bm.level_bytes[2]
 
 
 @pytest.mark.parametrize(
@@ -76,12 +102,12 @@ def test_bad_keys_and_values_are_refused_clearly(extra: dict[str, object], messa
         connector_config(extra, block_size=32, environ={})
 
 
-def test_the_connector_ranks_by_recency_unless_told_otherwise() -> None:
-    """Under importance, evicting a cached block by magnitude strands the rest of its prefix:
-    the connector's own default is lru; a policy named in the extra config or KVTIER_POLICY
-    stands."""
-    assert connector_config({}, block_size=32, environ={}).policy == "lru"
-    named = connector_config({"policy": "importance"}, block_size=32, environ={})
-    assert named.policy == "importance"
+def test_the_connector_ranks_by_importance_unless_told_otherwise() -> None:
+    """Eviction takes leaves of the prefix trees, ranked by reuse (importance ranks levels):
+    the connector's default is the library's, importance; a policy named in the extra config
+    or KVTIER_POLICY stands."""
+    assert connector_config({}, block_size=32, environ={}).policy == "importance"
+    named = connector_config({"policy": "lru"}, block_size=32, environ={})
+    assert named.policy == "lru"
     from_env = connector_config({}, block_size=32, environ={"KVTIER_POLICY": "h2o"})
     assert from_env.policy == "h2o"

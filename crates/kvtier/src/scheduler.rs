@@ -698,13 +698,14 @@ impl Core {
         )
     }
 
-    /// Demotes `b` into the slot of `victim`, a cached leaf at a lower level of `b`'s tier that
-    /// this plan evicts for it: one plan makes the room and fills it. The victim leaves the
-    /// prefix index at once (nothing may share it now that its slot takes `b`'s bytes) and its
-    /// row gives the slot up; commit or abort then releases it (an abort cannot restore it).
-    fn demote_into_evicted(&mut self, pass: &mut Pass, b: u32, victim: u32) -> bool {
-        let bytes = self.level_bytes(self.blocks.rows[b as usize].loc.level);
-        if pass.moved_bytes + bytes > pass.cap {
+    /// Moves `b` into the slot of `victim`, a cached leaf this plan evicts for it: below `b`
+    /// in its tier (a demotion), or at its level in the next tier (an offload). One plan makes
+    /// the room and fills it. The victim leaves the prefix index at once (nothing may share it
+    /// now that its slot takes `b`'s bytes) and its row gives the slot up; commit or abort then
+    /// releases it (an abort cannot restore it).
+    fn move_into_evicted(&mut self, pass: &mut Pass, b: u32, victim: u32) -> bool {
+        let loc = self.blocks.rows[b as usize].loc;
+        if pass.moved_bytes + self.level_bytes(loc.level) > pass.cap {
             pass.deferred += 1;
             return false;
         }
@@ -717,17 +718,18 @@ impl Core {
         }
         self.leave_prefix_index(victim);
         self.blocks.rows[victim as usize].loc.slot = NO_SLOT;
-        self.demote_to_slot(pass, b, at.level, Some(at.slot))
+        if at.tier == loc.tier {
+            self.demote_to_slot(pass, b, at.level, Some(at.slot))
+        } else {
+            let dst = Some((at.tier, at.level));
+            self.push_move_into(pass, b, MoveKind::Offload, loc, dst, Some(at.slot))
+        }
     }
 
-    /// The cached leaf below `level` in `tier` eviction would take first, if it may give its
-    /// slot to `b`: any for a live block; for a cached one, a leaf eviction would take before
-    /// it (by eviction key).
-    fn leaf_below(&mut self, tier: Tier, level: u8, b: u32, is_live: bool) -> Option<u32> {
-        let last_kept = self.cfg.last_kept_level();
-        let pools: Vec<usize> = (level + 1..=last_kept)
-            .map(|l| self.pool_index(tier, l))
-            .collect();
+    /// The cached leaf of `pools` eviction would take first, if it may give its slot to `b`:
+    /// any for a live block; for a cached one, a leaf eviction would take before it (by
+    /// eviction key).
+    fn victim_for(&mut self, b: u32, pools: Vec<usize>, is_live: bool) -> Option<u32> {
         let (key, victim) = self.lowest_evictable(pools)?;
         (is_live || key < self.evict_key(b as usize)).then_some(victim)
     }
@@ -982,11 +984,17 @@ impl Core {
             let acted = match (below, offload_to(self, pass)) {
                 (Some(l), _) if demotable => self.demote_to(pass, b, l),
                 (_, Some(n)) => self.push_move(pass, b, MoveKind::Offload, loc, Some((n, level))),
-                _ if demotable && evict_for_room => {
-                    match self.leaf_below(tier, level, b, is_live) {
-                        Some(victim) => self.demote_into_evicted(pass, b, victim),
-                        None => false,
-                    }
+                _ if evict_for_room => {
+                    // A leaf below (a demotion), else one behind (an offload), gives its slot.
+                    let below: Vec<usize> = (level + 1..=last_kept)
+                        .filter(|_| demotable)
+                        .map(|l| self.pool_index(tier, l))
+                        .collect();
+                    let victim = self.victim_for(b, below, is_live).or_else(|| {
+                        let behind = next.map(|n| self.pool_index(n, level));
+                        self.victim_for(b, behind.into_iter().collect(), is_live)
+                    });
+                    victim.is_some_and(|v| self.move_into_evicted(pass, b, v))
                 }
                 _ => false,
             };
@@ -1009,11 +1017,18 @@ impl Core {
             let Some((_, g)) = guarded.pop() else {
                 break;
             };
-            if let Some(n) = offload_to(self, pass) {
-                let loc = self.blocks.rows[g as usize].loc;
-                if self.push_move(pass, g, MoveKind::Offload, loc, Some((n, level))) {
-                    used -= 1;
-                }
+            let loc = self.blocks.rows[g as usize].loc;
+            let moved = if let Some(n) = offload_to(self, pass) {
+                self.push_move(pass, g, MoveKind::Offload, loc, Some((n, level)))
+            } else if evict_for_room {
+                let behind = next.map(|n| self.pool_index(n, level));
+                let victim = self.victim_for(g, behind.into_iter().collect(), true);
+                victim.is_some_and(|v| self.move_into_evicted(pass, g, v))
+            } else {
+                false
+            };
+            if moved {
+                used -= 1;
             }
         }
     }

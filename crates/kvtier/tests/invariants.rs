@@ -26,6 +26,8 @@ enum Op {
     Unpin(usize),
     PlanCommit,
     PlanAbort,
+    /// A plan that makes room for this many new level-0 blocks (then committed or aborted).
+    PlanRoom(u64, bool),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -41,6 +43,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..64usize).prop_map(Op::Unpin),
         3 => Just(Op::PlanCommit),
         1 => Just(Op::PlanAbort),
+        2 => (1..8u64, any::<bool>()).prop_map(|(n, commit)| Op::PlanRoom(n, commit)),
     ]
 }
 
@@ -63,13 +66,14 @@ fn config(
     }
     // Fixed slots per pool, as the Python BlockManager gives them (its pressure pass 4).
     let pool_slots = if pools {
+        // Small: the levels below fill up, and room is made by evicting into their slots.
         let mut slots = vec![
-            (Tier::Device, 0, 14),
-            (Tier::Device, 1, 12),
-            (Tier::Device, 2, 48),
+            (Tier::Device, 0, 6),
+            (Tier::Device, 1, 3),
+            (Tier::Device, 2, 5),
         ];
         if host {
-            slots.extend([(Tier::Host, 0, 8), (Tier::Host, 1, 8), (Tier::Host, 2, 32)]);
+            slots.extend([(Tier::Host, 0, 3), (Tier::Host, 1, 2), (Tier::Host, 2, 4)]);
         }
         slots
     } else {
@@ -338,9 +342,14 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
                     pinned.swap_remove(at);
                 }
             }
-            Op::PlanCommit | Op::PlanAbort => {
+            Op::PlanCommit | Op::PlanAbort | Op::PlanRoom(..) => {
                 let before = core.tier_bytes().to_vec();
-                let plan = core.plan().unwrap().clone();
+                let plan = match op {
+                    Op::PlanRoom(n, _) => core.plan_with_room(n * cfg.level_bytes[0]),
+                    _ => core.plan(),
+                }
+                .unwrap()
+                .clone();
                 check_state(&core);
                 let mut seen = HashSet::new();
                 for m in &plan.moves {
@@ -353,7 +362,7 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
                         );
                     }
                 }
-                if matches!(op, Op::PlanCommit) {
+                if matches!(op, Op::PlanCommit | Op::PlanRoom(_, true)) {
                     core.commit(plan.id).unwrap();
                     for (t, tc) in cfg.tiers.iter().enumerate() {
                         if let Some(budget) = tc.budget_bytes {

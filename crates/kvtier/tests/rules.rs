@@ -797,3 +797,59 @@ fn a_write_evicts_below_a_level_0_block_to_free_its_slot() {
         }
     }
 }
+
+/// Room for a new block when every level below is full: the plan evicts the lowest-ranked
+/// cached leaf below and moves a level-0 block into its slot, in one plan. The victim cannot
+/// come back: an aborted plan leaves it evicted and the moved block where it was.
+#[test]
+fn room_is_made_by_moving_a_block_into_the_slot_of_a_leaf_below_it_evicts() {
+    for commits in [true, false] {
+        let mut c = core(Config {
+            recent_window: 0,
+            sink_blocks: 0,
+            compression_ratio: 0.0, // every ranked block wants the bottom level
+            headroom: 0.0,
+            pool_slots: vec![
+                (Tier::Device, 0, 2),
+                (Tier::Device, 1, 0),
+                (Tier::Device, 2, 1),
+            ],
+            pool_headroom: true,
+            policy: kvtier::PolicyKind::Lru,
+            ..cfg()
+        });
+        let (a, old) = seq_with(&mut c, 1, 1);
+        let plan = commit(&mut c);
+        assert_eq!(plan.moves.len(), 1, "its block goes to the bottom level");
+        c.free_sequence(a).unwrap(); // a cached leaf at level 2
+        let (_, live) = seq_with(&mut c, 5, 2); // level 0 full, the bottom level too
+        assert!(commit(&mut c).moves.is_empty(), "nowhere to demote to");
+        let victim_slot = c.block_loc(old[0]).unwrap();
+        let plan = c.plan_with_room(64).unwrap().clone();
+        let kinds: Vec<(u32, MoveKind)> = plan.moves.iter().map(|m| (m.block, m.kind)).collect();
+        assert_eq!(
+            kinds,
+            [(old[0], MoveKind::Evict), (live[0], MoveKind::Demote)]
+        );
+        assert_eq!(
+            plan.moves[1].dst,
+            Some(victim_slot),
+            "into the evicted block's slot"
+        );
+        assert!(
+            c.lookup(&[1]).is_empty(),
+            "the victim left the index with the plan"
+        );
+        if commits {
+            c.commit(plan.id).unwrap();
+            assert_eq!(c.block_loc(live[0]).unwrap(), victim_slot);
+        } else {
+            c.abort(plan.id).unwrap();
+            assert_eq!(c.block_loc(live[0]).unwrap().level, 0);
+        }
+        assert!(c.block_loc(old[0]).is_err(), "released either way");
+        assert_eq!(c.counters().evictions, u64::from(commits));
+        let used: Vec<u32> = c.usage().iter().map(|u| u.used_slots).collect();
+        assert_eq!(used, if commits { [1, 0, 1] } else { [2, 0, 0] });
+    }
+}

@@ -653,20 +653,23 @@ def run_probe(
     }
 
 
-def run(
-    settings: Settings,
-    extra: dict[str, Any],
-    log: Callable[..., None],
-    kvtier_extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The whole benchmark: ``extra`` is the ladder's own extra config, ``kvtier_extra`` both
-    kvtier configurations' (the ladder's wins where they overlap)."""
-    import vllm
+@dataclass(frozen=True)
+class Workload:
+    """What every configuration runs: the model, the requests, the long prompt and the
+    warm-up's tokens."""
+
+    model_dir: Path
+    turns: list[Turn]
+    probe: list[int]
+    warm: list[int]
+
+
+def make_workload(settings: Settings) -> Workload:
+    """The requests of ``settings`` from the bundled trace, with WikiText-2 tokens."""
     from transformers import AutoTokenizer
 
     from ..eval.model import smollm2_hf_dir, wikitext_ids
 
-    t0 = time.perf_counter()
     model_dir = smollm2_hf_dir()
     trace = load_trace(bundled_trace_path())
     # Enough text for any workload of this size, the long prompt and the warm-up.
@@ -685,6 +688,22 @@ def run(
     warm = corpus[at + settings.probe_tokens : at + settings.probe_tokens + BLOCK]
     if len(probe) < settings.probe_tokens or len(warm) < BLOCK:
         raise KvtierError(f"WikiText-2 gave {len(corpus)} tokens, fewer than the run needs")
+    return Workload(model_dir, turns, probe, warm)
+
+
+def run(
+    settings: Settings,
+    extra: dict[str, Any],
+    log: Callable[..., None],
+    kvtier_extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The whole benchmark: ``extra`` is the ladder's own extra config, ``kvtier_extra`` both
+    kvtier configurations' (the ladder's wins where they overlap)."""
+    import vllm
+
+    t0 = time.perf_counter()
+    w = make_workload(settings)
+    model_dir, turns, probe, warm = w.model_dir, w.turns, w.probe, w.warm
     block_bytes = _block_bytes(model_dir)
     workload = {
         "trace": str(bundled_trace_path().name),
@@ -834,7 +853,10 @@ def _table(result: dict[str, Any]) -> str:
         f"{ladder['blocks_per_level']} blocks of the workload's {w['distinct_blocks']} distinct "
         f"prompt blocks); of the tokens held, a prompt of the workload could load "
         f"{ladder['loadable_tokens']:,} (ladder) and {bf16['loadable_tokens']:,} (bf16 only): the "
-        "rest sit behind an evicted block of their prefix"
+        "rest sit behind an evicted block of their prefix; saves refused: "
+        + ", ".join(
+            f"{result['configs'][c]['kvtier']['connector']['save_failures']} ({c})" for c in LADDERS
+        )
     )
     p = result["probe"]
     lines.append(

@@ -57,6 +57,8 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from ..codecs import get_codec
+from ..codecs.base import BlockShape, dtype_name
 from ..config import ENV_VARS, KvtierConfig, parse_bytes
 from ..errors import ConfigError, KvtierError, require
 from ..manager import BlockManager
@@ -104,10 +106,11 @@ __all__ = [
     "KVTierStats",
     "connector_config",
     "hit_sources",
+    "staging_shares",
 ]
 
-#: The ranking policy when the user names none: eviction by recency never strands a prefix.
-CONNECTOR_POLICY = "lru"
+#: Of the host budget, at most this fraction stages saves at the levels above the bottom.
+MAX_STAGING_SHARE = 0.25
 #: The host tier's budget when the extra config names none.
 DEFAULT_HOST_BUDGET = "2GiB"
 #: Keys of ``kv_connector_extra_config`` that are the connector's own, not KvtierConfig fields.
@@ -140,20 +143,8 @@ def connector_config(
     2 GiB) becomes the manager's device budget: the manager lives in host memory.
 
     ``pool_shares``, when neither the extra config nor ``KVTIER_POOL_SHARES`` gives it and the
-    ladder has several levels, is the connector's own: 8 % of the budget to level 0, 8 % to
-    each middle level, the rest (84 % of ``bf16,int8,int4``) to the bottom level. vLLM's own
-    pool holds the hot blocks at full precision; behind it the connector is capacity, so its
-    level 0 only stages the blocks a step saves (pinned there until written, then demoted one
-    level a step) and its middle levels only pass them on: with ``int4`` at 0.31 of a bf16
-    block, the ladder then holds 2.8-2.9 times the blocks a bf16-only budget of the same bytes
-    holds. A save larger than half of level 0 goes in pieces (each makes room by demoting the
-    last), so a long prefill chunk still fits.
-
-    ``policy``, when neither the extra config nor ``KVTIER_POLICY`` names one, is ``lru``:
-    under ``importance``, cached blocks are evicted by key magnitude, and an evicted block
-    strands every later block of its prefix (a prompt loads up to its first missing block);
-    ``kvtier bench vllm`` measured 0 % hits under ``importance`` against 24.9 % under ``lru``.
-    Name ``importance`` for the magnitude and ``scorer`` signals to rank the blocks."""
+    ladder has several levels, stays unset here: the worker sizes it once it knows the bytes of
+    a block (:func:`staging_shares`)."""
     extra = {k: v for k, v in extra.items() if k not in CONNECTOR_KEYS}
     for name, owner in VLLM_OWNED.items():
         if extra.get(name) is not None:
@@ -178,25 +169,13 @@ def connector_config(
     remote = env.remote_budget
     if env.remote_url is not None and remote is None:
         remote = 4 * (host or 0) or parse_bytes(DEFAULT_HOST_BUDGET)
-    policy = env.policy
-    if "policy" not in extra and not (environ if environ is not None else os.environ).get(
-        _VARS["policy"].name
-    ):
-        policy = CONNECTOR_POLICY
     if env.ladder is not None and env.ladder[-1] == "drop":
         raise ConfigError(
             "ladder: the connector's tiers are a prefix cache behind vLLM's own pool, whose "
             "attention kvtier does not run: a block leaves it by eviction, so a 'drop' level "
             f"has no meaning there; remove it from {','.join(env.ladder)}"
         )
-    shares = env.pool_shares
-    if shares is None and env.enable_compression and env.levels > 1:
-        # Capacity behind vLLM's pool: level 0 stages one step's saves, the bottom holds.
-        stage = 0.08
-        shares = (stage,) * (env.levels - 1) + (round(1.0 - stage * (env.levels - 1), 6),)
     return env.replace(
-        policy=policy,
-        pool_shares=shares,
         block_size=block_size,
         device_budget=host,
         device_blocks=env.host_blocks,
@@ -205,6 +184,33 @@ def connector_config(
         remote_budget=remote,
         share_prefixes=env.remote_url is not None,
     )
+
+
+def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -> tuple[float, ...]:
+    """The connector's own ``pool_shares`` for blocks of ``shape``: ``stage_blocks`` slots (the
+    blocks one step of vLLM may complete: ``max_num_batched_tokens`` over the block size) at
+    level 0 and at each middle level, at most a quarter of the budget and at least one slot
+    each, and the rest of the budget at the bottom level.
+
+    vLLM's own pool holds the hot blocks at full precision; behind it the connector is
+    capacity. A save lands at level 0 (pinned there until written), and each step demotes it
+    as deep as a free slot is (the bottom level making room by evicting its lowest-ranked
+    leaf), so the levels above the bottom only stage what a step passes on: sized to one step,
+    they leave the rest of the bytes to the bottom level (``int4`` holds a block in 0.31 of its
+    bf16 bytes). A save larger than half of level 0 goes in pieces, each making room for the
+    next, so a long prefill chunk still fits."""
+    ladder = config.resolved_ladder(shape.dtype)
+    level_bytes = [get_codec(name).bytes_per_block(shape) for name in ladder]
+    budget = config.device_budget
+    if budget is None:
+        assert config.device_blocks is not None, "connector_config sets one of the two"
+        budget = config.device_blocks * level_bytes[0]
+    affordable = int(MAX_STAGING_SHARE * budget) // sum(level_bytes[:-1])
+    stage = max(1, min(stage_blocks, affordable))
+    # Half a byte more than the slots take: the manager's floor of share * budget / bytes
+    # must not lose one to rounding.
+    above = [(stage * b + 0.5) / budget for b in level_bytes[:-1]]
+    return (*above, 1.0 - sum(above))
 
 
 # -- what the scheduler tells the worker each step ---------------------------------------------
@@ -349,6 +355,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self._engine = str(transfer.engine_id)
         extra = dict(transfer.kv_connector_extra_config or {})
         self._block_size = int(vllm_config.cache_config.block_size)
+        # Blocks one step may complete: what the connector's staging levels hold.
+        step_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        self._stage_blocks = -(-step_tokens // self._block_size)
         self.config = connector_config(extra, block_size=self._block_size)
         self._saves_kv = transfer.kv_role in ("kv_producer", "kv_both")
         self._loads_kv = transfer.kv_role in ("kv_consumer", "kv_both")
@@ -509,6 +518,15 @@ class KVTierConnector(KVConnectorBase_V1):
         self._rank = _tp_rank(self._vllm_config)
         namespace = _namespace(self._vllm_config, spec, self.config.namespace, self._rank)
         config = self.config.replace(namespace=f"{namespace}/{layout.name}")
+        if config.pool_shares is None and config.enable_compression and config.levels > 1:
+            shape = BlockShape(
+                len(caches),
+                spec.num_kv_heads,
+                self._block_size,
+                spec.head_size,
+                dtype_name(caches[0].dtype),
+            )
+            config = config.replace(pool_shares=staging_shares(config, shape, self._stage_blocks))
         if self._tp_size > 1 and config.disk_path is not None:  # a directory per rank
             config = config.replace(disk_path=os.path.join(config.disk_path, f"tp{self._rank}"))
         manager = BlockManager(
