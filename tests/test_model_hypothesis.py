@@ -1,22 +1,29 @@
 """Random operation sequences against the Rust core and the plain-Python model of its rules.
 
-:class:`kvtier.pymodel.ModelCore` implements the core's rules for one device tier. Hypothesis
-drives both with the same operations — sequences (append by hash and by tokens, fork, free),
-statistics, pins, plans (committed, aborted or left pending), lookups, budget changes, and bad
-calls — with small budgets so that eviction, demotion and drops happen, and after every step
-compares everything a user can observe: sequences, every block's tier/level/refcount/pin/
-position/hash/score, pool usage, counters, the step clock and each plan's moves. Slot numbers are
-not compared (the model does not assign them); they are checked for uniqueness instead.
+:class:`kvtier.pymodel.ModelCore` implements the core's rules for one device tier, prefix trees
+included (``prefix_aware`` on and off). Hypothesis drives both with the same operations —
+sequences (append by hash and by tokens, fork, free), ``forget``, statistics, pins, plans
+(committed, aborted or left pending, and blocks shared, extended, pinned or orphaned while a plan
+evicts them), lookups, budget changes, and bad calls — with small budgets so that eviction,
+demotion and drops happen, and after every step compares everything a user can observe:
+sequences, every block's tier/level/refcount/pin/position/hash/score/indexed/parent, pool usage,
+reclaimable blocks per pool, counters, the step clock and each plan's moves. Slot numbers are not
+compared (the model does not assign them); they are checked for uniqueness instead.
 
 Invariants checked on the core alone, whatever the model says: used <= capacity per pool; pool
 bytes add up to the tier's bytes; no slot held by two blocks (nor reserved by a plan for a block
-while another holds it); a committed plan leaves the tier within its budget; pinned blocks never
-appear in a plan and no block appears twice; a failing call raises a kvtier exception and changes
-nothing; freeing every sequence and evicting empties the core.
+while another holds it); no stranded block (every indexed block's parent chain reaches a root
+through indexed blocks, and a root sits at position 0 unless the pending plan evicts it); a
+committed plan leaves the tier within its budget; pinned blocks never appear in a plan and no
+block appears twice; a failing call raises a kvtier exception and changes nothing; freeing every
+sequence and evicting empties the core.
 
-The deterministic tests at the end pin down three core bugs this machine and its model found
+The deterministic tests at the end pin down the rules of prefix trees (leaf-first eviction, a
+parked eviction cancelled by a new child, forget and drops taking descendants, the eviction key
+of ``importance``) on both kinds of core, and the core bugs this machine and its model found
 (eviction of a block shared or pinned while the plan was pending; an append that evicted and
-then failed; drop levels never reached), fixed since.
+then failed; drop levels never reached; a block linked under itself when an append repeats
+the hash its sequence ended on), fixed since.
 """
 
 from __future__ import annotations
@@ -31,10 +38,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvtier
-from kvtier.pymodel import POLICIES, ModelCore, ModelPlan
+from kvtier.pymodel import KINDS, POLICIES, ModelCore, ModelPlan
 
 NO_SLOT = kvtier.Plan.NO_SLOT
 NO_TIER = kvtier.Plan.NO_TIER
+EVICT = KINDS.index("evict")
 
 
 #: f32-exact statistic values (the core stores f32).
@@ -42,12 +50,16 @@ VALUES = st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5, 3.0, 7.75])
 #: Hashes and tokens from small pools, so that prefixes are shared often.
 HASHES = st.lists(st.integers(1, 16), max_size=6)
 TOKENS = st.lists(st.integers(0, 2), max_size=14)
+#: Hashes seldom indexed yet: blocks appended after a shared one are new, its children.
+NEW_HASHES = st.lists(st.integers(201, 216), min_size=1, max_size=3)
 #: Sequence salts: none or two tenants (same tokens, apart); an empty salt is refused.
 SALTS = st.sampled_from([None, "a", "tenant-b"])
 ANY_SALT = st.one_of(SALTS, st.just(""))
 #: Requests served before the rules start: (hashes, tokens, by tokens?, finished?).
 Request = tuple[list[int], list[int], bool, bool]
 WARM_UP = st.lists(st.tuples(HASHES, TOKENS, st.booleans(), st.booleans()), max_size=6)
+#: What may happen to a block while a plan that evicts it is pending (see ``_disturb``).
+DISTURBANCES = st.sampled_from(["share", "extend", "child", "pin", "orphan"])
 BUDGETS = st.one_of(st.none(), st.integers(0, 40), st.integers(40, 240), st.integers(80, 240))
 
 
@@ -89,11 +101,14 @@ def configs(draw: st.DrawFn, kind: str = "any") -> dict[str, Any]:
         "attention_ema": one(st.sampled_from([0.5, 1.0, 0.3])),
         "scissorhands_window": one(st.sampled_from([1, 4, 8])),
         "evict_on_full": one(st.sampled_from([True, True, False]) if cache else st.booleans()),
+        "prefix_aware": one(st.booleans()),
     }
     if 0 in ladder:  # a drop level: the rank split may also drop the lowest ranked blocks
         cfg["drop_ratio"] = one(st.sampled_from([0.0, 0.25, 0.5, 1.0]))
-    if not split and one(st.integers(0, 2 if cache else 4)) == 0:
-        cfg["pool_slots"] = [("device", 0, one(st.integers(1, 8)))]
+    if one(st.integers(0, 2 if cache or split else 4)) == 0:
+        # Few level-0 slots: writes make room for slots, not bytes (under the rank split too,
+        # where a cached block's subtree may sit at lower levels).
+        cfg["pool_slots"] = [("device", 0, one(st.integers(2, 8) if split else st.integers(1, 8)))]
     return cfg
 
 
@@ -128,6 +143,8 @@ class CoreVsModel(RuleBasedStateMachine):
                 "hash",
                 "has_copy",
                 "score",
+                "indexed",
+                "parent",
             )
         ]
         state: dict[str, Any] = {
@@ -137,6 +154,7 @@ class CoreVsModel(RuleBasedStateMachine):
             },
             "blocks": dict(zip(ids, zip(*cols, strict=True), strict=True)),
             "usage": c.usage(),
+            "reclaimable": c.reclaimable(),
             "tier_bytes": c.tier_bytes(),
             "counters": dict(c.counters()),
             "step": c.step,
@@ -154,8 +172,9 @@ class CoreVsModel(RuleBasedStateMachine):
     def model_state(self) -> dict[str, Any]:
         m = self.model
 
-        def extra(b: int) -> tuple[int, bool, float]:
-            return (m.block_hash(b), False, m.score(b))  # hash, has_copy, score
+        def extra(b: int) -> tuple[int, bool, float, bool, int]:
+            # hash, has_copy, score, indexed, parent
+            return (m.block_hash(b), False, m.score(b), m.indexed[b], m.block_parent(b))
 
         return {
             "seqs": {s: (tuple(m.seqs[s].blocks), m.seqs[s].tokens) for s in m.sequences()},
@@ -164,6 +183,7 @@ class CoreVsModel(RuleBasedStateMachine):
                 for b in m.live_blocks()
             },
             "usage": m.usage(),
+            "reclaimable": m.reclaimable(),
             "tier_bytes": [("device", m.tier_bytes)],
             "counters": m.counters_dict(),
             "step": m.step,
@@ -308,6 +328,66 @@ class CoreVsModel(RuleBasedStateMachine):
 
     @precondition(has_blocks)
     @rule(data=st.data())
+    def forget(self, data: st.DataObject) -> None:
+        """Blocks whose bytes turned out incomplete leave the index (with their descendants)."""
+        self.both("forget", np.array(self.some_blocks(data, 3), dtype=np.uint32))
+
+    @precondition(lambda self: self.pending is not None)
+    @rule(data=st.data(), how=DISTURBANCES)
+    def disturb_an_eviction(self, data: st.DataObject, how: str) -> None:
+        self._disturb(data, how)
+
+    @precondition(lambda self: self.ready and self.pending is None and bool(self.model.cached))
+    @rule(
+        data=st.data(),
+        percent=st.integers(0, 50),
+        before=st.integers(0, 3),
+        how=DISTURBANCES,
+        then=st.sampled_from(["commit", "abort"]),
+    )
+    def evict_and_disturb(
+        self, data: st.DataObject, percent: int, before: int, how: str, then: str
+    ) -> None:
+        """Memory pressure with cached blocks: after a few plans (demotions first), a plan
+        evicts, something happens to a block it evicts before the engine is done, and the plan
+        is committed or aborted."""
+        budget = self.budget()
+        self.both("set_budget", "device", self.model.tier_bytes * percent // 100)
+        for _ in range(before):
+            self.checked_plan()
+            self.finish("commit")
+        self.checked_plan()
+        self.both("set_budget", "device", budget)  # the pressure is gone: requests fit again
+        self._disturb(data, how)
+        self.finish(then)
+
+    def _disturb(self, data: st.DataObject, how: str) -> None:
+        """While a plan that evicts a block is pending: a new request shares it (``share``),
+        and appends after it (``extend``), then ends (``child``: the block is cached again but
+        has a child); or the engine pins it (``pin``); or its parent leaves the index and it is
+        pinned (``orphan``: cancelled, it cannot be linked back)."""
+        assert self.pending is not None
+        m, plan = self.model, self.pending[1]
+        evicting = [b for b, kind, *_ in plan.moves if kind == EVICT and m.live[b]]
+        if not evicting:
+            return
+        b = data.draw(st.sampled_from(evicting))
+        if how in ("share", "extend", "child") and m.indexed[b]:
+            more = data.draw(NEW_HASHES) if how != "share" else []
+            seq = self._request([m.hash[b], *more], [], False)
+            if how == "child":
+                self.both("free_sequence", seq)
+        elif how == "orphan":
+            parent = next(
+                (m.index.get(h) for x, h in plan.parked if x == b and h is not None), None
+            )
+            if parent is not None:
+                self.both("forget", np.array([parent], dtype=np.uint32))
+        if how in ("pin", "orphan"):
+            self.both("pin", np.array([b], dtype=np.uint32))
+
+    @precondition(has_blocks)
+    @rule(data=st.data())
     def record_reads(self, data: st.DataObject) -> None:
         self.both("record_reads", np.array(self.some_blocks(data, 8), dtype=np.uint32))
 
@@ -354,7 +434,7 @@ class CoreVsModel(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(pinned), max_size=3, unique=True))
         self.both("unpin", np.array(ids, dtype=np.uint32))
 
-    @rule(data=st.data(), what=st.integers(0, 9))
+    @rule(data=st.data(), what=st.integers(0, 10))
     def bad_call(self, data: st.DataObject, what: int) -> None:
         """A call that must fail (the model says which error) and change nothing."""
         m = self.model
@@ -372,7 +452,8 @@ class CoreVsModel(RuleBasedStateMachine):
             ("unpin", (np.array(live[:1] * 40, dtype=np.uint32),)),  # more unpins than pins
             ("record_attention", (ids[:-1], np.ones(len(ids), dtype=np.float32))),
             ("set_magnitude", (ids, np.full(len(ids), -1.0, dtype=np.float32))),
-            ("commit" if what % 2 else "abort", (data.draw(st.integers(0, 2**20)),)),
+            ("forget", (ids,)),
+            (data.draw(st.sampled_from(["commit", "abort"])), (data.draw(st.integers(0, 2**20)),)),
         ]
         name, args = calls[what]
         if name in ("commit", "abort") and self.pending and args[0] == self.pending[0].id:
@@ -507,6 +588,42 @@ class CoreVsModel(RuleBasedStateMachine):
         cached = sum(1 for b, info in core["blocks"].items() if info[2] == 0 and not info[3])
         assert core["counters"]["cached_blocks"] <= cached
 
+    @invariant()
+    def no_stranded_block(self) -> None:
+        """On the core alone: every indexed block's parent chain reaches a root through indexed
+        blocks (no cycle), and a root is at position 0 unless the pending plan evicts it (a
+        parked leaf); a plain core links nothing."""
+        if not self.ready:
+            return
+        ids = self.model.live_blocks()  # the core's live blocks too (`agree` checks the count)
+        info = self.core.block_info(np.array(ids, dtype=np.uint32))
+        indexed = dict(zip(ids, info["indexed"].tolist(), strict=True))
+        parent = dict(zip(ids, info["parent"].tolist(), strict=True))
+        position = dict(zip(ids, info["position"].tolist(), strict=True))
+        evicting: set[int] = set()
+        if self.pending is not None:
+            plan = self.pending[0]
+            kinds = plan.kind.tolist()
+            evicting = {b for b, k in zip(plan.block.tolist(), kinds, strict=True) if k == EVICT}
+        for b in ids:
+            if not indexed[b] or not self.core.prefix_aware:
+                assert parent[b] == -1, f"block {b} has a parent {parent[b]} out of a tree"
+                continue
+            chain, x = [b], b
+            while parent[x] != -1:
+                x = parent[x]
+                assert indexed.get(x), f"block {b} stranded: its ancestor {x} is not indexed"
+                assert x not in chain, f"block {b} in a cycle of parents: {[*chain, x]}"
+                chain.append(x)
+            assert position[x] == 0 or x in evicting, (
+                f"block {b}'s tree has a root {x} at position {position[x]}"
+            )
+
+    def check(self) -> None:
+        """Both invariants, for the targeted scenarios below."""
+        self.agree()
+        self.no_stranded_block()
+
     def teardown(self) -> None:
         if not self.ready:
             return
@@ -603,25 +720,39 @@ def test_statistics_and_scores_match_bit_for_bit(policy: str, decay: float) -> N
             pair.both("set_learned", some[::2], rng.random(len(some[::2]), dtype=f32) * f32(3))
         pair.checked_plan()
         pair.finish("commit" if step % 4 else "abort")
-        pair.agree()
+        pair.check()
 
 
-def test_a_private_block_freed_while_its_move_is_pending_is_released_at_commit() -> None:
-    pair = _pair(level_bytes=[8, 4, 2], block_size=1, recent_window=0, sink_blocks=0)
+@pytest.mark.parametrize("prefix_aware", [True, False])
+def test_a_private_block_freed_while_its_move_is_pending_is_released_at_commit(
+    prefix_aware: bool,
+) -> None:
+    pair = _pair(
+        level_bytes=[8, 4, 2],
+        block_size=1,
+        recent_window=0,
+        sink_blocks=0,
+        prefix_aware=prefix_aware,
+    )
     seq, _ = pair.both("add_sequence")
     pair._append_blocks(int(seq), [1, 2, 1, 2, 3, 1])  # the repeats are private copies
     assert pair.checked_plan()
     moving = {b for b, *_ in pair.model.pending.moves} if pair.model.pending else set()
     assert any(not pair.model.indexed[b] for b in moving)
     pair.both("free_sequence", seq)
-    pair.agree()  # private blocks stay until their move is done
+    pair.check()  # private blocks stay until their move is done
     pair.finish("commit")
-    pair.agree()
+    pair.check()
     assert pair.core.counters()["live_blocks"] == 3  # hashes 1, 2, 3 stay cached
 
 
+def _lookups(core: kvtier.Core, *prefixes: list[int]) -> list[int]:
+    return [len(core.lookup(np.array(p, dtype=np.uint64))) for p in prefixes]
+
+
+@pytest.mark.parametrize("prefix_aware", [True, False])
 @pytest.mark.parametrize("how", ["commit", "abort"])
-def test_pool_slots_short_of_level_0_evict_level_0_first(how: str) -> None:
+def test_pool_slots_short_of_level_0_evict_level_0_first(how: str, prefix_aware: bool) -> None:
     pair = _pair(
         level_bytes=[8, 4],
         evict_on_full=True,
@@ -630,6 +761,7 @@ def test_pool_slots_short_of_level_0_evict_level_0_first(how: str) -> None:
         recent_window=0,
         sink_blocks=0,
         compression_ratio=0.0,
+        prefix_aware=prefix_aware,
     )
     seq, _ = pair.both("add_sequence")
     pair._append_blocks(int(seq), [1, 2, 3])
@@ -640,10 +772,181 @@ def test_pool_slots_short_of_level_0_evict_level_0_first(how: str) -> None:
         seq, _ = pair.both("add_sequence")
         pair._append_blocks(int(seq), hashes)
         pair.both("free_sequence", seq)
-        pair.agree()
+        pair.check()
+        if hashes == [4, 5] and how == "commit":
+            # Level 1 holds 1-2-3; level 0 has the two free slots 4 and 5 take.
+            assert _lookups(pair.core, [1, 2, 3], [4, 5]) == [3, 2]
+        if hashes == [4, 5] and how == "abort":
+            # 1-2-3 stayed at level 0 and two of them make room. Prefix-aware: the leaf 3,
+            # then 2 (a leaf now), and the prefix 1 still loads; plain: the least recently
+            # used, 1 and 2, which strands 3 behind them.
+            assert _lookups(pair.core, [1], [3]) == ([1, 0] if prefix_aware else [0, 1])
+    # [7, 8, 9] needs all three level-0 slots: the level-0 blocks go, 1-2-3 at level 1 stay.
+    assert _lookups(pair.core, [1, 2, 3], [7, 8, 9]) == ([3, 3] if how == "commit" else [0, 3])
 
 
-# ---- regressions: three core bugs this machine found, as minimal cases ----------------------
+@pytest.mark.parametrize("prefix_aware", [True, False])
+def test_a_write_short_of_level_0_slots_evicts_below_a_level_0_block(prefix_aware: bool) -> None:
+    """The level-0 slot a write needs is held by a cached block whose children sit at lower
+    levels: prefix-aware, its subtree goes first, leaf by leaf, then the block itself; plain,
+    the block goes alone and strands its children."""
+    pair = _pair(
+        level_bytes=[64, 32, 16],
+        block_size=4,
+        recent_window=0,
+        sink_blocks=1,  # block 0 stays at level 0; the others go down
+        pool_slots=[("device", 0, 3), ("device", 1, 4), ("device", 2, 4)],
+        prefix_aware=prefix_aware,
+    )
+    seq, _ = pair.both("add_sequence")
+    pair._append_blocks(int(seq), [1, 2, 3])
+    pair.checked_plan()
+    pair.finish("commit")
+    branch, _ = pair.both("add_sequence")
+    pair._append_blocks(int(branch), [1, 4])  # a second child of block 0
+    pair.checked_plan()
+    pair.finish("commit")
+    levels = {pair.model.hash[b]: pair.model.level[b] for b in pair.model.live_blocks()}
+    assert levels == {1: 0, 2: 2, 3: 1, 4: 1}
+    pair.both("free_sequence", seq)
+    pair.both("free_sequence", branch)
+    for hashes in ([7, 8], [9]):  # live: then level 0 is full
+        seq, _ = pair.both("add_sequence")
+        pair._append_blocks(int(seq), hashes)
+        pair.check()
+    evictions = pair.core.counters()["evictions"]
+    if prefix_aware:
+        assert evictions == 4, "the subtree, leaf by leaf, then its root"
+        assert _lookups(pair.core, [1], [2], [3], [4]) == [0, 0, 0, 0]
+    else:
+        assert evictions == 1
+        assert _lookups(pair.core, [1], [2], [3], [4]) == [0, 1, 1, 1], "stranded"
+
+
+def test_forget_takes_the_descendants_out_of_the_index() -> None:
+    """Forgetting a block takes every block after it in a cached prefix out of the index: the
+    cached ones are freed, a live one stays, private to its sequence."""
+    pair = _pair(level_bytes=[8], block_size=1, policy="lru")
+    done, _ = pair.both("add_sequence")
+    pair._append_blocks(int(done), [1, 2, 3, 4])
+    pair.both("free_sequence", done)
+    live, _ = pair.both("add_sequence")
+    pair._append_blocks(int(live), [1, 2, 5])
+    blocks = pair.model.seqs[live].blocks
+    assert [pair.model.block_parent(b) for b in blocks] == [-1, blocks[0], blocks[1]]
+    pair.both("forget", np.array([blocks[1]], dtype=np.uint32))  # hash 2
+    pair.check()
+    assert _lookups(pair.core, [1, 2], [3], [4], [5]) == [1, 0, 0, 0]
+    assert pair.core.counters()["live_blocks"] == 3  # 1, and the live sequence's 2 and 5
+    info = pair.core.block_info(np.array(blocks, dtype=np.uint32))
+    assert info["indexed"].tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("how", ["forget", "evict", "abort"])
+def test_a_branching_prefix_tree_goes_leaf_first_in_the_core_order(how: str) -> None:
+    """A cached tree with branches, forgotten at its root or evicted whole (or planned for
+    eviction, linked back by an abort, then forgotten): its blocks are freed children first,
+    siblings in the core's order (the ids later blocks get show it)."""
+    pair = _pair(level_bytes=[8], block_size=1, policy="lru", tiers=[("device", None)])
+    for hashes in ([1, 2, 3], [1, 4, 5], [1, 2, 6], [1, 4, 7, 8]):
+        seq, _ = pair.both("add_sequence")
+        pair._append_blocks(int(seq), hashes)
+        pair.both("free_sequence", seq)
+    root = pair.model.index[1]
+    assert len(pair.model.children[root]) == 2
+    if how != "forget":
+        pair.both("set_budget", "device", 0)
+        pair.checked_plan()
+        pair.finish("commit" if how == "evict" else "abort")
+        pair.both("set_budget", "device", None)
+    if how != "evict":
+        pair.both("forget", np.array([root], dtype=np.uint32))
+    pair.check()
+    assert pair.core.counters()["live_blocks"] == 0
+    seq, _ = pair.both("add_sequence")
+    pair._append_blocks(int(seq), list(range(10, 18)))  # takes the freed ids, last freed first
+    pair.check()
+
+
+def test_a_block_a_sequence_holds_twice_leaves_attention_with_all_its_places() -> None:
+    """The drop quota takes the lowest ranked places of a sequence; a block that holds two of
+    them and is cut after the first leaves with both (the other place wants no level)."""
+    pair = _pair(
+        level_bytes=[8, 4, 2, 0],
+        block_size=1,
+        compression_ratio=0.0,
+        recent_window=2,
+        sink_blocks=0,
+        drop_ratio=0.25,
+    )
+    twice, _ = pair.both("add_sequence")
+    once, _ = pair.both("add_sequence")
+    pair._append_blocks(int(once), [2, 1, 1, 1])
+    pair._append_blocks(int(twice), [2, 2, 1, 1])  # its two ranked places: one block
+    block = pair.model.seqs[twice].blocks[0]
+    pair.checked_plan()
+    assert pair.pending is not None
+    assert pair.pending[0].block.tolist() == [block] and pair.pending[0].summary() == {"drop": 1}
+    pair.finish("commit")
+    pair.check()
+
+
+def test_a_committed_drop_takes_the_descendants_out_of_the_index() -> None:
+    """A block dropped out of attention can never load again, nor can anything cached after
+    it in a prefix: the cached blocks below it are freed at commit."""
+    pair = _pair(
+        level_bytes=[8, 4, 0],
+        block_size=1,
+        policy="lru",
+        recent_window=0,
+        sink_blocks=0,
+        drop_ratio=0.5,
+        compression_ratio=0.0,
+    )
+    seq, _ = pair.both("add_sequence")
+    pair._append_blocks(int(seq), [1, 2, 3, 4])
+    done, _ = pair.both("add_sequence")
+    pair._append_blocks(int(done), [1, 2, 3, 4, 5, 6])
+    pair.both("free_sequence", done)  # 5 and 6 cached after the live prefix
+    pair.checked_plan()
+    assert pair.pending is not None and pair.pending[0].summary() == {"drop": 2, "demote": 2}
+    pair.finish("commit")
+    pair.check()
+    assert _lookups(pair.core, [1, 2, 3, 4, 5, 6]) == [0]
+    assert pair.core.counters()["live_blocks"] == 4  # the live sequence's, all private now
+
+
+def test_eviction_ranks_importance_leaves_by_reuse_first() -> None:
+    """Under ``importance`` a prefix-aware core evicts the cached leaf read least, not the
+    least important one (which the demotion order ranks first)."""
+    pair = _pair(
+        level_bytes=[8],
+        block_size=1,
+        policy="importance",
+        weights=(1.0, 0.0, 0.0),
+        tiers=[("device", 32)],
+        headroom=0.0,
+    )
+    kept: list[int] = []
+    gone: list[int] = []
+    for hashes, magnitude, reads in (([1, 2], [0.0, 1.0], 0), ([3, 4], [1.0, 0.0], 3)):
+        seq, _ = pair.both("add_sequence")
+        pair._append_blocks(int(seq), hashes)
+        blocks = np.array(pair.model.seqs[seq].blocks, dtype=np.uint32)
+        pair.both("set_magnitude", blocks, np.array(magnitude, dtype=np.float32))
+        for _ in range(reads):
+            pair.both("record_reads", blocks)
+        pair.both("free_sequence", seq)
+        (kept if reads else gone).append(int(blocks[1]))
+    assert pair.model.key(kept[0]) < pair.model.key(gone[0])  # less important, read more
+    pair.both("set_budget", "device", 24)
+    pair.checked_plan()
+    assert pair.pending is not None and pair.pending[0].block.tolist() == gone
+    pair.finish("commit")
+    pair.check()
+
+
+# ---- regressions: core bugs this machine found, as minimal cases -----------------------------
 
 
 def _blocks(core: kvtier.Core, *hashes: int) -> tuple[int, list[int]]:
@@ -652,8 +955,14 @@ def _blocks(core: kvtier.Core, *hashes: int) -> tuple[int, list[int]]:
     return seq, blocks.tolist()
 
 
+def _lru(budget: int, prefix_aware: bool) -> kvtier.Core:
+    return kvtier.Core(
+        [100], tiers=[("device", budget)], policy="lru", headroom=0.0, prefix_aware=prefix_aware
+    )
+
+
 def test_a_block_shared_while_its_eviction_is_pending_is_not_freed_under_the_sequence() -> None:
-    core = kvtier.Core([100], tiers=[("device", 400)], policy="lru", headroom=0.0)
+    core = _lru(400, prefix_aware=False)
     seq, _ = _blocks(core, 1, 2, 3, 4)
     core.free_sequence(seq)  # four cached blocks, 400 bytes
     core.set_budget("device", 200)
@@ -668,22 +977,63 @@ def test_a_block_shared_while_its_eviction_is_pending_is_not_freed_under_the_seq
     assert len(core.lookup(np.array([1], dtype=np.uint64))) == 1
 
 
-def test_a_block_pinned_while_its_eviction_is_pending_stays() -> None:
-    core = kvtier.Core([100], tiers=[("device", 200)], policy="lru", headroom=0.0)
+def test_a_prefix_shared_while_its_eviction_is_pending_stays_whole() -> None:
+    core = _lru(400, prefix_aware=True)
+    seq, blocks = _blocks(core, 1, 2, 3, 4)
+    core.free_sequence(seq)
+    core.set_budget("device", 200)
+    plan = core.plan()
+    assert plan.block.tolist() == [blocks[3], blocks[2]]  # the leaf, then its parent
+    _blocks(core, 1, 2, 3, 4)  # the whole prefix is shared again
+    core.commit(plan.id)
+    # The leaf's eviction is cancelled and it is linked back under its parent, whose eviction
+    # is cancelled then (it has a child again).
+    assert core.counters()["cancelled_moves"] == 2 and core.counters()["evictions"] == 0
+    assert core.block_info(np.array(blocks, dtype=np.uint32))["parent"].tolist() == [
+        -1,
+        *blocks[:3],
+    ]
+    assert len(core.lookup(np.array([1, 2, 3, 4], dtype=np.uint64))) == 4
+
+
+def test_a_block_given_a_child_while_its_eviction_is_pending_stays() -> None:
+    core = _lru(400, prefix_aware=True)
+    seq, blocks = _blocks(core, 1, 2, 3, 4)
+    core.free_sequence(seq)
+    core.set_budget("device", 200)
+    plan = core.plan()
+    assert plan.block.tolist() == [blocks[3], blocks[2]]
+    core.set_budget("device", None)
+    seq2, blocks2 = _blocks(core, 1, 2, 3, 9)  # a request that ends after block 2 ...
+    core.free_sequence(seq2)  # ... and is done: block 2 is cached, with a cached child
+    core.commit(plan.id)
+    assert core.counters()["cancelled_moves"] == 1 and core.counters()["evictions"] == 1
+    assert core.lookup(np.array([1, 2, 3, 9], dtype=np.uint64)).tolist() == blocks2
+    assert len(core.lookup(np.array([1, 2, 3, 4], dtype=np.uint64))) == 3
+
+
+@pytest.mark.parametrize("prefix_aware", [True, False])
+def test_a_block_pinned_while_its_eviction_is_pending_stays(prefix_aware: bool) -> None:
+    core = _lru(200, prefix_aware)
     seq, blocks = _blocks(core, 1, 2)
     core.free_sequence(seq)
     core.set_budget("device", 100)
     plan = core.plan()
-    assert plan.block.tolist() == [blocks[0]]
-    core.pin(np.array([blocks[0]], dtype=np.uint32))
+    # Prefix-aware, the leaf (block 1); plain, the least recently used (block 0).
+    evicted = blocks[1] if prefix_aware else blocks[0]
+    assert plan.block.tolist() == [evicted]
+    core.pin(np.array([evicted], dtype=np.uint32))
     core.commit(plan.id)  # the engine reads the block: its eviction is cancelled
     assert core.counters()["cancelled_moves"] == 1 and core.counters()["evictions"] == 0
-    core.unpin(np.array([blocks[0]], dtype=np.uint32))
-    assert len(core.lookup(np.array([1], dtype=np.uint64))) == 1
+    core.unpin(np.array([evicted], dtype=np.uint32))
+    assert len(core.lookup(np.array([1, 2], dtype=np.uint64))) == 2
 
 
-def test_a_failed_append_over_a_lowered_budget_evicts_nothing() -> None:
-    core = kvtier.Core([100], tiers=[("device", 1000)], evict_on_full=True, policy="lru")
+@pytest.mark.parametrize("prefix_aware", [True, False])
+def test_a_failed_append_over_a_lowered_budget_evicts_nothing(prefix_aware: bool) -> None:
+    core = kvtier.Core(
+        [100], tiers=[("device", 1000)], evict_on_full=True, policy="lru", prefix_aware=prefix_aware
+    )
     seq, _ = _blocks(core, 1, 2, 3)
     core.free_sequence(seq)  # 3 cached blocks
     _blocks(core, *range(10, 17))  # 7 live blocks: 1000 bytes in use
@@ -693,7 +1043,10 @@ def test_a_failed_append_over_a_lowered_budget_evicts_nothing() -> None:
     assert core.counters()["cached_blocks"] == 3  # evicting them would not have made room
 
 
-def test_live_blocks_are_dropped_above_the_budget_when_the_ladder_has_a_drop_level() -> None:
+@pytest.mark.parametrize("prefix_aware", [True, False])
+def test_live_blocks_are_dropped_above_the_budget_when_the_ladder_has_a_drop_level(
+    prefix_aware: bool,
+) -> None:
     core = kvtier.Core(
         [8, 4, 0],
         tiers=[("device", 48)],
@@ -702,6 +1055,7 @@ def test_live_blocks_are_dropped_above_the_budget_when_the_ladder_has_a_drop_lev
         recent_window=0,
         sink_blocks=0,
         pressure_only=True,
+        prefix_aware=prefix_aware,
     )
     _blocks(core, *range(1, 7))  # six live blocks, 48 bytes
     core.set_budget("device", 10)
@@ -711,3 +1065,21 @@ def test_live_blocks_are_dropped_above_the_budget_when_the_ladder_has_a_drop_lev
     second = core.plan()
     # The lowest-ranked live blocks are dropped until the tier fits (4 drops: 8 bytes left).
     assert second.summary().get("drop", 0) == 4 and second.unmet_bytes == 0
+
+
+def test_a_block_is_never_its_own_parent() -> None:
+    """A parent is older than the append or linked before the block in it: a repeated hash
+    (the sequence ended on it, and nothing is indexed under it now) has no parent, so the
+    block is not indexed, rather than linked under itself and never evicted."""
+    core = kvtier.Core([8], block_size=1, policy="lru")
+    seq, blocks = _blocks(core, 5, 6)
+    core.forget(np.array([blocks[1]], dtype=np.uint32))  # hash 6 leaves the index
+    again, _ = core.append_blocks(seq, np.array([6], dtype=np.uint64))  # the chain's own hash
+    b = int(again[0])
+    parent = core.block_info(np.array([b], dtype=np.uint32))["parent"].tolist()
+    core.free_sequence(seq)
+    core.set_budget("device", 0)
+    plan = core.plan()
+    core.commit(plan.id)
+    # The block has no block indexed before it: it is not indexed, and nothing stays cached.
+    assert parent == [-1] and core.counters()["live_blocks"] == 0

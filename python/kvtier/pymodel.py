@@ -4,9 +4,9 @@ They are deliberately written the way one would without kvtier: dicts, lists and
 in their logic (numpy arrays given to them are turned into Python lists first).
 
 - :func:`lru_replay` — an exact LRU prefix-cache replay of a trace (the simulator's peer);
-- :class:`ModelCore` — the rules of :class:`kvtier._core.Core` (block table, prefix index,
-  statistics, scheduler) for one device tier; the Hypothesis test drives it and the core with the
-  same random operations and compares them after every step;
+- :class:`ModelCore` — the rules of :class:`kvtier._core.Core` (block table, prefix index and
+  its prefix trees, statistics, scheduler) for one device tier; the Hypothesis test drives it and
+  the core with the same random operations and compares them after every step;
 - :func:`xxh3_64`, :func:`prefix_hashes`, :func:`salted_seed` — the prefix hash chain (salted
   or not), without the extension;
 - :func:`populate`, :func:`model_record_reads`, :func:`model_plan` — the same work for the core
@@ -367,6 +367,9 @@ class ModelPlan:
     noop_promotions: int
     deferred: int
     unmet_bytes: int
+    #: The blocks it evicts that it took out of their prefix tree (prefix-aware), each with its
+    #: parent's hash (``None``: a root), in move order: linked back if cancelled or aborted.
+    parked: list[tuple[int, int | None]] = field(default_factory=list)
 
     def summary(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -387,10 +390,11 @@ class _Seq:
 
 
 class _Pass:
-    __slots__ = ("cap", "deferred", "moved", "moves", "noop", "projected")
+    __slots__ = ("cap", "deferred", "moved", "moves", "noop", "parked", "projected")
 
     def __init__(self, projected: int, cap: int) -> None:
         self.moves: list[Move] = []
+        self.parked: list[tuple[int, int | None]] = []
         self.projected = projected
         self.moved = 0
         self.cap = cap
@@ -406,18 +410,31 @@ class ModelCore:
     times the core against. Covered, exactly as the core does them: one ``device`` tier with an
     optional byte budget; any level ladder (including a ``drop`` level of 0 bytes); sequences
     (``add_sequence``, ``append_blocks``, ``append_tokens`` with chained XXH3 hashes, ``fork``,
-    ``free_sequence``); the prefix index and ``lookup``/``lookup_tokens``; refcounts, cached
-    blocks and eviction on a full device (``evict_on_full``); all statistics (``record_reads``,
-    ``record_attention``, ``set_magnitude``, ``set_learned``) with the core's f32 rounding; all
-    five policies' ranking keys; ``pin``/``unpin``; ``plan``/``commit``/``abort`` — the live
-    rank split with sinks, recent window, ``compression_ratio`` and hysteresis, no-op promotions,
-    the move cap, and budget pressure (demote one level lowest key first, evict cached blocks and
-    drop live ones above the budget); ``set_budget``; the event counters.
+    ``free_sequence``); the prefix index, ``lookup``/``lookup_tokens`` and ``forget``; refcounts,
+    cached blocks and eviction on a full device (``evict_on_full``); all statistics
+    (``record_reads``, ``record_attention``, ``set_magnitude``, ``set_learned``) with the core's
+    f32 rounding; all five policies' ranking keys; ``pin``/``unpin``; ``plan``/``commit``/
+    ``abort`` — the live rank split with sinks, recent window, ``compression_ratio`` and
+    hysteresis, no-op promotions, the move cap, and budget pressure (demote one level lowest key
+    first, drop live blocks above the budget, then evict cached blocks until within it);
+    ``set_budget``; the event counters; ``reclaimable``.
+
+    Prefix trees (``prefix_aware``, the default, as in the core): each indexed block links to its
+    parent, the block indexed under the hash before its own, and is indexed only while it has
+    one (a block at position 0 is a root). Eviction takes leaves only, lowest *eviction key*
+    first (the policy's key, except under ``importance``: reuse first, then importance); a
+    plan's eviction parks the leaf (out of the tree, still indexed) so that its parent may go in
+    the same plan, and commit cancels it if the block was pinned, shared again or given a child
+    meanwhile (linked back, as an abort does); a write short of level-0 slots evicts the lowest
+    level-0 leaf, else the subtree of the lowest-ranked reclaimable level-0 block leaf first;
+    forgetting or dropping a block takes its indexed descendants out of the index too. With
+    ``prefix_aware=False`` the model is the plain core: any cached block may be evicted.
 
     Left out: more than one tier (offload, fetch, write-through backups and real promotions),
-    slot numbers (pools are counted, not indexed) and block ids/sequence ids past 2**32.
-    Arguments are plain Python ints/floats/lists; numpy arrays are accepted and turned into
-    lists first (the conversion is part of the call, so time the model with lists).
+    ``plan(room_bytes)``, ``extend``, ``pool_headroom`` (pass 4), slot numbers (pools are
+    counted, not indexed) and block ids/sequence ids past 2**32. Arguments are plain Python
+    ints/floats/lists; numpy arrays are accepted and turned into lists first (the conversion is
+    part of the call, so time the model with lists).
 
     The f32 rounding costs the model nothing measurable (plain Python floats instead: within
     the noise of the benchmark), so its timings are those of a plain-Python implementation.
@@ -447,6 +464,7 @@ class ModelCore:
         evict_on_full: bool = True,
         namespace: str = "default",
         pool_slots: Sequence[tuple[str, int, int]] = (),
+        prefix_aware: bool = True,
     ) -> None:
         if policy not in POLICIES:
             raise ConfigError(
@@ -515,6 +533,7 @@ class ModelCore:
         self.write_through = write_through  # one tier: there is nowhere to write through to
         self.evict_on_full = evict_on_full
         self.namespace = namespace
+        self.prefix_aware = prefix_aware
         self.seed = namespace_seed(namespace)
         self.explicit_levels = {level for _, level, _ in pool_slots}
         self.last_kept = sum(1 for _ in itertools.takewhile(lambda b: b > 0, lb)) - 1
@@ -554,6 +573,10 @@ class ModelCore:
         self.indexed: list[bool] = []
         self.position: list[int] = []
         self.fill: list[int] = []
+        # The prefix trees (prefix-aware): each indexed block's parent (-1: a root, or not in a
+        # tree) and its indexed children, the one linked last first (the core's `first_child`).
+        self.parent: list[int] = []
+        self.children: list[list[int]] = []
         self.free_ids: list[int] = []
         # Statistics columns.
         self.reads: list[float] = []
@@ -603,7 +626,16 @@ class ModelCore:
         return lambda b: (self.importance[b], self._freq(b), la[b])
 
     def key(self, b: int) -> Key:
-        """The policy's ranking key of block ``b``: lower is demoted and evicted first."""
+        """The policy's ranking key of block ``b``: lower is demoted (and, on a plain core,
+        evicted) first."""
+        return self._key(b)
+
+    def evict_key(self, b: int) -> Key:
+        """The key a prefix-aware core evicts cached leaves by, lowest first: :meth:`key`, but
+        under ``importance`` the decayed reads first, then the importance (whether a block will
+        be loaded again decides its eviction; its importance, its level)."""
+        if self.policy == "importance":
+            return (self._freq(b), self.importance[b], self.last_access[b])
         return self._key(b)
 
     def score(self, b: int) -> float:
@@ -674,6 +706,10 @@ class ModelCore:
             )  # fmt: skip
             for col in columns:
                 col.append(0)  # every column is set below
+            self.parent.append(-1)
+            self.children.append([])
+        # A released block left its tree (eviction takes leaves): no parent, no children.
+        assert self.parent[b] == -1 and not self.children[b]
         self.live[b] = True
         self.refcount[b] = 1
         self.pins[b] = 0
@@ -695,13 +731,11 @@ class ModelCore:
         return b
 
     def _release(self, b: int) -> None:
+        """Frees a block nobody needs: its place in the index (and tree), its slot, its id."""
+        self._leave_prefix_index(b)
         self.live[b] = False
         self.cached.discard(b)
         self._give_slot(self.level[b])
-        if self.indexed[b]:
-            if self.index.get(self.hash[b]) == b:
-                del self.index[self.hash[b]]
-            self.indexed[b] = False
         self.free_ids.append(b)
         self.counters["released"] += 1
 
@@ -715,15 +749,144 @@ class ModelCore:
         ):
             self._release(b)
 
-    def _lowest_cached(self, levels: Iterable[int]) -> int | None:
+    def _lowest(self, levels: Iterable[int], key: Callable[[int], Key]) -> int | None:
+        """The cached block of ``levels`` lowest by ``key``, if any."""
         allowed = set(levels)
         best: tuple[Key, int] | None = None
         for b in self.cached:
             if self.level[b] in allowed:
-                c = (self._key(b), b)
+                c = (key(b), b)
                 if best is None or c < best:
                     best = c
         return None if best is None else best[1]
+
+    def _lowest_evictable(self, levels: Iterable[int]) -> int | None:
+        """What eviction takes first among ``levels``: the cached leaf lowest by eviction key
+        (prefix-aware), else the cached block lowest by key."""
+        if not self.prefix_aware:
+            return self._lowest(levels, self._key)
+        allowed = set(levels)
+        best: tuple[Key, int] | None = None
+        for b in self.cached:
+            if self.level[b] in allowed and not self.children[b]:
+                c = (self.evict_key(b), b)
+                if best is None or c < best:
+                    best = c
+        return None if best is None else best[1]
+
+    def _evict_now(self, b: int) -> None:
+        self.counters["evictions"] += 1
+        self._release(b)
+
+    # ---- the prefix trees ------------------------------------------------------------------------
+
+    def _parent_for(self, position: int, prev: int) -> int | None:
+        """The parent a block at ``position`` whose hash chains on from ``prev`` takes: -1 for a
+        root (position 0, or a plain core), else the block indexed under ``prev``; ``None`` if
+        none is (the block must not be indexed: it could never load)."""
+        if not self.prefix_aware or position == 0:
+            return -1
+        return self.index.get(prev)
+
+    def _attach(self, b: int, parent: int) -> None:
+        self.parent[b] = parent
+        if parent != -1:
+            self.children[parent].insert(0, b)
+
+    def _detach(self, b: int) -> int:
+        """Unlinks ``b``, a leaf, from its parent; returns the parent (-1: none)."""
+        assert not self.children[b], "detaching a block with children"
+        parent = self.parent[b]
+        if parent != -1:
+            self.children[parent].remove(b)
+        self.parent[b] = -1
+        return parent
+
+    def _index_block(self, b: int, h: int, parent: int | None) -> None:
+        """Indexes ``b`` under ``h`` below ``parent`` (from :meth:`_parent_for`), unless the
+        parent is missing or another block holds ``h`` (``b`` then stays private)."""
+        if parent is None or h in self.index:
+            return
+        self.index[h] = b
+        self.indexed[b] = True
+        if self.prefix_aware:
+            self._attach(b, parent)
+
+    def _unindex_leaf(self, b: int) -> None:
+        self.indexed[b] = False
+        if self.index.get(self.hash[b]) == b:
+            del self.index[self.hash[b]]
+        if self.prefix_aware:
+            self._detach(b)
+
+    def _leave_prefix_index(self, b: int) -> None:
+        """Takes ``b`` out of the index with every indexed descendant first, in the core's
+        order; a descendant nothing else holds is released."""
+        if not self.indexed[b]:
+            return
+        # The core's walk: a stack of sibling lists, each child listed, then its children.
+        order: list[int] = []
+        stack = [list(self.children[b])]
+        while stack:
+            for c in stack.pop():
+                order.append(c)
+                stack.append(list(self.children[c]))
+        for c in reversed(order):  # each after its own descendants
+            self._unindex_leaf(c)
+            self._refresh(c)
+            self._release_if_orphan(c)
+        self._unindex_leaf(b)
+
+    def _park(self, b: int) -> int | None:
+        """Takes a leaf a plan evicts out of its tree (it stays indexed until the commit), so
+        that its parent may become a leaf; returns the parent's hash (``None``: a root)."""
+        parent = self._detach(b)
+        return None if parent == -1 else self.hash[parent]
+
+    def _unpark(self, b: int, parent_hash: int | None) -> None:
+        """Links a parked block back (its eviction was cancelled) under the block indexed under
+        ``parent_hash`` now; if none is, the block leaves the index (it could never load)."""
+        if not self.live[b] or not self.indexed[b] or self.parent[b] != -1:
+            return
+        parent = -1
+        if parent_hash is not None:
+            found = self.index.get(parent_hash)
+            if found is None:
+                self._leave_prefix_index(b)
+                return
+            parent = found
+        self._attach(b, parent)
+
+    def _reclaimable(self) -> set[int]:
+        """The cached blocks evicting leaf after leaf can free: every block of their subtree
+        is cached (a plain core: every cached block)."""
+        blocked: set[int] = set()
+        for b in self.live_blocks():
+            if b not in self.cached:
+                p = self.parent[b]
+                while p != -1 and p not in blocked:
+                    blocked.add(p)
+                    p = self.parent[p]
+        return self.cached - blocked
+
+    def reclaimable(self) -> list[tuple[str, int, int, int]]:
+        """``Core.reclaimable()``: (tier, level, blocks, bytes) of each pool's reclaimable
+        blocks."""
+        count = [0] * len(self.level_bytes)
+        for b in self._reclaimable():
+            count[self.level[b]] += 1
+        return [("device", lv, n, n * self.level_bytes[lv]) for lv, n in enumerate(count)]
+
+    def forget(self, ids: Iterable[int]) -> None:
+        """Takes blocks out of the prefix index (prefix-aware: with their indexed descendants);
+        each is freed once nothing holds it."""
+        ids = _as_list(ids)
+        self._check_blocks(ids)
+        for b in ids:
+            if self.indexed[b]:
+                self._leave_prefix_index(b)
+                self._refresh(b)
+                self._release_if_orphan(b)
 
     # ---- sequences -------------------------------------------------------------------------------
 
@@ -761,12 +924,14 @@ class ModelCore:
 
         if fits():
             return
-        # Decided before evicting anything: a failed append evicts nothing.
-        reclaimable = sum(self.level_bytes[self.level[b]] for b in self.cached)
-        cached0 = sum(1 for b in self.cached if self.level[b] == 0)
+        # Decided before evicting anything: a failed append evicts nothing. Evicting the
+        # reclaimable blocks frees their bytes, the level-0 ones their slots too.
+        reclaimable = self._reclaimable()
+        reclaimable_bytes = sum(self.level_bytes[self.level[b]] for b in reclaimable)
+        reclaimable0 = sum(1 for b in reclaimable if self.level[b] == 0)
         free_slots = self.capacity[0] - self.used[0]
-        bytes_ok = self.tier_bytes + need <= budget + reclaimable
-        slots_ok = n <= free_slots + cached0
+        bytes_ok = self.tier_bytes + need <= budget + reclaimable_bytes
+        slots_ok = n <= free_slots + reclaimable0
         if not self.evict_on_full or not bytes_ok or not slots_ok:
             free = max(0, budget - self.tier_bytes)
             bytes_short = not bytes_ok if self.evict_on_full else free < need
@@ -778,7 +943,16 @@ class ModelCore:
             raise OutOfCapacityError(
                 f"out of slots in device/level 0: requested {n}, free {free_slots}"
             )
-        # Candidates, lowest key first per level; evicting only ever removes from them.
+        if self.prefix_aware:
+            # Leaves only: level-0 slots first (each such eviction frees bytes too), then bytes.
+            while n > self.capacity[0] - self.used[0]:
+                self._evict_level0_slot()
+            while not fits():
+                leaf = self._lowest_evictable(range(len(self.level_bytes)))
+                assert leaf is not None, "room was checked before evicting"
+                self._evict_now(leaf)
+            return
+        # A plain core: candidates, lowest key first per level; evicting only removes from them.
         per_level: dict[int, list[tuple[Key, int]]] = {}
         for b in self.cached:
             per_level.setdefault(self.level[b], []).append((self._key(b), b))
@@ -789,8 +963,20 @@ class ModelCore:
             heads = [per_level[lv][-1] for lv in levels if per_level.get(lv)]
             _, b = min(heads)
             per_level[self.level[b]].pop()
-            self.counters["evictions"] += 1
-            self._release(b)
+            self._evict_now(b)
+
+    def _evict_level0_slot(self) -> None:
+        """Evicts one block towards a free level-0 slot: the lowest level-0 leaf by eviction
+        key, else the first leaf down (first children) from the lowest-ranked reclaimable
+        level-0 block (its subtree sits at lower levels; there is one: room was checked)."""
+        leaf = self._lowest_evictable([0])
+        if leaf is None:
+            reclaimable = self._reclaimable()
+            top = min((self._key(b), b) for b in reclaimable if self.level[b] == 0)[1]
+            leaf = top
+            while self.children[leaf]:
+                leaf = self.children[leaf][0]
+        self._evict_now(leaf)
 
     def _share(self, b: int) -> None:
         self.refcount[b] += 1
@@ -825,28 +1011,52 @@ class ModelCore:
                     self._unshare(p)
             raise
         blocks, shared = [], []
-        for h, p in zip(hs, present, strict=True):
+        for k, (h, p) in enumerate(zip(hs, present, strict=True)):
             if p is None:
-                b = self._new_block(start)
+                b = self._new_block(start + k)
                 self.hash[b] = h
                 self.fill[b] = bs
-                self.indexed[b] = self._index_insert(h, b)
+                # Indexed unless another block holds the hash (then it stays private).
+                if h not in self.index:
+                    self.index[h] = b
+                    self.indexed[b] = True
             else:
                 b = p
-            start += 1
             blocks.append(b)
             shared.append(p is not None)
+        if self.prefix_aware and missing:
+            self._link_new_blocks(start, s.chain, hs, blocks, shared)
         s.blocks.extend(blocks)
         s.tokens += bs * len(hs)
         if hs:
             s.chain = hs[-1]
         return blocks, shared
 
-    def _index_insert(self, h: int, b: int) -> bool:
-        if h in self.index:
-            return False
-        self.index[h] = b
-        return True
+    def _link_new_blocks(
+        self, start: int, prev: int, hs: list[int], blocks: list[int], shared: list[bool]
+    ) -> None:
+        """Puts the blocks an append indexed into the prefix trees, in order, each under the
+        block indexed under the hash before it (``prev`` before the first); one whose parent
+        is missing leaves the index again.
+
+        A parent must already be in the tree: not a block of this append linked after it. The
+        core looks the parent up once every new block is indexed, so a chain that repeats the
+        hash the sequence ended on, while no block is indexed under it, makes the first new
+        block a child of itself or of a later one (a cycle: never a leaf, never evicted). The
+        model applies the rule instead (``test_a_block_is_never_its_own_parent`` pins the core's
+        deviation).
+        """
+        unlinked = {b for b, sh in zip(blocks, shared, strict=True) if not sh and self.indexed[b]}
+        for k, b in enumerate(blocks):
+            if b not in unlinked:
+                continue
+            unlinked.discard(b)
+            parent = self._parent_for(start + k, prev if k == 0 else hs[k - 1])
+            if parent is None or parent == b or parent in unlinked:
+                self.indexed[b] = False
+                del self.index[hs[k]]
+            else:
+                self._attach(b, parent)
 
     def append_tokens(self, seq: int, tokens: Iterable[int]) -> tuple[list[int], list[bool]]:
         """Appends token ids; whole blocks whose chained hash is indexed are shared."""
@@ -859,21 +1069,22 @@ class ModelCore:
         chain = s.chain
         if fill and fill + head == bs:
             chain = chain_hash(chain, s.partial + toks[:head])
-        planned: list[tuple[int | None, int | None, int]] = []  # hash, shared block, length
+        # Per block: its hash and the hash before it (a full block), the block it shares, length.
+        planned: list[tuple[int | None, int, int | None, int]] = []
         for i in range(0, len(rest), bs):
             chunk = rest[i : i + bs]
             if len(chunk) == bs:
-                chain = chain_hash(chain, chunk)
-                planned.append((chain, self.index.get(chain), bs))
+                prev, chain = chain, chain_hash(chain, chunk)
+                planned.append((chain, prev, self.index.get(chain), bs))
             else:
-                planned.append((None, None, len(chunk)))
-        for _, p, _ in planned:
+                planned.append((None, chain, None, len(chunk)))
+        for _, _, p, _ in planned:
             if p is not None:
                 self._share(p)
         try:
-            self._ensure_device_room(sum(1 for _, p, _ in planned if p is None))
+            self._ensure_device_room(sum(1 for _, _, p, _ in planned if p is None))
         except OutOfCapacityError:
-            for _, p, _ in planned:
+            for _, _, p, _ in planned:
                 if p is not None:
                     self._unshare(p)
             raise
@@ -882,21 +1093,21 @@ class ModelCore:
             s.partial.extend(toks[:head])
             self.fill[last] += head
             if len(s.partial) == bs:
-                h = chain_hash(s.chain, s.partial)
+                prev, h = s.chain, chain_hash(s.chain, s.partial)
                 s.chain = h
                 s.partial = []
                 self.hash[last] = h
                 # An identical block may already be indexed; this one then stays private.
-                self.indexed[last] = self._index_insert(h, last)
+                self._index_block(last, h, self._parent_for(self.position[last], prev))
         blocks, shared = [], []
         offset = 0
-        for bh, p, n in planned:
+        for bh, prev, p, n in planned:
             if p is None:
                 b = self._new_block(len(s.blocks))
                 self.fill[b] = n
                 if bh is not None:
                     self.hash[b] = bh
-                    self.indexed[b] = self._index_insert(bh, b)
+                    self._index_block(b, bh, self._parent_for(len(s.blocks), prev))
             else:
                 b = p
             if bh is not None:
@@ -1056,6 +1267,11 @@ class ModelCore:
     def live_blocks(self) -> list[int]:
         return [b for b, alive in enumerate(self.live) if alive]
 
+    def block_parent(self, b: int) -> int:
+        """``block_info``'s ``parent``: the block's parent in its prefix tree, -1 for a root, an
+        unindexed block (or one a pending plan evicts) and on a plain core."""
+        return self.parent[b] if self.indexed[b] else -1
+
     def block_hash(self, b: int) -> int:
         """The block's chained hash, 0 for a partial block (as ``block_info``)."""
         return self.hash[b] if self.fill[b] == self.block_size else 0
@@ -1099,7 +1315,7 @@ class ModelCore:
         wishes = self._level_wishes()
         self._move_live_blocks(p, wishes)
         unmet = self._relieve_pressure(p, wishes)
-        plan = ModelPlan(self.next_plan, p.moves, p.noop, p.deferred, unmet)
+        plan = ModelPlan(self.next_plan, p.moves, p.noop, p.deferred, unmet, p.parked)
         self.next_plan += 1
         self.counters["noop_promotions"] += p.noop
         self.counters["deferred_moves"] += p.deferred
@@ -1149,10 +1365,13 @@ class ModelCore:
                 # dropped ones counted: they never come back) are out.
                 out = int(_round_half_away(self.drop_ratio * float(len(ranked) + dropped)))
                 more = min(max(0, out - dropped), len(ranked))
-                ranked.sort()
-                for _, b in ranked[:more]:
-                    want(b, self.drop_level)
-                ranked = ranked[more:]
+                if more:
+                    ranked.sort()
+                    for _, b in ranked[:more]:
+                        want(b, self.drop_level)
+                    # A block a sequence holds twice is out with all its places.
+                    cut = ranked[more - 1]
+                    ranked = [kb for kb in ranked if kb > cut]
             if low == 0:  # only level 0 holds bytes: the blocks kept stay there
                 for _, b in ranked:
                     want(b, 0)
@@ -1222,6 +1441,8 @@ class ModelCore:
             p.projected += self.level_bytes[dst]
         self.moving[b] = True
         self.cached.discard(b)
+        if kind == EVICT and self.prefix_aware and self.indexed[b]:
+            p.parked.append((b, self._park(b)))
         p.moves.append((b, kind, src, dst))
         return True
 
@@ -1241,29 +1462,29 @@ class ModelCore:
             self._push_move(p, b, DROP if lv == self.drop_level else DEMOTE, lv)
 
     def _relieve_pressure(self, p: _Pass, wishes: list[tuple[int, int, bool]]) -> int:
+        """Pass 3: soft actions first, lowest key first among the cached blocks of the levels
+        they can be demoted from and the unprotected live blocks: demote one level; above the
+        budget itself, a live block that cannot be demoted is dropped (with a drop level).
+        Above the budget, with none of that left: evictions, lowest first (see
+        :meth:`_lowest_evictable`). Returns the bytes still over the budget."""
         budget = self.budget
         if budget is None:
             return 0
         soft = int(budget * (1.0 - self.headroom))
-        if p.projected <= soft:
-            return 0
         last_kept, lb, level = self.last_kept, self.level_bytes, self.level
         demotable = self.enable_compression and last_kept > 0
+        # Where nothing can be demoted, only evicting above the budget itself applies.
+        if p.projected <= (soft if demotable else budget):
+            return 0
         key = self._key
         live = [
             (key(b), b)
             for b, _, prot in wishes
             if not prot and self._movable(b) and lb[level[b]] > 0
         ]
-        if not demotable and p.projected <= budget:
-            return 0
         live.sort(reverse=True)  # pop() takes the lowest
-        # Cached candidates per level, lowest last; a block stays a candidate while it is cached.
-        per_level: list[list[tuple[Key, int]]] = [[] for _ in lb]
-        for b in self.cached:
-            per_level[level[b]].append((key(b), b))
-        for cands in per_level:
-            cands.sort(reverse=True)
+        demote_from = [lv for lv in range(len(lb)) if demotable and lv < last_kept]
+        aside: set[int] = set()  # cached blocks no move fits, for the rest of the pass
         skipped: list[tuple[Key, int]] = []  # live blocks no soft action fits, for the hard pass
         hard = False
 
@@ -1274,18 +1495,14 @@ class ModelCore:
             skipped.clear()
             live.sort(reverse=True)
 
-        while True:
-            if p.projected <= (budget if hard else soft):
-                return 0
+        while p.projected > (budget if hard else soft):
             cached: tuple[Key, int] | None = None
-            for lv, cands in enumerate(per_level):
-                if not (hard or (demotable and lv < last_kept)):
-                    continue
-                while cands and cands[-1][1] not in self.cached:
-                    cands.pop()
-                if cands and (cached is None or cands[-1] < cached):
-                    cached = cands[-1]
-            if cached is not None and (not live or live[-1] > cached):
+            for b in self.cached:
+                if level[b] in demote_from and b not in aside:
+                    c = (key(b), b)
+                    if cached is None or c < cached:
+                        cached = c
+            if cached is not None and (not live or cached < live[-1]):
                 b, is_live = cached[1], False
             elif live:
                 b, is_live = live.pop()[1], True
@@ -1293,25 +1510,32 @@ class ModelCore:
                 go_hard()
                 continue
             else:
-                return p.projected - budget
+                break
             lv = level[b]
             if demotable and lv < last_kept:
                 acted = self._push_move(p, b, DEMOTE, lv + 1)
-            elif hard and not is_live:
-                acted = self._push_move(p, b, EVICT, None)
             elif hard and is_live and self.drop_level is not None:
                 acted = self._push_move(p, b, DROP, self.drop_level)
             else:
                 acted = False
-            if not acted and is_live and not hard:
+            if acted:
+                continue
+            if is_live and not hard:
                 skipped.append((key(b), b))
-            elif not acted and not is_live:
-                # The move cap or a full pool stopped a copy: give up the headroom; above the
-                # budget itself the block is evicted (that copies nothing).
+            elif not is_live:
+                # The move cap or a full pool stopped a copy: the headroom is given up for this
+                # plan, and the block waits for the evictions.
                 if not hard:
                     go_hard()
-                else:
-                    self._push_move(p, b, EVICT, None)
+                aside.add(b)
+        # Above the budget itself, with nothing left to demote or drop: evictions.
+        every_level = range(len(lb))
+        while p.projected > budget:
+            b_evict = self._lowest_evictable(every_level)
+            if b_evict is None:
+                return p.projected - budget
+            self._push_move(p, b_evict, EVICT, None)
+        return 0
 
     def _take_pending(self, plan_id: int) -> ModelPlan:
         if self.pending is None or self.pending.id != plan_id:
@@ -1323,28 +1547,35 @@ class ModelCore:
         """Applies the pending plan: sources are freed now."""
         plan = self._take_pending(plan_id)
         c = self.counters
+        parked = iter(plan.parked)
+        next_parked = next(parked, None)
         for b, kind, src, dst in plan.moves:
-            # Pinned meanwhile, or an eviction of a block shared again meanwhile: cancelled.
-            if self.pins[b] > 0 or (kind == EVICT and self.refcount[b] > 0):
-                if kind in (DEMOTE,):
+            # Parked (a prefix-aware eviction of an indexed block): its parent's hash.
+            was_parked, parent_hash = False, None
+            if next_parked is not None and next_parked[0] == b and kind == EVICT:
+                was_parked, parent_hash = True, next_parked[1]
+                next_parked = next(parked, None)
+            # Pinned meanwhile, or an eviction of a block shared again (or given an indexed
+            # child: no leaf any more) meanwhile: cancelled, and a parked block linked back.
+            reshared = kind == EVICT and (self.refcount[b] > 0 or bool(self.children[b]))
+            if self.pins[b] > 0 or reshared:
+                if kind == DEMOTE:
                     assert dst is not None
                     self._give_slot(dst)
                 self.moving[b] = False
                 c["cancelled_moves"] += 1
+                if was_parked:
+                    self._unpark(b, parent_hash)
                 continue
             if kind == EVICT:
                 self.moving[b] = False
-                c["evictions"] += 1
-                self._release(b)
+                self._evict_now(b)
                 continue
             assert dst is not None
             self._give_slot(src)
             self.level[b] = dst
             if kind == DROP:
-                if self.indexed[b]:
-                    if self.index.get(self.hash[b]) == b:
-                        del self.index[self.hash[b]]
-                    self.indexed[b] = False
+                self._leave_prefix_index(b)  # with its descendants: they could never load
                 c["drops"] += 1
             else:
                 c["demotions"] += 1
@@ -1353,13 +1584,16 @@ class ModelCore:
         self._settle(plan)
 
     def abort(self, plan_id: int) -> None:
-        """Drops the pending plan: destinations are freed, every block stays where it was."""
+        """Drops the pending plan: destinations are freed, every block stays where it was (a
+        parked one linked back into its tree)."""
         plan = self._take_pending(plan_id)
         for b, kind, _, dst in plan.moves:
             if kind == DEMOTE:
                 assert dst is not None
                 self._give_slot(dst)
             self.moving[b] = False
+        for b, parent_hash in reversed(plan.parked):
+            self._unpark(b, parent_hash)
         self.counters["aborts"] += 1
         self._settle(plan)
 
@@ -1422,14 +1656,18 @@ def model_plan(model: ModelCore) -> ModelPlan:
     return model.plan()
 
 
-def model_replay(trace: Trace, capacity_blocks: int) -> dict[str, int | float]:
+def model_replay(
+    trace: Trace, capacity_blocks: int, prefix_aware: bool = True
+) -> dict[str, int | float]:
     """What ``kvtier simulate`` does for a full-precision LRU replay of ``trace`` on a device of
-    ``capacity_blocks`` blocks, through :class:`ModelCore` instead of the core: per request a
-    sequence appends the request's blocks (the hits are its leading shared ones), records a read
-    of each, plans and commits, and is freed. The same work as the core's replay, call for call.
+    ``capacity_blocks`` blocks (policy ``lru``, or ``plain-lru`` with ``prefix_aware=False``),
+    through :class:`ModelCore` instead of the core: per request a sequence appends the
+    request's blocks (the hits are its leading shared ones), records a read of each, plans and
+    commits, and is freed. The same work as the core's replay, call for call.
 
-    The model is the test oracle, written to be obviously right rather than fast: it sorts the
-    cached blocks at each eviction, so its time grows with the cache. Time it on a short trace.
+    The model is the test oracle, written to be obviously right rather than fast: it scans (or,
+    plain, sorts) the cached blocks at each eviction, so its time grows with the cache. Time it
+    on a short trace.
     """
     m = ModelCore(
         [1],
@@ -1438,6 +1676,7 @@ def model_replay(trace: Trace, capacity_blocks: int) -> dict[str, int | float]:
         policy="lru",
         evict_on_full=True,
         pressure_only=True,
+        prefix_aware=prefix_aware,
     )
     offsets: list[int] = trace.hash_offsets.tolist()
     ids: list[int] = trace.hash_ids.tolist()

@@ -1612,14 +1612,28 @@ impl Core {
     /// Puts the new blocks an append indexed (`fill_in`) into the prefix tree, each under the
     /// block indexed before it (`prev`: the hash before the first); one whose parent is not
     /// indexed leaves the index again (it would be stranded), and so do the blocks after it.
+    /// A parent must be older than the append or linked before it in this one: hashes that
+    /// repeat (a trace's, a caller's) could otherwise make a block its own ancestor.
     #[inline(never)]
     fn link_new_blocks(&mut self, start: u32, prev: u64, hashes: &[u64], out: &Appended) {
+        let mut unlinked: Vec<u32> = out
+            .blocks
+            .iter()
+            .zip(&out.shared)
+            .filter(|&(&b, &shared)| !shared && self.blocks.rows[b as usize].indexed)
+            .map(|(&b, _)| b)
+            .collect();
+        unlinked.reverse(); // the next to link is last
         for (k, (&b, &shared)) in out.blocks.iter().zip(&out.shared).enumerate() {
             if shared || !self.blocks.rows[b as usize].indexed {
                 continue;
             }
             let before = if k == 0 { prev } else { hashes[k - 1] };
-            match self.parent_for(start + k as u32, before) {
+            let parent = self
+                .parent_for(start + k as u32, before)
+                .filter(|p| !unlinked.contains(p));
+            unlinked.pop();
+            match parent {
                 Some(parent) => {
                     attach(&mut self.blocks.links, &self.blocks.rows, b, parent);
                     if parent != NO_BLOCK {

@@ -218,8 +218,9 @@ def bench_simulate(
             out["lmcache"] = f"skipped: {e}"
     rust = {"wall_s": float("inf")}
     fast: dict[str, Any] = {"wall_s": float("inf")}
+    # Plain LRU: the work the plain-Python LRU and LMCache's simulator do.
     for _ in range(REPLAY_REPEATS):
-        r = run(trace, lru_cfg, policies=["lru"])["results"][0]
+        r = run(trace, lru_cfg, policies=["plain-lru"])["results"][0]
         rust = min(rust, r, key=lambda x: x["wall_s"])
         if events is not None:
             peer = run_lmcache(trace, capacity, fast=True, events=events)
