@@ -1616,23 +1616,24 @@ impl Core {
     /// repeat (a trace's, a caller's) could otherwise make a block its own ancestor.
     #[inline(never)]
     fn link_new_blocks(&mut self, start: u32, prev: u64, hashes: &[u64], out: &Appended) {
-        let mut unlinked: Vec<u32> = out
-            .blocks
-            .iter()
-            .zip(&out.shared)
-            .filter(|&(&b, &shared)| !shared && self.blocks.rows[b as usize].indexed)
-            .map(|(&b, _)| b)
-            .collect();
-        unlinked.reverse(); // the next to link is last
-        for (k, (&b, &shared)) in out.blocks.iter().zip(&out.shared).enumerate() {
-            if shared || !self.blocks.rows[b as usize].indexed {
+        // `scratch` marks the blocks still to link (all `u32::MAX` between calls).
+        let mut unlinked = std::mem::take(&mut self.scratch);
+        unlinked.resize(self.num_block_ids(), u32::MAX);
+        let new = |k: usize| !out.shared[k];
+        for (k, &b) in out.blocks.iter().enumerate() {
+            if new(k) {
+                unlinked[b as usize] = 0;
+            }
+        }
+        for (k, &b) in out.blocks.iter().enumerate().filter(|&(k, _)| new(k)) {
+            unlinked[b as usize] = u32::MAX;
+            if !self.blocks.rows[b as usize].indexed {
                 continue;
             }
             let before = if k == 0 { prev } else { hashes[k - 1] };
             let parent = self
                 .parent_for(start + k as u32, before)
-                .filter(|p| !unlinked.contains(p));
-            unlinked.pop();
+                .filter(|&p| p == NO_BLOCK || unlinked[p as usize] == u32::MAX);
             match parent {
                 Some(parent) => {
                     attach(&mut self.blocks.links, &self.blocks.rows, b, parent);
@@ -1646,6 +1647,7 @@ impl Core {
                 }
             }
         }
+        self.scratch = unlinked;
     }
 
     fn unshare(&mut self, b: u32) {

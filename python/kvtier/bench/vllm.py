@@ -92,7 +92,7 @@ TRACE_BLOCK = 512
 #: Leading blocks that requests must share beyond to be turns of one conversation: every request
 #: of the Mooncake conversation trace starts with the same block (a system prompt).
 MIN_SHARED = 2
-TARGET_LADDER_RATIO = 2.8
+TARGET_LADDER_RATIO = 3.0
 TARGET_HIT_TTFT_RATIO = 0.25
 CONFIGS = ("recompute", "example", "kvtier-bf16", "kvtier-ladder")
 LABELS = {
