@@ -957,11 +957,11 @@ class BlockManager:
             self._execute(plan)
         except (_StoreRefused, _Lost) as exc:
             with self._lock:
-                self.core.abort(plan.id)
+                self.core.abort(plan.id, copied=True)  # some copies may have run
                 return {**plan.summary(), **self._store_failed(exc)}
         except BaseException:
             with self._lock:
-                self.core.abort(plan.id)
+                self.core.abort(plan.id, copied=True)
             raise
         with self._lock:
             self.core.commit(plan.id)

@@ -503,9 +503,20 @@ impl PyCore {
         self.with(py, |c| c.commit(plan_id)).py_err()
     }
 
-    fn abort(&self, py: Python<'_>, plan_id: Int) -> PyResult<()> {
+    /// Drops the pending plan: every block stays where it was. ``copied``: some of its copies
+    /// ran (the engine failed midway), so the blocks it evicted to move others into their
+    /// slots are gone rather than given back.
+    #[pyo3(signature = (plan_id, *, copied = false))]
+    fn abort(&self, py: Python<'_>, plan_id: Int, copied: bool) -> PyResult<()> {
         let plan_id = int_arg("plan_id", plan_id)?;
-        self.with(py, |c| c.abort(plan_id)).py_err()
+        self.with(py, |c| {
+            if copied {
+                c.abort_after_copies(plan_id)
+            } else {
+                c.abort(plan_id)
+            }
+        })
+        .py_err()
     }
 
     /// Columns describing blocks: tier, level, slot, refcount, pinned, position, hash (0 for

@@ -940,7 +940,7 @@ impl Core {
 
     /// Indexes block `b` under `hash` with `parent` (from `parent_for`) unless another block
     /// holds that hash; returns whether it did.
-    fn index_block(&mut self, b: u32, hash: u64, parent: Option<u32>) -> bool {
+    pub(crate) fn index_block(&mut self, b: u32, hash: u64, parent: Option<u32>) -> bool {
         let Some(parent) = parent else {
             return false;
         };

@@ -2,7 +2,10 @@
 //! the rules of ARCHITECTURE.md "Scoring and scheduling"; the engine copies the bytes, then
 //! `commit`s (or `abort`s). Two-phase so that no slot is reused before its copy is done:
 //! planning reserves every destination slot and marks the block as moving; commit frees the
-//! sources; abort frees the destinations.
+//! sources; abort frees the destinations. A plan that makes room may also move a block into the
+//! slot of a cached leaf it evicts for it: the leaf leaves the prefix index at once, and gets
+//! its slot and place back if the plan is aborted before any copy ran (`abort`), not after
+//! (`abort_after_copies`).
 //!
 //! One plan is pending at a time. A plan never leaves a budgeted tier over its budget after
 //! commit (given it was within budget before): bytes only enter a tier through a move admitted
@@ -82,6 +85,19 @@ pub struct Plan {
     /// root): taken out of the tree when planned (their parent may go in the same plan, after
     /// them), linked back if the eviction is cancelled or the plan aborted.
     pub(crate) parked: Vec<(u32, Option<u64>)>,
+    /// Blocks this plan evicts to move another block into their slot (see
+    /// [`Core::move_into_evicted`]): out of the prefix index from the plan on, and back in it
+    /// if the plan is aborted before any copy ran.
+    pub(crate) handed: Vec<Handed>,
+}
+
+/// A cached leaf a plan evicts to give its slot to another move, as it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Handed {
+    pub(crate) victim: u32,
+    pub(crate) loc: Loc,
+    /// Its hash, if it was indexed, and its parent's (`None`: a root).
+    pub(crate) indexed: Option<(u64, Option<u64>)>,
 }
 
 /// Blocks with their ranking keys.
@@ -99,6 +115,7 @@ struct Wish {
 struct Pass {
     moves: Vec<Move>,
     parked: Vec<(u32, Option<u64>)>,
+    handed: Vec<Handed>,
     projected: Vec<u64>,
     moved_bytes: u64,
     cap: u64,
@@ -114,6 +131,7 @@ impl Pass {
         Pass {
             moves: Vec::new(),
             parked: Vec::new(),
+            handed: Vec::new(),
             projected,
             moved_bytes: 0,
             cap,
@@ -187,6 +205,7 @@ impl Core {
             deferred: pass.deferred,
             unmet_bytes: unmet,
             parked: pass.parked,
+            handed: pass.handed,
         }
     }
 
@@ -701,8 +720,9 @@ impl Core {
     /// Moves `b` into the slot of `victim`, a cached leaf this plan evicts for it: below `b`
     /// in its tier (a demotion), or at its level in the next tier (an offload). One plan makes
     /// the room and fills it. The victim leaves the prefix index at once (nothing may share it
-    /// now that its slot takes `b`'s bytes) and its row gives the slot up; commit or abort then
-    /// releases it (an abort cannot restore it).
+    /// while its slot takes `b`'s bytes) and its row gives the slot up; commit releases it, and
+    /// so does an abort after copies ran (its bytes may be gone), while an abort before any
+    /// copy gives it back (see [`Core::abort`]).
     fn move_into_evicted(&mut self, pass: &mut Pass, b: u32, victim: u32) -> bool {
         let loc = self.blocks.rows[b as usize].loc;
         if pass.moved_bytes + self.level_bytes(loc.level) > pass.cap {
@@ -710,12 +730,23 @@ impl Core {
             return false;
         }
         let at = self.blocks.rows[victim as usize].loc;
+        let hash = self.blocks.rows[victim as usize].hash;
+        let indexed = self.blocks.rows[victim as usize].indexed;
         if !self.push_move(pass, victim, MoveKind::Evict, at, None) {
             return false;
         }
-        if pass.parked.last().is_some_and(|p| p.0 == victim) {
-            pass.parked.pop(); // never linked back: it leaves the index now
-        }
+        let parent = match pass.parked.last() {
+            Some(&(p, parent)) if p == victim => {
+                pass.parked.pop(); // it leaves the index now, not at commit
+                parent
+            }
+            _ => None,
+        };
+        pass.handed.push(Handed {
+            victim,
+            loc: at,
+            indexed: indexed.then_some((hash, parent)),
+        });
         self.leave_prefix_index(victim);
         self.blocks.rows[victim as usize].loc.slot = NO_SLOT;
         if at.tier == loc.tier {
@@ -1115,12 +1146,34 @@ impl Core {
 
     /// Drops a pending plan: its destination slots are freed, every block stays where it was.
     pub fn abort(&mut self, plan_id: u64) -> Result<()> {
+        self.abort_plan(plan_id, false)
+    }
+
+    /// [`Core::abort`] of a plan some of whose copies ran: every block stays where it was but
+    /// for those the plan evicted to move another block into their slot, which are gone (their
+    /// bytes may have been overwritten).
+    pub fn abort_after_copies(&mut self, plan_id: u64) -> Result<()> {
+        self.abort_plan(plan_id, true)
+    }
+
+    fn abort_plan(&mut self, plan_id: u64, copied: bool) -> Result<()> {
         let plan = self.take_pending(plan_id)?;
+        // Before any copy, a slot handed on is still its victim's, bytes and all.
+        let handed_back: Vec<Loc> = if copied {
+            Vec::new()
+        } else {
+            plan.handed.iter().map(|h| h.loc).collect()
+        };
         for m in &plan.moves {
-            if let Some(dst) = m.dst {
+            if let Some(dst) = m.dst.filter(|d| !handed_back.contains(d)) {
                 self.give_slot(dst);
             }
             self.blocks.rows[m.block as usize].moving = false;
+        }
+        if !copied {
+            for h in &plan.handed {
+                self.give_back(h);
+            }
         }
         for &(b, parent) in plan.parked.iter().rev() {
             self.unpark(b, parent);
@@ -1128,6 +1181,21 @@ impl Core {
         self.counters.aborts += 1;
         self.settle(&plan);
         Ok(())
+    }
+
+    /// A victim of [`Core::move_into_evicted`] takes its slot back, and its place in the prefix
+    /// index and tree unless another block took its hash or its parent left meanwhile.
+    fn give_back(&mut self, h: &Handed) {
+        let b = h.victim;
+        self.blocks.rows[b as usize].loc = h.loc;
+        let Some((hash, parent)) = h.indexed else {
+            return;
+        };
+        let parent = match parent {
+            None => Some(crate::core::NO_BLOCK),
+            Some(p) => self.index.get(p),
+        };
+        self.index_block(b, hash, parent);
     }
 
     fn take_pending(&mut self, plan_id: u64) -> Result<Plan> {

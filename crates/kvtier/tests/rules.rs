@@ -799,11 +799,11 @@ fn a_write_evicts_below_a_level_0_block_to_free_its_slot() {
 }
 
 /// Room for a new block when every level below is full: the plan evicts the lowest-ranked
-/// cached leaf below and moves a level-0 block into its slot, in one plan. The victim cannot
-/// come back: an aborted plan leaves it evicted and the moved block where it was.
+/// cached leaf below and moves a level-0 block into its slot, in one plan. Aborted before any
+/// copy, the plan gives the victim back; aborted after copies, it cannot.
 #[test]
 fn room_is_made_by_moving_a_block_into_the_slot_of_a_leaf_below_it_evicts() {
-    for commits in [true, false] {
+    for (commits, copied) in [(true, false), (false, false), (false, true)] {
         let mut c = core(Config {
             recent_window: 0,
             sink_blocks: 0,
@@ -840,16 +840,24 @@ fn room_is_made_by_moving_a_block_into_the_slot_of_a_leaf_below_it_evicts() {
             c.lookup(&[1]).is_empty(),
             "the victim left the index with the plan"
         );
+        let used = |c: &Core| c.usage().iter().map(|u| u.used_slots).collect::<Vec<u32>>();
         if commits {
             c.commit(plan.id).unwrap();
             assert_eq!(c.block_loc(live[0]).unwrap(), victim_slot);
+            assert!(c.block_loc(old[0]).is_err());
+            assert_eq!(used(&c), [1, 0, 1]);
+        } else if copied {
+            c.abort_after_copies(plan.id).unwrap();
+            assert_eq!(c.block_loc(live[0]).unwrap().level, 0);
+            assert!(c.block_loc(old[0]).is_err(), "its bytes may be gone");
+            assert_eq!(used(&c), [2, 0, 0]);
         } else {
             c.abort(plan.id).unwrap();
             assert_eq!(c.block_loc(live[0]).unwrap().level, 0);
+            assert_eq!(c.block_loc(old[0]).unwrap(), victim_slot, "given back");
+            assert_eq!(c.lookup(&[1]), old, "and indexed again");
+            assert_eq!(used(&c), [2, 0, 1]);
         }
-        assert!(c.block_loc(old[0]).is_err(), "released either way");
         assert_eq!(c.counters().evictions, u64::from(commits));
-        let used: Vec<u32> = c.usage().iter().map(|u| u.used_slots).collect();
-        assert_eq!(used, if commits { [1, 0, 1] } else { [2, 0, 0] });
     }
 }
