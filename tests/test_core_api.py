@@ -340,7 +340,11 @@ def test_a_full_device_refuses_new_blocks_naming_the_budget() -> None:
 @pytest.mark.parametrize("prefix_aware", [True, False])
 def test_a_full_device_evicts_cached_blocks_when_allowed(prefix_aware: bool) -> None:
     core = kvtier.Core(
-        [64], tiers=[("device", 64 * 4)], evict_on_full=True, policy="lru", prefix_aware=prefix_aware
+        [64],
+        tiers=[("device", 64 * 4)],
+        evict_on_full=True,
+        policy="lru",
+        prefix_aware=prefix_aware,
     )
     done = core.add_sequence()
     core.append_blocks(done, np.arange(1, 5, dtype=U64))

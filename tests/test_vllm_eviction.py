@@ -2,7 +2,9 @@
 the connector's host tier holds a fraction of a multi-turn workload's prefixes (``kvtier bench
 vllm``'s workload: the bundled Mooncake conversations in WikiText-2 tokens, scaled down), under
 ``importance`` (the connector's default) and ``lru``. Eviction takes leaves of the prefix trees,
-so every held token is loadable, and no save fails while cached blocks hold the room."""
+so every held token is loadable, and no save fails while cached blocks hold the room. (The
+plain policies strand blocks behind evicted ones: 1,248 of 1,376 held tokens loadable under
+plain LRU in ``kvtier bench vllm``, 96 under plain importance.)"""
 
 from __future__ import annotations
 
@@ -25,16 +27,16 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 
-def test_the_ladder_holds_only_loadable_prefixes_and_importance_hits_as_often_as_lru(
-    vllm_model_dir: Any,
-) -> None:
-    from kvtier.bench.vllm import QUICK, distinct_blocks, make_workload, run_config
+def test_the_ladder_holds_only_loadable_prefixes_and_refuses_no_save(vllm_model_dir: Any) -> None:
+    """Twelve requests of five conversations, 36 distinct prompt blocks, against a host budget
+    of 12 bf16 blocks (the ladder holds about 33 blocks at int4). Which policy hits more is a
+    benchmark's figure (``kvtier bench vllm``), not this test's: here both must hit, evict,
+    hold only blocks a prompt can load, and save every block."""
+    from kvtier.bench.vllm import FULL, distinct_blocks, make_workload, run_config
 
-    # Four bf16 blocks of host budget: the ladder holds about nine of the twelve distinct
-    # prompt blocks, so eviction decides what the later turns find.
-    settings = dataclasses.replace(QUICK, host_blocks=4, output_tokens=2)
+    settings = dataclasses.replace(FULL, prompt_tokens=3000, host_blocks=12, output_tokens=2)
     work = make_workload(settings)
-    results = {}
+    distinct = distinct_blocks(work.turns)
     for policy in ("importance", "lru"):
         result, _ = run_config(
             "kvtier-ladder",
@@ -45,11 +47,9 @@ def test_the_ladder_holds_only_loadable_prefixes_and_importance_hits_as_often_as
             {"policy": policy},
             lambda *_: None,
         )
-        results[policy] = result
         held = result["held"]
-        assert 0 < held["tokens"] < distinct_blocks(work.turns) * 32, (policy, held)
+        assert 0 < held["tokens"] < distinct * 32, (policy, held)
         assert held["loadable_tokens"] == held["tokens"], (policy, held)
         assert result["kvtier"]["connector"]["save_failures"] == 0, policy
         assert result["kvtier"]["evictions"] > 0, policy
-        assert result["connector_hit_rate"] > 0, policy
-    assert results["importance"]["connector_hit_rate"] >= results["lru"]["connector_hit_rate"]
+        assert result["connector_hit_rate"] > 0.1, (policy, result["connector_hit_rate"])

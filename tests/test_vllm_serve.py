@@ -1,7 +1,7 @@
 """``vllm serve`` with the connector, as a user runs it: vLLM's own processes (scheduler and
 worker apart, so the scheduler asks the worker's tiers over its socket), an HTTP server on a
-loopback port, two completions of one prompt with vLLM's prefix cache emptied between them, and
-kvtier's counters on vLLM's ``/metrics``."""
+loopback port, completions of one prompt (computed, then from vLLM's own prefix cache, then,
+that cache emptied, loaded from kvtier) and kvtier's counters on vLLM's ``/metrics``."""
 
 from __future__ import annotations
 
@@ -93,10 +93,13 @@ def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
                 assert time.monotonic() < deadline, "vllm serve did not come up"
                 time.sleep(2)
         body = {"model": str(vllm_model_dir), "prompt": prompt, "max_tokens": 8, "temperature": 0}
-        first = json.loads(call(f"{base}/v1/completions", body))
+        json.loads(call(f"{base}/v1/completions", body))  # computed, and saved
+        cached = json.loads(call(f"{base}/v1/completions", body))  # vLLM's own prefix hit
         call(f"{base}/reset_prefix_cache", {})
-        second = json.loads(call(f"{base}/v1/completions", body))
-        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        loaded = json.loads(call(f"{base}/v1/completions", body))  # kvtier's
+        # A load gives what vLLM's own prefix hit gives: the same blocks in its pool, the rest
+        # computed alike (a recompute runs other kernels: on a CPU with AMX, other rounding).
+        assert loaded["choices"][0]["text"] == cached["choices"][0]["text"]
         text = call(f"{base}/metrics").decode()
         loadable = (len(prompt) - 1) // BLOCK
         assert metric(text, "vllm:kvtier_saved_blocks_total") == len(prompt) // BLOCK

@@ -632,10 +632,15 @@ class ModelCore:
 
     def evict_key(self, b: int) -> Key:
         """The key a prefix-aware core evicts cached leaves by, lowest first: :meth:`key`, but
-        under ``importance`` the decayed reads first, then the importance (whether a block will
-        be loaded again decides its eviction; its importance, its level)."""
+        under ``importance`` the decayed accesses first (the write counting as one), then the
+        importance (whether a block will be loaded again decides its eviction; its importance,
+        its level)."""
         if self.policy == "importance":
-            return (self._freq(b), self.importance[b], self.last_access[b])
+            # The block's write counts as one access: an unread block's count is 0 as of the
+            # step that wrote it.
+            reads = max(self.reads[b], 1.0)
+            reuse = math.log(reads) + self.reads_step[b] * self._log_inv
+            return (reuse, self.importance[b], self.last_access[b])
         return self._key(b)
 
     def score(self, b: int) -> float:

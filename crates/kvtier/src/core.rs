@@ -109,13 +109,16 @@ impl Ranking<'_> {
 
     /// The key eviction ranks a cached leaf by (prefix-aware cores): [`Ranking::key`], but
     /// under `importance`, reuse first, then importance. Eviction decides whether a block will
-    /// be loaded again, which its decayed reads tell; how much attention needs its precision,
-    /// which importance tells, decides its level (`key`: demotion and offload order).
+    /// be loaded again, which its decayed accesses tell (its write counting as one, so that a
+    /// block saved now outranks one read once long ago); how much attention needs its
+    /// precision, which importance tells, decides its level (`key`: demotion and offload
+    /// order).
     #[inline(always)]
     pub(crate) fn evict_key(&self, b: usize, row: &BlockRow) -> Key {
         match self.cfg.policy {
             PolicyKind::Importance => Key::new(
-                self.decay.log_count(row.reads, row.reads_step),
+                // An unread block's count is 0 as of the step that wrote it.
+                self.decay.log_count(row.reads.max(1.0), row.reads_step),
                 f64::from(self.stats[b].importance),
                 row.last_access,
             ),
@@ -1626,14 +1629,14 @@ impl Core {
             }
         }
         for (k, &b) in out.blocks.iter().enumerate().filter(|&(k, _)| new(k)) {
-            unlinked[b as usize] = u32::MAX;
-            if !self.blocks.rows[b as usize].indexed {
-                continue;
-            }
             let before = if k == 0 { prev } else { hashes[k - 1] };
             let parent = self
                 .parent_for(start + k as u32, before)
                 .filter(|&p| p == NO_BLOCK || unlinked[p as usize] == u32::MAX);
+            unlinked[b as usize] = u32::MAX;
+            if !self.blocks.rows[b as usize].indexed {
+                continue;
+            }
             match parent {
                 Some(parent) => {
                     attach(&mut self.blocks.links, &self.blocks.rows, b, parent);
