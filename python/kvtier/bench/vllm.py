@@ -37,7 +37,7 @@ Four configurations, one engine each, the same requests:
 
 The workload offers more distinct blocks than either configuration's budget holds (the full
 run's 55 prompt blocks against B = 16 bf16 blocks, of which the ladder's int4 pool alone takes
-43), so what each holds at the end is what its budget can hold, not what the workload offers
+46), so what each holds at the end is what its budget can hold, not what the workload offers
 (``--quick``'s 12 blocks fit both budgets: its ratio says nothing).
 
 Per configuration: hit rates (tokens the connector loaded, vLLM's
