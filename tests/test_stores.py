@@ -783,6 +783,26 @@ def test_budgeted_stores_evict_by_the_cores_policy(kind: str, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("kind", ["host", "disk"])
+def test_budgeted_stores_evict_a_prefix_tail_first(kind: str, tmp_path: Path) -> None:
+    """Blocks of a prefix under their hashes, each linked to the one before it: eviction takes
+    the leaves (the tail), never a block whose later blocks are held, whatever the policy says
+    (here lru, whose least recent block is the prefix's first)."""
+    one = len(sealed(data=payload(1000)))
+    store = _budgeted(kind, tmp_path, 4 * one, "lru")
+    prefix = [11, 12, 13]  # put in order: 11 is the least recent
+    store.put_many([*prefix, 20], [payload(1000)] * 4)
+    store.set_parents(prefix[1:], prefix[:-1])
+    store.set_parents([99], [11])  # a key not held is skipped
+    with pytest.raises(InvalidArgumentError, match="one per key"):
+        store.set_parents([12, 13], [11])
+    assert store.put_many([30, 31], [payload(1000)] * 2) == [True, True]
+    # 13 (the tail, the least recent leaf) went, then 12 (a leaf then, less recent than 20):
+    # what is left of the prefix still loads
+    assert [k for k in (*prefix, 20, 30, 31) if store.contains(k)] == [11, 20, 30, 31]
+    assert store.put(32, payload(1000)) and not store.contains(11) and store.contains(20)
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
 def test_bad_policy_or_scores_are_refused(kind: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match='unknown policy "fifo"'):
         _budgeted(kind, tmp_path, 1000, "fifo")

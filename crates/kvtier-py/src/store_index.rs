@@ -83,6 +83,13 @@ impl PyStoreIndex {
         self.lock().set_scores(&keys, &scores).py_err()
     }
 
+    /// Links each key to the key before it in a prefix (`parents[i]` before `keys[i]`): a key
+    /// with children is evicted only after them. Pairs not both held, keys linked already and
+    /// links that would close a cycle are skipped.
+    fn set_parents(&self, keys: Vec<String>, parents: Vec<String>) -> PyResult<()> {
+        self.lock().set_parents(&keys, &parents).py_err()
+    }
+
     /// The keys, lowest-ranked (next evicted) first.
     fn eviction_order(&self) -> Vec<String> {
         self.lock().eviction_order()

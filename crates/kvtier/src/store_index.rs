@@ -6,6 +6,11 @@
 //! `lfu` by decayed access count (decayed once per batch, a store's step), and the policies that
 //! rank by a measured signal (`importance`, `h2o`, `scissorhands`) by the caller's score, then
 //! as `lfu`. A key never scored ranks with score 0, below every scored key with a positive score.
+//!
+//! Keys that name blocks of a prefix (a block's value is worth loading only while every block
+//! before it is held) may be linked to the key before them (`set_parents`): eviction then takes
+//! leaves only, as the core's does, so no value is stranded behind an evicted one. A link holds
+//! while both keys do; removing a key with children unlinks them (their parent is gone).
 
 // foldhash, not SipHash: a store looks a key up on every put and get (keys are namespaced block
 // hashes; foldhash is seeded per process).
@@ -17,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::evict::{EvictionQueue, Ticket};
 use crate::stats::DecayTable;
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Row {
     key: String,
     bytes: u64,
@@ -28,6 +33,34 @@ struct Row {
     /// Bumped on every re-rank and on removal, so older queue entries of the row read stale.
     version: u32,
     live: bool,
+    /// The row of the key before this one in a prefix, while `parent_life` is its `life`.
+    parent: u32,
+    parent_life: u32,
+    /// Bumped when the row is freed: links to its former key read stale.
+    life: u32,
+    /// Keys linked to this one as their parent (it is evicted only once none is left).
+    children: u32,
+}
+
+const NO_ROW: u32 = u32::MAX;
+
+impl Default for Row {
+    fn default() -> Self {
+        Row {
+            key: String::new(),
+            bytes: 0,
+            reads: 0.0,
+            reads_step: 0,
+            last_access: 0,
+            score: 0.0,
+            version: 0,
+            live: false,
+            parent: NO_ROW,
+            parent_life: 0,
+            life: 0,
+            children: 0,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -96,10 +129,17 @@ impl StoreIndex {
     }
 
     /// Records a value of `bytes` under `key` (replacing what the key held), first evicting
-    /// the lowest-ranked other keys until it fits. Returns the evicted keys, lowest first, or
-    /// `None`, with nothing changed, when the value is larger than the whole budget.
+    /// the lowest-ranked other keys until it fits (leaves first). Returns the evicted keys,
+    /// lowest first, or `None`, with nothing changed, when the value is larger than the whole
+    /// budget less what the keys before it in its prefix hold (they stay while it does).
     pub fn admit(&mut self, key: &str, bytes: u64) -> Option<Vec<String>> {
-        if bytes > self.budget {
+        let mut kept = 0;
+        let mut at = self.by_key.get(key).and_then(|&r| self.parent_of(r));
+        while let Some(a) = at {
+            kept += self.rows[a as usize].bytes;
+            at = self.parent_of(a);
+        }
+        if bytes.saturating_add(kept) > self.budget {
             return None;
         }
         // A key already held gives its bytes back and keeps its row (a replacement allocates
@@ -142,16 +182,73 @@ impl StoreIndex {
         Some(evicted)
     }
 
-    /// Forgets `key`; returns the bytes it held.
+    /// Forgets `key`; returns the bytes it held. Its parent may become a leaf; its children
+    /// lose their link.
     pub fn remove(&mut self, key: &str) -> Option<u64> {
         let r = self.by_key.remove(key)?;
+        if let Some(p) = self.parent_of(r) {
+            let parent = &mut self.rows[p as usize];
+            parent.children -= 1;
+            if parent.children == 0 {
+                self.rank(p); // a leaf now: back in the queue
+            }
+        }
         let row = &mut self.rows[r as usize];
         row.live = false;
         row.version = row.version.wrapping_add(1);
+        row.life = row.life.wrapping_add(1);
+        (row.parent, row.children) = (NO_ROW, 0);
         row.key.clear();
         self.bytes -= row.bytes;
         self.free_rows.push(r);
         Some(row.bytes)
+    }
+
+    /// The row of the key `r`'s key is linked to, while both are held.
+    fn parent_of(&self, r: u32) -> Option<u32> {
+        let row = &self.rows[r as usize];
+        let p = row.parent;
+        (p != NO_ROW && self.rows[p as usize].life == row.parent_life).then_some(p)
+    }
+
+    /// Links each key to the key before it in a prefix (`parents[i]` before `keys[i]`): a key
+    /// with children is evicted only after them. Pairs whose keys are not both held, a key
+    /// linked already, and a link that would close a cycle are skipped.
+    pub fn set_parents<S: AsRef<str>>(&mut self, keys: &[S], parents: &[S]) -> Result<()> {
+        if keys.len() != parents.len() {
+            return Err(Error::LengthMismatch {
+                what: "parents",
+                expected: keys.len(),
+                got: parents.len(),
+            });
+        }
+        for (key, parent) in keys.iter().zip(parents) {
+            let (Some(&c), Some(&p)) = (
+                self.by_key.get(key.as_ref()),
+                self.by_key.get(parent.as_ref()),
+            ) else {
+                continue;
+            };
+            if self.parent_of(c).is_some() {
+                continue;
+            }
+            // `p`'s ancestors must not include `c` (nor `p` be `c`).
+            let mut at = Some(p);
+            while let Some(a) = at {
+                if a == c {
+                    break;
+                }
+                at = self.parent_of(a);
+            }
+            if at.is_some() {
+                continue;
+            }
+            let life = self.rows[p as usize].life;
+            let child = &mut self.rows[c as usize];
+            (child.parent, child.parent_life) = (p, life);
+            self.rows[p as usize].children += 1; // no leaf: its queue entries read stale
+        }
+        Ok(())
     }
 
     /// One batch of reads (a store's step): each known key's access count and recency.
@@ -196,14 +293,30 @@ impl StoreIndex {
         Ok(())
     }
 
-    /// The keys in eviction order, lowest first (what `admit` would evict next).
+    /// The keys in eviction order, lowest first (what `admit` would evict next): the lowest
+    /// leaf, then the lowest of the leaves left, a parent becoming one when its last child goes.
     pub fn eviction_order(&self) -> Vec<String> {
-        let mut ranked: Vec<(Key, u32)> = self.by_key.values().map(|&r| (self.key(r), r)).collect();
-        ranked.sort_unstable();
-        ranked
-            .into_iter()
-            .map(|(_, r)| self.rows[r as usize].key.clone())
-            .collect()
+        use std::cmp::Reverse;
+        let mut children: HashMap<u32, u32> = HashMap::default();
+        let mut leaves = std::collections::BinaryHeap::new();
+        for &r in self.by_key.values() {
+            match self.rows[r as usize].children {
+                0 => leaves.push(Reverse((self.key(r), r))),
+                n => _ = children.insert(r, n),
+            }
+        }
+        let mut order = Vec::with_capacity(self.by_key.len());
+        while let Some(Reverse((_, r))) = leaves.pop() {
+            order.push(self.rows[r as usize].key.clone());
+            if let Some(p) = self.parent_of(r) {
+                let n = children.get_mut(&p).expect("a parent counts its children");
+                *n -= 1;
+                if *n == 0 {
+                    leaves.push(Reverse((self.key(p), p)));
+                }
+            }
+        }
+        order
     }
 
     fn key(&self, r: u32) -> Key {
@@ -237,9 +350,10 @@ impl StoreIndex {
         }
     }
 
+    /// Whether a queue entry stands for its row: live, its version, and a leaf.
     fn current(rows: &[Row], t: &Ticket) -> bool {
         let row = &rows[t.block as usize];
-        row.live && row.version == t.version
+        row.live && row.version == t.version && row.children == 0
     }
 
     fn lowest(&mut self) -> Option<u32> {
@@ -336,6 +450,49 @@ mod tests {
             ix.admit("d", 1);
             assert_eq!(ix.eviction_order(), ["d"], "{policy:?}");
         }
+    }
+
+    /// Linked keys go leaf first: a prefix loses its tail, never a block in its middle, and a
+    /// parent becomes a leaf when its last child goes.
+    #[test]
+    fn linked_keys_are_evicted_leaf_first() {
+        let mut ix = index(PolicyKind::Lru, 40);
+        for k in ["a", "b", "c", "x"] {
+            ix.admit(k, 10);
+        }
+        // a <- b <- c (c the tail), x alone; by recency a would go first.
+        ix.set_parents(&["b", "c"], &["a", "b"]).unwrap();
+        assert_eq!(ix.eviction_order(), ["c", "b", "a", "x"]);
+        assert_eq!(
+            ix.admit("y", 20),
+            Some(vec!["c".to_owned(), "b".to_owned()])
+        );
+        assert!(ix.contains("a") && ix.contains("x"));
+        // a leaf again: it goes next, before x
+        assert_eq!(ix.admit("z", 10), Some(vec!["a".to_owned()]));
+        // a link needs both keys held, is made once, and never closes a cycle
+        ix.set_parents(&["y", "z", "y"], &["x", "y", "z"]).unwrap();
+        assert_eq!(ix.eviction_order(), ["z", "y", "x"]);
+        assert!(ix.set_parents(&["y"], &[]).is_err());
+        // Removing a key with children unlinks them; the row reused keeps no link.
+        ix.remove("y");
+        assert_eq!(ix.eviction_order(), ["x", "z"]);
+        ix.admit("w", 10);
+        assert_eq!(ix.eviction_order(), ["x", "z", "w"]);
+    }
+
+    /// A key's new value never evicts the keys before it: room only they hold refuses it.
+    #[test]
+    fn a_replacement_keeps_its_prefix() {
+        let mut ix = index(PolicyKind::Lru, 30);
+        ix.admit("a", 10);
+        ix.admit("b", 10);
+        ix.set_parents(&["b"], &["a"]).unwrap();
+        assert_eq!(ix.admit("b", 25), None, "a must stay while b is held");
+        assert_eq!((ix.len(), ix.used_bytes()), (2, 20));
+        assert_eq!(ix.admit("b", 20), Some(vec![]));
+        // Another key's room: the leaf b goes, not a (older, but b's parent).
+        assert_eq!(ix.admit("c", 10), Some(vec!["b".to_owned()]));
     }
 
     #[test]

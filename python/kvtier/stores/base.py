@@ -133,6 +133,20 @@ class KVStore(ABC):
             )
         self._rank([self.namespace.key(k) for k in keys], [float(s) for s in scores])
 
+    def set_parents(self, keys: Sequence[str | int], parents: Sequence[str | int]) -> None:
+        """Says that ``parents[i]`` is the key before ``keys[i]`` in a prefix (a block's value is
+        worth loading only while every block before it is held, as with prefix hashes). A store
+        that evicts by a budget (host and disk stores) then evicts leaves only, so no value is
+        stranded behind an evicted one; other stores (a Redis server evicts under its own
+        ``maxmemory-policy``) ignore it. Keys not both held are skipped."""
+        self._check_open()
+        if len(keys) != len(parents):
+            raise InvalidArgumentError(
+                f"set_parents: {len(keys)} keys but {len(parents)} parents; expected one per key"
+            )
+        key = self.namespace.key
+        self._link([key(k) for k in keys], [key(p) for p in parents])
+
     def keys(self) -> Iterator[str]:
         """The keys of this namespace (as given to ``put``; hashes as 16 hex digits)."""
         self._check_open()
@@ -178,6 +192,9 @@ class KVStore(ABC):
 
     def _rank(self, keys: list[str], scores: list[float]) -> None:  # noqa: B027 (optional)
         """Scores of full keys for a store whose policy ranks by them; others ignore them."""
+
+    def _link(self, keys: list[str], parents: list[str]) -> None:  # noqa: B027 (optional)
+        """Prefix links of full keys for a store that evicts by a budget; others ignore them."""
 
     def _get(self, keys: list[str]) -> list[Any]:
         """The stored blobs (any buffer) or None; backend errors become None (and are counted
@@ -286,3 +303,8 @@ class BudgetedStore(KVStore):
     def _rank(self, keys: list[str], scores: list[float]) -> None:
         with self._lock:
             self._index.set_scores([self._index_key(k) for k in keys], scores)
+
+    def _link(self, keys: list[str], parents: list[str]) -> None:
+        index_key = self._index_key
+        with self._lock:
+            self._index.set_parents([index_key(k) for k in keys], [index_key(p) for p in parents])
