@@ -977,13 +977,20 @@ def test_a_block_shared_while_its_eviction_is_pending_is_not_freed_under_the_seq
     assert len(core.lookup(np.array([1], dtype=np.uint64))) == 1
 
 
-def test_a_prefix_shared_while_its_eviction_is_pending_stays_whole() -> None:
+def _pending_eviction_of_a_prefix() -> tuple[kvtier.Core, list[int], kvtier.Plan]:
+    """A prefix-aware core whose pending plan evicts the last two blocks of a cached prefix of
+    four (the leaf, then its parent)."""
     core = _lru(400, prefix_aware=True)
     seq, blocks = _blocks(core, 1, 2, 3, 4)
     core.free_sequence(seq)
     core.set_budget("device", 200)
     plan = core.plan()
-    assert plan.block.tolist() == [blocks[3], blocks[2]]  # the leaf, then its parent
+    assert plan.block.tolist() == [blocks[3], blocks[2]]
+    return core, blocks, plan
+
+
+def test_a_prefix_shared_while_its_eviction_is_pending_stays_whole() -> None:
+    core, blocks, plan = _pending_eviction_of_a_prefix()
     _blocks(core, 1, 2, 3, 4)  # the whole prefix is shared again
     core.commit(plan.id)
     # The leaf's eviction is cancelled and it is linked back under its parent, whose eviction
@@ -997,12 +1004,7 @@ def test_a_prefix_shared_while_its_eviction_is_pending_stays_whole() -> None:
 
 
 def test_a_block_given_a_child_while_its_eviction_is_pending_stays() -> None:
-    core = _lru(400, prefix_aware=True)
-    seq, blocks = _blocks(core, 1, 2, 3, 4)
-    core.free_sequence(seq)
-    core.set_budget("device", 200)
-    plan = core.plan()
-    assert plan.block.tolist() == [blocks[3], blocks[2]]
+    core, _, plan = _pending_eviction_of_a_prefix()
     core.set_budget("device", None)
     seq2, blocks2 = _blocks(core, 1, 2, 3, 9)  # a request that ends after block 2 ...
     core.free_sequence(seq2)  # ... and is done: block 2 is cached, with a cached child

@@ -1141,7 +1141,7 @@ impl Core {
             cfg: &self.cfg,
             decay: &self.decay,
             stats: &self.stats,
-        };
+        }; // not self.ranking(): the queue below is borrowed mutably
         let (rows, links) = (&self.blocks.rows, &self.blocks.links);
         let queue = self.caches[pool].queue(which);
         let top = match which {
@@ -1314,30 +1314,26 @@ impl Core {
 
     // ---- ranking -------------------------------------------------------------------------------
 
+    /// What ranking keys are computed from besides a block's row.
+    #[inline(always)]
+    fn ranking(&self) -> Ranking<'_> {
+        Ranking {
+            cfg: &self.cfg,
+            decay: &self.decay,
+            stats: &self.stats,
+        }
+    }
+
     /// The policy's ranking key of a block. Lower is demoted, offloaded, evicted first.
     #[inline(always)]
     pub(crate) fn key(&self, b: usize) -> Key {
-        let Core {
-            cfg,
-            decay,
-            blocks,
-            stats,
-            ..
-        } = self;
-        Ranking { cfg, decay, stats }.key(b, &blocks.rows[b])
+        self.ranking().key(b, &self.blocks.rows[b])
     }
 
     /// The eviction key of a block (see [`Ranking::evict_key`]).
     #[inline(always)]
     pub(crate) fn evict_key(&self, b: usize) -> Key {
-        let Core {
-            cfg,
-            decay,
-            blocks,
-            stats,
-            ..
-        } = self;
-        Ranking { cfg, decay, stats }.evict_key(b, &blocks.rows[b])
+        self.ranking().evict_key(b, &self.blocks.rows[b])
     }
 
     // ---- sequences -----------------------------------------------------------------------------

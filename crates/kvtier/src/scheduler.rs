@@ -559,7 +559,7 @@ impl Core {
     }
 
     /// [`Core::push_move`] into slot `slot` of the destination pool when given (a slot an
-    /// eviction of this plan handed on, see [`Core::demote_into_evicted`]), else a free one.
+    /// eviction of this plan handed on, see [`Core::move_into_evicted`]), else a free one.
     fn push_move_into(
         &mut self,
         pass: &mut Pass,
