@@ -248,6 +248,34 @@ def test_plain_csv_and_format_detection(tmp_path: Path) -> None:
         load_trace(bad)
 
 
+_LENGTHS_CSV = "timestamp,input_length,output_length\n0,512,1\n250,1536,2\n"
+#: One small trace of each format, by file name (the suffix does not decide the format).
+_TRACE_TEXTS = {
+    "lengths.csv": _LENGTHS_CSV,
+    "lengths.txt": _LENGTHS_CSV,
+    "azure.csv": "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    + "".join(f"{t},{c},{g}\n" for t, c, g in AZURE_ROWS),
+    "mooncake.jsonl": json.dumps(GOOD) + "\n",
+    "mooncake.txt": json.dumps(GOOD) + "\n",
+    "mooncake.jsonl.gz": json.dumps(GOOD) + "\n",
+}
+
+
+@pytest.mark.parametrize("name", list(_TRACE_TEXTS))
+def test_a_utf8_byte_order_mark_is_read_past(tmp_path: Path, name: str) -> None:
+    """Spreadsheet programs (Excel's "CSV UTF-8") and some editors start a file with a UTF-8
+    byte-order mark: the trace loads, by the format its first line says, as it does without."""
+    plain, marked = tmp_path / ("plain-" + name), tmp_path / ("bom-" + name)
+    data = _TRACE_TEXTS[name].encode("utf-8")
+    compress = gzip.compress if name.endswith(".gz") else bytes
+    plain.write_bytes(compress(data))
+    marked.write_bytes(compress(b"\xef\xbb\xbf" + data))
+    a, b = load_trace(plain), load_trace(marked)
+    assert b.format == a.format
+    for array in _ARRAYS:
+        assert np.array_equal(getattr(a, array), getattr(b, array)), array
+
+
 @pytest.mark.parametrize("case", list(BAD_TRACES))
 def test_a_bad_trace_file_raises_trace_error_naming_file_and_line(
     tmp_path: Path, case: str

@@ -220,6 +220,7 @@ MAX_REQUEST_TOKENS = 100_000_000
 def _lines(path: Path) -> Generator[tuple[int, str], None, None]:
     """The file's lines, numbered from 1, as text. Gzip is sniffed from the magic bytes rather
     than trusted to the suffix; each line is decoded on its own so that a bad byte names its line.
+    A UTF-8 byte-order mark before the first line (spreadsheet programs write one) is skipped.
     """
     with open(path, "rb") as raw:
         is_gzip = raw.read(2) == b"\x1f\x8b"
@@ -237,6 +238,8 @@ def _lines(path: Path) -> Generator[tuple[int, str], None, None]:
                         hint="a trace is UTF-8 text, optionally gzip-compressed: "
                         "check that this is the trace file",
                     ) from None
+                if lineno == 1:
+                    text = text.removeprefix("\ufeff")
                 yield lineno, text
         except (EOFError, gzip.BadGzipFile, zlib.error):
             raise TraceError(
