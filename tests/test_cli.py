@@ -389,6 +389,10 @@ def test_simulate_plot_without_a_suffix_reports_the_png_it_wrote(
     [
         (["--device-bytes", "1e30"], "--device-bytes: invalid size '1e30': expected at most"),
         (["--host-bytes", str(2**64)], "--host-bytes: invalid size"),
+        (["--device-bytes", "0"], "--device-bytes: expected a positive size"),
+        (["--host-bytes", "0GiB"], "--host-bytes: expected a positive size"),
+        (["--disk-bytes", "0"], "--disk-bytes: expected a positive size"),
+        (["--remote-bytes", "0.4"], "--remote-bytes: expected a positive size"),
         (["--remote-bytes", "1e20"], "(2**64 - 1, 16 EiB) bytes"),
         (
             ["--device-blocks", str(2**64)],

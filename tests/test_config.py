@@ -265,6 +265,30 @@ def test_every_byte_field_takes_the_sizes_its_variable_takes(
     assert getattr(KvtierConfig(**{field: expected}), field) == expected
 
 
+TIER_BUDGETS = ["device_budget", "host_budget", "disk_budget", "remote_budget"]
+
+
+@pytest.mark.parametrize("field", TIER_BUDGETS)
+@pytest.mark.parametrize("value", [0, "0", "0GiB", "0.1"])
+def test_a_tier_budget_of_no_bytes_is_refused(field: str, value: object) -> None:
+    """A tier of 0 bytes would be built and then refuse every block: the config says so (an
+    unset budget is how a tier is left out; "0.1" rounds to 0 bytes)."""
+    with pytest.raises(ConfigError) as info:
+        KvtierConfig(**{field: value})  # type: ignore[arg-type]
+    assert str(info.value) == (
+        f"{field}: expected a positive byte count (unset: no {field.split('_')[0]} tier), "
+        f"got {value!r}"
+    )
+    var = f"KVTIER_{field.upper()}"
+    with pytest.raises(ConfigError, match=rf"^{var}: {field}: expected a positive .*got 0$"):
+        KvtierConfig.from_env(environ={var: str(value)})
+    assert getattr(KvtierConfig(**{field: 1}), field) == 1
+
+
+def test_max_move_bytes_of_zero_still_means_no_moves() -> None:
+    assert KvtierConfig(max_move_bytes=0).max_move_bytes == 0
+
+
 def test_the_readme_block_manager_config() -> None:
     cfg = KvtierConfig.from_env(environ={}, device_blocks=4096, host_budget="16GiB")
     assert (cfg.device_blocks, cfg.host_budget) == (4096, 16 * 2**30)

@@ -815,6 +815,22 @@ def test_bad_policy_or_scores_are_refused(kind: str, tmp_path: Path) -> None:
     assert store.get(1) is not None
 
 
+@pytest.mark.parametrize("kind", ["host", "disk"])
+@pytest.mark.parametrize("budget", [0, -1, 2**63, 1.5, True, "1GiB"])
+def test_a_budget_that_is_not_a_positive_byte_count_is_refused_at_construction(
+    kind: str, budget: object, tmp_path: Path
+) -> None:
+    """A budget of 0 bytes would open a store that refuses every put: the constructor says so
+    (naming the argument, the value and what it takes), and a disk store makes no directory."""
+    with pytest.raises(InvalidArgumentError) as info:
+        _budgeted(kind, tmp_path / "kv", budget, "lru")  # type: ignore[arg-type]
+    expected = "expected a positive number of bytes (at most 2**63 - 1)"
+    assert str(info.value) == f"budget: {expected}, got {budget!r}"
+    assert not (tmp_path / "kv").exists()
+    assert _budgeted(kind, tmp_path / "kv", 1, "lru").budget == 1
+    assert _budgeted(kind, tmp_path / "top", 2**63 - 1, "lru").budget == 2**63 - 1
+
+
 def test_disk_reopened_under_a_smaller_budget_keeps_the_newest(tmp_path: Path) -> None:
     one = len(sealed(data=payload(1000)))
     store = DiskStore(tmp_path, NS, 10 * one)

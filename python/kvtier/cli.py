@@ -71,6 +71,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _budget(text: str) -> int:
+    """A tier's budget: a size of at least one byte (a tier of none would hold nothing)."""
+    size = _size(text)
+    if size == 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive size (leave the option out for no such tier), got {text!r}"
+        )
+    return size
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -194,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     device = sim.add_mutually_exclusive_group()
     device.add_argument(
         "--device-bytes",
-        type=_size,
+        type=_budget,
         metavar="SIZE",
         help="device tier budget (default: 64GiB, about what an 80 GB GPU keeps for KV next to "
         "Llama-3-8B's weights: 1,000 full-precision 512-token blocks)",
@@ -208,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     for tier in ("host", "disk", "remote"):
         sim.add_argument(
             f"--{tier}-bytes",
-            type=_size,
+            type=_budget,
             metavar="SIZE",
             help=f"{tier} tier budget (default: no {tier} tier)",
         )

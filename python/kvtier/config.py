@@ -667,23 +667,36 @@ def _integer(cfg: KvtierConfig, name: str, lo: int, *, what: str = "an integer")
 #: Fields in bytes. Each takes what its variable takes (``8GiB``, ``512MB``, ``1e9``, ``4096``)
 #: as well as an int.
 _BYTE_FIELDS = ("device_budget", "host_budget", "disk_budget", "remote_budget", "max_move_bytes")
+#: The byte fields that are a tier's budget: more than 0 bytes when set.
+_TIER_BUDGETS = _BYTE_FIELDS[:4]
 
 
 def _byte_count(cfg: KvtierConfig, name: str) -> int:
     value = getattr(cfg, name)
     if isinstance(value, str):
         try:
-            return parse_bytes(value)
+            count = parse_bytes(value)
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}") from None
-    if isinstance(value, bool) or not isinstance(value, Integral) or int(value) < 0:
+    elif isinstance(value, bool) or not isinstance(value, Integral) or int(value) < 0:
+        count = -1
+    elif int(value) > MAX_SIZE:
+        raise ConfigError(f"{name}: expected {_MAX_SIZE_TEXT} bytes, got {value!r}")
+    else:
+        count = int(value)
+    if name in _TIER_BUDGETS and count == 0:
+        # A tier of no bytes would be built, then refuse every block; unset leaves it out.
         raise ConfigError(
-            f"{name}: expected a byte count: a non-negative int or a size such as '16GiB', "
+            f"{name}: expected a positive byte count (unset: no "
+            f"{name.removesuffix('_budget')} tier), got {value!r}"
+        )
+    if count < 0:
+        least = "positive" if name in _TIER_BUDGETS else "non-negative"
+        raise ConfigError(
+            f"{name}: expected a byte count: a {least} int or a size such as '16GiB', "
             f"'512MB', '1e9', got {value!r}"
         )
-    if int(value) > MAX_SIZE:
-        raise ConfigError(f"{name}: expected {_MAX_SIZE_TEXT} bytes, got {value!r}")
-    return int(value)
+    return count
 
 
 def _block_count(cfg: KvtierConfig, name: str) -> int:

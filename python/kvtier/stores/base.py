@@ -275,6 +275,10 @@ class KVStore(ABC):
         return out
 
 
+#: The largest budget a store's index counts (a signed 64-bit byte count).
+MAX_BUDGET = 2**63 - 1
+
+
 class BudgetedStore(KVStore):
     """A store within a byte budget (the host and disk stores): the core's
     :class:`kvtier._core.StoreIndex` counts its values and ranks them under ``policy`` for
@@ -282,8 +286,11 @@ class BudgetedStore(KVStore):
 
     def __init__(self, namespace: Namespace, budget: int, policy: str) -> None:
         super().__init__(namespace)
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise InvalidArgumentError(f"budget: expected bytes >= 0, got {budget!r}")
+        # A budget of 0 bytes would make a store that refuses every put.
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= MAX_BUDGET:
+            raise InvalidArgumentError(
+                f"budget: expected a positive number of bytes (at most 2**63 - 1), got {budget!r}"
+            )
         self.budget = budget
         self._index = StoreIndex(policy, budget)
         self._lock = threading.Lock()
