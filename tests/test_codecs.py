@@ -578,9 +578,10 @@ def test_rotated_int2_is_int2_of_the_hadamard_rotated_vectors_and_holds_outliers
     x[:, :, 1, ..., 9] *= 30  # an outlier channel of values: a 2-bit per-token group cannot
     rot, plain = get_codec("int2-rot"), get_codec("int2")
     h = _hadamard(64, "cpu")
-    torch.testing.assert_close(h @ h.T, torch.eye(64), atol=1e-6, rtol=0)
+    assert bool((h.abs() == 1).all())
+    torch.testing.assert_close(h @ h.T, 64 * torch.eye(64), atol=0, rtol=0)
     got = rot.decode(rot.encode(x), dtype=torch.float32)
-    want = plain.decode(plain.encode(x @ h), dtype=torch.float32) @ h.T
+    want = plain.decode(plain.encode(x @ h / 64), dtype=torch.float32) @ h.T
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert rot.bytes_per_block(shape) == plain.bytes_per_block(shape)
     err = {
@@ -590,9 +591,92 @@ def test_rotated_int2_is_int2_of_the_hadamard_rotated_vectors_and_holds_outliers
     assert err["int2-rot"] < 0.85 * err["int2"], err
     with pytest.raises(PayloadError):  # another format: never decoded as plain int2
         plain.decode(rot.encode(x))
+    # version 1 rotated by H / sqrt(D) (issue 41): its bytes are refused, not read sqrt(D) off
+    with pytest.raises(PayloadError, match="v1"):
+        rot.decode(dataclasses.replace(rot.encode(x), version=1))
     with pytest.raises(InvalidArgumentError, match="not a power of two"):
         rot.bytes_per_block(BlockShape(2, 2, 16, 96))
     assert not rot.has_kernels and plain.has_kernels
+
+
+def half_steps(codec: QuantCodec, y: Any) -> Any:
+    """The unrotated asymmetric codec's bound on ``|y' - y|`` for each value of ``y`` (float64
+    ``[n, L, 2, H, B, D]``): half a step of its group, ``(max - min) / (2 * levels)``, plus the
+    fp16 rounding of the group's scale and zero point (a few ulps of its magnitude) and fp32
+    sums (the codec's ``x @ H``)."""
+    assert codec.asymmetric
+    levels = 2**codec.bits - 1
+    n, L, _, H, B, D = y.shape
+    g = codec.group(BlockShape(L, H, B, D))
+
+    def bound(groups: Any, dim: int) -> Any:
+        mn, mx = groups.amin(dim, keepdim=True), groups.amax(dim, keepdim=True)
+        fp16 = 2.0**-10 * (mn.abs() + (mx - mn))
+        fp32 = 2.0**-22 * D * torch.maximum(mn.abs(), mx.abs())
+        return ((mx - mn) / (2 * levels) + fp16 + fp32).expand_as(groups)
+
+    out = torch.empty_like(y)
+    for kv in (0, 1):
+        part = y[:, :, kv]
+        if kv == 0 and codec.key_per_channel:  # groups along the block's tokens
+            out[:, :, kv] = bound(part, -2)
+        else:
+            out[:, :, kv] = bound(part.reshape(n, L, H, B, D // g, g), -1).reshape(part.shape)
+    return out
+
+
+FP16_MAX = 65504.0
+
+
+@pytest.mark.parametrize("kind", ["constant", "fp16-max", "random"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("name", ["int2-rot", "int2-rot-g64"])
+def test_rotated_int2_keeps_the_unrotated_error_bound_for_every_input_in_its_range(
+    name: str, head_dim: int, dtype: str, kind: str
+) -> None:
+    """Issue 41: a block of 10000.0 decoded to 8188 (K) and -11,572 .. 18,828 (V), and fp16-max
+    blocks to ~87 % error or inf: the Hadamard rotation took a coherent vector sqrt(D) times
+    past fp16, where the scales saturate. The rotated codec must quantize vectors no larger
+    than its inputs, so that the unrotated codec's bound holds on them, rotated back."""
+    from kvtier.codecs.quant import _hadamard
+
+    codec = get_codec(name)
+    assert isinstance(codec, QuantCodec)
+    shape = BlockShape(2, 2, 16, head_dim, dtype)
+    g = torch.Generator().manual_seed(head_dim)
+    # the largest magnitude within the codec's range (fp16's) that the dtype holds
+    top = 65280.0 if dtype == "bf16" else FP16_MAX
+    if kind == "constant":
+        x = torch.full((2, *shape.dims), 10000.0)
+    elif kind == "fp16-max":
+        signs = torch.randint(0, 2, (2, *shape.dims), generator=g) * 2.0 - 1
+        x = signs * top
+    else:
+        x = torch.randn((2, *shape.dims), generator=g)
+    x = x.to(TORCH_DTYPES[dtype])
+    got = codec.decode(codec.encode(x)).double()  # in the model dtype: inf would show
+    x = x.double()
+    # within the codec's range, as the dtype rounds it (bf16: 65536)
+    assert float(got.abs().max()) <= float(torch.tensor(FP16_MAX).to(TORCH_DTYPES[dtype]))
+    err = got - x
+
+    # the bound the unrotated codec keeps on what the rotated one quantizes, y = x H / D, for
+    # each head vector: ||x' - x|| = sqrt(D) ||y' - y|| (H H^T = D I; clamping only helps)
+    h = torch.sign(_hadamard(head_dim, "cpu")).double()
+    y = x @ h / head_dim
+    assert float(y.abs().max()) <= float(x.abs().max()) * (1 + 1e-12)
+    bound = head_dim**0.5 * half_steps(codec, y).norm(dim=-1)
+    assert bool((err.norm(dim=-1) <= bound).all()), float((err.norm(dim=-1) / bound).max())
+
+    # what a user sees (measured 0.0008-0.0011, 0.25-0.28 and 0.36-0.40; before the fix
+    # 0.55-0.87, inf and the same 0.36-0.40): a constant comes back within 1 % everywhere (no
+    # sign flip), fp16-max values at int2's error on Gaussian data, ordinary data as before
+    rel = float(err.norm() / x.norm())
+    if kind == "constant":
+        assert float(err.abs().max()) <= 100.0, float(err.abs().max())
+    else:
+        assert rel < (0.35 if kind == "fp16-max" else 0.45), rel
 
 
 # ---- 6. transcode -------------------------------------------------------------------------------

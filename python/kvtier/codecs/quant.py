@@ -20,6 +20,19 @@ where ``s' = s`` if ``s > 0`` else 1, ``fp16()`` rounds to nearest even after cl
 ±65504, ``round`` is half-to-even, and every step is a single fp32 operation. Decoding is
 ``q * s (+ z)`` in fp32. Inputs beyond the fp16 range saturate.
 
+Rotated codecs (``rotate=True``, torch reference only) quantize ``y = x @ H / D`` instead of the
+head vectors ``x``, with ``H`` the ``[D, D]`` Hadamard matrix of :func:`_hadamard` (entries ±1,
+``H @ H.T == D * I``), and decode ``x = y @ H.T``, clamped to ±65504. Dividing by ``D`` rather
+than ``sqrt(D)`` (the orthogonal rotation) bounds every ``|y|`` by ``max |x|``: a rotated
+vector never leaves the range an unrotated one may hold (the orthogonal rotation takes a
+coherent vector, such as a constant, ``sqrt(D)`` times past it, where fp16 scales saturate), so
+the rotated codec's error on ``y`` obeys the unrotated codec's bound, and ``x``'s error is that
+error rotated back (``||x' - x|| = sqrt(D) * ||y' - y||`` a head vector). Clamping the decoded
+values to the codec's range only brings them closer to the input. The price is at the other
+end: a spread-out vector's ``y`` is ``sqrt(D)`` times smaller than before, so its scales reach
+fp16's subnormals (below 6.1e-5) for groups of ``|x|`` under about ``1e-4 * sqrt(D)``. Format
+version 2; version 1 (the orthogonal rotation) is refused.
+
 Codes narrower than a byte are packed ``8 / bits`` a byte along the head dimension, low bits
 first: element ``per * i + j`` of a row sits at bits ``bits * j`` .. ``bits * j + bits - 1`` of
 byte ``i`` (int4: element ``2i`` in the low nibble; int2: element ``4i + j`` at bits ``2j, 2j + 1``).
@@ -93,6 +106,8 @@ class QuantCodec(Codec):
             # The kernels read codes of unrotated K/V; a rotated codec runs the torch reference
             # (on any device) and attention stages its blocks decoded.
             self.has_kernels = False
+            # v1 rotated by H / sqrt(D): its bytes would decode sqrt(D) times too large here.
+            self.version = 2
 
     @property
     def format(self) -> str:
@@ -202,7 +217,8 @@ class QuantCodec(Codec):
         torch = torch_module()
         x = blocks.float()
         if self.rotate:
-            x = x @ _hadamard(x.shape[-1], x.device)
+            D = x.shape[-1]
+            x = (x @ _hadamard(D, x.device)).mul_(1.0 / D)  # |x| stays within max |blocks|
         n, L, _, H, B, D = x.shape
         parts = {}
         if not self.key_per_channel:
@@ -227,7 +243,9 @@ class QuantCodec(Codec):
 
     def _decode(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
         x = self._dequantize(parts, shape)
-        return x @ _hadamard(shape.head_dim, x.device).T if self.rotate else x
+        if not self.rotate:
+            return x
+        return (x @ _hadamard(shape.head_dim, x.device).T).clamp_(-_FP16_MAX, _FP16_MAX)
 
     def _dequantize(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
         torch = torch_module()
@@ -287,10 +305,11 @@ class QuantCodec(Codec):
 
 
 def _hadamard(dim: int, device: Any) -> torch.Tensor:
-    """The orthogonal ``[dim, dim]`` rotation of rotated codecs: a Sylvester Hadamard matrix
-    with fixed random column signs, scaled by ``dim ** -0.5`` (QuaRot's choice, Ashkboos et al.,
-    2024). Rotating a head vector spreads its outlier channels over all of them, which is what
-    2-bit groups cannot hold; being orthogonal, it is undone exactly by its transpose."""
+    """The ``[dim, dim]`` rotation of rotated codecs: a Sylvester Hadamard matrix with fixed
+    random column signs (QuaRot's choice, Ashkboos et al., 2024), entries ±1, so
+    ``H @ H.T == dim * I``. Rotating a head vector spreads its outlier channels over all of them,
+    which is what 2-bit groups cannot hold. Encoding divides by ``dim`` (exact, a power of two),
+    decoding multiplies by the transpose: the products are exact, the sums fp32."""
     return _hadamard_cpu(dim).to(device)
 
 
@@ -302,7 +321,7 @@ def _hadamard_cpu(dim: int) -> torch.Tensor:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     # fixed signs (a seeded generator: the same matrix on every machine, so stored rows decode)
     signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(0)) * 2 - 1
-    return h * signs.float()[None, :] / dim**0.5
+    return h * signs.float()[None, :]
 
 
 class Int8Codec(QuantCodec):
