@@ -213,6 +213,21 @@ def test_bad_arguments_raise_invalid_argument_before_anything_is_read() -> None:
         call(q=q[:, :, :3].contiguous(), out=out[:, :, :3].contiguous())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_query_is_refused_not_answered_with_zeros(bad: float) -> None:
+    """The kernel's softmax drops a NaN score, so a NaN query would come back as a row of
+    zeros with zero mass (SDPA gives NaN): the kernel and the reference refuse it instead."""
+    args = problem(codecs=["fp32", "int8"], lengths=(40, 20))
+    q = args[0].clone()
+    q[1, 0, 1, 5] = bad
+    out, mass = torch.zeros_like(q), torch.full(args[2].shape, -1.0)
+    with pytest.raises(InvalidArgumentError, match="q: expected finite values, got NaN or inf"):
+        attend_cpu(q, out, mass, *args[1:])
+    assert not out.any() and (mass == -1).all(), "nothing written"
+    with pytest.raises(InvalidArgumentError, match="q: expected finite values"):
+        reference(q, *args[1:])
+
+
 def test_the_binding_checks_what_it_is_given() -> None:
     """``_core.attend`` itself refuses a slot past its pool, a layer past its pool and a
     descriptor that lies, whatever the Python checks did."""

@@ -428,3 +428,8 @@ def test_bad_arguments_raise_before_anything_is_launched(torch_cuda: Any) -> Non
     slots_on_gpu = torch.from_numpy(good[2] + 5).cuda()
     with pytest.raises(InvalidArgumentError, match="slot"):  # checked on a host copy
         attend_cuda(q, out, mass, good[0], good[1], slots_on_gpu, [pool], shape, 0, 0.1)
+    for bad in (float("nan"), float("inf")):  # the kernel would give such a row zeros
+        nan_q = q.clone()
+        nan_q[0, 0, 1, 7] = bad
+        with pytest.raises(InvalidArgumentError, match="q: expected finite values"):
+            attend_cuda(nan_q, out, mass, *good, [pool], shape, 0, 0.1)

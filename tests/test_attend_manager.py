@@ -193,6 +193,60 @@ def test_bad_queries_get_clear_errors_and_change_nothing() -> None:
     assert bm.num_tokens(seq) == 20
 
 
+def test_non_finite_queries_are_refused_and_record_nothing() -> None:
+    """One NaN (or inf) in a query would reach the kernels as a row of zeros with zero mass,
+    which looks like an answer and teaches the scheduler that its blocks are unread: refused,
+    for one sequence and in a batch, before any mass is recorded (the scores a step computes
+    equal those of a twin manager that was never asked)."""
+
+    def two_sequences() -> tuple[BlockManager, list[int]]:
+        bm = manager()
+        seqs = [bm.add_sequence() for _ in range(2)]
+        x = kv(3 * BS, seed=9)
+        for seq in seqs:
+            for layer in range(LAYERS):
+                bm.append(seq, layer, x[layer, 0], x[layer, 1])
+        return bm, seqs
+
+    def scores(bm: BlockManager, seqs: list[int]) -> Any:
+        bm.step()
+        blocks = np.concatenate([bm.core.sequence_blocks(s) for s in seqs])
+        return bm.core.block_info(blocks)["score"]
+
+    (bm, seqs), (twin, _) = two_sequences(), two_sequences()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        one = queries(1, 1)
+        one[0, 1, 3] = bad
+        batch = torch.stack([queries(1, 2), one])
+        for ids, q in ((seqs[0], one), (seqs, batch)):
+            with pytest.raises(InvalidArgumentError, match="q: expected finite values"):
+                bm.attend(ids, 0, q)
+    np.testing.assert_array_equal(scores(bm, seqs), scores(twin, seqs))
+    bm.attend(seqs, 0, torch.stack([queries(1, 2), queries(1, 3)]))  # good ones still record
+    assert not np.array_equal(scores(bm, seqs), scores(twin, seqs))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"q": queries(1, 1).to("meta")}, "q: expected torch.float16 on cpu, got .* on meta"),
+        ({"scale": "x"}, "scale: expected a finite number or None, got 'x'"),
+        ({"scale": float("nan")}, "scale: expected a finite number or None, got nan"),
+        ({"seqs": torch.tensor(0)}, "seqs: expected a sequence id or a list of them, got Tensor"),
+        ({"seqs": "abc"}, "seqs: expected a sequence id or a list of them, got str 'abc'"),
+        ({"seqs": [0.5]}, "seqs: expected integer sequence ids, got float 0.5"),
+    ],
+)
+def test_attend_argument_errors_name_the_argument(arguments: dict, message: str) -> None:
+    bm = manager()
+    seq = bm.add_sequence()
+    x = kv(BS, seed=9)
+    bm.append(seq, 0, x[0, 0], x[0, 1])
+    call = {"seqs": seq, "q": queries(1, 1), **arguments}
+    with pytest.raises(InvalidArgumentError, match=message):
+        bm.attend(call.pop("seqs"), 0, call.pop("q"), **call)
+
+
 def test_one_token_appends_store_what_bulk_appends_store() -> None:
     """The decode path (one token, the extension's write) against one bulk append, for every
     dtype, with strided views as transformers hands them; NaN is refused, nothing stored."""

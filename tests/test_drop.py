@@ -95,6 +95,29 @@ def test_drops_are_one_way_and_the_ratio_counts_those_already_gone():
     assert bm.lookup(torch.arange(56).tolist()) <= min(now) * BS, "a dropped block is no hit"
 
 
+@pytest.mark.parametrize("tokens", [32, 33])
+def test_the_newest_block_never_drops_whatever_the_window(tokens: int) -> None:
+    """With no window and no sink, a drop ratio of 1 would take every block out of attention
+    (the query saw zeros, mass 0): the newest block, the one being written, always stays."""
+    config = KvtierConfig(
+        ladder="fp32,drop", drop_ratio=1.0, block_size=16, recent_window=0, sink_blocks=0
+    )
+    bm = manager(config, layers=1)
+    s, k, v = filled(bm, tokens)
+    bm.step()
+    newest = (tokens - 1) // 16
+    assert newest not in dropped_blocks(bm, s).tolist()
+    assert len(dropped_blocks(bm, s)) == newest, "every other block left"
+    K, V = bm.gather(s, 0)
+    assert torch.equal(K, k[newest * 16 :]) and torch.equal(V, v[newest * 16 :])
+    q = torch.randn(1, 4, 64)
+    out, mass = bm.attend(s, 0, q, return_mass=True)
+    assert mass[0, newest] == pytest.approx(1.0) and out.abs().sum() > 0
+    # A chunk of queries reaching back past the kept block would see no key: refused.
+    with pytest.raises(InvalidArgumentError, match=r"would see no key.*recent_window of at least"):
+        bm.attend(s, 0, torch.randn(tokens - newest * 16 + 1, 4, 64))
+
+
 def test_a_drop_level_must_be_last_and_a_drop_ratio_needs_one():
     with pytest.raises(ConfigError, match="'drop' must be the last level"):
         KvtierConfig(ladder="fp16,drop,int4")

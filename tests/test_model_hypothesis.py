@@ -908,8 +908,8 @@ def test_a_committed_drop_takes_the_descendants_out_of_the_index() -> None:
     done, _ = pair.both("add_sequence")
     pair._append_blocks(int(done), [1, 2, 3, 4, 5, 6])
     pair.both("free_sequence", done)  # 5 and 6 cached after the live prefix
-    pair.checked_plan()
-    assert pair.pending is not None and pair.pending[0].summary() == {"drop": 2, "demote": 2}
+    pair.checked_plan()  # the newest live block stays at level 0
+    assert pair.pending is not None and pair.pending[0].summary() == {"drop": 2, "demote": 1}
     pair.finish("commit")
     pair.check()
     assert _lookups(pair.core, [1, 2, 3, 4, 5, 6]) == [0]
@@ -1061,12 +1061,13 @@ def test_live_blocks_are_dropped_above_the_budget_when_the_ladder_has_a_drop_lev
     )
     _blocks(core, *range(1, 7))  # six live blocks, 48 bytes
     core.set_budget("device", 10)
-    first = core.plan()  # all six demoted to level 1: 24 bytes, 14 still over
-    assert first.summary() == {"demote": 6} and first.unmet_bytes == 14
+    # Five demoted to level 1 (the newest block stays at level 0): 28 bytes, 18 still over.
+    first = core.plan()
+    assert first.summary() == {"demote": 5} and first.unmet_bytes == 18
     core.commit(first.id)
     second = core.plan()
-    # The lowest-ranked live blocks are dropped until the tier fits (4 drops: 8 bytes left).
-    assert second.summary().get("drop", 0) == 4 and second.unmet_bytes == 0
+    # The lowest-ranked live blocks are dropped until the tier fits: all five, 8 bytes left.
+    assert second.summary().get("drop", 0) == 5 and second.unmet_bytes == 0
 
 
 def test_a_block_is_never_its_own_parent() -> None:

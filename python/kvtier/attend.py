@@ -55,7 +55,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _core
-from .codecs.base import BlockShape, Codec, _cupy_available, dtype_name, torch_module
+from .codecs.base import (
+    BlockShape,
+    Codec,
+    _cupy_available,
+    all_finite,
+    dtype_name,
+    torch_module,
+)
 from .codecs.identity import IdentityCodec
 from .codecs.quant import QuantCodec
 from .errors import InvalidArgumentError
@@ -188,6 +195,8 @@ def check_problem(
                 raise InvalidArgumentError(f"block_slot: a slot out of range of pool {i}")
     if not math.isfinite(scale):
         raise InvalidArgumentError(f"scale: expected a finite number, got {scale}")
+    if not all_finite(q):  # else a row of zeros that looks like an answer
+        raise InvalidArgumentError("q: expected finite values, got NaN or inf")
     return Problem(S, Q, Hq, shape.kv_heads, B, D, M, layer, float(scale))
 
 

@@ -242,7 +242,9 @@ def attend_cuda(
     ``seq_lens``, ``block_pool`` and ``block_slot`` are numpy arrays (checked, then uploaded) or
     int32 tensors on q's device: those are copied to the host and checked too (a synchronising
     copy) unless ``trusted`` says the caller built them in range (the kernel follows every
-    index it is given)."""
+    index it is given). ``q`` is checked to be finite (NaN or inf is refused: the kernel would
+    give such a row zeros), a synchronising read that ``trusted`` skips too: a trusting caller
+    vouches for its queries."""
     torch = torch_module()
     check_shapes(q, pools, shape, layer)
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:

@@ -65,7 +65,7 @@ import numpy as np
 from ._core import Core, Plan, prefix_hashes, write_token
 from .attend import FLOAT_CODES, PoolView, describe, readable, run_attention
 from .codecs import BlockShape, Codec, IdentityCodec, get_codec
-from .codecs.base import as_tensor, dtype_name, torch_dtype, torch_module
+from .codecs.base import all_finite, as_tensor, dtype_name, torch_dtype, torch_module
 from .config import KvtierConfig, normalize_dtype
 from .errors import (
     BlockLostError,
@@ -254,6 +254,8 @@ class _AttentionBatch:
     #: ``(row, column, block)`` of the blocks that were not complete in every layer when it was
     #: built: a shared one may not be written yet at the layer attention reads
     unsure: list[tuple[int, int, int]]
+    #: per sequence, the index of its first block still in attention (not dropped)
+    first_kept: np.ndarray
 
     @classmethod
     def build(cls, bm: BlockManager, ids: tuple[int, ...]) -> _AttentionBatch:
@@ -271,13 +273,28 @@ class _AttentionBatch:
             for col in np.nonzero((bm._written[b] < bm.block_size).any(axis=1))[0].tolist():
                 unsure.append((row, col, int(b[col])))
         staged = bool((pools == -2).any())
-        return cls(bm._epoch, blocks, counts, pools, slots, staged, unsure)
+        kept = pools != -1
+        first_kept = np.where(kept.any(axis=1), kept.argmax(axis=1), counts)
+        return cls(bm._epoch, blocks, counts, pools, slots, staged, unsure, first_kept)
 
-    def check(self, bm: BlockManager, ids: tuple[int, ...], tokens: list[int], layer: int) -> None:
-        """Raises for a block of the first ``tokens`` tokens that ``layer`` has not written
-        (a shared block whose owner is behind). Usually one block a sequence: the one being
-        filled."""
+    def check(
+        self, bm: BlockManager, ids: tuple[int, ...], tokens: list[int], layer: int, queries: int
+    ) -> None:
+        """Raises for a query that would see no key (every block up to its own dropped: a
+        chunk longer than the recent window) and for a block of the first ``tokens`` tokens
+        that ``layer`` has not written (a shared block whose owner is behind; usually one block
+        a sequence: the one being filled)."""
         bs, written = bm.block_size, bm._written
+        first = np.asarray(tokens) - queries  # each sequence's first query's position
+        blind = np.nonzero(self.first_kept * bs > first)[0]
+        if len(blind):
+            row = int(blind[0])
+            raise InvalidArgumentError(
+                f"q: the query at token {first[row]} of sequence {ids[row]} would see no key: "
+                f"its blocks before token {self.first_kept[row] * bs} have left attention (the "
+                f"drop level); a chunk of {queries} queries needs a recent_window of at least "
+                f"{queries} tokens"
+            )
         for row, col, block in self.unsure:
             need = min(bs, tokens[row] - bs * col)
             if need > 0 and written[block, layer] < need:
@@ -717,8 +734,9 @@ class BlockManager:
         """K and V of every token of ``seq`` at ``layer``, ``[num_tokens, num_kv_heads,
         head_dim]`` each, decoded to the model dtype, contiguous, on the device. Counts a read
         of each block for the scheduler. Under a ladder with a ``drop`` level, the tokens of
-        dropped blocks are left out (fewer than :meth:`num_tokens`, in order; the sink blocks
-        and the recent window are never dropped, so the newest tokens are always the last)."""
+        dropped blocks are left out (fewer than :meth:`num_tokens`, in order; the sink blocks,
+        the recent window and the newest block are never dropped, so the newest tokens are
+        always the last)."""
         tokens, blocks = self._gather_blocks(seq, layer)
         m, bs = blocks.shape[0], self.block_size
         kv = blocks.permute(1, 0, 3, 2, 4).reshape(2, m * bs, *self.shape.dims[2:5:2])
@@ -789,8 +807,7 @@ class BlockManager:
         :meth:`record_attention` does) and each block counts as read, as :meth:`gather`
         counts it."""
         torch = torch_module()
-        single = isinstance(seqs, (int, np.integer))
-        ids = (int(seqs),) if single else tuple(map(int, seqs))  # type: ignore[arg-type]
+        single, ids = _sequence_ids(seqs)
         q = as_tensor(q, "q")
         D = self.shape.head_dim
         # One sequence takes [Q, Hq, D] (or [1, Q, Hq, D]); the kernels read either alike.
@@ -804,9 +821,16 @@ class BlockManager:
             raise InvalidArgumentError(
                 f"q: {dims[2]} query heads is not a multiple of the {self.shape.kv_heads} K/V heads"
             )
-        if q.dtype is not self.dtype or q.get_device() != self._device_index:
+        if q.dtype is not self.dtype or q.device != self.device:
             raise InvalidArgumentError(
                 f"q: expected {self.dtype} on {self.device}, got {q.dtype} on {q.device}"
+            )
+        sm_scale = D**-0.5 if scale is None else _softmax_scale(scale)
+        # A NaN or inf query would leave the kernels a row of zeros that looks like an answer
+        # (and zero mass for the scheduler): refused, as append refuses non-finite K/V.
+        if not all_finite(q):
+            raise InvalidArgumentError(
+                "q: expected finite values, got NaN or inf; nothing was computed or recorded"
             )
         layer = self._layer(layer)
         queries, bs = dims[1], self.block_size
@@ -823,7 +847,7 @@ class BlockManager:
             counts = [-(-n // bs) for n in tokens]
             lengths = np.array(tokens, dtype=np.int32)
             batch = self._attention_batch(ids, counts)
-            batch.check(self, ids, tokens, layer)
+            batch.check(self, ids, tokens, layer, queries)
             pools, slots, views, desc = batch.pools, batch.slots, self._attend_views, None
             if batch.staged:
                 pools, slots = pools.copy(), slots.copy()
@@ -837,7 +861,6 @@ class BlockManager:
                 desc = np.concatenate([self._attend_desc, describe(views[-1:], self.shape)])
             out = torch.empty_like(q)
             mass = np.zeros(pools.shape, dtype=np.float32)
-            sm_scale = D**-0.5 if scale is None else float(scale)
             run_attention(
                 q, out, mass, lengths, pools, slots, views, self.shape, layer, sm_scale,
                 self._attend_desc if desc is None else desc,
@@ -1231,7 +1254,6 @@ class BlockManager:
             self._attend_lut[:, self.drop_level] = -1  # out of attention: the kernels skip it
         self._attend_desc = describe(self._attend_views, self.shape)
         self._attention_batches: dict[tuple[int, ...], _AttentionBatch] = {}
-        self._device_index = self.device.index if self.device.type == "cuda" else -1
         # Bumped whenever blocks move or sequences grow: the attention tables' validity.
         self._epoch = 0
         # One-token appends on the CPU are written by the extension (_core.write_token) at the
@@ -1655,31 +1677,53 @@ def _key_norms(k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
     K's check rides on its norms; only a non-finite norm looks at K itself."""
     norms = k.float().norm(dim=-1).mean(dim=-1).cpu().numpy()
     if not np.isfinite(norms).all():
-        if not _all_finite(k):
+        if not all_finite(k):
             raise InvalidArgumentError(
                 "k: expected finite values, got NaN or inf; nothing was stored"
             )
         norms = np.minimum(np.nan_to_num(norms, posinf=_F32_MAX), _F32_MAX)  # fp32 overflow
-    if not _all_finite(v):
+    if not all_finite(v):
         raise InvalidArgumentError("v: expected finite values, got NaN or inf; nothing was stored")
     return norms
-
-
-def _all_finite(x: torch.Tensor) -> bool:
-    torch = torch_module()
-    if x.device.type != "cpu":
-        return bool(torch.isfinite(x).all())
-    # numpy: a fraction of torch's cost on the CPU (for bf16, 10x: torch has no fast path).
-    if x.dtype == torch.bfloat16:  # non-finite: every exponent bit set
-        bits = x.view(torch.int16).numpy()
-        return not bool(((bits & 0x7F80) == 0x7F80).any())
-    return bool(np.isfinite(x.numpy()).all())
 
 
 def _key_norm_sums(rows: torch.Tensor) -> torch.Tensor:
     """Per level-0 row ``[n, layers, 2, kv_heads, block_size, head_dim]``: the sum over its
     layers and tokens of each token's key norm averaged over heads."""
     return rows[:, :, 0].float().norm(dim=-1).mean(dim=2).sum(dim=(1, 2))
+
+
+def _sequence_ids(seqs: Any) -> tuple[bool, tuple[int, ...]]:
+    """``(single, ids)`` of attend's ``seqs``: one sequence id, or a sequence of them."""
+    if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
+        return True, (int(seqs),)
+    if (
+        isinstance(seqs, (str, bytes))
+        or not hasattr(seqs, "__iter__")
+        or (hasattr(seqs, "dim") and seqs.dim() == 0)
+    ):
+        raise InvalidArgumentError(
+            f"seqs: expected a sequence id or a list of them, got {type(seqs).__name__} {seqs!r}"
+        )
+    ids = []
+    for s in seqs:
+        if hasattr(s, "item") and getattr(s, "ndim", 0) == 0:  # a numpy or torch scalar
+            s = s.item()
+        if not isinstance(s, (int, np.integer)) or isinstance(s, bool):
+            raise InvalidArgumentError(
+                f"seqs: expected integer sequence ids, got {type(s).__name__} {s!r} in {seqs!r}"
+            )
+        ids.append(int(s))
+    return False, tuple(ids)
+
+
+def _softmax_scale(scale: Any) -> float:
+    number = isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(
+        scale, bool
+    )
+    if number and math.isfinite(scale):
+        return float(scale)
+    raise InvalidArgumentError(f"scale: expected a finite number or None, got {scale!r}")
 
 
 def _token_array(token_ids: Any) -> np.ndarray:

@@ -1330,7 +1330,8 @@ class ModelCore:
     def _level_wishes(self) -> list[tuple[int, int, bool]]:
         """(block, wished level, protected) per referenced block, by block id."""
         bs, window, sinks = self.block_size, self.recent_window, self.sink_blocks
-        drops = self.drop_level is not None and self.drop_ratio > 0.0
+        may_drop = self.drop_level is not None
+        drops = may_drop and self.drop_ratio > 0.0
         compress = (
             self.enable_compression and not self.pressure_only and (self.last_kept > 0 or drops)
         )
@@ -1349,6 +1350,8 @@ class ModelCore:
             s = self.seqs[sid]
             blocks = s.blocks
             recent_from = max(0, s.tokens - window) // bs
+            if may_drop:  # the newest block stays, however small the window
+                recent_from = min(recent_from, max(len(blocks) - 1, 0))
             if self.policy == "importance":
                 self._normalise_importance(blocks)
             ranked: list[tuple[Key, int]] = []

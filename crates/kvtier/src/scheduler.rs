@@ -296,6 +296,7 @@ impl Core {
         let ratio = f64::from(self.cfg.compression_ratio);
         let hyst = f64::from(self.cfg.hysteresis);
         let drop_level = self.cfg.drop_level().filter(|_| self.cfg.drop_ratio > 0.0);
+        let may_drop = self.cfg.drop_level().is_some();
         // Sequences are only read here; taking them out lets the loop update statistics.
         // In id order, so that a plan does not depend on the map's layout.
         let ids = self.sequence_ids();
@@ -305,7 +306,12 @@ impl Core {
         let mut any_shared = false;
         for s in ids.iter().map(|id| &seqs[id]) {
             let blocks = &s.blocks;
-            let recent_from = (s.tokens.saturating_sub(window) / bs) as usize;
+            let mut recent_from = (s.tokens.saturating_sub(window) / bs) as usize;
+            if may_drop {
+                // Under a drop level the newest block (the one being written) stays however
+                // small the window: a query never loses its own block's keys.
+                recent_from = recent_from.min(blocks.len().saturating_sub(1));
+            }
             if self.cfg.policy == crate::PolicyKind::Importance {
                 self.normalise_importance(blocks);
             }
