@@ -267,14 +267,19 @@ def test_a_user_trained_compressor_serves_as_a_level(smollm2, monkeypatch):
     assert result["ppl_change"] < 0.5
 
 
-def test_kvtier_eval_cache_command_prints_its_table_as_json(smollm2, capsys):
+def test_kvtier_eval_cache_command_prints_its_table_as_json(smollm2, capsys, monkeypatch, tmp_path):
     from kvtier.cli import main
 
+    # The text it reads is the one KVTIER_WIKITEXT names, and the result says which.
+    text = tmp_path / "wiki-head.raw"
+    text.write_text(real.wikitext_path().read_text(encoding="utf-8")[:50_000], encoding="utf-8")
+    monkeypatch.setenv("KVTIER_WIKITEXT", str(text))
     methods = "dynamic,kvtier-int8,kvtier-default,kvtier-default-attend"
     argv = ["eval", "cache", "--methods", methods, "--windows", "1", "--tokens", "256"]
     argv += ["--passkey-lengths", "", "--speed-tokens", "4", "--speed-prompts", "32,48", "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
+    assert result["text"] == str(text)
     base, int8, default, attend = result["rows"]
     assert [r["method"] for r in result["rows"]] == methods.split(",")
     assert base["ppl_change"] == 0 and base["bytes_vs_dynamic"] == 1
@@ -320,6 +325,32 @@ def test_kvtier_eval_cache_rejects_bad_options_before_loading_the_model(
     error, hint = [line for line in err.splitlines() if line.startswith(("error:", "hint:"))]
     assert error.startswith("error: ") and in_error in error
     assert hint.startswith("hint: ") and len(hint) > len("hint: ")
+
+
+@pytest.mark.parametrize("where", ["missing.raw", "."])
+def test_kvtier_eval_cache_refuses_a_wikitext_path_that_is_not_a_file_before_loading_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Any,
+    where: str,
+) -> None:
+    """A text the user named is read or refused, never passed over for the bundled one."""
+    from kvtier.cli import main
+
+    path = tmp_path / where
+    monkeypatch.setenv("KVTIER_WIKITEXT", str(path))
+    monkeypatch.setattr(real, "load_smollm2", lambda *a: pytest.fail("the model was loaded"))
+    argv = ["eval", "cache", "--methods", "dynamic", "--windows", "1", "--tokens", "16"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    error, hint = [line for line in err.splitlines() if line.startswith(("error:", "hint:"))]
+    what = "no such file" if where == "missing.raw" else "a directory"
+    assert error == (
+        "error: KVTIER_WIKITEXT: expected the path of a text file (WikiText-2's test split, "
+        f"wikitext2_test.raw), got {str(path)!r} ({what})"
+    )
+    assert "unset KVTIER_WIKITEXT" in hint
 
 
 def test_caches_on_a_shared_manager_free_their_rows_however_they_end(smollm2):

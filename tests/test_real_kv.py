@@ -127,6 +127,20 @@ def test_kvtier_eval_codecs_prints_json(loaded, capsys):
     assert rows["fp16"]["k_cosine"] > 0.99999
     assert rows["int4"]["bytes_per_token"] < rows["fp16"]["bytes_per_token"] / 2.9
     assert result["keys"].startswith("after RoPE")
+    assert result["text"] == str(real.wikitext_path())  # the file it read, wherever that is
+
+
+def test_kvtier_eval_codecs_refuses_a_missing_wikitext_before_loading_the_model(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    missing = tmp_path / "wikitext2_test.raw"
+    monkeypatch.setenv("KVTIER_WIKITEXT", str(missing))
+    monkeypatch.setattr(real, "load_smollm2", lambda *a: pytest.fail("the model was loaded"))
+    assert cli.main(["eval", "codecs", "--windows", "1", "--tokens", "16"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "error: KVTIER_WIKITEXT: expected the path of a text file" in err
+    assert f"got {str(missing)!r} (no such file)" in err
 
 
 @pytest.mark.parametrize(

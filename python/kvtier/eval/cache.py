@@ -610,11 +610,13 @@ def run(
     speed_prompts: tuple[int, ...] = SPEED_PROMPTS,
     progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
-    # Methods first: an unknown name must fail before the model takes its seconds to load.
+    # Methods and text first: a bad name or path must fail before the model takes its seconds
+    # to load.
     chosen, skipped = available(names)
+    source = real.wikitext_path()
     _, tokenizer = real.load_smollm2("eager")
-    text = real.windows(tokenizer, windows, tokens)
-    prompts = [real.windows(tokenizer, 1, n)[0] for n in speed_prompts] if speed_new else []
+    text = real.windows(tokenizer, windows, tokens, source)
+    prompts = [real.windows(tokenizer, 1, n, source)[0] for n in speed_prompts] if speed_new else []
     rows = []
     for method in chosen:
         model, _ = real.load_smollm2(method.attn)
@@ -642,7 +644,7 @@ def run(
                     )
     return {
         "model": real.MODEL_ID + " (fp32, CPU; attention per method)",
-        "text": "wikitext2_test.raw",
+        "text": str(source),
         "windows": windows,
         "window_tokens": tokens,
         "scored": "second half of each window, after a prefill of the first half",

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,9 +116,13 @@ def capture(model: Any, ids: torch.Tensor, block_size: int = BLOCK_SIZE) -> Real
     return RealKV(torch.stack(keys).float(), torch.stack(values).float(), q.float(), block_size)
 
 
-def load_real_kv(windows: int = WINDOWS, tokens: int = WINDOW_TOKENS) -> RealKV:
+def load_real_kv(
+    windows: int = WINDOWS, tokens: int = WINDOW_TOKENS, text: Path | None = None
+) -> RealKV:
+    """The K/V and queries of SmolLM2 over ``windows`` windows of ``text`` (default:
+    :func:`~kvtier.eval.model.wikitext_path`)."""
     model, tokenizer = real.load_smollm2()
-    return capture(model, real.windows(tokenizer, windows, tokens))
+    return capture(model, real.windows(tokenizer, windows, tokens, text))
 
 
 def _vector_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -213,14 +218,16 @@ def named(spec: str) -> Codec:
 def run(
     codecs: Sequence[str | Codec], windows: int = WINDOWS, tokens: int = WINDOW_TOKENS
 ) -> dict[str, Any]:
-    # Codecs first: an unknown name must fail before the model takes its seconds to load.
+    # Codecs and text first: a bad name or path must fail before the model takes its seconds
+    # to load.
     resolved = [codec if isinstance(codec, Codec) else named(codec) for codec in codecs]
-    kv = load_real_kv(windows, tokens)
+    text = real.wikitext_path()
+    kv = load_real_kv(windows, tokens, text)
     reference = attention(kv.queries, kv.keys, kv.values)
     rows = [codec_quality(codec, kv, reference) for codec in resolved]
     return {
         "model": real.MODEL_ID,
-        "text": "wikitext2_test.raw",
+        "text": str(text),
         "windows": windows,
         "window_tokens": tokens,
         "block_size": kv.block_size,

