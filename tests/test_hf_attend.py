@@ -130,6 +130,24 @@ def test_kvtier_attention_without_a_tiered_cache_is_sdpa(models):
     assert generate(model, ids, DynamicCache(config=model.config)).tolist() == ref.tolist()
 
 
+def test_a_direct_update_reaches_no_later_forward(models):
+    """``update`` called outside a forward (to seed a cache, say) hands its keys to no
+    attention: the model's next forward, with a DynamicCache or with no cache, is sdpa's."""
+    sdpa, model, tok = models
+    ids = prompt_ids(tok)
+    ref = generate(sdpa, ids, DynamicCache(config=sdpa.config), max_new_tokens=4)
+    cache = TieredCache(model, EXACT)
+    assert cache.attend
+    keys = torch.randn(1, cache.num_kv_heads, 3, cache.head_dim)
+    cache.update(keys, keys.clone(), 0)
+    out = generate(model, ids, DynamicCache(config=model.config), max_new_tokens=4)
+    assert out.tolist() == ref.tolist()
+    cache.update(keys, keys.clone(), 0)
+    with torch.no_grad():
+        got, want = model(ids, use_cache=False).logits, sdpa(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want)
+
+
 def test_attend_needs_the_kvtier_implementation(models):
     sdpa, _, _ = models
     with pytest.raises(ConfigError, match="attn_implementation='kvtier'"):

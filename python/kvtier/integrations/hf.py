@@ -230,6 +230,11 @@ class TieredCache(Cache):
         self._hooked = feedback and _attn_implementation(model) == "eager"
         if self._hooked:
             attention_feedback(model)
+        if self.attend and isinstance(model, torch.nn.Module):
+            # An update's keys reach the attention of its own forward only.
+            for module in model.modules():
+                if isinstance(getattr(module, "layer_idx", None), int):
+                    _scope_pending(module)
         self.drops = self.kvtier_config.resolved_ladder("fp32")[-1] == "drop"
         if self.drops and isinstance(model, torch.nn.Module):
             _refuse_padding_with_drops(model)
@@ -551,8 +556,21 @@ def _refuse_padding_with_drops(model: torch.nn.Module) -> None:
 # -- attention over the blocks ---------------------------------------------------------------------
 
 #: What the last ``TieredCache.update`` in attend mode handed to attention, per thread:
-#: ``(cache, layer, keys)``.
+#: ``(cache, layer, keys)``. It belongs to the forward of the attention module that made it:
+#: every such forward starts by clearing it (:func:`_scope_pending`), so an update made outside
+#: a forward (a direct ``cache.update``), or in one that raised before its attention, reaches no
+#: later attention.
 _PENDING = threading.local()
+
+
+def _clear_pending(module: Any, args: Any) -> None:
+    _PENDING.value = None
+
+
+def _scope_pending(module: torch.nn.Module) -> None:
+    """Registers (once per module) a forward pre-hook that clears the pending entry."""
+    if getattr(module, "_kvtier_pending_hook", None) is None:
+        module._kvtier_pending_hook = module.register_forward_pre_hook(_clear_pending)  # type: ignore[assignment]
 
 
 def kvtier_attention(
@@ -571,6 +589,9 @@ def kvtier_attention(
     dropout is on; over ``key``/``value`` as given for any other cache)."""
     pending = getattr(_PENDING, "value", None)
     _PENDING.value = None
+    # From its next forward on, this module clears what an earlier update left (a TieredCache
+    # built on the model did so already).
+    _scope_pending(module)
     layer = getattr(module, "layer_idx", None)
     if pending is None or pending[1] != layer:
         return sdpa_attention_forward(
