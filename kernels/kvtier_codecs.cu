@@ -225,7 +225,7 @@ __device__ void dequantize_blocks(const u8* src, const i64* src_slots, typename 
             const int g = group_of(f, kv, b, d, D);
             const float s = half_to_float(row16[si + g]);
             const float z = f.asym ? half_to_float(row16[zi + g]) : 0.0f;
-            out[flat] = Out::store(dequantize(read_code(codes, f, b, d, D), s, z, f.asym));
+            out[flat] = Out::store_finite(dequantize(read_code(codes, f, b, d, D), s, z, f.asym));
         }
     }
 }

@@ -36,14 +36,20 @@ struct F16 {
     typedef u16 T;
     static __device__ __forceinline__ float load(T v) { return half_to_float(v); }
     static __device__ __forceinline__ T store(float f) { return float_to_half(f); }
+    // Decoded values saturate at fp16's largest rather than overflow to inf (as the reference).
+    static __device__ __forceinline__ T store_finite(float f) {
+        return float_to_half(fminf(fmaxf(f, -65504.0f), 65504.0f));
+    }
 };
 struct BF16 {
     typedef u16 T;
     static __device__ __forceinline__ float load(T v) { return bf16_to_float(v); }
     static __device__ __forceinline__ T store(float f) { return float_to_bf16(f); }
+    static __device__ __forceinline__ T store_finite(float f) { return store(f); }
 };
 struct F32 {
     typedef float T;
     static __device__ __forceinline__ float load(T v) { return v; }
     static __device__ __forceinline__ T store(float f) { return f; }
+    static __device__ __forceinline__ T store_finite(float f) { return f; }
 };

@@ -441,7 +441,9 @@ def test_codes_and_scales_follow_the_documented_rounding_rule(which: str, dtype:
         np.testing.assert_array_equal(got[name].view(np.uint16), ref[name].view(np.uint16), name)
     decoded = codec.decode(enc, dtype=torch.float32).numpy()
     np.testing.assert_array_equal(decoded, ref["decoded"])
-    assert torch.equal(codec.decode(enc), torch.from_numpy(ref["decoded"]).to(x.dtype))
+    # in the model dtype: the same values, saturating at fp16's largest rather than inf
+    saturated = np.clip(ref["decoded"], -65504, 65504) if dtype == "fp16" else ref["decoded"]
+    assert torch.equal(codec.decode(enc), torch.from_numpy(saturated).to(x.dtype))
 
     # the edge cases really were exercised
     # (symmetric int2's scale is amax * 1: exact for fp16 inputs, so no code can overshoot)
@@ -626,6 +628,40 @@ def half_steps(codec: QuantCodec, y: Any) -> Any:
 
 
 FP16_MAX = 65504.0
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "int4-g64", "int2-g64", "int2-rot"])
+def test_a_block_at_fp16s_largest_values_decodes_finite(name: str) -> None:
+    """fp16 holds 65504, so append takes it; a scale rounded up to fp16 put the decoded codes
+    just past it (127 * 516 = 65532), which the fp16 output held as inf: clamped now, in
+    decode, in one layer's decode (attention's reference) and in a BlockManager's gather."""
+    from kvtier import BlockManager, KvtierConfig
+
+    shape = BlockShape(2, 2, 16, 64, "fp16")
+    g = torch.Generator().manual_seed(3)
+    signs = torch.randint(0, 2, (3, *shape.dims), generator=g) * 2 - 1
+    x = (signs * 65504.0).half()
+    codec = get_codec(name)
+    encoded = codec.encode(x)
+    for got in (codec.decode(encoded), codec.decode_layer(encoded.data, shape, 1)):
+        assert torch.isfinite(got).all()
+    out = codec.decode(encoded)
+    if not codec.rotate:  # a constant magnitude: every code at the end of its range, exact
+        assert torch.equal(out, x)
+    bm = BlockManager(
+        KvtierConfig(ladder=f"fp16,{name}", block_size=16, device_blocks=8, recent_window=0,
+                     sink_blocks=0, compression_ratio=0.0),
+        2, 2, 64, dtype="fp16", device="cpu",
+    )  # fmt: skip
+    seq = bm.add_sequence()
+    tokens = x[:2].permute(1, 2, 0, 4, 3, 5).reshape(2, 2, 32, 2, 64)  # [L, kv, tokens, H, D]
+    for layer in range(2):
+        bm.append(seq, layer, tokens[layer, 0], tokens[layer, 1])
+    bm.step()
+    assert (bm.core.block_info(bm.core.sequence_blocks(seq))["level"] == 1).all()
+    for layer in range(2):
+        k, v = bm.gather(seq, layer)
+        assert torch.isfinite(k).all() and torch.isfinite(v).all()
 
 
 @pytest.mark.parametrize("kind", ["constant", "fp16-max", "random"])

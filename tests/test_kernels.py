@@ -145,6 +145,7 @@ def edge_blocks(torch: Any, n: int, shape: BlockShape, dtype: str, seed: int) ->
     huge = torch.randn((B, D), generator=g) * 1e6
     if dtype == "fp16":
         huge = (huge / 30).clamp(-65504, 65504)
+    fp16_max = (torch.randint(0, 2, (B, D), generator=g) * 2 - 1) * 65504.0  # scales round up
     mixed = torch.randn((B, D), generator=g)
     mixed[3] = 0  # one token's groups all zero
     mixed[:, 7] = 2.5  # one constant channel
@@ -165,6 +166,7 @@ def edge_blocks(torch: Any, n: int, shape: BlockShape, dtype: str, seed: int) ->
         spread(0.7 * 3 * STEP, -0.7 * 3 * STEP, uniform(0.7 * 3 * STEP)),
         spread(3.0, 0.0, halves3),
         huge,
+        fp16_max,
         spread(15.0, 0.0, halves),
         spread(127.0, 0.0, halves127),
         -torch.randn((B, D), generator=g).abs() - 2,

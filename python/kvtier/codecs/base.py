@@ -333,7 +333,9 @@ class Codec(ABC):
         if self._use_cuda(backend, src, dst):
             self._cuda().dequantize_into(self, src, s.index, dst, d.index, shape)
         else:
-            d.write(dst, self._decode(self.unpack(s.read(src), shape), shape))
+            d.write(
+                dst, saturate_to(self._decode(self.unpack(s.read(src), shape), shape), dst.dtype)
+            )
 
     def transcode_into(
         self,
@@ -384,7 +386,7 @@ class Codec(ABC):
         pick = slice(None) if slots is None else slots.to(rows.device)
         if not self.layer_major:
             whole = self.unpack(rows[pick].to(device), shape)
-            return self._decode(whole, shape)[:, layer].to(out_dtype)
+            return saturate_to(self._decode(whole, shape)[:, layer], out_dtype)
         one = BlockShape(1, shape.kv_heads, shape.block_size, shape.head_dim, shape.dtype)
         parts, at = {}, 0
         for s in self.sections(shape):
@@ -393,7 +395,7 @@ class Codec(ABC):
             chunk = rows[pick, cols].to(device).contiguous()
             parts[s.name] = chunk.view(torch_dtype(s.dtype)).reshape(-1, 1, *s.shape[1:])
             at += s.nbytes
-        return self._decode(parts, one)[:, 0].to(out_dtype)
+        return saturate_to(self._decode(parts, one)[:, 0], out_dtype)
 
     # -- backend choice -------------------------------------------------------------------------
 
@@ -457,6 +459,16 @@ def all_finite(x: torch.Tensor) -> bool:
         bits = x.view(torch.int16).numpy()
         return not bool(((bits & 0x7F80) == 0x7F80).any())
     return bool(np.isfinite(x.numpy()).all())
+
+
+def saturate_to(values: torch.Tensor, dtype: Any) -> torch.Tensor:
+    """Decoded ``values`` in ``dtype``, saturating at fp16's largest value rather than
+    overflowing to inf: a value decoded from an fp16 scale rounded up can land just past
+    65504 (127 * 516 = 65532 for a block of 65504s), which append took as finite."""
+    torch = torch_module()
+    if dtype == torch.float16 and values.dtype != torch.float16:
+        values = values.clamp(-65504.0, 65504.0)
+    return values.to(dtype)
 
 
 def check_pool(pool: torch.Tensor, what: str, row_bytes: int | None) -> None:

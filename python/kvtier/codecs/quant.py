@@ -18,7 +18,9 @@ operation, so codes are bit-exact and scales equal):
 
 where ``s' = s`` if ``s > 0`` else 1, ``fp16()`` rounds to nearest even after clamping to
 ±65504, ``round`` is half-to-even, and every step is a single fp32 operation. Decoding is
-``q * s (+ z)`` in fp32. Inputs beyond the fp16 range saturate.
+``q * s (+ z)`` in fp32; cast to fp16, it saturates at ±65504 (a scale rounded up to fp16
+can take an fp16-max input's codes just past it, which fp16 would hold as inf). Inputs beyond
+the fp16 range saturate.
 
 Rotated codecs (``rotate=True``, torch reference only) quantize ``y = x @ H / D`` instead of the
 head vectors ``x``, with ``H`` the ``[D, D]`` Hadamard matrix of :func:`_hadamard` (entries ±1,
