@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from pathlib import Path
 
@@ -58,6 +59,26 @@ def test_defaults_are_the_documented_ones() -> None:
     assert (cfg.write_through, cfg.evict_on_full) == (False, True)
     assert cfg.namespace == "default"
     assert (cfg.remote_timeout, cfg.remote_ttl) == (1.0, None)
+
+
+def test_core_arguments_carry_every_knob_of_the_core_a_config_holds() -> None:
+    """``KvtierConfig.core_arguments`` is the one place a config becomes ``Core``'s arguments
+    (the manager's, the simulator's, the reference model's): every config field that is also a
+    keyword of ``Core`` goes in, with its value; overrides win; the core takes the result."""
+    import kvtier
+
+    keywords = set(inspect.signature(kvtier.Core).parameters) - {"level_bytes"}
+    shared = {f.name for f in dataclasses.fields(KvtierConfig)} & keywords
+    cfg = KvtierConfig(
+        policy="h2o", block_size=8, recent_window=7, namespace="x", prefix_aware=False
+    )
+    args = cfg.core_arguments([("device", 4096)], evict_on_full=False, pool_headroom=True)
+    assert set(args) == shared | {"tiers", "pool_headroom"} and set(args) <= keywords
+    assert all(args[name] == getattr(cfg, name) for name in shared - {"evict_on_full"})
+    assert (args["tiers"], args["evict_on_full"]) == ([("device", 4096)], False)
+    core = kvtier.Core([64, 32], **args)
+    assert (core.policy, core.block_size, core.prefix_aware) == ("h2o", 8, False)
+    assert (core.tiers, core.evict_on_full) == ([("device", 4096)], False)
 
 
 @pytest.mark.parametrize(("field", "var", "alias", "from_alias", "from_var", "explicit"), ALIASED)

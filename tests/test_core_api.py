@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 import kvtier
-from kvtier import _core, pymodel
+from kvtier import _core
+from kvtier.reference import lru, xxh3
+from kvtier.reference.core import ModelCore
 from kvtier.simulate import SimulationConfig, run
 from kvtier.traces import bundled_trace_path, load_trace
 
@@ -405,10 +407,10 @@ def test_prefix_hashes_are_published_xxh3(block_size: int) -> None:
     """The chain is XXH3-64 (checked against a plain-Python transcription of the spec, every
     input length class: 4..16, 17..128, 129..240 and > 240 bytes)."""
     tokens = np.random.default_rng(block_size).integers(0, 2**32, 3 * block_size, dtype=U32)
-    expected = pymodel.prefix_hashes(tokens.tolist(), block_size)
+    expected = xxh3.prefix_hashes(tokens.tolist(), block_size)
     assert kvtier.prefix_hashes(tokens, block_size).tolist() == expected
-    assert pymodel.xxh3_64(b"default") == DEFAULT_SEED
-    assert pymodel.namespace_seed("tenant-a") == _core.namespace_seed("tenant-a")
+    assert xxh3.xxh3_64(b"default") == DEFAULT_SEED
+    assert xxh3.namespace_seed("tenant-a") == _core.namespace_seed("tenant-a")
 
 
 def test_namespaces_never_share_hashes() -> None:
@@ -428,11 +430,11 @@ def test_salted_prefix_hashes_are_fixed_values_and_none_is_no_salt() -> None:
     tokens = np.arange(32, dtype=U32)
     assert kvtier.prefix_hashes(tokens, 16, salt="tenant-a").tolist() == FIXED_SALTED
     assert kvtier.prefix_hashes(tokens, 16, "default", None).tolist() == FIXED
-    assert pymodel.prefix_hashes(list(range(32)), 16, salt="tenant-a") == FIXED_SALTED
-    assert pymodel.prefix_hashes(list(range(32)), 16, salt=None) == FIXED
+    assert xxh3.prefix_hashes(list(range(32)), 16, salt="tenant-a") == FIXED_SALTED
+    assert xxh3.prefix_hashes(list(range(32)), 16, salt=None) == FIXED
     # The chain goes on from the salted seed, as from the namespace seed.
-    seed = pymodel.salted_seed(DEFAULT_SEED, "tenant-a")
-    assert FIXED_SALTED[0] == pymodel.chain_hash(seed, list(range(16)))
+    seed = xxh3.salted_seed(DEFAULT_SEED, "tenant-a")
+    assert FIXED_SALTED[0] == xxh3.chain_hash(seed, list(range(16)))
 
 
 @pytest.mark.parametrize("salt", ["a", "ab", "abc", "abcd", "tenant-a", "é" * 3, "x" * 300])
@@ -441,7 +443,7 @@ def test_salted_prefix_hashes_are_published_xxh3(salt: str) -> None:
     plain-Python transcription of XXH3."""
     tokens = np.random.default_rng(len(salt)).integers(0, 2**32, 48, dtype=U32)
     for ns in ["default", "tenant-ns"]:
-        want = pymodel.prefix_hashes(tokens.tolist(), 16, ns, salt=salt)
+        want = xxh3.prefix_hashes(tokens.tolist(), 16, ns, salt=salt)
         assert kvtier.prefix_hashes(tokens, 16, ns, salt=salt).tolist() == want
 
 
@@ -459,15 +461,13 @@ def test_salts_never_share_hashes() -> None:
     chains.append(kvtier.prefix_hashes(np.concatenate([spelled, tokens]), 1).tolist())
     flat = [h for chain in chains for h in chain]
     assert len(set(flat)) == len(flat)
-    assert pymodel.salted_seed(DEFAULT_SEED, "abcd") != pymodel.chain_hash(
-        DEFAULT_SEED, spelled.tolist()
-    )
+    assert xxh3.salted_seed(DEFAULT_SEED, "abcd") != xxh3.chain_hash(DEFAULT_SEED, spelled.tolist())
 
 
 @pytest.mark.parametrize("bad", ["", 7, b"tenant-a", ["a"]])
 def test_a_salt_must_be_a_non_empty_str(bad: Any) -> None:
     core = kvtier.Core([64], block_size=16)
-    model = pymodel.ModelCore([64], block_size=16)
+    model = ModelCore([64], block_size=16)
     tokens = np.arange(32, dtype=U32)
     for call in [
         lambda: core.add_sequence(bad),
@@ -476,7 +476,7 @@ def test_a_salt_must_be_a_non_empty_str(bad: Any) -> None:
         lambda: kvtier.prefix_hashes(tokens, 16, salt=bad),
         lambda: model.add_sequence(bad),
         lambda: model.lookup_tokens(tokens.tolist(), bad),
-        lambda: pymodel.prefix_hashes(tokens.tolist(), 16, salt=bad),
+        lambda: xxh3.prefix_hashes(tokens.tolist(), 16, salt=bad),
     ]:
         with pytest.raises(kvtier.InvalidArgumentError, match="invalid salt: expected a non-empty"):
             call()
@@ -596,7 +596,7 @@ def test_simulated_replay_equals_the_model_replaying_call_for_call(capacity: int
     trace = load_trace(bundled_trace_path()).head(400)
     cfg = SimulationConfig(device_blocks=capacity, ladder=("fp16",))
     result = run(trace, cfg, policies=["lru"])["results"][0]
-    expected = pymodel.model_replay(trace, capacity)
+    expected = lru.model_replay(trace, capacity)
     assert (capacity == 20) == (expected["rejected"] > 0)
     assert (result["hit_blocks"], result["ref_blocks"], result["rejected_requests"]) == (
         expected["hit_blocks"],
@@ -625,7 +625,7 @@ def test_simulated_lru_equals_the_plain_python_lru(capacity: int) -> None:
     trace = load_trace(bundled_trace_path())
     cfg = SimulationConfig(device_blocks=capacity, ladder=("fp16",))
     result, aware = run(trace, cfg, policies=["plain-lru", "lru"])["results"]
-    expected = pymodel.lru_replay(trace, capacity)
+    expected = lru.lru_replay(trace, capacity)
     # Leaf-first eviction strands nothing, so it hits at least as often as plain LRU.
     assert aware["hit_blocks"] >= expected["hit_blocks"]
     assert result["rejected_requests"] == 0  # every request fits at these capacities

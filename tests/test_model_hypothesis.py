@@ -1,6 +1,6 @@
 """Random operation sequences against the Rust core and the plain-Python model of its rules.
 
-:class:`kvtier.pymodel.ModelCore` implements the core's rules for one device tier, prefix trees
+:class:`kvtier.reference.core.ModelCore` implements the core's rules for one device tier, prefix trees
 included (``prefix_aware`` on and off). Hypothesis drives both with the same operations —
 sequences (append by hash and by tokens, fork, free), ``forget``, statistics, pins, plans
 (committed, aborted or left pending, and blocks shared, extended, pinned or orphaned while a plan
@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvtier
-from kvtier.pymodel import KINDS, POLICIES, ModelCore, ModelPlan
+from kvtier.reference.core import KINDS, POLICIES, ModelCore, ModelPlan
 
 NO_SLOT = kvtier.Plan.NO_SLOT
 NO_TIER = kvtier.Plan.NO_TIER

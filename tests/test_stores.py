@@ -210,14 +210,12 @@ def test_the_checksum_is_the_published_crc64_nvme() -> None:
 def test_digests_that_name_things_are_seeded_xxh3() -> None:
     """``digest`` (namespaces, token selections, file names) is xxh3-64, the prefix hash chain's
     hash: the same bytes with another seed name something else."""
-    from kvtier import pymodel
     from kvtier._core import checksum, digest
+    from kvtier.reference import xxh3
 
     data = RNG.integers(0, 256, 5_000, dtype=np.uint8)
-    assert digest(data) == pymodel.xxh3_64(data.tobytes()) != checksum(data)
-    assert (
-        digest(data.tobytes(), seed=7) == digest(data, seed=7) == pymodel.xxh3_64(data.tobytes(), 7)
-    )
+    assert digest(data) == xxh3.xxh3_64(data.tobytes()) != checksum(data)
+    assert digest(data.tobytes(), seed=7) == digest(data, seed=7) == xxh3.xxh3_64(data.tobytes(), 7)
     assert digest(b"ab", b"c") == digest(b"abc") != digest(b"abc", seed=1)
 
 
@@ -326,11 +324,11 @@ def test_another_format_version_is_refused() -> None:
 def test_a_value_of_format_version_1_is_refused() -> None:
     """Version 1 checksummed with xxh3-64: such a value, whole and sound in its own format, is
     refused for its version; sealed as version 2 with that checksum, for its checksum."""
-    from kvtier import pymodel
+    from kvtier.reference import xxh3
 
     v1 = bytearray(sealed())
     v1[4:6] = (1).to_bytes(2, "little")
-    v1[-8:] = pymodel.xxh3_64(bytes(v1[:-8])).to_bytes(8, "little")
+    v1[-8:] = xxh3.xxh3_64(bytes(v1[:-8])).to_bytes(8, "little")
     with pytest.raises(PayloadError, match="format version 1, this kvtier reads 2"):
         fmt.unseal(NS, NS.key(5), bytes(v1))
     v1[4:6] = FORMAT_VERSION.to_bytes(2, "little")
@@ -342,18 +340,18 @@ def test_another_format_versions_values_are_neither_read_nor_removed(open_store:
     """A rolling upgrade: kvtier 1 (format 1, its namespace digest without the version) and this
     one share a directory or a Redis. Neither sees the other's keys, so neither removes the
     other's values as foreign."""
-    from kvtier import pymodel
     from kvtier._core import store_path
+    from kvtier.reference import xxh3
 
     store = open_store(NS)
     if store.kind == "host":
         pytest.skip("a host store's values live and die with its process")
     fields = (NS.model, NS.tenant, NS.codec, NS.dtype, NS.shape)
-    v1_digest = pymodel.xxh3_64("\0".join(("kvtier-namespace", *fields)).encode())
+    v1_digest = xxh3.xxh3_64("\0".join(("kvtier-namespace", *fields)).encode())
     v1_key = f"kvtier:{v1_digest:016x}:{NS.key(5).rsplit(':', 1)[1]}"
     texts = fmt._pack_text(v1_key) + NS.packed_texts
     head = fmt._FIXED.pack(fmt.MAGIC, 1, fmt._FIXED.size + len(texts), 3, v1_digest) + texts
-    v1_value = head + b"old" + pymodel.xxh3_64(head + b"old").to_bytes(8, "little")
+    v1_value = head + b"old" + xxh3.xxh3_64(head + b"old").to_bytes(8, "little")
     if store.kind == "disk":
         v1_file = Path(store_path(os.fspath(store.root), v1_key))
         v1_file.parent.mkdir(parents=True)

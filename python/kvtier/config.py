@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from numbers import Integral, Real
@@ -448,6 +448,39 @@ class KvtierConfig:
             self.ladder if self.ladder is not None else _default_ladder(dtype_name, self.levels)
         )
         return ladder if self.enable_compression else ladder[:1]
+
+    def core_arguments(
+        self, tiers: Sequence[tuple[str, int | None]], **overrides: Any
+    ) -> dict[str, Any]:
+        """The keyword arguments of :class:`kvtier.Core` (all but ``level_bytes``) for this
+        config on ``tiers`` (name, budget in bytes): every knob of the core the config holds,
+        then ``overrides`` — a caller's own rule for a knob (``kvtier simulate``'s
+        ``evict_on_full=True``) or an argument no config holds (``pressure_only``,
+        ``pool_slots``, ``pool_headroom``). The one place a config becomes a core's arguments:
+        ``Core(level_bytes, **config.core_arguments(tiers))``; the reference model
+        (:class:`kvtier.reference.core.ModelCore`) takes the same ones."""
+        return {
+            "tiers": list(tiers),
+            "block_size": self.block_size,
+            "policy": self.policy,
+            "enable_compression": self.enable_compression,
+            "compression_ratio": self.compression_ratio,
+            "drop_ratio": self.drop_ratio,
+            "recent_window": self.recent_window,
+            "sink_blocks": self.sink_blocks,
+            "weights": self.weights,
+            "headroom": self.headroom,
+            "hysteresis": self.hysteresis,
+            "max_move_bytes": self.max_move_bytes,
+            "decay": self.decay,
+            "attention_ema": self.attention_ema,
+            "scissorhands_window": self.scissorhands_window,
+            "write_through": self.write_through,
+            "evict_on_full": self.evict_on_full,
+            "namespace": self.namespace,
+            "prefix_aware": self.prefix_aware,
+            **overrides,
+        }
 
     # -- validation -----------------------------------------------------------------------------
 

@@ -143,26 +143,18 @@ def build_core(config: SimulationConfig, policy: str, ladder: tuple[str, ...]) -
     policy, plain = split_plain(policy)
     return Core(
         level_bytes,
-        tiers=config.tiers(),
-        block_size=config.block_tokens,
-        policy=policy,
-        prefix_aware=base.prefix_aware and not plain,
-        enable_compression=base.enable_compression and len(ladder) > 1,
-        pressure_only=not config.split_live,
-        compression_ratio=base.compression_ratio,
-        recent_window=base.recent_window,
-        sink_blocks=base.sink_blocks,
-        weights=base.weights,
-        headroom=base.headroom,
-        hysteresis=base.hysteresis,
-        max_move_bytes=base.max_move_bytes,
-        decay=base.decay,
-        attention_ema=base.attention_ema,
-        scissorhands_window=base.scissorhands_window,
-        write_through=base.write_through,
-        # A cache: a full device makes room by evicting what no running request needs.
-        evict_on_full=True,
-        namespace=base.namespace,
+        **base.core_arguments(
+            config.tiers(),
+            block_size=config.block_tokens,
+            policy=policy,
+            prefix_aware=base.prefix_aware and not plain,
+            enable_compression=base.enable_compression and len(ladder) > 1,
+            pressure_only=not config.split_live,
+            # The replay takes no drop ratio from the config (the core's default: none).
+            drop_ratio=0.0,
+            # A cache: a full device makes room by evicting what no running request needs.
+            evict_on_full=True,
+        ),
     )
 
 

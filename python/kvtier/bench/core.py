@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import pymodel
 from .._core import Core
+from ..reference.core import ModelCore
+from ..reference.lru import lru_replay, model_replay
 from ..simulate import SimulationConfig, run
 from ..traces import Trace, bundled_trace_path, load_trace
 from . import bench_parser
@@ -101,8 +102,8 @@ def _populated_core(n_blocks: int, n_seqs: int) -> Core:
     return _populate(Core(LEVEL_BYTES, **CORE_ARGS), n_blocks, n_seqs)
 
 
-def _populated_model(n_blocks: int, n_seqs: int) -> pymodel.ModelCore:
-    return _populate(pymodel.ModelCore(LEVEL_BYTES, **CORE_ARGS), n_blocks, n_seqs, as_lists=True)
+def _populated_model(n_blocks: int, n_seqs: int) -> ModelCore:
+    return _populate(ModelCore(LEVEL_BYTES, **CORE_ARGS), n_blocks, n_seqs, as_lists=True)
 
 
 def bench_stats(n_blocks: int, n_updates: int, py_updates: int) -> dict[str, Any]:
@@ -187,7 +188,7 @@ MODEL_REQUESTS = 1000
 def bench_model_replay(head: Trace, capacity: int, cfg: SimulationConfig) -> dict[str, Any]:
     """The same replay, call for call, through the plain-Python model and through the core."""
     t0 = time.perf_counter()
-    model = pymodel.model_replay(head, capacity)
+    model = model_replay(head, capacity)
     model_s = time.perf_counter() - t0
     rust = min(
         (run(head, cfg, policies=["lru"])["results"][0] for _ in range(3)),
@@ -226,7 +227,7 @@ def bench_simulate(
             peer = run_lmcache(trace, capacity, fast=True, events=events)
             fast = min(fast, peer, key=lambda x: x["wall_s"])
     t0 = time.perf_counter()
-    py = pymodel.lru_replay(trace, capacity)
+    py = lru_replay(trace, capacity)
     py_s = time.perf_counter() - t0
     out |= {
         "kvtier_lru": {"block_hit_rate": rust["block_hit_rate"], "wall_s": rust["wall_s"]},

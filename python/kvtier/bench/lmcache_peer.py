@@ -9,7 +9,7 @@ bytes of a chunk. Capacity is given in bytes; it keeps ``capacity_bytes // kv_by
 chunks. ``fast=True`` uses an ``OrderedDict`` LRU and skips per-request statistics; ``fast=False``
 uses a ``SortedList`` LRU that can also report the LRU position of each hit.
 
-How the runs are made comparable with :func:`kvtier.pymodel.lru_replay`:
+How the runs are made comparable with :func:`kvtier.reference.lru.lru_replay`:
 
 * kvtier's blocks are written as LMCache chunks (``chunk_size`` = the trace's block size, 512
   for Mooncake), *including* a request's partial last block, so both caches see the same keys.
@@ -45,7 +45,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kvtier.pymodel import lru_replay
+from kvtier.reference.lru import lru_replay
 from kvtier.traces import Trace, bundled_trace_path, load_trace, to_lmcache_format
 
 INSTALL_HINT = "pip install --no-deps lmcache sortedcontainers"

