@@ -1,8 +1,9 @@
 //! kvtier's store engines, with no Python in them: what `kvtier.stores` keeps values with.
 //!
-//! - [`format`] — the sealed value format (a versioned header, the payload, a checksum), its
-//!   constants defined here once: values are sealed and checked with it, and Python reads the
-//!   constants and the header encoder through the bindings (`kvtier._core.FORMAT_*`);
+//! - [`format`](mod@format) — the sealed value format (a versioned header, the payload, a
+//!   checksum), its constants defined here once: values are sealed and checked with it, and
+//!   Python reads the constants and the header encoder through the bindings
+//!   (`kvtier._core.FORMAT_*`, `seal_header`);
 //! - [`checksum`] — the stored-value checksum (CRC-64/NVME) and the digest that names things
 //!   (xxh3-64);
 //! - [`host`] — a host store's values in memory: a keyed map within a byte budget, checked on
