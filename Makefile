@@ -53,8 +53,8 @@ develop: venv ## build the extension (release) and install kvtier into .venv, ed
 
 test: test-rust test-py ## build, then run the Rust and the Python tests
 
-test-rust: ## run the Rust tests: the core and the attention kernel (cargo test -p kvtier -p kvtier-attend)
-	$(CARGO) test -p kvtier -p kvtier-attend
+test-rust: ## run the Rust tests: the core, the attention kernel, the store engines
+	$(CARGO) test -p kvtier -p kvtier-attend -p kvtier-store
 
 test-py: develop ## run the Python tests (pytest; slow ones with: make test-py PYTEST_ARGS='-m slow')
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

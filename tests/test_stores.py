@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -349,8 +350,9 @@ def test_another_format_versions_values_are_neither_read_nor_removed(open_store:
     fields = (NS.model, NS.tenant, NS.codec, NS.dtype, NS.shape)
     v1_digest = xxh3.xxh3_64("\0".join(("kvtier-namespace", *fields)).encode())
     v1_key = f"kvtier:{v1_digest:016x}:{NS.key(5).rsplit(':', 1)[1]}"
-    texts = fmt._pack_text(v1_key) + NS.packed_texts
-    head = fmt._FIXED.pack(fmt.MAGIC, 1, fmt._FIXED.size + len(texts), 3, v1_digest) + texts
+    # Version 1's header, packed here by hand: the layout of versions 1 and 2 is the same.
+    texts = struct.pack("<H", len(v1_key)) + v1_key.encode() + NS.packed_texts
+    head = struct.pack("<4sHHQQ", b"KVTR", 1, 24 + len(texts), 3, v1_digest) + texts
     v1_value = head + b"old" + xxh3.xxh3_64(head + b"old").to_bytes(8, "little")
     if store.kind == "disk":
         v1_file = Path(store_path(os.fspath(store.root), v1_key))
@@ -365,6 +367,58 @@ def test_another_format_versions_values_are_neither_read_nor_removed(open_store:
     assert store.put(5, b"new") and bytes(store.get(5)) == b"new"
     assert list(store.keys()) == [NS.key(5).rsplit(":", 1)[1]]
     assert still_there() == v1_value and store.stats.corrupt == 0
+
+
+def _sealed_v2_fixture() -> dict[str, Any]:
+    """crates/kvtier-store/tests/fixtures/sealed-v2.txt: a value as kvtier sealed it before
+    the format moved into the Rust store crate (issue 43), with what it was sealed from."""
+    path = Path(__file__).parents[1] / "crates/kvtier-store/tests/fixtures/sealed-v2.txt"
+    fields: dict[str, Any] = {}
+    section = None
+    for line in path.read_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            fields[section] = b""
+        elif section is not None:
+            fields[section] += bytes.fromhex(line)
+        else:
+            name, value = line.split(" ", 1)
+            fields[name] = int(value, 16) if name == "digest" else value
+    return fields
+
+
+def test_a_value_sealed_before_the_format_moved_to_rust_reads_and_seals_the_same(
+    tmp_path: Path,
+) -> None:
+    """The byte layout did not change: a value stored by the old Python encoder reads back
+    (unseal, and from a disk store's file), and sealing its payload today gives its bytes."""
+    from kvtier._core import store_path
+
+    old = _sealed_v2_fixture()
+    ns = Namespace(
+        "fixture-model",
+        "tenant-a",
+        "int4",
+        "float16",
+        "BlockShape(layers=2, heads=4, head_dim=64, tokens=16)",
+    )
+    key = ns.key(0x0123456789ABCDEF)
+    assert (ns.digest, ns.packed_texts, key) == (old["digest"], old["texts"], old["key"])
+    payload, sealed = old["payload"], old["sealed"]
+    assert bytes(fmt.unseal(ns, key, sealed)) == payload
+    assert fmt.read_key(sealed) == key
+    assert bytes(fmt.seal_joined(ns, key, memoryview(payload))) == sealed
+    assert b"".join(bytes(c) for c in fmt.Sealed(ns, key, memoryview(payload)).chunks()) == sealed
+    unchecked = fmt.seal_joined(ns, key, memoryview(payload), checksummed=False)
+    assert unchecked == sealed[:-8] + bytes(8)
+    assert len(sealed) == len(payload) + fmt.OVERHEAD + len(key) + len(ns.packed_texts) - 6
+    file = Path(store_path(os.fspath(tmp_path), key))
+    file.parent.mkdir(parents=True)
+    file.write_bytes(sealed)
+    store = DiskStore(tmp_path, ns, 1 << 20)
+    assert bytes(store.get(0x0123456789ABCDEF)) == payload and store.stats.corrupt == 0
 
 
 def test_any_contiguous_buffer_unseals_to_a_read_only_view_of_its_payload() -> None:

@@ -9,6 +9,10 @@ import numpy.typing as npt
 from kvtier.errors import PayloadError
 
 __all__ = [
+    "FORMAT_CHECKSUM_BYTES",
+    "FORMAT_MAGIC",
+    "FORMAT_OVERHEAD",
+    "FORMAT_VERSION",
     "Core",
     "HostValue",
     "HostValues",
@@ -23,15 +27,26 @@ __all__ = [
     "digest",
     "kernel_sources",
     "namespace_seed",
+    "pack_texts",
     "prefix_hashes",
+    "read_key",
     "read_sealed",
     "read_stored",
+    "seal_header",
     "store_path",
     "unseal",
     "write_checksummed",
     "write_stored",
     "write_token",
 ]
+
+# The stored-value format (crates/kvtier-store/src/format.rs, defined there once).
+FORMAT_MAGIC: Final[bytes]
+FORMAT_VERSION: Final[int]
+#: Bytes of the trailing checksum field.
+FORMAT_CHECKSUM_BYTES: Final[int]
+#: Bytes a value adds to its payload beyond the texts of its header.
+FORMAT_OVERHEAD: Final[int]
 
 _Ids = npt.ArrayLike
 _Usage = list[tuple[str, int, int, int, int]]
@@ -315,6 +330,16 @@ def read_stored(
     index: StoreIndex,
     threads: int = 1,
 ) -> list[memoryview | OSError | PayloadError | None]: ...
+def seal_header(digest: int, key: str, texts: bytes, length: int) -> bytes:
+    """The header of a value of ``length`` payload bytes stored under ``key`` in the namespace
+    ``digest`` whose packed texts after the key are ``texts``."""
+
+def pack_texts(*texts: str) -> bytes:
+    """``texts``, each as a header stores it (a u16 length, then UTF-8)."""
+
+def read_key(value: bytes | bytearray | memoryview | npt.NDArray[np.uint8]) -> str | None:
+    """The key a stored value says it was written under, or None when its header is unreadable."""
+
 def store_path(root: str, key: str) -> str: ...
 def unseal(
     value: bytes | bytearray | memoryview | npt.NDArray[np.uint8],

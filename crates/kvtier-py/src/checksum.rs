@@ -1,41 +1,11 @@
-//! The stored-value checksum (CRC-64/NVME, `kvtier.stores`): in one call, fused with a copy, or
-//! a piece at a time (`StreamingChecksum`); and `digest`, the xxh3-64 that names things (a
-//! namespace, a token selection). Files checksummed as they are read or written: `files.rs`.
-//!
-//! A checksum only has to catch damage, and CRC-64/NVME catches every burst of up to 64 flipped
-//! bits and misses other damage with odds of 2^-64, like a 64-bit hash; it runs on carry-less
-//! multiply instructions at 2.4x xxh3's speed on bytes in cache (95 against 39 GB/s on 64 KiB,
-//! 56 against 28 GB/s on 2 MiB, AVX-512 Xeon), and in cache is where stores checksum: each chunk
-//! just after it is copied, written, sent or read. A name needs a seeded hash, not a CRC: `digest`.
+//! `kvtier._core`'s checksum and digest functions over Python bytes: the stored-value checksum
+//! (CRC-64/NVME) in one call, fused with a copy, or a piece at a time (`StreamingChecksum`);
+//! and `digest`, the xxh3-64 that names things. The engines are `kvtier_store::checksum`'s.
 
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
-use std::hash::Hasher as _;
-use twox_hash::XxHash3_64;
 
-/// The checksum of a stored value, fed a piece at a time (CRC-64/NVME: the published
-/// parameters, so any CRC library can check a value; `"123456789"` gives `0xae8b14860a799888`).
-#[derive(Clone)]
-pub(crate) struct Checksum(crc_fast::Digest);
-
-impl Checksum {
-    pub fn new() -> Self {
-        Checksum(crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc64Nvme))
-    }
-
-    pub fn update(&mut self, bytes: &[u8]) {
-        self.0.update(bytes);
-    }
-
-    /// The checksum of everything given so far.
-    pub fn value(&self) -> u64 {
-        self.0.finalize()
-    }
-
-    pub fn of(bytes: &[u8]) -> u64 {
-        crc_fast::checksum(crc_fast::CrcAlgorithm::Crc64Nvme, bytes)
-    }
-}
+use kvtier_store::checksum::{self as engine, Checksum};
 
 /// `parts` as contiguous uint8 arrays (converted where they are not already).
 pub(crate) fn byte_arrays<'py>(
@@ -58,13 +28,7 @@ pub(crate) fn byte_slices<'a>(arrays: &'a [PyReadonlyArray1<'_, u8>]) -> PyResul
 pub fn checksum(py: Python<'_>, parts: Vec<Bound<'_, PyAny>>) -> PyResult<u64> {
     let arrays = byte_arrays(&parts)?;
     let slices = byte_slices(&arrays)?;
-    Ok(py.detach(|| {
-        let mut sum = Checksum::new();
-        for s in &slices {
-            sum.update(s);
-        }
-        sum.value()
-    }))
+    Ok(py.detach(|| Checksum::of_parts(&slices)))
 }
 
 /// xxh3-64 of the concatenation of `parts` with `seed`: the digest that names a namespace or a
@@ -76,18 +40,12 @@ pub fn digest(py: Python<'_>, parts: Vec<Bound<'_, PyAny>>, seed: u64) -> PyResu
     if let [only] = parts.as_slice() {
         if let Ok(b) = only.cast::<pyo3::types::PyBytes>() {
             let bytes = b.as_bytes();
-            return Ok(py.detach(|| XxHash3_64::oneshot_with_seed(seed, bytes)));
+            return Ok(py.detach(|| engine::digest(&[bytes], seed)));
         }
     }
     let arrays = byte_arrays(&parts)?;
     let slices = byte_slices(&arrays)?;
-    Ok(py.detach(|| {
-        let mut h = XxHash3_64::with_seed(seed);
-        for s in &slices {
-            h.write(s);
-        }
-        h.finish()
-    }))
+    Ok(py.detach(|| engine::digest(&slices, seed)))
 }
 
 /// Copies `parts` (uint8 arrays) one after another into the start of `out` (a writable,
@@ -101,7 +59,6 @@ pub fn copy_checksum(
     out: &Bound<'_, PyAny>,
     parts: Vec<Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
-    const CHUNK: usize = 64 << 10;
     let mut out = out
         .extract::<numpy::PyReadwriteArray1<'_, u8>>()
         .ok()
@@ -115,29 +72,15 @@ pub fn copy_checksum(
     let arrays = byte_arrays(&parts)?;
     let slices = byte_slices(&arrays)?;
     let dst = out.as_slice_mut()?;
-    let total: usize = slices.iter().map(|s| s.len()).sum();
-    if dst.len() < total {
-        return Err(crate::errors::to_py(kvtier::Error::InvalidArgument {
-            what: "out",
-            reason: format!(
-                "{} bytes, expected at least the {total} of the parts",
-                dst.len()
-            ),
-        }));
-    }
-    Ok(py.detach(|| {
-        let mut sum = Checksum::new();
-        let mut at = 0;
-        for s in &slices {
-            for chunk in s.chunks(CHUNK) {
-                let copied = &mut dst[at..at + chunk.len()];
-                copied.copy_from_slice(chunk);
-                sum.update(copied);
-                at += chunk.len();
-            }
-        }
-        sum.value()
-    }))
+    let len = dst.len();
+    py.detach(|| engine::copy_checksum(dst, &slices))
+        .ok_or_else(|| {
+            let total: usize = slices.iter().map(|s| s.len()).sum();
+            crate::errors::to_py(kvtier::Error::InvalidArgument {
+                what: "out",
+                reason: format!("{len} bytes, expected at least the {total} of the parts"),
+            })
+        })
 }
 
 /// The checksum of bytes given in pieces: `update(*parts)` any number of times, then

@@ -1,5 +1,7 @@
-//! Core errors → the Python hierarchy in `kvtier.errors`. The match is exhaustive with no
-//! catch-all arm, so a new core error cannot ship unmapped.
+//! Core and store errors → the Python hierarchy in `kvtier.errors`. Each match is exhaustive
+//! with no catch-all arm, so a new error cannot ship unmapped. (A stored value that fails its
+//! checks is a `kvtier_store::Refusal`, raised or handed back as `PayloadError` where it is
+//! read: `sealed::payload_error`.)
 
 use kvtier::Error;
 use pyo3::prelude::*;
@@ -16,21 +18,39 @@ fn class_name(err: &Error) -> &'static str {
     }
 }
 
-/// Builds the Python exception for a core error (falls back to RuntimeError only if the
-/// `kvtier.errors` module itself cannot be imported).
-pub fn to_py(err: Error) -> PyErr {
+fn store_class_name(err: &kvtier_store::Error) -> &'static str {
+    use kvtier_store::Error as E;
+    match err {
+        E::NotAStoreKey { .. }
+        | E::TextTooLong { .. }
+        | E::HeaderTooLong { .. }
+        | E::ShortBuffer { .. } => "InvalidArgumentError",
+    }
+}
+
+/// An instance of `kvtier.errors.<class>(message)` (falls back to the import's error only if
+/// the `kvtier.errors` module itself cannot be imported).
+fn raise(class: &str, message: String) -> PyErr {
     Python::attach(|py| {
-        let class = py
-            .import("kvtier.errors")
-            .and_then(|m| m.getattr(class_name(&err)));
+        let class = py.import("kvtier.errors").and_then(|m| m.getattr(class));
         match class {
-            Ok(class) => match class.call1((err.to_string(),)) {
+            Ok(class) => match class.call1((message,)) {
                 Ok(instance) => PyErr::from_value(instance),
                 Err(e) => e,
             },
             Err(e) => e,
         }
     })
+}
+
+/// Builds the Python exception for a core error.
+pub fn to_py(err: Error) -> PyErr {
+    raise(class_name(&err), err.to_string())
+}
+
+/// Builds the Python exception for a store error.
+pub fn store_to_py(err: kvtier_store::Error) -> PyErr {
+    raise(store_class_name(&err), err.to_string())
 }
 
 pub trait IntoPy<T> {
@@ -40,5 +60,11 @@ pub trait IntoPy<T> {
 impl<T> IntoPy<T> for Result<T, Error> {
     fn py_err(self) -> PyResult<T> {
         self.map_err(to_py)
+    }
+}
+
+impl<T> IntoPy<T> for Result<T, kvtier_store::Error> {
+    fn py_err(self) -> PyResult<T> {
+        self.map_err(store_to_py)
     }
 }

@@ -1,24 +1,23 @@
 //! `kvtier._core.HostValues`: the values of a host store, so that a put or a get is one call.
 //!
-//! A put turns its keys into stored keys, seals each value (header, payload, a zero checksum:
-//! host values never leave the process) into a `HostValue` with one copy (into memory of its
-//! own, or the caller's pinned buffer), admits it to the store's `StoreIndex` (evicting under
-//! its policy) and counts it; a get checks each value's header against the key and namespace
-//! it is read under and hands out a memoryview of the `HostValue`, whose buffer is exactly its
-//! payload, read-only (one new object a get). The layout is `kvtier.stores.format`'s, written
-//! here and checked by `sealed::check`, as for every store.
+//! The engine is `kvtier_store::host::HostValues` (the map, the budget through the store's
+//! `StoreIndex`, the checks, the counts); this file converts: a put turns its keys into stored
+//! keys and seals each value (header, payload, a zero checksum: host values never leave the
+//! process) into a `HostValue` with one copy (into memory of its own, or the caller's pinned
+//! buffer), which the engine admits; a get hands out a memoryview of the `HostValue`, whose
+//! buffer is exactly its payload, read-only (one new object a get), and reports a value that
+//! failed its checks to the store's callback.
 //!
 //! A `HostValues` is one namespace's handle on the values (with the store's callback for a
 //! value that fails its checks), so the store's public methods can be its methods, with no
 //! Python in between; `view` gives another namespace's handle on the same values.
 //!
 //! Nothing that can call into Python (a conversion, an allocation, a release) runs while the
-//! values' lock is held: another thread holding the GIL could wait on that lock forever.
+//! engine's locks are held: another thread holding the GIL could wait on them forever. The
+//! engine only clones (a reference count) and drops values after its locks.
 
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::AtomicBool;
-use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use numpy::PyArrayMethods;
 use pyo3::exceptions::PyBufferError;
@@ -28,10 +27,13 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyByteArray, PyBytes, PyInt, PyList, PyMemoryView, PyString};
 
+use kvtier_store::format::{HeaderSpec, CHECKSUM_BYTES};
+use kvtier_store::host::{self, Served};
+
 use crate::arrays::{contiguous_buffer, Bytes};
-use crate::sealed::{self, Expected, FIXED, FORMAT_VERSION, MAGIC, SUM};
+use crate::errors::IntoPy as _;
 use crate::store_index::PyStoreIndex;
-use crate::store_stats::{PyStoreStats, StoreCounts};
+use crate::store_stats::PyStoreStats;
 
 /// The longest key text a stored key may add to its namespace's prefix.
 const KEY_TEXT_MAX: usize = 200;
@@ -68,22 +70,20 @@ fn python_error(
     }
 }
 
-/// What one namespace writes into a value's header and checks on reading it: the prefix of
-/// its stored keys, its digest and its texts after the key (codec, dtype, shape), with the
-/// `kvtier.stores.Namespace` itself for keys of other types than `str` and `int`.
-struct HeaderSpec {
+/// One namespace as a host store's calls need it: the prefix of its stored keys and its
+/// header (`HeaderSpec`), with the `kvtier.stores.Namespace` itself for keys of other types
+/// than `str` and `int`.
+struct KeySpec {
     prefix: String,
-    digest: u64,
-    texts: Vec<u8>,
+    header: HeaderSpec,
     namespace: Py<PyAny>,
 }
 
-impl HeaderSpec {
+impl KeySpec {
     fn new(namespace: &Bound<'_, PyAny>) -> PyResult<Self> {
-        Ok(HeaderSpec {
+        Ok(KeySpec {
             prefix: namespace.getattr("prefix")?.extract()?,
-            digest: namespace.getattr("digest")?.extract()?,
-            texts: namespace.getattr("packed_texts")?.extract()?,
+            header: crate::sealed::header_spec(namespace)?,
             namespace: namespace.clone().unbind(),
         })
     }
@@ -138,35 +138,6 @@ impl HeaderSpec {
             .bind(key.py())
             .call_method1("key", (key,))?
             .extract()
-    }
-
-    /// The length of the header of a value stored under `key`.
-    fn header_len(&self, key: &str) -> usize {
-        FIXED + 2 + key.len() + self.texts.len()
-    }
-
-    /// Appends to `head` the header of a value of `length` payload bytes stored under `key`.
-    fn write_header(&self, head: &mut Vec<u8>, key: &str, length: usize) {
-        let size = self.header_len(key);
-        head.extend_from_slice(MAGIC);
-        head.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        head.extend_from_slice(&(size as u16).to_le_bytes());
-        head.extend_from_slice(&(length as u64).to_le_bytes());
-        head.extend_from_slice(&self.digest.to_le_bytes());
-        head.extend_from_slice(&(key.len() as u16).to_le_bytes());
-        head.extend_from_slice(key.as_bytes());
-        head.extend_from_slice(&self.texts);
-    }
-
-    /// The payload's span in `sealed`, a value read under `key`, once its header checks pass;
-    /// else why they fail.
-    fn check(&self, key: &str, sealed: &[u8]) -> Result<(usize, usize), String> {
-        let key_len = (key.len() as u16).to_le_bytes();
-        let want = Expected {
-            digest: self.digest,
-            texts: &[&key_len, key.as_bytes(), &self.texts],
-        };
-        sealed::check(sealed, None, &want, false)
     }
 }
 
@@ -228,7 +199,7 @@ impl HostValue {
 
     fn payload(&self) -> &[u8] {
         let sealed = self.sealed();
-        &sealed[self.head..sealed.len() - SUM]
+        &sealed[self.head..sealed.len() - CHECKSUM_BYTES]
     }
 }
 
@@ -282,19 +253,12 @@ impl HostValue {
     }
 }
 
-type ValueMap = foldhash::HashMap<String, Py<HostValue>>;
+/// A `HostValue` as the engine holds it.
+struct Held(Py<HostValue>);
 
-/// What every namespace's handle on one host store's values shares.
-struct Shared {
-    index: Py<PyStoreIndex>,
-    counts: Arc<StoreCounts>,
-    values: Mutex<ValueMap>,
-    closed: AtomicBool,
-}
-
-impl Shared {
-    fn values(&self) -> MutexGuard<'_, ValueMap> {
-        self.values.lock().unwrap_or_else(|e| e.into_inner())
+impl host::Sealed for Held {
+    fn sealed(&self) -> &[u8] {
+        self.0.get().sealed()
     }
 }
 
@@ -302,26 +266,19 @@ impl Shared {
 /// (budget and eviction order).
 #[pyclass(name = "HostValues", module = "kvtier._core", frozen)]
 pub struct PyHostValues {
-    shared: Arc<Shared>,
-    spec: HeaderSpec,
+    values: Arc<host::HostValues<Held>>,
+    spec: KeySpec,
     /// Called as `on_corrupt(key, reason)` for a value that fails its checks.
     on_corrupt: Py<PyAny>,
     /// `alloc(size)` gives the buffer a value is sealed into (None: memory of its own).
     alloc: Option<Py<PyAny>>,
 }
 
-/// A get's result for one key.
-enum Served<'py> {
-    Miss,
-    Hit(Bound<'py, PyAny>, u64),
-    Corrupt,
-}
-
 impl PyHostValues {
     /// Raises `kvtier.stores.StoreClosedError` once the store is closed (checked here, not in
     /// Python: it is a tenth of a small get).
     fn check_open(&self, py: Python<'_>) -> PyResult<()> {
-        if !self.shared.closed.load(Relaxed) {
+        if !self.values.is_closed() {
             return Ok(());
         }
         let message = "host store: the store is closed; open a new one".to_owned();
@@ -335,20 +292,17 @@ impl PyHostValues {
     }
 
     /// `payload` sealed under `key`, in one copy.
-    fn seal(&self, py: Python<'_>, key: &str, payload: &[u8]) -> PyResult<Py<HostValue>> {
-        let head_len = self.spec.header_len(key);
-        let size = head_len + payload.len() + SUM;
+    fn seal(&self, py: Python<'_>, key: &str, payload: &[u8]) -> PyResult<Held> {
+        let header = &self.spec.header;
         let memory = match &self.alloc {
-            None => {
-                let mut bytes = Vec::with_capacity(size);
-                self.spec.write_header(&mut bytes, key, payload.len());
-                bytes.extend_from_slice(payload);
-                bytes.extend_from_slice(&[0; SUM]);
-                Memory::Own(bytes.into_boxed_slice())
-            }
+            None => Memory::Own(
+                header
+                    .seal_unchecked(key, payload)
+                    .py_err()?
+                    .into_boxed_slice(),
+            ),
             Some(alloc) => {
-                let mut head = Vec::with_capacity(head_len);
-                self.spec.write_header(&mut head, key, payload.len());
+                let size = header.sealed_len(key, payload.len());
                 let buffer = alloc.bind(py).call1((size,))?;
                 let addr = {
                     let array = buffer.cast::<numpy::PyArray1<u8>>()?;
@@ -356,9 +310,7 @@ impl PyHostValues {
                     let out = rw.as_slice_mut()?.get_mut(..size).ok_or_else(|| {
                         invalid_argument(py, format!("alloc({size}) is too short"))
                     })?;
-                    out[..head.len()].copy_from_slice(&head);
-                    out[head.len()..size - SUM].copy_from_slice(payload);
-                    out[size - SUM..].fill(0);
+                    header.seal_unchecked_into(key, payload, out).py_err()?;
                     out.as_ptr() as usize
                 };
                 Memory::Given {
@@ -368,83 +320,28 @@ impl PyHostValues {
                 }
             }
         };
-        Py::new(
-            py,
-            HostValue {
-                memory,
-                head: head_len,
-            },
-        )
+        let head = header.header_len(key);
+        Ok(Held(Py::new(py, HostValue { memory, head })?))
     }
 
-    /// What a get hands out for `value` found (or not) under `key`: a view of its payload once
-    /// its header checks pass; a value that fails them is removed and reported to `on_corrupt`.
-    fn serve<'py>(
+    /// A read's result as Python gets it: a view of the payload, or None (a miss, or a value
+    /// that failed its checks, reported to `on_corrupt`).
+    fn served<'py>(
         &self,
         py: Python<'py>,
         key: &str,
-        value: Option<Py<HostValue>>,
-    ) -> PyResult<Served<'py>> {
-        let Some(value) = value else {
-            return Ok(Served::Miss);
-        };
-        match self.spec.check(key, value.get().sealed()) {
-            Ok((start, stop)) => {
-                let view = PyMemoryView::from(value.bind(py).as_any())?.into_any();
-                Ok(Served::Hit(view, (stop - start) as u64))
-            }
-            Err(reason) => {
-                let gone = self.shared.values().remove(key);
-                self.shared.index.get().lock().remove(key);
-                drop((gone, value));
-                self.on_corrupt.bind(py).call1((key, reason))?;
-                Ok(Served::Corrupt)
-            }
-        }
-    }
-
-    /// `serve` for a read of one key, counted.
-    fn serve_one<'py>(
-        &self,
-        py: Python<'py>,
-        key: &str,
-        value: Option<Py<HostValue>>,
+        served: Served<Held>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (hits, bytes, corrupt) = match self.serve(py, key, value)? {
-            Served::Hit(view, n) => {
-                self.shared.counts.count_gets(1, n, 0, 0);
-                return Ok(view);
+        match served {
+            Served::Hit { value, .. } => {
+                Ok(PyMemoryView::from(value.0.bind(py).as_any())?.into_any())
             }
-            Served::Corrupt => (0, 0, 1),
-            Served::Miss => (0, 0, 0),
-        };
-        self.shared.counts.count_gets(hits, bytes, 1, corrupt);
-        Ok(py.None().into_bound(py))
-    }
-
-    /// Admits a sealed value under its stored key, replacing what the key held and evicting
-    /// what the index says; returns whether it was stored (not: larger than the whole budget)
-    /// and how many values it evicted. What leaves is released after the lock.
-    fn admit(&self, key: String, value: Py<HostValue>) -> (bool, u64) {
-        let size = value.get().sealed().len() as u64;
-        let mut values = self.shared.values();
-        // A put that passed its open check while `close` ran: `close` marks the store closed
-        // before it empties the map, so under the map's lock this sees it and refuses (else
-        // the value would stay in a closed store's map).
-        if self.shared.closed.load(Relaxed) {
-            drop(values);
-            return (false, 0);
+            Served::Miss => Ok(py.None().into_bound(py)),
+            Served::Corrupt(reason) => {
+                self.on_corrupt.bind(py).call1((key, reason.to_string()))?;
+                Ok(py.None().into_bound(py))
+            }
         }
-        let mut index = self.shared.index.get().lock();
-        let Some(victims) = index.admit(&key, size) else {
-            drop((index, values));
-            return (false, 0); // `value` is released here, after the locks
-        };
-        let evicted: Vec<_> = victims.iter().filter_map(|v| values.remove(v)).collect();
-        let replaced = values.insert(key, value);
-        drop((index, values));
-        drop((evicted, replaced));
-        (true, victims.len() as u64)
     }
 
     /// Seals and admits each value in turn, so that what a value replaces is released before
@@ -456,7 +353,7 @@ impl PyHostValues {
         for (key, payload) in checked {
             let bytes = payload.as_slice();
             let sealed = self.seal(py, &key, bytes)?;
-            let (stored, gone) = self.admit(key, sealed);
+            let (stored, gone) = self.values.admit(key, sealed);
             if stored {
                 stored_bytes += bytes.len() as u64;
             }
@@ -464,19 +361,19 @@ impl PyHostValues {
             done.push(stored);
         }
         let stored = done.iter().filter(|&&d| d).count() as u64;
-        self.count_puts(stored, stored_bytes, done.len() as u64 - stored, evicted);
+        let refused = done.len() as u64 - stored;
+        self.values
+            .count_puts(stored, stored_bytes, refused, evicted);
         Ok(done)
-    }
-
-    fn count_puts(&self, stored: u64, stored_bytes: u64, refused: u64, evicted: u64) {
-        let counts = &self.shared.counts;
-        counts.count_puts(stored, stored_bytes, refused);
-        counts.evictions.fetch_add(evicted, Relaxed);
     }
 
     fn keys_of(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         keys.try_iter()?.map(|k| self.spec.key(&k?)).collect()
     }
+}
+
+fn clone_held(py: Python<'_>) -> impl Fn(&Held) -> Held + '_ {
+    move |v| Held(v.0.clone_ref(py))
 }
 
 #[pymethods]
@@ -487,21 +384,16 @@ impl PyHostValues {
     #[new]
     #[pyo3(signature = (index, stats, namespace, on_corrupt, alloc = None))]
     fn new(
-        index: Py<PyStoreIndex>,
+        index: &PyStoreIndex,
         stats: &PyStoreStats,
         namespace: &Bound<'_, PyAny>,
         on_corrupt: Py<PyAny>,
         alloc: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
-        let shared = Shared {
-            index,
-            counts: Arc::clone(&stats.counts),
-            values: Mutex::new(ValueMap::default()),
-            closed: AtomicBool::new(false),
-        };
+        let values = host::HostValues::new(Arc::clone(&index.inner), Arc::clone(&stats.counts));
         Ok(PyHostValues {
-            shared: Arc::new(shared),
-            spec: HeaderSpec::new(namespace)?,
+            values: Arc::new(values),
+            spec: KeySpec::new(namespace)?,
             on_corrupt,
             alloc,
         })
@@ -515,8 +407,8 @@ impl PyHostValues {
         on_corrupt: Py<PyAny>,
     ) -> PyResult<Self> {
         Ok(PyHostValues {
-            shared: Arc::clone(&self.shared),
-            spec: HeaderSpec::new(namespace)?,
+            values: Arc::clone(&self.values),
+            spec: KeySpec::new(namespace)?,
             on_corrupt,
             alloc: self.alloc.as_ref().map(|a| a.clone_ref(py)),
         })
@@ -557,15 +449,7 @@ impl PyHostValues {
         let (key, payload) = (self.spec.key(key)?, payload(value)?);
         let bytes = payload.as_slice();
         let sealed = self.seal(py, &key, bytes)?;
-        let (stored, evicted) = self.admit(key, sealed);
-        let n = bytes.len() as u64;
-        self.count_puts(
-            u64::from(stored),
-            if stored { n } else { 0 },
-            u64::from(!stored),
-            evicted,
-        );
-        Ok(stored)
+        Ok(self.values.put(key, sealed, bytes.len() as u64))
     }
 
     /// The payloads under `keys`, as read-only views; None for a miss. A value that fails a
@@ -577,37 +461,13 @@ impl PyHostValues {
     ) -> PyResult<Bound<'py, PyList>> {
         self.check_open(py)?;
         let full = self.keys_of(keys)?;
-        let found: Vec<Option<Py<HostValue>>> = {
-            let values = self.shared.values();
-            full.iter()
-                .map(|k| values.get(k).map(|v| v.clone_ref(py)))
-                .collect()
-        };
-        let hit_keys: Vec<&String> = full
-            .iter()
-            .zip(&found)
-            .filter_map(|(k, f)| f.as_ref().map(|_| k))
-            .collect();
-        self.shared.index.get().lock().touch(&hit_keys);
+        let served = self
+            .values
+            .get_many(&self.spec.header, &full, clone_held(py));
         let out = PyList::empty(py);
-        let (mut hits, mut hit_bytes, mut corrupt) = (0, 0, 0);
-        for (key, value) in full.iter().zip(found) {
-            match self.serve(py, key, value)? {
-                Served::Hit(view, n) => {
-                    (hits, hit_bytes) = (hits + 1, hit_bytes + n);
-                    out.append(view)?;
-                }
-                Served::Corrupt => {
-                    corrupt += 1;
-                    out.append(py.None())?;
-                }
-                Served::Miss => out.append(py.None())?,
-            }
+        for (key, served) in full.iter().zip(served) {
+            out.append(self.served(py, key, served)?)?;
         }
-        let misses = full.len() as u64 - hits;
-        self.shared
-            .counts
-            .count_gets(hits, hit_bytes, misses, corrupt);
         Ok(out)
     }
 
@@ -615,11 +475,8 @@ impl PyHostValues {
     fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         self.check_open(py)?;
         self.spec.with_key(key, |full| {
-            let value = self.shared.values().get(full).map(|v| v.clone_ref(py));
-            if value.is_some() {
-                self.shared.index.get().lock().touch(&[full]);
-            }
-            self.serve_one(py, full, value)
+            let served = self.values.get(&self.spec.header, full, clone_held(py));
+            self.served(py, full, served)
         })?
     }
 
@@ -627,62 +484,34 @@ impl PyHostValues {
     fn pop<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         self.check_open(py)?;
         self.spec.with_key(key, |full| {
-            let value = self.shared.values().remove(full);
-            self.shared.index.get().lock().remove(full);
-            self.serve_one(py, full, value)
+            let served = self.values.pop(&self.spec.header, full);
+            self.served(py, full, served)
         })?
     }
 
     /// Whether a value is stored under `key`.
     fn contains(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
         self.check_open(key.py())?;
-        self.spec
-            .with_key(key, |full| self.shared.values().contains_key(full))
+        self.spec.with_key(key, |full| self.values.contains(full))
     }
 
     /// Deletes the values under `keys`; returns which there were.
     fn delete_many(&self, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
         self.check_open(keys.py())?;
         let full = self.keys_of(keys)?;
-        let gone: Vec<Option<Py<HostValue>>> = {
-            let mut values = self.shared.values();
-            full.iter().map(|k| values.remove(k)).collect()
-        };
-        let mut index = self.shared.index.get().lock();
-        for key in &full {
-            index.remove(key);
-        }
-        drop(index);
-        let done: Vec<bool> = gone.iter().map(Option::is_some).collect();
-        drop(gone); // released with the locks given back
-        let deleted = done.iter().filter(|&&d| d).count() as u64;
-        self.shared.counts.deletes.fetch_add(deleted, Relaxed);
-        Ok(done)
+        Ok(self.values.delete_many(&full))
     }
 
     /// The stored keys that start with `prefix`.
     fn scan(&self, py: Python<'_>, prefix: &str) -> PyResult<Vec<String>> {
         self.check_open(py)?;
-        Ok(self
-            .shared
-            .values()
-            .keys()
-            .filter(|k| k.starts_with(prefix))
-            .cloned()
-            .collect())
+        Ok(self.values.scan(prefix))
     }
 
     /// Closes the store, for every namespace: every call after this raises
     /// `StoreClosedError`, and every value is dropped.
     fn close(&self) {
-        self.shared.closed.store(true, Relaxed);
-        let values = std::mem::take(&mut *self.shared.values());
-        let mut index = self.shared.index.get().lock();
-        for key in values.keys() {
-            index.remove(key);
-        }
-        drop(index);
-        drop(values);
+        self.values.close();
     }
 
     /// What the garbage collector follows from here: `on_corrupt` is the store's own method and
@@ -698,6 +527,6 @@ impl PyHostValues {
 
     /// How many values the store holds (every namespace's).
     fn __len__(&self) -> usize {
-        self.shared.values().len()
+        self.values.len()
     }
 }

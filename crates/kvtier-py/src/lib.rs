@@ -1,5 +1,6 @@
-//! Python bindings of the kvtier core: `kvtier._core`. Bindings only — one file per class,
-//! errors mapped in `errors.rs`, numpy arrays in through `arrays.rs`.
+//! Python bindings of kvtier: `kvtier._core`. Bindings only — one file per class or group of
+//! functions over the core (`kvtier`), the attention kernel (`kvtier-attend`) and the store
+//! engines (`kvtier-store`); errors mapped in `errors.rs`, numpy arrays in through `arrays.rs`.
 
 mod arrays;
 mod attend;
@@ -94,6 +95,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(files::read_stored, m)?)?;
     m.add_function(wrap_pyfunction!(files::store_path, m)?)?;
     m.add_function(wrap_pyfunction!(sealed::unseal, m)?)?;
+    m.add_function(wrap_pyfunction!(sealed::seal_header, m)?)?;
+    m.add_function(wrap_pyfunction!(sealed::pack_texts, m)?)?;
+    m.add_function(wrap_pyfunction!(sealed::read_key, m)?)?;
+    sealed::add_constants(m)?;
     m.add_function(wrap_pyfunction!(files::write_checksummed, m)?)?;
     m.add_function(wrap_pyfunction!(files::write_stored, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::write_token, m)?)?;

@@ -1,173 +1,73 @@
-//! The checks a stored value passes before its payload is served, for every store: the layout
-//! is `kvtier.stores.format`'s (magic, format version, header length, payload length, namespace
-//! digest, four length-prefixed texts, payload, CRC-64/NVME of everything before it).
+//! The sealed value format (`kvtier_store::format`) for Python: its constants (`FORMAT_*`), the
+//! header encoder and the checks (`unseal`) that `kvtier.stores.format` seals and reads values
+//! with, for the stores that live in Python (Redis) and the tests. Defined once, in the store
+//! crate: nothing here restates the layout.
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyMemoryView, PySlice};
+use pyo3::types::{PyBytes, PyMemoryView, PySlice};
+
+use kvtier_store::format::{self, HeaderSpec};
+use kvtier_store::Refusal;
 
 use crate::arrays::Bytes;
-use crate::checksum::Checksum;
+use crate::errors::IntoPy as _;
 
-pub(crate) const MAGIC: &[u8; 4] = b"KVTR";
-/// 2: the checksum became CRC-64/NVME (1: xxh3-64); a value of another version is a miss.
-pub(crate) const FORMAT_VERSION: u16 = 2;
-/// Magic, version, header length, payload length, namespace digest.
-pub(crate) const FIXED: usize = 24;
-/// The trailing checksum.
-pub(crate) const SUM: usize = 8;
-const TEXTS: [&str; 4] = ["key", "codec", "dtype", "shape"];
-
-fn u16_at(b: &[u8], at: usize) -> u16 {
-    u16::from_le_bytes([b[at], b[at + 1]])
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    let mut word = [0; 8];
-    word.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(word)
-}
-
-/// What a value must match: the namespace digest and the header texts (key, codec, dtype,
-/// shape, each a u16 length and UTF-8), as `format.header` writes them, given as pieces that
-/// join into them (so a caller holding the key and the namespace's texts apart need not join
-/// them).
-pub(crate) struct Expected<'a> {
-    pub digest: u64,
-    pub texts: &'a [&'a [u8]],
-}
-
-impl Expected<'_> {
-    /// Whether `got` is the expected texts, piece by piece.
-    fn texts_are(&self, mut got: &[u8]) -> bool {
-        for piece in self.texts {
-            match got.split_at_checked(piece.len()) {
-                Some((head, rest)) if head == *piece => got = rest,
-                _ => return false,
-            }
-        }
-        got.is_empty()
-    }
-}
-
-/// The payload's byte range in `value` once every check passed, else which check failed.
-/// `hashed` is the checksum of all but the last 8 bytes when the reader computed it while
-/// reading; `verify = false` skips only the checksum (values that never left this process).
-pub(crate) fn check(
-    value: &[u8],
-    hashed: Option<u64>,
-    want: &Expected<'_>,
-    verify: bool,
-) -> Result<(usize, usize), String> {
-    let n = value.len();
-    if n < FIXED + SUM {
-        return Err(format!("{n} bytes: shorter than any header"));
-    }
-    if &value[..4] != MAGIC {
-        return Err(format!(
-            "magic {:?} is not \"KVTR\": not a kvtier value",
-            String::from_utf8_lossy(&value[..4])
-        ));
-    }
-    let version = u16_at(value, 4);
-    if version != FORMAT_VERSION {
-        return Err(format!(
-            "format version {version}, this kvtier reads {FORMAT_VERSION}"
-        ));
-    }
-    let (size, length) = (usize::from(u16_at(value, 6)), u64_at(value, 8));
-    if (size as u64)
-        .checked_add(length)
-        .and_then(|s| s.checked_add(SUM as u64))
-        != Some(n as u64)
-    {
-        return Err(format!(
-            "{n} bytes, the header says {size} + {length} + {SUM}: truncated or padded"
-        ));
-    }
-    if u64_at(value, 16) != want.digest {
-        return Err("written under another namespace (model, tenant, codec or shape)".into());
-    }
-    if size < FIXED {
-        return Err("header length does not match its texts".into());
-    }
-    let texts = &value[FIXED..size];
-    if !want.texts_are(texts) {
-        return Err(explain_texts(texts, &want.texts.concat()));
-    }
-    if verify {
-        let stored = u64_at(value, n - SUM);
-        let got = hashed.unwrap_or_else(|| Checksum::of(&value[..n - SUM]));
-        if got != stored {
-            return Err("checksum mismatch: the value is corrupt".into());
-        }
-    }
-    Ok((size, n - SUM))
-}
-
-/// The four texts of a header, or why they cannot be read.
-fn parse_texts(mut b: &[u8]) -> Result<Vec<&[u8]>, String> {
-    let mut texts = Vec::with_capacity(TEXTS.len());
-    for _ in TEXTS {
-        if b.len() < 2 {
-            return Err("header texts run past the header".into());
-        }
-        let len = usize::from(u16_at(b, 0));
-        if b.len() < 2 + len {
-            return Err("header texts run past the header".into());
-        }
-        texts.push(&b[2..2 + len]);
-        b = &b[2 + len..];
-    }
-    if !b.is_empty() {
-        return Err("header length does not match its texts".into());
-    }
-    Ok(texts)
-}
-
-/// Which header text differs from the expected one (the texts differ somewhere).
-fn explain_texts(got: &[u8], want: &[u8]) -> String {
-    let (got, want) = match (parse_texts(got), parse_texts(want)) {
-        (Ok(g), Ok(w)) => (g, w),
-        (Err(e), _) | (_, Err(e)) => return e,
-    };
-    for ((name, g), w) in TEXTS.iter().zip(got).zip(want) {
-        if g != w {
-            return format!(
-                "written as {name} {:?}, read as {:?}",
-                String::from_utf8_lossy(g),
-                String::from_utf8_lossy(w)
-            );
-        }
-    }
-    "header texts differ".into()
+/// Adds the format's constants to the module: `FORMAT_MAGIC` (bytes), `FORMAT_VERSION`,
+/// `FORMAT_CHECKSUM_BYTES` (the trailing checksum field) and `FORMAT_OVERHEAD` (bytes a value
+/// adds to its payload beyond its header texts).
+pub fn add_constants(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("FORMAT_MAGIC", PyBytes::new(m.py(), format::MAGIC))?;
+    m.add("FORMAT_VERSION", format::FORMAT_VERSION)?;
+    m.add("FORMAT_CHECKSUM_BYTES", format::CHECKSUM_BYTES)?;
+    m.add("FORMAT_OVERHEAD", format::OVERHEAD)?;
+    Ok(())
 }
 
 /// `kvtier.errors.PayloadError(reason)`, to raise or to hand back in a batch's results.
-pub(crate) fn payload_error(py: Python<'_>, reason: String) -> PyErr {
+pub(crate) fn payload_error(py: Python<'_>, reason: &Refusal) -> PyErr {
     match py
         .import("kvtier.errors")
         .and_then(|m| m.getattr("PayloadError"))
-        .and_then(|class| class.call1((reason,)))
+        .and_then(|class| class.call1((reason.to_string(),)))
     {
         Ok(instance) => PyErr::from_value(instance),
         Err(e) => e,
     }
 }
 
-/// The payload of a stored value (a `bytes` or any contiguous buffer) as a read-only
-/// memoryview, after every check of `format.unseal`, the checksum computed here without the
-/// GIL (`verify = false` skips only it); raises `PayloadError` naming the check that failed.
+/// The header of a value of `length` payload bytes stored under `key` in the namespace `digest`
+/// whose packed texts after the key are `texts` (`Namespace.packed_texts`).
 #[pyfunction]
-#[pyo3(signature = (value, digest, texts, *, verify = true))]
-pub fn unseal<'py>(
+pub fn seal_header<'py>(
     py: Python<'py>,
-    value: &Bound<'py, PyAny>,
     digest: u64,
+    key: &str,
     texts: &[u8],
-    verify: bool,
-) -> PyResult<Bound<'py, PyAny>> {
-    let bytes = Bytes::of(value).ok_or_else(|| {
+    length: u64,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let mut head = Vec::new();
+    format::write_header(&mut head, digest, key.as_bytes(), texts, length).py_err()?;
+    Ok(PyBytes::new(py, &head))
+}
+
+/// `texts`, each as a header stores it (a u16 length, then UTF-8).
+#[pyfunction]
+#[pyo3(signature = (*texts))]
+pub fn pack_texts<'py>(py: Python<'py>, texts: Vec<String>) -> PyResult<Bound<'py, PyBytes>> {
+    let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+    Ok(PyBytes::new(py, &format::pack_texts(&texts).py_err()?))
+}
+
+/// The key a stored value (bytes or any contiguous buffer) says it was written under, or None
+/// when its header is unreadable.
+#[pyfunction]
+pub fn read_key(value: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    Ok(format::read_key(buffer_of(value)?.as_slice()))
+}
+
+fn buffer_of<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bytes<'py>> {
+    Bytes::of(value).ok_or_else(|| {
         crate::errors::to_py(kvtier::Error::InvalidArgument {
             what: "value",
             reason: format!(
@@ -178,20 +78,35 @@ pub fn unseal<'py>(
                     .map_or_else(|_| "?".into(), |n| n.to_string())
             ),
         })
-    })?;
-    let want = Expected {
+    })
+}
+
+/// The payload of a stored value (a `bytes` or any contiguous buffer) as a read-only
+/// memoryview, after every check of the format, the checksum computed here without the GIL
+/// (`verify = false` skips only it); raises `PayloadError` naming the check that failed.
+#[pyfunction]
+#[pyo3(signature = (value, digest, texts, *, verify = true))]
+pub fn unseal<'py>(
+    py: Python<'py>,
+    value: &Bound<'py, PyAny>,
+    digest: u64,
+    texts: &[u8],
+    verify: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let bytes = buffer_of(value)?;
+    let want = format::Expected {
         digest,
         texts: &[texts],
     };
     let sealed = bytes.as_slice();
-    let (start, stop) = py
-        .detach(|| check(sealed, None, &want, verify))
-        .map_err(|reason| payload_error(py, reason))?;
+    let span = py
+        .detach(|| format::check(sealed, None, &want, verify))
+        .map_err(|reason| payload_error(py, &reason))?;
     let (readonly, bytewise) = match &bytes {
         Bytes::Bytes(_) => (true, true),
         Bytes::Buffer(b) => (b.readonly(), b.dimensions() == 1 && b.format() == c"B"),
     };
-    read_only_span(value, start, stop, bytewise, readonly)
+    read_only_span(value, span.start, span.end, bytewise, readonly)
 }
 
 /// Bytes `start..stop` of `value`'s buffer as a read-only memoryview (`bytewise`: its buffer
@@ -215,4 +130,13 @@ pub(crate) fn read_only_span<'py>(
     } else {
         view.call_method0(intern!(py, "toreadonly"))
     }
+}
+
+/// What one namespace writes into a value's header and checks on reading it, read from a
+/// `kvtier.stores.Namespace`.
+pub(crate) fn header_spec(namespace: &Bound<'_, PyAny>) -> PyResult<HeaderSpec> {
+    Ok(HeaderSpec::new(
+        namespace.getattr("digest")?.extract()?,
+        namespace.getattr("packed_texts")?.extract()?,
+    ))
 }

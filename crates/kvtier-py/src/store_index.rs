@@ -1,20 +1,22 @@
-//! `kvtier._core.StoreIndex`: which values a host or disk store evicts, under a core policy.
+//! `kvtier._core.StoreIndex`: which values a host or disk store evicts, under a core policy
+//! (`kvtier::StoreIndex`), shared with the store engines that keep it (`kvtier_store`).
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, MutexGuard};
 
 use kvtier::{Error, PolicyKind, StoreIndex};
+use kvtier_store::SharedIndex;
 use pyo3::prelude::*;
 
 use crate::errors::IntoPy;
 
 #[pyclass(name = "StoreIndex", module = "kvtier._core", frozen)]
 pub struct PyStoreIndex {
-    inner: Mutex<StoreIndex>,
+    pub(crate) inner: Arc<SharedIndex>,
 }
 
 impl PyStoreIndex {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, StoreIndex> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, StoreIndex> {
+        self.inner.lock()
     }
 }
 
@@ -34,7 +36,7 @@ impl PyStoreIndex {
             .py_err()?;
         let index = StoreIndex::new(PolicyKind::parse(policy).py_err()?, budget, decay).py_err()?;
         Ok(PyStoreIndex {
-            inner: Mutex::new(index),
+            inner: Arc::new(SharedIndex::new(index)),
         })
     }
 

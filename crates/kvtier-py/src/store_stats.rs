@@ -1,58 +1,12 @@
-//! `kvtier._core.StoreStats`: what a store did, counted without a lock: every store counts a
-//! batch in one call, and the host store's native paths count as they go.
+//! `kvtier._core.StoreStats`: what a store did (`kvtier_store::StoreCounts`, counted without a
+//! lock): Python stores count a batch in one call, the host store's engine as it goes.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
+use kvtier_store::StoreCounts;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-
-/// The counters, shared between the Python object and the native paths that count into it.
-#[derive(Debug, Default)]
-pub(crate) struct StoreCounts {
-    pub puts: AtomicU64,
-    pub put_bytes: AtomicU64,
-    pub put_failures: AtomicU64,
-    pub hits: AtomicU64,
-    pub hit_bytes: AtomicU64,
-    pub misses: AtomicU64,
-    pub corrupt: AtomicU64,
-    pub errors: AtomicU64,
-    pub evictions: AtomicU64,
-    pub deletes: AtomicU64,
-}
-
-impl StoreCounts {
-    /// A batch of puts: `stored` values of `payload_bytes` in all, `failed` refused or failed.
-    pub fn count_puts(&self, stored: u64, payload_bytes: u64, failed: u64) {
-        self.puts.fetch_add(stored, Relaxed);
-        self.put_bytes.fetch_add(payload_bytes, Relaxed);
-        self.put_failures.fetch_add(failed, Relaxed);
-    }
-
-    /// A batch of gets: `corrupt` of the `misses` failed a check.
-    pub fn count_gets(&self, hits: u64, hit_bytes: u64, misses: u64, corrupt: u64) {
-        self.hits.fetch_add(hits, Relaxed);
-        self.hit_bytes.fetch_add(hit_bytes, Relaxed);
-        self.misses.fetch_add(misses, Relaxed);
-        self.corrupt.fetch_add(corrupt, Relaxed);
-    }
-
-    fn fields(&self) -> [(&'static str, u64); 10] {
-        [
-            ("puts", self.puts.load(Relaxed)),
-            ("put_bytes", self.put_bytes.load(Relaxed)),
-            ("put_failures", self.put_failures.load(Relaxed)),
-            ("hits", self.hits.load(Relaxed)),
-            ("hit_bytes", self.hit_bytes.load(Relaxed)),
-            ("misses", self.misses.load(Relaxed)),
-            ("corrupt", self.corrupt.load(Relaxed)),
-            ("errors", self.errors.load(Relaxed)),
-            ("evictions", self.evictions.load(Relaxed)),
-            ("deletes", self.deletes.load(Relaxed)),
-        ]
-    }
-}
 
 /// What a store did since it was opened (all namespaces of its backend together).
 #[pyclass(name = "StoreStats", module = "kvtier._core", frozen)]
@@ -137,15 +91,15 @@ impl PyStoreStats {
 
     #[pyo3(signature = (n = 1))]
     fn count_errors(&self, n: u64) {
-        self.counts.errors.fetch_add(n, Relaxed);
+        self.counts.count_errors(n);
     }
 
     fn count_evictions(&self, n: u64) {
-        self.counts.evictions.fetch_add(n, Relaxed);
+        self.counts.count_evictions(n);
     }
 
     fn count_deletes(&self, n: u64) {
-        self.counts.deletes.fetch_add(n, Relaxed);
+        self.counts.count_deletes(n);
     }
 
     /// The counters by name.

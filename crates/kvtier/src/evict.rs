@@ -9,7 +9,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use crate::core::Key;
+use crate::types::Key;
 
 /// A queued block: its id and the version its entry was made at. The entry stands for the
 /// block while the block's version still matches; then its key is the block's current key.

@@ -17,12 +17,14 @@ pub mod scheduler;
 pub mod sim;
 pub mod stats;
 pub mod store_index;
+mod types;
 
 pub use crate::config::{Config, PolicyKind, Tier, TierConfig};
-pub use crate::core::{Appended, Core, Counters, Forked, Key, Loc, PoolUsage, NO_SLOT};
+pub use crate::core::{Appended, Core, Counters, Forked, PoolUsage};
 pub use crate::error::{Error, Result};
 pub use crate::prefix::{
     chain_hash, chain_seed, namespace_seed, prefix_hashes, salted_seed, PrefixIndex,
 };
 pub use crate::scheduler::{Move, MoveKind, Plan};
 pub use crate::store_index::StoreIndex;
+pub use crate::types::{Key, Loc, NO_SLOT};

@@ -24,9 +24,10 @@
 //!    are evicted and, if the ladder has a `drop` level, live ones dropped.
 
 use crate::config::{Config, Tier};
-use crate::core::{Cached, Core, Key, Loc, NO_SLOT};
+use crate::core::{Cached, Core};
 use crate::error::{Error, Result};
 use crate::stats::BlockStats;
+use crate::types::{Key, Loc, NO_BLOCK, NO_SLOT};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -1198,7 +1199,7 @@ impl Core {
             return;
         };
         let parent = match parent {
-            None => Some(crate::core::NO_BLOCK),
+            None => Some(NO_BLOCK),
             Some(p) => self.index.get(p),
         };
         self.index_block(b, hash, parent);

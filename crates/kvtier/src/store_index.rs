@@ -17,10 +17,10 @@
 use foldhash::HashMap;
 
 use crate::config::PolicyKind;
-use crate::core::Key;
 use crate::error::{Error, Result};
 use crate::evict::{EvictionQueue, Ticket};
 use crate::stats::DecayTable;
+use crate::types::Key;
 
 #[derive(Debug, Clone)]
 struct Row {

@@ -1,35 +1,26 @@
 """Stored values: a small versioned header, the payload, and a checksum; and the namespaces
 that keep different models, codecs, shapes and tenants apart.
 
-Layout of a value (little-endian)::
-
-    magic   4 bytes  b"KVTR"
-    version u16      FORMAT_VERSION
-    hdrlen  u16      bytes of the header, magic included
-    length  u64      bytes of the payload
-    ns      u64      digest of the namespace (model, tenant, codec, dtype, shape; format version)
-    key, codec, dtype, shape   each a u16 length + UTF-8 text
-    payload
-    CRC-64/NVME of everything before it (u64; 0 in the host store, whose values never leave
-            the process and are never verified)
+The format is defined once, in Rust (``crates/kvtier-store/src/format.rs``, which documents the
+layout): a magic, the format version, the header's and the payload's lengths, the namespace
+digest, the key, codec, dtype and shape as texts, then the payload and a CRC-64/NVME of
+everything before it (0 in the host store, whose values never leave the process and are never
+verified). This module reads its constants (``_core.FORMAT_*``) and seals headers with its
+encoder (``_core.seal_header``); values are checked there too (``_core.unseal``; for files
+``_core.read_stored`` and ``read_sealed``).
 
 The header names the key it was written under, so a value copied or renamed to another key is a
 miss too. Reading checks every field against what the reader expects: a value from another
 namespace, codec, shape or format version, a truncated one or one with a flipped bit is refused
-(:class:`~kvtier.errors.PayloadError`), never returned. No pickle.
-
-Values are sealed here and checked by the extension (``_core.unseal``; for files
-``_core.read_stored`` and ``read_sealed``; all in ``crates/kvtier-py/src/sealed.rs``): a change
-to the layout or the checksum changes both, and ``FORMAT_VERSION``. Version 2 checksums with
-CRC-64/NVME, version 1 did with xxh3-64. The namespace digest covers the version, so values of
-another version live under other keys and are never read (a cache loses nothing it cannot
-compute again); one found under this version's key anyway is refused for its version.
+(:class:`~kvtier.errors.PayloadError`), never returned. No pickle. The namespace digest covers
+the version, so values of another version live under other keys and are never read (a cache
+loses nothing it cannot compute again); one found under this version's key anyway is refused
+for its version.
 """
 
 from __future__ import annotations
 
 import re
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -37,18 +28,31 @@ from typing import Any
 
 import numpy as np
 
-from .._core import StreamingChecksum, copy_checksum, digest
+from .._core import (
+    FORMAT_CHECKSUM_BYTES,
+    FORMAT_MAGIC,
+    FORMAT_OVERHEAD,
+    StreamingChecksum,
+    copy_checksum,
+    digest,
+    pack_texts,
+    seal_header,
+)
+from .._core import FORMAT_VERSION as FORMAT_VERSION
+from .._core import read_key as read_key
 from .._core import unseal as _unseal
 from ..errors import InvalidArgumentError
 
-MAGIC = b"KVTR"
-FORMAT_VERSION = 2
-_FIXED = struct.Struct("<4sHHQQ")
-_TEXT_LEN = struct.Struct("<H")
-_SUM = struct.Struct("<Q")
-_ZERO_SUM = bytes(_SUM.size)
+MAGIC = FORMAT_MAGIC
 #: Bytes a value adds to its payload beyond the texts of its header.
-OVERHEAD = _FIXED.size + 4 * _TEXT_LEN.size + _SUM.size
+OVERHEAD = FORMAT_OVERHEAD
+_ZERO_SUM = bytes(FORMAT_CHECKSUM_BYTES)
+
+
+def _sum_field(checksum: int) -> bytes:
+    """The trailing checksum field holding ``checksum`` (little-endian, like every field)."""
+    return checksum.to_bytes(FORMAT_CHECKSUM_BYTES, "little")
+
 
 #: Payload bytes hashed and handed to the writer at a time (``Sealed.chunks``): small enough to
 #: still be in cache when the writer reads them.
@@ -111,7 +115,7 @@ class Namespace:
     @cached_property
     def packed_texts(self) -> bytes:
         """The header texts after the key (codec, dtype, shape), as stored."""
-        return b"".join(_pack_text(s) for s in (self.codec, self.dtype, self.shape))
+        return pack_texts(self.codec, self.dtype, self.shape)
 
     @cached_property
     def prefix(self) -> str:
@@ -136,20 +140,14 @@ def _empty(size: int) -> np.ndarray:
     return np.empty(size, np.uint8)
 
 
-def _pack_text(s: str) -> bytes:
-    b = s.encode()
-    return _TEXT_LEN.pack(len(b)) + b
-
-
 def header_texts(ns: Namespace, key: str) -> bytes:
     """The texts of a value's header (key, codec, dtype, shape), as stored."""
-    return _pack_text(key) + ns.packed_texts
+    return pack_texts(key) + ns.packed_texts
 
 
 def header(ns: Namespace, key: str, length: int) -> bytes:
-    texts = header_texts(ns, key)
-    size = _FIXED.size + len(texts)
-    return _FIXED.pack(MAGIC, FORMAT_VERSION, size, length, ns.digest) + texts
+    """The header of a value of ``length`` payload bytes stored under ``key``."""
+    return seal_header(ns.digest, key, ns.packed_texts, length)
 
 
 def payload_view(value: Any) -> memoryview:
@@ -192,7 +190,7 @@ class Sealed:
     def __init__(self, ns: Namespace, key: str, payload: memoryview) -> None:
         self.head = header(ns, key, len(payload))
         self.payload = payload
-        self.size = len(self.head) + len(payload) + _SUM.size
+        self.size = len(self.head) + len(payload) + FORMAT_CHECKSUM_BYTES
 
     @property
     def payload_chunks(self) -> int:
@@ -208,7 +206,7 @@ class Sealed:
             chunk = body[at : at + CHUNK]
             yield chunk
             digest.update(chunk)
-        yield _SUM.pack(digest.digest())
+        yield _sum_field(digest.digest())
 
 
 def seal_joined(
@@ -231,14 +229,14 @@ def seal_joined(
     head = np.frombuffer(header(ns, key, len(payload)), np.uint8)
     body = np.frombuffer(payload, np.uint8)
     end = len(head) + len(body)
-    out = (alloc or _empty)(end + _SUM.size)[: end + _SUM.size]
+    out = (alloc or _empty)(end + FORMAT_CHECKSUM_BYTES)[: end + FORMAT_CHECKSUM_BYTES]
     if checksummed:
         total = copy_checksum(out, head, body)
     else:
         out[: len(head)] = head
         out[len(head) : end] = body
         total = 0
-    out[end:] = np.frombuffer(_SUM.pack(total), np.uint8)
+    out[end:] = np.frombuffer(_sum_field(total), np.uint8)
     return out
 
 
@@ -248,17 +246,3 @@ def unseal(ns: Namespace, key: str, blob: Any, *, verify: bool = True) -> memory
     :class:`PayloadError` saying which check failed. ``verify=False`` skips only the checksum,
     for values that never left this process's memory."""
     return _unseal(blob, ns.digest, header_texts(ns, key), verify=verify)
-
-
-def read_key(blob: Any) -> str | None:
-    """The key a value says it was written under, or None when its header is unreadable."""
-    view = memoryview(blob).cast("B")
-    try:
-        magic, _, size, _, _ = _FIXED.unpack_from(view)
-        (n,) = _TEXT_LEN.unpack_from(view, _FIXED.size)
-    except struct.error:
-        return None
-    start = _FIXED.size + _TEXT_LEN.size
-    if magic != MAGIC or start + n > min(size, len(view)):
-        return None
-    return bytes(view[start : start + n]).decode(errors="replace")

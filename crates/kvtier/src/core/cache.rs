@@ -1,0 +1,228 @@
+//! The cache index of each pool ([`PoolCache`]): its cached blocks in two queues in key order
+//! (every cached block; the cached leaves), how many, and how many are reclaimable; with the
+//! functions that keep it over the block table's parts, taken apart from `Core` so that a loop
+//! over many blocks holds them at once: entering a block ([`enqueue_if_cached`]), leaving
+//! ([`BlockRow::leave_cache`]), settling the reclaimable flags up the prefix tree
+//! ([`settle_reclaimable`]) and a plain core's eviction pass ([`pop_evictable`]).
+
+use crate::config::PolicyKind;
+use crate::evict::{EvictionQueue, Ticket};
+use crate::prefix::PrefixIndex;
+use crate::types::NO_BLOCK;
+
+use super::blocks::{BlockRow, Link, NOT_CACHED};
+use super::ranking::{with_policy_key, PoolMap, Ranking};
+
+/// The cached blocks of one pool: how many, and two queues in key order (which may also hold
+/// stale entries): every cached block, what demotion and offload take; and the cached leaves,
+/// what eviction takes (prefix-aware cores; a plain core evicts from the first).
+#[derive(Debug, Clone)]
+pub(crate) struct PoolCache {
+    pub(super) cached: EvictionQueue,
+    pub(super) leaves: EvictionQueue,
+    pub(super) count: u64,
+    /// Of them, those evicting leaf after leaf can free (see `BlockRow::reclaimable`).
+    pub(super) reclaimable: u64,
+    slot_bytes: u64,
+    /// Pushes left before the queues are next checked for piled-up stale entries.
+    pushes_to_check: u64,
+}
+
+/// Which queue of a pool: every cached block, or the cached leaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Cached {
+    Any,
+    Leaves,
+}
+
+impl PoolCache {
+    pub(super) fn new(slot_bytes: u64) -> PoolCache {
+        PoolCache {
+            cached: EvictionQueue::default(),
+            leaves: EvictionQueue::default(),
+            count: 0,
+            reclaimable: 0,
+            slot_bytes,
+            pushes_to_check: 1,
+        }
+    }
+
+    pub(super) fn queue(&mut self, which: Cached) -> &mut EvictionQueue {
+        match which {
+            Cached::Any => &mut self.cached,
+            Cached::Leaves => &mut self.leaves,
+        }
+    }
+
+    /// Counts `n` blocks just queued; every so many pushes, drops the stale entries once they
+    /// outnumber the live ones (keys change, and each change leaves one behind).
+    #[inline(always)]
+    pub(super) fn pushed(&mut self, rows: &[BlockRow], links: &[Link], p: usize, n: u64) {
+        self.count += n;
+        self.pushes_to_check = self.pushes_to_check.saturating_sub(n);
+        if self.pushes_to_check == 0 {
+            self.drop_stale_entries(rows, links, p);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn drop_stale_entries(&mut self, rows: &[BlockRow], links: &[Link], p: usize) {
+        let bound = 2 * self.count + 1024;
+        if self.cached.len() as u64 > bound {
+            self.cached.retain(|e| entry_valid(rows, p, e));
+        }
+        if self.leaves.len() as u64 > bound {
+            self.leaves.retain(|e| leaf_valid(rows, links, p, e));
+        }
+        // A push adds at most one entry to each queue: neither passes the bound sooner than
+        // this (give or take the live count shrinking meanwhile, which the next check catches).
+        let longest = self.cached.len().max(self.leaves.len()) as u64;
+        self.pushes_to_check = (bound + 1).saturating_sub(longest).max(1);
+    }
+
+    /// Bytes of the reclaimable blocks (derived: every block moving in or out would pay for a
+    /// running sum).
+    pub(super) fn reclaimable_bytes(&self) -> u64 {
+        self.reclaimable * self.slot_bytes
+    }
+}
+
+impl BlockRow {
+    /// Takes the block out of its pool's cache index (`queues`), if it is in one: its entries
+    /// go stale. Its `reclaimable` flag stays for the caller to settle.
+    #[inline(always)]
+    pub(super) fn leave_cache(&mut self, queues: &mut [PoolCache]) {
+        if self.cached_in != NOT_CACHED {
+            let q = &mut queues[self.cached_in as usize];
+            q.count -= 1;
+            q.reclaimable -= u64::from(self.reclaimable);
+            self.cached_in = NOT_CACHED;
+        }
+    }
+}
+
+/// Brings block `b`'s `reclaimable` flag up to date (cached, and no indexed child that is not
+/// reclaimable), and its ancestors' as far as the change reaches.
+#[inline(always)]
+pub(super) fn settle_reclaimable(
+    rows: &mut [BlockRow],
+    links: &mut [Link],
+    queues: &mut [PoolCache],
+    b: u32,
+) {
+    let mut b = b;
+    loop {
+        let row = &mut rows[b as usize];
+        let now = row.cached_in != NOT_CACHED && links[b as usize].blockers == 0;
+        if now == row.reclaimable {
+            return;
+        }
+        row.reclaimable = now;
+        if row.cached_in != NOT_CACHED {
+            let q = &mut queues[row.cached_in as usize];
+            if now {
+                q.reclaimable += 1;
+            } else {
+                q.reclaimable -= 1;
+            }
+        }
+        let parent = links[b as usize].parent;
+        if !row.indexed || parent == NO_BLOCK {
+            return;
+        }
+        let p = &mut links[parent as usize];
+        if now {
+            p.blockers -= 1;
+        } else {
+            p.blockers += 1;
+        }
+        b = parent;
+    }
+}
+
+/// Enters block `b`, in no cache index, into its pool's if it is cached now: the queue of every
+/// cached block (ranked by its key), and the leaf queue too (by its eviction key) when `leaves`
+/// (prefix-aware) and it is a leaf. Counts it (as reclaimable too if its flag says so; the caller settles the flag).
+/// Takes the core's parts apart (rows, queues) so that a loop over many blocks keeps them at
+/// hand instead of reloading them from the core after every write.
+#[inline(always)]
+pub(super) fn enqueue_if_cached(
+    rows: &mut [BlockRow],
+    links: &[Link],
+    queues: &mut [PoolCache],
+    ranking: Ranking<'_>,
+    pools: PoolMap,
+    leaves: bool,
+    b: u32,
+) {
+    let i = b as usize;
+    let row = &rows[i];
+    debug_assert_eq!(row.cached_in, NOT_CACHED);
+    if !row.is_cached() {
+        return;
+    }
+    let p = pools.of(row.loc.tier, row.loc.level);
+    let key = ranking.key(i, row);
+    let evict_key = ranking.evict_key(i, row);
+    let row = &mut rows[i];
+    row.version = row.version.wrapping_add(1);
+    row.cached_in = p as u32;
+    let ticket = Ticket {
+        block: b,
+        version: row.version,
+    };
+    let q = &mut queues[p];
+    q.reclaimable += u64::from(row.reclaimable);
+    q.cached.push(key, ticket);
+    if leaves && links[i].is_leaf() {
+        q.leaves.push(evict_key, ticket);
+    }
+    q.pushed(rows, links, p, 1);
+}
+
+/// Pops the `k` lowest-ranked blocks of a plain core's pool `pool` (its queue of every cached
+/// block) onto `out`, then takes each out of the cache index and the prefix index: what
+/// `Core::detach_block` does, less the cache-index counts and the counters, which the caller
+/// updates once for all `k`; it checked that there are `k`.
+#[inline(never)] // a call boundary: its &mut arguments do not alias
+pub(super) fn pop_evictable(
+    queue: &mut EvictionQueue,
+    rows: &mut [BlockRow],
+    index: &mut PrefixIndex,
+    ranking: Ranking<'_>,
+    pool: usize,
+    k: u64,
+    out: &mut Vec<u32>,
+) {
+    let first = out.len();
+    let popped = with_policy_key!(ranking, |key| queue.pop_valid_into(
+        k,
+        |t| entry_valid(rows, pool, t),
+        |b| key(b as usize, &rows[b as usize]),
+        out,
+    ));
+    assert_eq!(popped, k, "room was checked before evicting");
+    let mut table = index.table(0);
+    for &b in &out[first..] {
+        let row = &mut rows[b as usize];
+        debug_assert!(row.is_cached());
+        row.cached_in = NOT_CACHED;
+        row.reclaimable = false;
+        if row.indexed {
+            row.indexed = false;
+            table.remove(row.hash, b);
+        }
+    }
+}
+
+/// Whether a cache-index entry of `pool` still stands for its block.
+pub(super) fn entry_valid(rows: &[BlockRow], pool: usize, t: &Ticket) -> bool {
+    let row = &rows[t.block as usize];
+    row.cached_in as usize == pool && row.version == t.version
+}
+
+/// Whether a leaf-queue entry of `pool` still stands for its block: valid, and a leaf.
+pub(super) fn leaf_valid(rows: &[BlockRow], links: &[Link], pool: usize, t: &Ticket) -> bool {
+    entry_valid(rows, pool, t) && links[t.block as usize].is_leaf()
+}

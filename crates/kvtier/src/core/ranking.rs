@@ -1,0 +1,109 @@
+//! A block's ranking key under the core's policy ([`Ranking`]), computed from its row and its
+//! statistics, and [`with_policy_key!`], which names the policy as a constant in a loop over
+//! many blocks; [`PoolMap`], a pool's index from a (tier, level) in registers.
+
+use crate::config::{Config, PolicyKind, Tier};
+use crate::stats::{BlockStats, DecayTable};
+use crate::types::Key;
+
+use super::blocks::BlockRow;
+
+/// What a block's ranking key is computed from besides its row, borrowed apart from the rows
+/// and the eviction queues, so that a loop can hold all three at once (and a queue can ask for
+/// keys while it changes).
+#[derive(Clone, Copy)]
+pub(crate) struct Ranking<'a> {
+    pub(super) cfg: &'a Config,
+    pub(super) decay: &'a DecayTable,
+    pub(super) stats: &'a [BlockStats],
+}
+
+impl Ranking<'_> {
+    /// The key of block `b`, whose row is `row`.
+    #[inline(always)]
+    pub(crate) fn key(&self, b: usize, row: &BlockRow) -> Key {
+        self.key_as(self.cfg.policy, b, row)
+    }
+
+    /// [`Ranking::key`] under `policy`, which is the core's: a loop that names it as a
+    /// constant (see [`with_policy_key`]) computes keys without a `match` per block.
+    #[inline(always)]
+    pub(super) fn key_as(&self, policy: PolicyKind, b: usize, row: &BlockRow) -> Key {
+        debug_assert_eq!(policy, self.cfg.policy);
+        let recency = row.last_access;
+        let freq = || self.decay.log_count(row.reads, row.reads_step);
+        let stats = || &self.stats[b]; // only where the policy ranks by them
+        match policy {
+            PolicyKind::Lru => Key::new(0.0, 0.0, recency),
+            PolicyKind::Lfu => Key::new(freq(), 0.0, recency),
+            PolicyKind::H2o => Key::new(f64::from(stats().attn_sum), 0.0, recency),
+            PolicyKind::Scissorhands => {
+                let s = stats();
+                let mask = u32::MAX >> (32 - self.cfg.scissorhands_window);
+                let persistence = (s.attn_history & mask).count_ones();
+                Key::new(f64::from(persistence), f64::from(s.attn_ema), recency)
+            }
+            PolicyKind::Importance => Key::new(f64::from(stats().importance), freq(), recency),
+        }
+    }
+
+    /// The key eviction ranks a cached leaf by (prefix-aware cores): [`Ranking::key`], but
+    /// under `importance`, reuse first, then importance. Eviction decides whether a block will
+    /// be loaded again, which its decayed accesses tell (its write counting as one, so that a
+    /// block saved now outranks one read once long ago); how much attention needs its
+    /// precision, which importance tells, decides its level (`key`: demotion and offload
+    /// order).
+    #[inline(always)]
+    pub(crate) fn evict_key(&self, b: usize, row: &BlockRow) -> Key {
+        match self.cfg.policy {
+            PolicyKind::Importance => Key::new(
+                // An unread block's count is 0 as of the step that wrote it.
+                self.decay.log_count(row.reads.max(1.0), row.reads_step),
+                f64::from(self.stats[b].importance),
+                row.last_access,
+            ),
+            _ => self.key(b, row),
+        }
+    }
+}
+
+/// Evaluates `$body` with `$key` bound to the key function of `$ranking`'s policy
+/// (`Fn(usize, &BlockRow) -> Key`), the policy a constant in each copy of `$body`: a loop over
+/// many blocks matches on the policy once, not once per block.
+macro_rules! with_policy_key {
+    ($ranking:expr, |$key:ident| $body:expr) => {{
+        let ranking: Ranking<'_> = $ranking;
+        macro_rules! arm {
+            ($policy:expr) => {{
+                let $key = |b: usize, row: &BlockRow| ranking.key_as($policy, b, row);
+                $body
+            }};
+        }
+        match ranking.cfg.policy {
+            PolicyKind::Lru => arm!(PolicyKind::Lru),
+            PolicyKind::Lfu => arm!(PolicyKind::Lfu),
+            PolicyKind::H2o => arm!(PolicyKind::H2o),
+            PolicyKind::Scissorhands => arm!(PolicyKind::Scissorhands),
+            PolicyKind::Importance => arm!(PolicyKind::Importance),
+        }
+    }};
+}
+pub(super) use with_policy_key;
+
+/// The pool of a (tier, level): its index in `Core::pools` and `Core::caches`, copied out
+/// of the core so that a loop over blocks computes it from registers.
+#[derive(Clone, Copy)]
+pub(crate) struct PoolMap {
+    /// Position of each tier in the config (`usize::MAX` if absent), by `Tier as usize`.
+    pub(super) tier_at: [usize; 4],
+    pub(super) levels: usize,
+}
+
+impl PoolMap {
+    #[inline(always)]
+    pub(super) fn of(self, tier: Tier, level: u8) -> usize {
+        let pos = self.tier_at[tier as usize];
+        debug_assert!(pos != usize::MAX, "tier validated against the config");
+        pos * self.levels + usize::from(level)
+    }
+}
