@@ -3,13 +3,14 @@ the circles in it.
 
 A module's imports are the ``import`` and ``from ... import`` statements that run: those at
 module level (inside ``if``/``try``/``with`` and class bodies too) and, with ``deferred=True``,
-those inside functions. Imports under ``if TYPE_CHECKING:`` never run and are left out. An
+those inside functions. Imports under ``if TYPE_CHECKING:`` never run and are left out unless
+``type_checking=True`` asks for the graph the type checker follows. An
 import names the deepest module of the package it reaches: ``from . import cuda`` the submodule
 ``cuda`` when there is one, else the package; ``from .base import X`` the module ``base``. A
 parent package that Python runs first on the way (its ``__init__``) is not an edge: only what a
 module names.
 
-    python tests/import_graph.py python/kvtier            # circles, top-level and all imports
+    python tests/import_graph.py python/kvtier    # circles: top-level, all, all + type-only
 
 tests/test_import_graph.py and tests/test_architecture.py use :func:`import_cycles`.
 """
@@ -46,7 +47,9 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST, deferred: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+def _imports(
+    tree: ast.AST, deferred: bool, type_checking: bool
+) -> Iterator[ast.Import | ast.ImportFrom]:
     """The import statements of ``tree`` that run (see the module's docstring)."""
     stack: list[ast.AST] = [tree]
     while stack:
@@ -54,7 +57,7 @@ def _imports(tree: ast.AST, deferred: bool) -> Iterator[ast.Import | ast.ImportF
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Import | ast.ImportFrom):
                 yield child
-            elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            elif isinstance(child, ast.If) and _is_type_checking(child.test) and not type_checking:
                 stack.extend(child.orelse)  # the else branch runs
             elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
                 if deferred:
@@ -63,8 +66,11 @@ def _imports(tree: ast.AST, deferred: bool) -> Iterator[ast.Import | ast.ImportF
                 stack.append(child)
 
 
-def import_graph(root: Path, *, deferred: bool = True) -> dict[str, set[str]]:
-    """Module -> the package's modules it imports (``deferred``: imports inside functions too)."""
+def import_graph(
+    root: Path, *, deferred: bool = True, type_checking: bool = False
+) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (``deferred``: imports inside functions too;
+    ``type_checking``: those under ``if TYPE_CHECKING:`` too)."""
     modules = module_names(root)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
@@ -72,7 +78,7 @@ def import_graph(root: Path, *, deferred: bool = True) -> dict[str, set[str]]:
             continue
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         tree = ast.parse(path.read_text(), str(path))
-        for node in _imports(tree, deferred):
+        for node in _imports(tree, deferred, type_checking):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -139,11 +145,13 @@ def _components(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def import_cycles(root: Path, *, deferred: bool = True) -> list[list[str]]:
+def import_cycles(
+    root: Path, *, deferred: bool = True, type_checking: bool = False
+) -> list[list[str]]:
     """The import circles of the package at ``root``: each a group of modules that import one
     another in a circle (a strongly connected component of :func:`import_graph` of two or more
     modules), sorted; empty when there is none."""
-    graph = import_graph(root, deferred=deferred)
+    graph = import_graph(root, deferred=deferred, type_checking=type_checking)
     return sorted(c for c in _components(graph) if len(c) > 1)
 
 
@@ -170,9 +178,13 @@ def shortest_cycle(graph: dict[str, set[str]], start: str) -> list[str]:
 
 def report(root: Path) -> str:
     lines = []
-    for deferred, title in ((False, "top-level imports"), (True, "all imports (deferred too)")):
-        graph = import_graph(root, deferred=deferred)
-        cycles = import_cycles(root, deferred=deferred)
+    for deferred, type_checking, title in (
+        (False, False, "top-level imports"),
+        (True, False, "all imports that run (deferred too)"),
+        (True, True, "all imports and type-only ones (under TYPE_CHECKING)"),
+    ):
+        graph = import_graph(root, deferred=deferred, type_checking=type_checking)
+        cycles = import_cycles(root, deferred=deferred, type_checking=type_checking)
         lines.append(f"{title}: {len(cycles)} circle(s)")
         for members in cycles:
             lines.append(f"  {len(members)} modules: {', '.join(members)}")

@@ -6,7 +6,7 @@ sequences at one layer by walking each sequence's blocks where they lie, through
 
 - :mod:`.call` — the contract (what a call's arguments hold, the pool descriptors the kernels
   read), :class:`AttentionCall`, the value that carries one call's inputs, and its checks;
-- :mod:`.reference` — :func:`reference`: every block dequantized to fp32, softmax in fp32
+- :mod:`.torch_ref` — :func:`reference`: every block dequantized to fp32, softmax in fp32
   (torch, any device), the oracle both kernels must match;
 - :mod:`.cpu` — :func:`attend_cpu`: the Rust kernel (``crates/kvtier-attend``, called through
   ``kvtier._core.attend``);
@@ -27,8 +27,7 @@ import numpy as np
 from .. import _core
 from .._torch import cupy_available, torch_module
 from ..codecs.base import BlockShape
-from . import cuda
-from . import reference as _reference
+from . import cuda, torch_ref
 from .call import (
     ASYMMETRIC,
     DESC_FIELDS,
@@ -46,7 +45,7 @@ from .call import (
 )
 from .cpu import attend_cpu
 from .cuda import attend_cuda
-from .reference import reference
+from .torch_ref import reference
 
 if TYPE_CHECKING:
     import torch
@@ -126,6 +125,6 @@ def run_attention(
         cuda.run(call, out, on_device)
         mass[...] = on_device.cpu().numpy()
         return
-    got, got_mass = _reference.run(call)
+    got, got_mass = torch_ref.run(call)
     out.copy_(got)
     mass[...] = got_mass.numpy()

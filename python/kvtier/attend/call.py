@@ -163,13 +163,8 @@ class AttentionCall:
     def check(self) -> Problem:
         """The call's sizes, after checking that every index the kernels will follow is in
         range (they trust these arrays, here numpy), that ``q`` is finite and ``scale`` too."""
-        q, seq_lens, block_pool, block_slot = (
-            self.q,
-            self.seq_lens,
-            self.block_pool,
-            self.block_slot,
-        )
-        pools, shape, scale = self.pools, self.shape, self.scale
+        q, pools, shape, scale = self.q, self.pools, self.shape, self.scale
+        seq_lens, block_pool, block_slot = self.seq_lens, self.block_pool, self.block_slot
         torch = torch_module()
         if q.dim() != 4 or q.shape[3] != shape.head_dim:
             raise InvalidArgumentError(

@@ -1,5 +1,5 @@
 """The CPU attention kernel: Rust (``crates/kvtier-attend``), called through
-``kvtier._core.attend`` on the pools' addresses. It computes what :mod:`kvtier.attend.reference`
+``kvtier._core.attend`` on the pools' addresses. It computes what :func:`kvtier.attend.reference`
 computes; this module checks what the kernel trusts about the memory behind the addresses."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ a copy; the codecs' argument checks (codecs/base.py) have run before anything he
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -20,11 +20,27 @@ from .base import BlockShape, Codec
 if TYPE_CHECKING:
     import torch
 
-    from .quant import QuantCodec  # only for types: quant imports this module, when it runs
-
 KERNEL_FILE = "kvtier_codecs.cu"
 THREADS = 128
 _SUFFIX = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}
+
+
+class QuantFormat(Protocol):
+    """What these kernels read of a codec: a :class:`~kvtier.codecs.quant.QuantCodec`'s format
+    (a protocol, so that this module need not import the codec that imports it)."""
+
+    name: str
+    bits: int
+    asymmetric: bool
+    key_per_channel: bool
+
+    @property
+    def format(self) -> str: ...
+    def group(self, shape: BlockShape) -> int: ...
+    def key_groups(self, shape: BlockShape) -> int: ...
+    def value_groups(self, shape: BlockShape) -> int: ...
+    def offsets(self, shape: BlockShape) -> dict[str, int]: ...
+    def bytes_per_block(self, shape: BlockShape) -> int: ...
 
 
 def kernel_source(file: str = KERNEL_FILE) -> str:
@@ -33,7 +49,7 @@ def kernel_source(file: str = KERNEL_FILE) -> str:
     return _cuda.kernel_source(file)
 
 
-def layout(codec: QuantCodec, shape: BlockShape) -> np.ndarray:
+def layout(codec: QuantFormat, shape: BlockShape) -> np.ndarray:
     """The 10 int64s that describe a packed format to the kernels (``struct Layout``)."""
     off = codec.offsets(shape)
     return np.array(
@@ -53,18 +69,18 @@ def layout(codec: QuantCodec, shape: BlockShape) -> np.ndarray:
     )
 
 
-def shared_bytes(codec: QuantCodec, shape: BlockShape) -> int:
+def shared_bytes(codec: QuantFormat, shape: BlockShape) -> int:
     """Dynamic shared memory of a quantizing tile: the padded fp32 tile, scales, zero points."""
     groups = max(codec.key_groups(shape), codec.value_groups(shape))
     return 4 * (shape.block_size * (shape.head_dim + 1) + 2 * groups)
 
 
-def _quant(codec: Codec) -> QuantCodec:
+def _quant(codec: Codec) -> QuantFormat:
     """``codec``, whose format these kernels read (its ``_kernels()`` is this module: a
     :class:`~kvtier.codecs.quant.QuantCodec`), else TypeError."""
     if codec._kernels() is not sys.modules[__name__]:
         raise TypeError(f"codec {codec.name!r} has no CUDA kernels")
-    return cast("QuantCodec", codec)
+    return cast(QuantFormat, codec)
 
 
 def _as_cupy(t: torch.Tensor) -> Any:
@@ -98,7 +114,7 @@ def _dims(shape: BlockShape) -> tuple[np.int32, ...]:
 _layouts: dict[tuple[str, BlockShape, str], Any] = {}
 
 
-def _device_layout(codec: QuantCodec, shape: BlockShape, device: torch.device) -> Any:
+def _device_layout(codec: QuantFormat, shape: BlockShape, device: torch.device) -> Any:
     key = (codec.format, shape, str(device))
     if key not in _layouts:
         torch = torch_module()
