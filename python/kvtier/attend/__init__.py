@@ -2,7 +2,7 @@
 
 ``BlockManager.attend`` computes the attention output of the newest queries of one or many
 sequences at one layer by walking each sequence's blocks where they lie, through
-:func:`run_attention`, which picks one of three implementations of one contract:
+:func:`run_attention` (here), which picks one of three implementations of one contract:
 
 - :mod:`.call` — the contract (what a call's arguments hold, the pool descriptors the kernels
   read), :class:`AttentionCall`, the value that carries one call's inputs, and its checks;
