@@ -1,6 +1,6 @@
-"""The CUDA attention kernel (kernels/kvtier_attend.cu through kvtier.attend_cuda) against the torch
-reference of the contract (kvtier.attend.reference): every codec and mix of levels, several pools
-in one sequence, skipped blocks, odd lengths, one and several queries, several sequences, GQA
+"""The CUDA attention kernel (kernels/kvtier_attend.cu through kvtier.attend.cuda) against the
+torch reference of the contract (kvtier.attend.reference): every codec and mix of levels, several
+pools in one sequence, skipped blocks, odd lengths, one and several queries, several sequences, GQA
 ratios 1 to 8, head sizes 64/80/128/256, the split (flash-decoding) path and the row tiles of long
 prefills; int2 wherever int4 (``attend_problems.PACKED``).
 
@@ -27,7 +27,7 @@ from attend_problems import PACKED, assert_matches, packed, problem
 from kernel_ptx import entry_points, ptx
 
 from kvtier.attend import PoolView, Problem, describe, reference
-from kvtier.attend_cuda import (
+from kvtier.attend.cuda import (
     ATTEND_THREADS,
     MAX_ROWS,
     MAX_TILE_BLOCKS,
@@ -222,7 +222,7 @@ def _check(torch: Any, *, tables_on_gpu: bool = False, **kw: Any) -> Any:
     :func:`attend_problems.problem` on the GPU (``kw``: its options; fp16 queries and random
     lengths unless given) and compares them; returns the launch plan the kernel used."""
     from kvtier.attend import check_problem
-    from kvtier.attend_cuda import _device_limits, attend_cuda
+    from kvtier.attend.cuda import _device_limits, attend_cuda
 
     kw = {"q_dtype": "fp16", "lengths": None, "slots": 48, **kw}
     args = problem(device="cuda", **kw)
@@ -334,7 +334,7 @@ def test_skipped_blocks_get_no_mass_and_a_query_that_sees_nothing_gets_zeros(
 ) -> None:
     torch = torch_cuda
     _check(torch, codecs=["fp16", "int8"], skip=0.6, seed=3)
-    from kvtier.attend_cuda import attend_cuda
+    from kvtier.attend.cuda import attend_cuda
 
     shape = BlockShape(1, 1, 16, 64, "fp16")
     pool = PoolView(torch.randn((4, *shape.dims), device="cuda").half(), get_codec("fp16"))
@@ -353,7 +353,7 @@ def test_skipped_blocks_get_no_mass_and_a_query_that_sees_nothing_gets_zeros(
 @pytest.mark.gpu
 def test_a_staging_pool_is_read_at_its_own_layer(torch_cuda: Any) -> None:
     torch = torch_cuda
-    from kvtier.attend_cuda import attend_cuda
+    from kvtier.attend.cuda import attend_cuda
 
     shape = BlockShape(3, 2, 16, 128, "bf16")
     main = PoolView(torch.randn((6, *shape.dims), device="cuda").bfloat16(), get_codec("bf16"))
@@ -375,7 +375,7 @@ def test_a_staging_pool_is_read_at_its_own_layer(torch_cuda: Any) -> None:
 
 @pytest.mark.gpu
 def test_tables_may_be_cuda_tensors_and_descriptors_are_uploaded_once(torch_cuda: Any) -> None:
-    from kvtier import attend_cuda as module
+    from kvtier.attend import cuda as module
 
     _check(torch_cuda, codecs=["int8", "fp16"], tables_on_gpu=True, seed=7)
     held = len(module._descriptors)
@@ -386,7 +386,7 @@ def test_tables_may_be_cuda_tensors_and_descriptors_are_uploaded_once(torch_cuda
 @pytest.mark.gpu
 def test_the_kernel_runs_on_the_current_stream(torch_cuda: Any) -> None:
     torch = torch_cuda
-    from kvtier.attend_cuda import attend_cuda
+    from kvtier.attend.cuda import attend_cuda
 
     shape = BlockShape(1, 8, 16, 128, "fp16")
     pool = PoolView(torch.randn((64, *shape.dims), device="cuda").half(), get_codec("fp16"))
@@ -411,7 +411,7 @@ def test_the_kernel_runs_on_the_current_stream(torch_cuda: Any) -> None:
 @pytest.mark.gpu
 def test_bad_arguments_raise_before_anything_is_launched(torch_cuda: Any) -> None:
     torch = torch_cuda
-    from kvtier.attend_cuda import attend_cuda
+    from kvtier.attend.cuda import attend_cuda
     from kvtier.errors import InvalidArgumentError
 
     shape = BlockShape(1, 1, 16, 64, "fp16")

@@ -62,7 +62,7 @@ def test_the_loader_compiles_the_common_file_before_each_kernel_file(monkeypatch
 
 @pytest.fixture(scope="module")
 def ptx() -> str:
-    """The loader's source compiled by NVRTC for sm_90, as cuda.py compiles it (no include
+    """The loader's source compiled by NVRTC for sm_90, as kvtier._cuda compiles it (no include
     path)."""
     return compile_ptx(kernel_source(), "kvtier_codecs.cu")
 

@@ -63,9 +63,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from ._core import Core, Plan, prefix_hashes, write_token
+from ._torch import all_finite, as_tensor, dtype_name, torch_dtype, torch_module
 from .attend import FLOAT_CODES, PoolView, describe, readable, run_attention
 from .codecs import BlockShape, Codec, IdentityCodec, get_codec
-from .codecs.base import all_finite, as_tensor, dtype_name, torch_dtype, torch_module
 from .config import KvtierConfig, normalize_dtype
 from .errors import (
     BlockLostError,

@@ -1,4 +1,4 @@
-//! Pools as the kernel reads them: the 16-int64 descriptor of python/kvtier/attend.py
+//! Pools as the kernel reads them: the 16-int64 descriptor of python/kvtier/attend/call.py
 //! (`DESC_FIELDS`) parsed into a [`PoolDesc`], checked once per call against the problem's
 //! sizes ([`PoolDesc::check`]), then turned into byte ranges of one block's K or V of one head
 //! ([`Blocks`]). Every range a block read uses lies inside its slot's row, and every row inside

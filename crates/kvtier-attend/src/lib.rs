@@ -4,7 +4,7 @@
 //! turned into an f32 once for every query row of its GQA group; scales and zero points folded
 //! into the queries, the scores or the weights), never as a full-precision copy of the
 //! sequence. The contract, and the torch reference this kernel matches, is
-//! python/kvtier/attend.py; this crate knows nothing of Python or torch (the bindings in
+//! python/kvtier/attend/call.py; this crate knows nothing of Python or torch (the bindings in
 //! crates/kvtier-py build the slices from tensor addresses).
 //!
 //! [`attend`] checks the whole call first ([`Problem`] sizes against the buffers, every pool
@@ -28,7 +28,7 @@ mod layout;
 pub use crate::error::{Error, Result};
 pub use crate::layout::{FloatDtype, Format, PoolDesc, QuantFormat, DESC_LEN, DESC_PTR};
 
-/// One call's sizes (python/kvtier/attend.py's `Problem`).
+/// One call's sizes (python/kvtier/attend/call.py's `Problem`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Problem {
     /// `S`: sequences

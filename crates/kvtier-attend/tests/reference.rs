@@ -1,9 +1,9 @@
 //! The kernel against a naive reference: every block decoded value by value from its bytes (a
 //! decoder written here, apart from the crate's), softmax and sums in f64. Pools are built
-//! here too, in the layouts of python/kvtier/attend.py, with blocks of one sequence spread over
-//! float and quantized (int8, int4, int2) pools, skipped blocks, partial last blocks, GQA, causal
-//! queries; each case runs the portable loops and (where the CPU has them) the AVX2 loops, on
-//! one thread and on several.
+//! here too, in the layouts of python/kvtier/attend/call.py, with blocks of one sequence spread
+//! over float and quantized (int8, int4, int2) pools, skipped blocks, partial last blocks, GQA,
+//! causal queries; each case runs the portable loops and (where the CPU has them) the AVX2 loops,
+//! on one thread and on several.
 
 use kvtier_attend::{
     attend, has_avx2, Error, Exec, FloatDtype, Inputs, Isa, Outputs, Pool, PoolDesc, Problem,

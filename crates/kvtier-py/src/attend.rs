@@ -79,7 +79,7 @@ fn overlap(a: (usize, usize), b: (usize, usize)) -> bool {
 }
 
 /// Attention of each sequence's newest `queries` queries over its blocks (see
-/// python/kvtier/attend.py): writes `out` (`[seqs, queries, q_heads, head_dim]` of `q_dtype`:
+/// python/kvtier/attend/call.py): writes `out` (`[seqs, queries, q_heads, head_dim]` of `q_dtype`:
 /// 0 fp32, 1 fp16, 2 bf16, at `out_ptr`) and `mass` (fp32 `[seqs, max_blocks]` at `mass_ptr`)
 /// from `q` (the same shape and dtype at `q_ptr`), `seq_lens` (int32 `[seqs]`), `block_pool` and
 /// `block_slot` (int32 `[seqs, max_blocks]`, or flat), `pools` (int64 `[P, 16]` descriptors,

@@ -20,7 +20,7 @@ the same run on the same device:
 - torch's ``scaled_dot_product_attention`` over an uncompressed contiguous cache of the same
   tokens in the model dtype (``enable_gqa``): ``speedup_vs_sdpa`` = SDPA's time / the kernel's.
 
-Backends: ``cuda`` (kvtier.attend_cuda) on a GPU; on the CPU the Rust kernel
+Backends: ``cuda`` (kvtier.attend.attend_cuda) on a GPU; on the CPU the Rust kernel
 ``kvtier.attend.attend_cpu`` where this build has it, else the torch reference
 (``kvtier.attend.reference``, said so in the output). Figures, never pass/fail; a table on
 stderr, JSON on stdout (``--json``: JSON only). Times are medians of CUDA-event-timed runs after
@@ -90,7 +90,7 @@ def kernels() -> dict[str, Kernel]:
         try:
             import cupy  # noqa: F401
 
-            from ..attend_cuda import attend_cuda
+            from ..attend import attend_cuda
 
             found["cuda"] = attend_cuda
         except ImportError:

@@ -16,22 +16,21 @@ Two ways in:
   as they were.
 
 Subclasses implement the math as a torch reference (``_encode``/``_decode``) that runs on any
-device; codecs with CUDA kernels (``has_kernels``) use them for CUDA tensors when CuPy is
-installed. The byte layout needs no torch: ``bytes_per_block`` works with numpy alone, which is
-how the simulator sizes pools.
+device; a codec with CUDA kernels (``has_kernels``) names them by overriding ``_kernels()``
+(:class:`~kvtier.codecs.quant.QuantCodec` returns :mod:`kvtier.codecs.cuda`), and they run for
+CUDA tensors when CuPy is installed: this module knows no kernel. The byte layout needs no
+torch: ``bytes_per_block`` works with numpy alone, which is how the simulator sizes pools.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import numpy as np
-
-from ..errors import InvalidArgumentError, PayloadError, require
+from .._torch import DTYPES, as_tensor, cupy_available, dtype_name, torch_dtype, torch_module
+from ..errors import InvalidArgumentError, PayloadError
 
 if TYPE_CHECKING:
     import torch
@@ -39,34 +38,8 @@ if TYPE_CHECKING:
 #: How a call picks its implementation: CUDA kernels where possible, or the torch reference.
 Backend = Literal["auto", "torch", "cuda"]
 
-#: Storage dtypes by kvtier name: (torch dtype attribute, bytes).
-DTYPES: dict[str, tuple[str, int]] = {
-    "fp16": ("float16", 2),
-    "bf16": ("bfloat16", 2),
-    "fp32": ("float32", 4),
-    "u8": ("uint8", 1),
-}
+#: The dtypes of K/V a block holds (keys of :data:`kvtier._torch.DTYPES`, the storage dtypes).
 FLOAT_DTYPES = ("fp16", "bf16", "fp32")
-
-
-def torch_module() -> Any:
-    """torch, or a MissingDependencyError naming the extra that installs it."""
-    torch = sys.modules.get("torch")  # the hot paths call this: skip the import machinery
-    return torch if torch is not None else require("torch", "torch", purpose=_NEEDS_TORCH)
-
-
-_NEEDS_TORCH = "kvtier's codecs need torch"
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch_module(), DTYPES[name][0])
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, (attr, _) in DTYPES.items():
-        if getattr(torch_module(), attr) == dtype:
-            return name
-    raise InvalidArgumentError(f"unsupported dtype {dtype}")
 
 
 @dataclass(frozen=True)
@@ -155,6 +128,43 @@ class Encoded:
         return int(self.data.numel())
 
 
+class CodecKernels(Protocol):
+    """A codec's CUDA kernels (what :meth:`Codec._kernels` returns): pool rows to pool rows, one
+    launch a batch, the arguments checked already, the slots int64 tensors on the pools'
+    device."""
+
+    def quantize_into(
+        self,
+        codec: Codec,
+        src: torch.Tensor,
+        src_slots: torch.Tensor,
+        dst: torch.Tensor,
+        dst_slots: torch.Tensor,
+        shape: BlockShape,
+    ) -> None: ...
+
+    def dequantize_into(
+        self,
+        codec: Codec,
+        src: torch.Tensor,
+        src_slots: torch.Tensor,
+        dst: torch.Tensor,
+        dst_slots: torch.Tensor,
+        shape: BlockShape,
+    ) -> None: ...
+
+    def transcode_into(
+        self,
+        codec: Codec,
+        src: torch.Tensor,
+        src_slots: torch.Tensor,
+        to: Codec,
+        dst: torch.Tensor,
+        dst_slots: torch.Tensor,
+        shape: BlockShape,
+    ) -> None: ...
+
+
 class Codec(ABC):
     """Packs blocks of K/V into bytes and back. Subclass it (and register it) to add one."""
 
@@ -164,7 +174,7 @@ class Codec(ABC):
     version: int = 1
     #: decode(encode(x)) == x exactly (for inputs already in the storage dtype)
     lossless: bool = False
-    #: CUDA kernels exist for this codec (see codecs/cuda.py)
+    #: CUDA kernels exist for this codec: :meth:`_kernels` returns them
     has_kernels: bool = False
     #: every section's leading axis is the layer, so one layer decodes from its own bytes
     layer_major: bool = False
@@ -191,6 +201,11 @@ class Codec(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name or '?'} format={self.format}>"
+
+    def _kernels(self) -> CodecKernels:
+        """This codec's CUDA kernels, for a codec with :attr:`has_kernels` (it overrides this; the
+        kernels' module is imported when first asked for, so this one imports none)."""
+        raise TypeError(f"codec {self.name!r} has no CUDA kernels")
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -314,7 +329,7 @@ class Codec(ABC):
         if not len(s):
             return
         if self._use_cuda(backend, src, dst):
-            self._cuda().quantize_into(self, src, s.index, dst, d.index, shape)
+            self._kernels().quantize_into(self, src, s.index, dst, d.index, shape)
         else:
             self._write_parts(dst, d, self._encode(s.read(src)), shape)
 
@@ -331,7 +346,7 @@ class Codec(ABC):
         if not len(s):
             return
         if self._use_cuda(backend, src, dst):
-            self._cuda().dequantize_into(self, src, s.index, dst, d.index, shape)
+            self._kernels().dequantize_into(self, src, s.index, dst, d.index, shape)
         else:
             d.write(
                 dst, saturate_to(self._decode(self.unpack(s.read(src), shape), shape), dst.dtype)
@@ -356,7 +371,7 @@ class Codec(ABC):
         if not len(s):
             return
         if self._use_cuda(backend, src, dst) and to.has_kernels:
-            self._cuda().transcode_into(self, src, s.index, to, dst, d.index, shape)
+            self._kernels().transcode_into(self, src, s.index, to, dst, d.index, shape)
         else:
             values = self._decode(self.unpack(s.read(src), shape), shape)
             to._write_parts(dst, d, to._encode(values), shape)
@@ -410,55 +425,15 @@ class Codec(ABC):
                     f"{self.name!r} has_kernels={self.has_kernels}, tensors on "
                     f"{src.device} and {dst.device}"
                 )
-            self._cuda()  # raises MissingDependencyError without CuPy
             return True
         if backend != "auto":
             raise InvalidArgumentError(
                 f"backend: expected 'auto', 'torch' or 'cuda', got {backend!r}"
             )
-        return on_cuda and self.has_kernels and _cupy_available()
-
-    @staticmethod
-    def _cuda() -> Any:
-        from . import cuda
-
-        return cuda
-
-
-def _cupy_available() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        return on_cuda and self.has_kernels and cupy_available()
 
 
 # -- argument checks (all of them run before anything is written) --------------------------------
-
-
-def as_tensor(value: Any, what: str) -> torch.Tensor:
-    """A torch view of any DLPack producer (torch, CuPy, numpy ...), without a copy."""
-    torch = torch_module()
-    if isinstance(value, torch.Tensor):
-        return value
-    if hasattr(value, "__dlpack__"):
-        return torch.from_dlpack(value)
-    raise InvalidArgumentError(
-        f"{what}: expected a torch tensor or a DLPack array (CuPy, numpy ...), "
-        f"got {type(value).__name__}"
-    )
-
-
-def all_finite(x: torch.Tensor) -> bool:
-    """Whether ``x`` holds no NaN nor inf (on a GPU: a synchronising read of one flag)."""
-    torch = torch_module()
-    if x.device.type != "cpu":
-        return bool(torch.isfinite(x).all())
-    # numpy: a fraction of torch's cost on the CPU (for bf16, 10x: torch has no fast path).
-    if x.dtype == torch.bfloat16:  # non-finite: every exponent bit set
-        bits = x.view(torch.int16).numpy()
-        return not bool(((bits & 0x7F80) == 0x7F80).any())
-    return bool(np.isfinite(x.numpy()).all())
 
 
 def saturate_to(values: torch.Tensor, dtype: Any) -> torch.Tensor:

@@ -1,77 +1,55 @@
 """CUDA execution of the quantized codecs: kernels/kvtier_codecs.cu through CuPy.
 
-The source ships inside the extension module (``kvtier._core.kernel_sources()``), is compiled
-by NVRTC once per device and process after kernels/kvtier_common.cuh (:func:`kernel_source` and
-:func:`compiled`, which the attention kernel's loader uses too), and every call is one launch
-for the whole batch, on the caller's current torch stream. Tensors cross by DLPack without a
-copy; the codecs' argument checks (codecs/base.py) have run before anything here is called.
+The kernels of :class:`~kvtier.codecs.quant.QuantCodec` (its ``_kernels()`` is this module).
+Every call is one launch for the whole batch, on the caller's current torch stream, compiled by
+:mod:`kvtier._cuda` (the loader the attention kernel uses too). Tensors cross by DLPack without
+a copy; the codecs' argument checks (codecs/base.py) have run before anything here is called.
 """
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+import sys
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
-from .. import _core
-from ..errors import InvalidArgumentError, require
-from .base import BlockShape, torch_module
-from .quant import QuantCodec
+from .. import _cuda
+from .._torch import torch_module
+from .base import BlockShape, Codec
 
 if TYPE_CHECKING:
     import torch
 
 KERNEL_FILE = "kvtier_codecs.cu"
-#: What every kernel file shares (types, fp16/bf16 conversions): compiled before each one's text.
-COMMON_FILE = "kvtier_common.cuh"
-#: The repository's kernel files, read when the extension was built before COMMON_FILE existed.
-KERNELS_DIR = Path(__file__).resolve().parents[3] / "kernels"
-#: NVRTC options; no include path is needed (a kernel is one string: COMMON_FILE, then the file).
-NVRTC_OPTIONS = ("--std=c++17",)
 THREADS = 128
-_DEFAULT_SMEM = 48 * 1024
 _SUFFIX = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}
 
 
+class QuantFormat(Protocol):
+    """What these kernels read of a codec: a :class:`~kvtier.codecs.quant.QuantCodec`'s format
+    (a protocol, so that this module need not import the codec that imports it)."""
+
+    name: str
+    bits: int
+    asymmetric: bool
+    key_per_channel: bool
+
+    @property
+    def format(self) -> str: ...
+    def group(self, shape: BlockShape) -> int: ...
+    def key_groups(self, shape: BlockShape) -> int: ...
+    def value_groups(self, shape: BlockShape) -> int: ...
+    def offsets(self, shape: BlockShape) -> dict[str, int]: ...
+    def bytes_per_block(self, shape: BlockShape) -> int: ...
+
+
 def kernel_source(file: str = KERNEL_FILE) -> str:
-    """What NVRTC compiles for kernels/``file``: kernels/kvtier_common.cuh, then the file (after a
-    ``#line`` that numbers NVRTC's messages by the file's own lines). Both are the copies the
-    extension ships; an extension built before kvtier_common.cuh existed ships kernel files that
-    still hold its text, so then both are the repository's files."""
-    sources = _core.kernel_sources()
-    if COMMON_FILE not in sources:
-        sources = {}
-        for name in (COMMON_FILE, file):
-            path = KERNELS_DIR / name
-            if not path.is_file():
-                raise InvalidArgumentError(
-                    f"{name}: not in this build of kvtier._core, nor at {path}; rebuild kvtier"
-                )
-            sources[name] = path.read_text()
-    return f'{sources[COMMON_FILE]}\n#line 1 "{file}"\n{sources[file]}'
+    """What NVRTC compiles for kernels/``file`` (:func:`kvtier._cuda.kernel_source`), by default
+    the codecs' kernels."""
+    return _cuda.kernel_source(file)
 
 
-def _cupy() -> Any:
-    return require(
-        "cupy",
-        "cuda13",
-        purpose="kvtier's CUDA kernels need CuPy (cupy-cuda13x; cuda12 for CUDA 12 builds of torch)",
-    )
-
-
-@functools.cache
-def compiled(file: str, device: int) -> Any:
-    """kernels/``file`` compiled for ``device`` (a CuPy ``RawModule``), once per process."""
-    cupy = _cupy()
-    with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=kernel_source(file), options=NVRTC_OPTIONS)
-        module.compile()
-    return module
-
-
-def layout(codec: QuantCodec, shape: BlockShape) -> np.ndarray:
+def layout(codec: QuantFormat, shape: BlockShape) -> np.ndarray:
     """The 10 int64s that describe a packed format to the kernels (``struct Layout``)."""
     off = codec.offsets(shape)
     return np.array(
@@ -91,34 +69,25 @@ def layout(codec: QuantCodec, shape: BlockShape) -> np.ndarray:
     )
 
 
-def shared_bytes(codec: QuantCodec, shape: BlockShape) -> int:
+def shared_bytes(codec: QuantFormat, shape: BlockShape) -> int:
     """Dynamic shared memory of a quantizing tile: the padded fp32 tile, scales, zero points."""
     groups = max(codec.key_groups(shape), codec.value_groups(shape))
     return 4 * (shape.block_size * (shape.head_dim + 1) + 2 * groups)
 
 
-def _quant(codec: Any) -> QuantCodec:
-    if not isinstance(codec, QuantCodec):
+def _quant(codec: Codec) -> QuantFormat:
+    """``codec``, whose format these kernels read (its ``_kernels()`` is this module: a
+    :class:`~kvtier.codecs.quant.QuantCodec`), else TypeError."""
+    if codec._kernels() is not sys.modules[__name__]:
         raise TypeError(f"codec {codec.name!r} has no CUDA kernels")
-    return codec
+    return cast(QuantFormat, codec)
 
 
 def _as_cupy(t: torch.Tensor) -> Any:
     torch = torch_module()
     if t.dtype in (torch.float16, torch.bfloat16):
         t = t.view(torch.int16)  # CuPy has no bfloat16; the kernels read raw 16-bit words
-    return _cupy().from_dlpack(t)
-
-
-def torch_stream(index: int) -> Any:
-    """The current torch stream of device ``index`` as a CuPy stream, to launch on inside a
-    ``with``: through the CUDA stream protocol where CuPy and torch speak it (CuPy 14 deprecates
-    ``ExternalStream``), else by its raw handle."""
-    cupy, torch = _cupy(), torch_module()
-    stream = torch.cuda.current_stream(index)
-    if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
-        return cupy.cuda.Stream.from_external(stream)
-    return cupy.cuda.ExternalStream(stream.cuda_stream, index)
+    return _cuda.cupy().from_dlpack(t)
 
 
 def _launch(
@@ -126,12 +95,11 @@ def _launch(
 ) -> None:
     if grid == 0:
         return
-    cupy, torch = _cupy(), torch_module()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    fn = compiled(KERNEL_FILE, index).get_function(name)
-    if smem > _DEFAULT_SMEM:
+    index = _cuda.device_index(device)
+    fn = _cuda.compiled(KERNEL_FILE, index).get_function(name)
+    if smem > _cuda.DEFAULT_SHARED_BYTES:
         fn.max_dynamic_shared_size_bytes = smem
-    with cupy.cuda.Device(index), torch_stream(index):
+    with _cuda.cupy().cuda.Device(index), _cuda.torch_stream(index):
         fn((grid,), (THREADS,), args, shared_mem=smem)
 
 
@@ -146,7 +114,7 @@ def _dims(shape: BlockShape) -> tuple[np.int32, ...]:
 _layouts: dict[tuple[str, BlockShape, str], Any] = {}
 
 
-def _device_layout(codec: QuantCodec, shape: BlockShape, device: torch.device) -> Any:
+def _device_layout(codec: QuantFormat, shape: BlockShape, device: torch.device) -> Any:
     key = (codec.format, shape, str(device))
     if key not in _layouts:
         torch = torch_module()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import BlockShape, Codec, Section, torch_dtype
+from .._torch import torch_dtype
+from .base import BlockShape, Codec, Section
 
 if TYPE_CHECKING:
     import torch

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .._torch import DTYPES
 from ..errors import InvalidArgumentError, require
-from .base import DTYPES, BlockShape, Codec, Section
+from .base import BlockShape, Codec, Section
 
 #: ``kvtier.module`` metadata value of the built-in pair.
 LINEAR_MODULE = "kvtier.linear"

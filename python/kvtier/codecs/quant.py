@@ -48,8 +48,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._torch import torch_module
 from ..errors import InvalidArgumentError
-from .base import BlockShape, Codec, Section, torch_module
+from .base import BlockShape, Codec, CodecKernels, Section
 
 if TYPE_CHECKING:
     import torch
@@ -110,6 +111,12 @@ class QuantCodec(Codec):
             self.has_kernels = False
             # v1 rotated by H / sqrt(D): its bytes would decode sqrt(D) times too large here.
             self.version = 2
+
+    def _kernels(self) -> CodecKernels:
+        """kernels/kvtier_codecs.cu (:mod:`kvtier.codecs.cuda`), imported when first asked for."""
+        from . import cuda
+
+        return cuda
 
     @property
     def format(self) -> str:

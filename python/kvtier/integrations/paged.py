@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..codecs.base import torch_module
+from .._torch import torch_module
 from ..errors import ConfigError, InvalidArgumentError
 
 if TYPE_CHECKING:

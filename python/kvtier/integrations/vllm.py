@@ -57,8 +57,9 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from .._torch import dtype_name
 from ..codecs import get_codec
-from ..codecs.base import BlockShape, dtype_name
+from ..codecs.base import BlockShape
 from ..config import ENV_VARS, KvtierConfig, parse_bytes
 from ..errors import ConfigError, KvtierError, require
 from ..manager import BlockManager

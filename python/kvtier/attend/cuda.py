@@ -1,7 +1,7 @@
 """CUDA attention over stored blocks: kernels/kvtier_attend.cu through CuPy.
 
 :func:`attend_cuda` computes what :func:`kvtier.attend.reference` computes (the contract is in
-:mod:`kvtier.attend`), reading every block where it lies: float pools as they are, int8, int4
+:mod:`kvtier.attend.call`), reading every block where it lies: float pools as they are, int8, int4
 and int2 pools dequantized a tile at a time in shared memory. Two launches per call, on the
 caller's current torch stream: the attention itself (one CTA per sequence, K/V head, split of
 the block table and tile of up to 16 (query, head) rows, so a head's K/V bytes are read once for
@@ -15,20 +15,22 @@ descriptors are uploaded once per distinct set and kept.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .attend import PoolView, Problem, check_problem, readable
-from .codecs import cuda as codecs_cuda
-from .codecs.base import BlockShape, torch_module
-from .codecs.cuda import _cupy
-from .codecs.identity import IdentityCodec
-from .codecs.quant import QuantCodec
-from .errors import InvalidArgumentError
+from .. import _cuda
+from .._torch import torch_dtype, torch_module
+from ..codecs.base import BlockShape
+from ..codecs.identity import IdentityCodec
+from ..codecs.quant import QuantCodec
+from ..errors import InvalidArgumentError
+from .call import AttentionCall, PoolView, Problem, readable
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +50,7 @@ MIN_SPLIT_TOKENS = 256
 #: past this, the rows alone fill the GPU.
 MAX_SPLIT_ROWS = 64
 MAX_HEAD_DIM = 256
-_DEFAULT_SMEM = 48 * 1024
+_DEFAULT_SMEM = _cuda.DEFAULT_SHARED_BYTES
 _SUFFIX = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 #: cudaDevAttrMaxSharedMemoryPerBlockOptin, cudaDevAttrMultiProcessorCount
 _ATTR_SMEM_OPTIN, _ATTR_SMS = 97, 16
@@ -58,14 +60,14 @@ _STATIC_SMEM = 1024
 
 def kernel_source() -> str:
     """What NVRTC compiles: kernels/kvtier_common.cuh, then kernels/kvtier_attend.cu (the copies
-    the extension ships, else the repository's: :func:`kvtier.codecs.cuda.kernel_source`)."""
-    return codecs_cuda.kernel_source(KERNEL_FILE)
+    the extension ships, else the repository's: :func:`kvtier._cuda.kernel_source`)."""
+    return _cuda.kernel_source(KERNEL_FILE)
 
 
 @functools.cache
 def _device_limits(device: int) -> tuple[int, int]:
     """(streaming multiprocessors, most dynamic shared memory a CTA may opt in to)."""
-    runtime = _cupy().cuda.runtime
+    runtime = _cuda.cupy().cuda.runtime
     sms = int(runtime.deviceGetAttribute(_ATTR_SMS, device))
     optin = int(runtime.deviceGetAttribute(_ATTR_SMEM_OPTIN, device))
     return sms, max(optin - _STATIC_SMEM, _DEFAULT_SMEM - _STATIC_SMEM)
@@ -132,10 +134,11 @@ def plan(p: Problem, sms: int, max_shared: int = 227 * 1024 - _STATIC_SMEM) -> L
     )
 
 
-def check_shapes(q: torch.Tensor, pools: list[PoolView], shape: BlockShape, layer: int) -> None:
-    """What the kernel needs beyond :func:`kvtier.attend.check_problem`: sizes it was written
-    for, pools on q's device laid out as :mod:`kvtier.attend` says, the layer in every pool."""
+def check_shapes(call: AttentionCall) -> None:
+    """What the kernel needs beyond :meth:`AttentionCall.check`: sizes it was written for, pools
+    on q's device laid out as :mod:`kvtier.attend.call` says, the layer in every pool."""
     torch = torch_module()
+    q, pools, shape, layer = call.q, call.pools, call.shape, call.layer
     D, B = shape.head_dim, shape.block_size
     if D % 8 or D > MAX_HEAD_DIM:
         raise InvalidArgumentError(
@@ -160,10 +163,7 @@ def check_shapes(q: torch.Tensor, pools: list[PoolView], shape: BlockShape, laye
             if (
                 t.dim() != 6
                 or tuple(t.shape[2:]) != (2, *want)
-                or t.dtype
-                != getattr(
-                    torch, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[codec.dtype]
-                )
+                or t.dtype != torch_dtype(codec.dtype)
             ):
                 raise InvalidArgumentError(
                     f"pool {i}: expected {codec.dtype} [slots, layers, 2, {', '.join(map(str, want))}]"
@@ -194,7 +194,7 @@ _descriptors: dict[tuple[bytes, str], Any] = {}
 _MAX_DESCRIPTOR_SETS = 256
 
 
-def _device_descriptors(pools: list[PoolView], shape: BlockShape, device: Any) -> Any:
+def _device_descriptors(pools: Sequence[PoolView], shape: BlockShape, device: Any) -> Any:
     torch = torch_module()
     table = (
         np.stack([p.describe(shape) for p in pools])
@@ -229,7 +229,7 @@ def attend_cuda(
     seq_lens: Any,
     block_pool: Any,
     block_slot: Any,
-    pools: list[PoolView],
+    pools: Sequence[PoolView],
     shape: BlockShape,
     layer: int,
     scale: float,
@@ -245,12 +245,22 @@ def attend_cuda(
     index it is given). ``q`` is checked to be finite (NaN or inf is refused: the kernel would
     give such a row zeros), a synchronising read that ``trusted`` skips too: a trusting caller
     vouches for its queries."""
+    call = AttentionCall(q, seq_lens, block_pool, block_slot, pools, shape, layer, scale)
+    run(call, out, mass, trusted=trusted)
+
+
+def run(
+    call: AttentionCall, out: torch.Tensor, mass: torch.Tensor, *, trusted: bool = False
+) -> None:
+    """:func:`attend_cuda` of ``call``."""
     torch = torch_module()
-    check_shapes(q, pools, shape, layer)
+    q, shape, layer, scale = call.q, call.shape, call.layer, call.scale
+    check_shapes(call)
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
         raise InvalidArgumentError(f"out: expected {q.dtype} {list(q.shape)} on {q.device}")
     if not out.is_contiguous():
         raise InvalidArgumentError("out: expected a contiguous tensor")
+    seq_lens, block_pool, block_slot = call.seq_lens, call.block_pool, call.block_slot
     tables = [seq_lens, block_pool, block_slot]
     if trusted and not any(isinstance(x, np.ndarray) for x in tables):
         S, Q, Hq, D = q.shape
@@ -273,7 +283,8 @@ def attend_cuda(
         lens_h, pool_h, slot_h = (
             x if isinstance(x, np.ndarray) else x.cpu().numpy() for x in tables
         )
-        p = check_problem(q, lens_h, pool_h, slot_h, pools, shape, layer, scale)
+        host = dataclasses.replace(call, seq_lens=lens_h, block_pool=pool_h, block_slot=slot_h)
+        p = host.check()
     S, M = p.seqs, p.max_blocks
     if mass.shape != (S, M) or mass.dtype != torch.float32 or mass.device != q.device:
         raise InvalidArgumentError(f"mass: expected float32 [{S}, {M}] on {q.device}")
@@ -283,7 +294,7 @@ def attend_cuda(
         mass.zero_()
         return
     device = q.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda.device_index(device)
     sms, max_shared = _device_limits(index)
     lp = plan(p, sms, max_shared)
     if lp.shared_bytes > max_shared:
@@ -300,7 +311,7 @@ def attend_cuda(
         _table(x, n, device)
         for x, n in zip(tables, ("seq_lens", "block_pool", "block_slot"), strict=True)
     )
-    descs = _device_descriptors(pools, shape, device)
+    descs = _device_descriptors(call.pools, shape, device)
     f32 = torch.float32
     part_lse = torch.empty((S, p.kv_heads, lp.splits, R), dtype=f32, device=device)
     blse = torch.empty((S, M, p.kv_heads, R), dtype=f32, device=device)
@@ -323,13 +334,13 @@ def attend_cuda(
         i32(p.head_dim),
         i32(M),
     )
-    cupy = _cupy()
-    module = codecs_cuda.compiled(KERNEL_FILE, index)
+    cupy = _cuda.cupy()
+    module = _cuda.compiled(KERNEL_FILE, index)
     main = module.get_function(f"kvtier_attend_{suffix}")
     combine = module.get_function(f"kvtier_attend_combine_{suffix}")
     if lp.shared_bytes > _DEFAULT_SMEM and main.max_dynamic_shared_size_bytes < lp.shared_bytes:
         main.max_dynamic_shared_size_bytes = lp.shared_bytes
-    with cupy.cuda.Device(index), codecs_cuda.torch_stream(index):
+    with cupy.cuda.Device(index), _cuda.torch_stream(index):
         main(
             (S * p.kv_heads, lp.splits, lp.row_tiles),
             (ATTEND_THREADS,),
