@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .._core import Core, Plan, write_token
+from .._core import Plan, write_token
 from ..attend import FLOAT_CODES, run_attention
 from ..codecs import BlockShape, Codec, get_codec
 from ..codecs.base import as_tensor, dtype_name, torch_dtype, torch_module
@@ -46,7 +46,7 @@ from .checks import (
 from .ledger import BlockLedger
 from .room import slots_after, why_full
 from .sharing import PrefixSharing
-from .sizing import size_pools
+from .sizing import make_core, size_pools
 from .stats import ManagerStats, collect
 from .tiers import BlocksLost, StoreRefused, Tiers
 
@@ -134,32 +134,7 @@ class BlockManager:
         self.level_bytes += [0] * (len(self.ladder) - len(kept))
         self._layout = layout = size_pools(config, self.device, self.level_bytes, len(self.codecs))
         self.slots = layout.slots
-        self.core = Core(
-            self.level_bytes,
-            tiers=[(t, layout.tier_bytes(t)) for t in layout.tiers],
-            block_size=config.block_size,
-            policy=config.policy,
-            enable_compression=config.enable_compression,
-            compression_ratio=config.compression_ratio,
-            drop_ratio=config.drop_ratio,
-            recent_window=config.recent_window,
-            sink_blocks=config.sink_blocks,
-            weights=config.weights,
-            headroom=config.headroom,
-            hysteresis=config.hysteresis,
-            max_move_bytes=config.max_move_bytes,
-            decay=config.decay,
-            attention_ema=config.attention_ema,
-            scissorhands_window=config.scissorhands_window,
-            write_through=config.write_through,
-            # Allocations never evict at once: a plan demotes and offloads first, and only the
-            # retry after it may evict cached blocks (when config.evict_on_full), see _with_room.
-            evict_on_full=False,
-            namespace=config.namespace,
-            pool_slots=[(t, lv, n) for (t, lv), n in self.slots.items()],
-            pool_headroom=True,
-            prefix_aware=config.prefix_aware,
-        )
+        self.core = make_core(config, layout)
         self._tiers = Tiers(
             self.core, layout, config, self.shape, self.dtype, self.device, self.codecs,
             self.ladder,
@@ -433,13 +408,10 @@ class BlockManager:
                 )
             if grows:
                 self.core.extend(seq, 1)  # room in the block being filled: allocates nothing
-            ledger.wrote_token(block, layer, off, norm)
+            done = ledger.wrote_token(block, layer, off, norm, layer == self.shape.layers - 1)
             state.lengths[layer] = start + 1
-            if layer == self.shape.layers - 1 or off + 1 == bs:
-                one = np.array([block], dtype=np.uint32)
-                ledger.set_magnitude(one)
-                if off + 1 == bs and ledger.complete(block):
-                    self._finish(one)
+            if done:
+                self._finish(np.array([block], dtype=np.uint32))
         return True
 
     def _write(

@@ -96,12 +96,22 @@ class BlockLedger:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def wrote_token(self, block: int, layer: int, offset: int, norm: float) -> None:
+    def wrote_token(self, block: int, layer: int, offset: int, norm: float, last: bool) -> bool:
         """One token written at ``offset`` of ``block`` in ``layer`` (the decode step's path:
-        the next token of a pinned block), its key norm ``norm``."""
+        the next token of a pinned block), its key norm ``norm``. At the ``last`` layer or the
+        block's last token, tells the core the block's magnitude. Returns whether the block is
+        now complete in every layer (for the caller to finish)."""
         self.written[block, layer] = offset + 1
         self.norm_sum[block] += norm
         self.norm_count[block] += 1
+        full = offset + 1 == self.block_size
+        if last or full:
+            self.core.set_magnitude(
+                np.array([block], dtype=np.uint32),
+                np.array([self.norm_sum[block] / self.norm_count[block]], np.float32),
+            )
+            return full and bool((self.written[block] == self.block_size).all())
+        return False
 
     def wrote(
         self, blocks: np.ndarray, layer: int, offsets: np.ndarray, norms: np.ndarray
@@ -129,20 +139,12 @@ class BlockLedger:
         self.core.set_magnitude(blocks, self.magnitude(blocks))
         self.unpin(blocks)
 
-    def set_magnitude(self, blocks: np.ndarray) -> None:
-        """Tells the core the magnitude signal of ``blocks``."""
-        self.core.set_magnitude(blocks, self.magnitude(blocks))
-
     # -- reads ----------------------------------------------------------------------------------
 
     def magnitude(self, blocks: np.ndarray) -> np.ndarray:
         """fp32 per block: the mean over its written tokens (and layers) of each token's key
         norm averaged over heads, the signal the scheduler ranks by."""
         return (self.norm_sum[blocks] / self.norm_count[blocks]).astype(np.float32)
-
-    def complete(self, block: int) -> bool:
-        """Every layer has written all of ``block``'s tokens."""
-        return bool((self.written[block] == self.block_size).all())
 
     def cached_prefix(self, blocks: np.ndarray) -> int:
         """Tokens of the leading blocks that are complete in every layer."""

@@ -5,7 +5,8 @@
 with a :class:`ConfigError` naming the setting to change, configs that need a tier they lack
 (``write_through``, ``share_prefixes``) and budgets the pools cannot have: no level-0 block on
 the device, more slots than a pool can index, tensor pools larger than the memory they live in.
-A layout never changes: the pools are allocated once from it and the core is told its slots.
+A layout never changes: the pools are allocated once from it, and :func:`make_core` builds the
+core that keeps each tier within its budget and each pool within its slots.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._core import Core
 from ..codecs.base import torch_module
 from ..config import KvtierConfig
 from ..errors import ConfigError
@@ -27,6 +29,7 @@ __all__ = [
     "TIERS",
     "PoolLayout",
     "default_shares",
+    "make_core",
     "memory_of",
     "size_pools",
 ]
@@ -124,6 +127,38 @@ def size_pools(
     layout = PoolLayout(budgets, slots, tuple(level_bytes))
     _check_pool_sizes(layout, device)
     return layout
+
+
+def make_core(config: KvtierConfig, layout: PoolLayout) -> Core:
+    """The core that decides where a manager's blocks live: each tier's budget and each pool's
+    slots from ``layout``, the scoring and scheduling from ``config``."""
+    return Core(
+        list(layout.level_bytes),
+        tiers=[(t, layout.tier_bytes(t)) for t in layout.tiers],
+        block_size=config.block_size,
+        policy=config.policy,
+        enable_compression=config.enable_compression,
+        compression_ratio=config.compression_ratio,
+        drop_ratio=config.drop_ratio,
+        recent_window=config.recent_window,
+        sink_blocks=config.sink_blocks,
+        weights=config.weights,
+        headroom=config.headroom,
+        hysteresis=config.hysteresis,
+        max_move_bytes=config.max_move_bytes,
+        decay=config.decay,
+        attention_ema=config.attention_ema,
+        scissorhands_window=config.scissorhands_window,
+        write_through=config.write_through,
+        # Allocations never evict at once: a plan demotes and offloads first, and only the
+        # retry after it may evict cached blocks (when config.evict_on_full), see
+        # BlockManager._with_room.
+        evict_on_full=False,
+        namespace=config.namespace,
+        pool_slots=[(t, lv, n) for (t, lv), n in layout.slots.items()],
+        pool_headroom=True,
+        prefix_aware=config.prefix_aware,
+    )
 
 
 def _budget(config: KvtierConfig, tier: str, level0_bytes: int) -> int | None:
