@@ -164,7 +164,8 @@ class BlockManager:
         # address of the level-0 pool (0: not on the CPU).
         pool0 = self.pools["device", 0]
         self._pool0 = pool0.data_ptr() if self.device.type == "cpu" else 0
-        self._item = pool0.element_size()
+        self._layers = num_layers
+        self._token_dims = (num_layers, *self.shape.dims[2:], pool0.element_size())
         self._token_type = type(pool0)
         self._token_shape = torch.Size((1, self.shape.kv_heads, self.shape.head_dim))
         self._dtype_code = FLOAT_CODES[self.shape.dtype]
@@ -365,10 +366,10 @@ class BlockManager:
             and k.stride(1) == v.stride(1)  # the token axis has one element: any stride
             and k.stride(2) == 1 == v.stride(2)
             and type(layer) is int
-            and 0 <= layer < self.shape.layers
+            and 0 <= layer < self._layers
         ):
             return False
-        bs = self.block_size
+        layers, H, bs, D, item = self._token_dims
         ledger = self.ledger
         with self._lock:
             state = self._seqs.get(seq)
@@ -393,11 +394,8 @@ class BlockManager:
                 or ledger.written[block, layer] != off
             ):
                 return False
-            H, D, item = self.shape.kv_heads, self.shape.head_dim, self._item
             # K of head 0 at [slot, layer, 0, 0, off]; V half a layer's row further on.
-            k_at = (
-                self._pool0 + (((slot * self.shape.layers + layer) * 2 * H * bs) + off) * D * item
-            )
+            k_at = self._pool0 + (((slot * layers + layer) * 2 * H * bs) + off) * D * item
             norm, bad = write_token(
                 k_at, k_at + H * bs * D * item, bs * D, k.data_ptr(), v.data_ptr(), k.stride(1),
                 H, D, self._dtype_code,
@@ -408,7 +406,7 @@ class BlockManager:
                 )
             if grows:
                 self.core.extend(seq, 1)  # room in the block being filled: allocates nothing
-            done = ledger.wrote_token(block, layer, off, norm, layer == self.shape.layers - 1)
+            done = ledger.wrote_token(block, layer, off, norm, layer == layers - 1)
             state.lengths[layer] = start + 1
             if done:
                 self._finish(np.array([block], dtype=np.uint32))
