@@ -17,6 +17,7 @@ from test_manager import BS, DIM, HEADS, LAYERS, SPILL, a_file_on_disk, kv, mana
 from kvtier import BlockManager  # noqa: E402
 from kvtier._core import Plan  # noqa: E402
 from kvtier.errors import BlockLostError, InvalidArgumentError  # noqa: E402
+from kvtier.manager import BlockLedger  # noqa: E402
 
 Q_HEADS = 4 * HEADS  # grouped-query attention, 4 query heads per K/V head
 
@@ -78,7 +79,7 @@ def test_int2_blocks_in_place_and_rotated_int2_staged_equal_sdpa(ladder: str) ->
         bm.append(seq, layer, x[layer, 0], x[layer, 1])
     bm.step()
     assert 2 in bm.core.block_info(bm.core.sequence_blocks(seq))["level"]
-    assert bm._attend_lut[0, 2] == (-2 if ladder.endswith("rot") else 2)
+    assert bm.attention_tables.lut[0, 2] == (-2 if ladder.endswith("rot") else 2)
     assert_attends_like_sdpa(bm, seq, queries(3, 6))
 
 
@@ -264,10 +265,7 @@ def test_one_token_appends_store_what_bulk_appends_store() -> None:
             for got, want in zip(single.gather(b, layer), bulk.gather(a, layer), strict=True):
                 assert torch.equal(got, want)
         # the magnitude signal: the same mean key norm per block, however the tokens came
-        norms = [
-            m._norm_sum[m.core.sequence_blocks(q)] / m._norm_count[m.core.sequence_blocks(q)]
-            for m, q in ((single, b), (bulk, a))
-        ]
+        norms = [m.ledger.magnitude(m.core.sequence_blocks(q)) for m, q in ((single, b), (bulk, a))]
         np.testing.assert_allclose(norms[0], norms[1], rtol=1e-5)
         bad = x[0, 0, :1].clone()
         bad[0, 0, 0] = float("nan")
@@ -284,10 +282,10 @@ def test_decode_appends_take_the_fast_path_for_transformers_views(monkeypatch) -
     falling back only where a new block starts."""
     bm = manager(dtype=torch.float32)
     seq = bm.add_sequence()
-    general = []
-    original = BlockManager._write
+    general = []  # (blocks, offsets) of each write the general path books
+    original = BlockLedger.wrote
     monkeypatch.setattr(
-        BlockManager, "_write", lambda self, *a: general.append(a[2]) or original(self, *a)
+        BlockLedger, "wrote", lambda self, *a: general.append(a[::2]) or original(self, *a)
     )
     x = kv(2 * BS, seed=12, dtype=torch.float32)
     for t in range(2 * BS):
@@ -296,7 +294,9 @@ def test_decode_appends_take_the_fast_path_for_transformers_views(monkeypatch) -
             v = torch.empty(HEADS * DIM).as_strided((1, HEADS, DIM), (7, DIM, 1))
             v.copy_(x[layer, 1, t : t + 1])  # strides (7, D, 1): another token stride
             bm.append(seq, layer, k, v)
-    assert sorted(set(general)) == [0, BS], "the general path only where a block starts"
+    order = bm.core.sequence_blocks(seq).tolist()
+    starts = {order.index(int(blocks[0])) * BS + int(offsets[0]) for blocks, offsets in general}
+    assert sorted(starts) == [0, BS], "the general path only where a block starts"
     k, v = bm.gather(seq, 1)
     assert torch.equal(k, x[1, 0]) and torch.equal(v, x[1, 1])
 

@@ -945,8 +945,8 @@ def test_an_engine_takes_the_prompt_blocks_another_engine_published(redis_server
     # the magnitude signal the scheduler ranks by, as if b had appended the blocks itself
     mine, theirs = b.core.sequence_blocks(seq)[:4], a.core.sequence_blocks(0)[:4]
     np.testing.assert_allclose(
-        b._norm_sum[mine] / b._norm_count[mine],
-        a._norm_sum[theirs] / a._norm_count[theirs],
+        b.ledger.magnitude(mine),
+        a.ledger.magnitude(theirs),
         rtol=1e-5,
     )
     b.step()

@@ -289,15 +289,16 @@ def _attend_overhead(
         sync()
 
     lengths = np.array([bm.num_tokens(s, 1) for s in seqs], dtype=np.int32)
-    batch = bm._attention_batch(tuple(seqs), [-(-int(n) // BLOCK_SIZE) for n in lengths])
+    tables = bm.attention_tables
+    batch = tables.batch(tuple(seqs), [-(-int(n) // BLOCK_SIZE) for n in lengths])
     out = torch.empty_like(q)
     mass = np.zeros(batch.pools.shape, dtype=np.float32)
 
     def kernel_calls() -> None:
         for _ in range(calls):
             run_attention(
-                q, out, mass, lengths, batch.pools, batch.slots, bm._attend_views, bm.shape, 1,
-                HEAD_DIM**-0.5, bm._attend_desc,
+                q, out, mass, lengths, batch.pools, batch.slots, tables.views, bm.shape, 1,
+                HEAD_DIM**-0.5, tables.descriptors,
             )  # fmt: skip
         sync()
 
