@@ -600,6 +600,15 @@ def test_budgets_the_pools_cannot_have_are_config_errors_naming_the_budget() -> 
         manager(disk_budget=1 << 62, disk_path="/nonexistent")
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_tier_budget_below_one_block_is_refused_not_an_empty_tier(tier: str, tmp_path) -> None:
+    """A positive budget smaller than a block gave a tier of no slots that held nothing."""
+    paths = {"disk_path": str(tmp_path)} if tier == "disk" else {}
+    with pytest.raises(ConfigError, match=f"{tier}_budget: 100 B holds no block at any level"):
+        manager(**{f"{tier}_budget": 100}, **paths)
+    assert not list(tmp_path.iterdir()), "nothing created"
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 

@@ -124,6 +124,17 @@ def size_pools(
             f"{level_bytes[0]} B at level-0 share {shares[0]:g}: raise device_budget "
             "or device_blocks"
         )
+    for tier in budgets:
+        if tier != "device" and not any(slots[tier, lv] for lv in range(len(level_bytes))):
+            held = [
+                f"{n} B at share {sh:g}" for n, sh in zip(level_bytes, shares, strict=True) if n
+            ]
+            raise ConfigError(
+                f"{tier}_budget: {budgets[tier]} B holds no block at any level ("
+                + ", ".join(held)
+                + f"): expected at least one block's bytes; raise {tier}_budget or "
+                f"{tier}_blocks, or leave both unset for no {tier} tier"
+            )
     layout = PoolLayout(budgets, slots, tuple(level_bytes))
     _check_pool_sizes(layout, device)
     return layout
