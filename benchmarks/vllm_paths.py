@@ -1,4 +1,4 @@
-"""GB/s of the vLLM connector's save and load paths (kvtier.integrations.paged) on one device's
+"""GB/s of the vLLM connector's save and load paths (kvtier.integrations.vllm.tiers) on one device's
 paged caches, beside a plain copy of the same bytes between the device and host memory (the
 baseline: what moving the blocks costs with nothing else done).
 
@@ -16,7 +16,8 @@ import time
 import torch
 
 from kvtier import BlockManager, KvtierConfig
-from kvtier.integrations.paged import PagedLayout, load_blocks, save_blocks
+from kvtier.integrations.vllm.paged import PagedLayout
+from kvtier.integrations.vllm.tiers import WorkerTiers
 
 L, H, N, D = 32, 8, 16, 128
 
@@ -58,19 +59,18 @@ def main() -> None:
     cfg = KvtierConfig(block_size=N, device_budget=4 * nbytes, ladder=("bf16",), recent_window=0)
     bm = BlockManager(cfg, L, H, D, dtype="bf16", device="cpu")
     tokens = list(range(nb * N))
+    tiers = WorkerTiers(bm, layout, caches)
 
     def save() -> None:
         seq = bm.add_sequence(tokens)
-        save_blocks(bm, layout, caches, seq, ids)
+        tiers.save(seq, ids)
         bm.free(seq)
         bm.core.forget(bm.core.lookup_tokens(tokens))  # the next repeat saves again
 
     save_s = best(save, args.device, args.repeats)
     seq = bm.add_sequence(tokens)
-    save_blocks(bm, layout, caches, seq, ids)
-    load_s = best(
-        lambda: load_blocks(bm, layout, caches, seq, 0, nb * N, dst), args.device, args.repeats
-    )
+    tiers.save(seq, ids)
+    load_s = best(lambda: tiers.load(seq, 0, nb * N, dst), args.device, args.repeats)
     src = torch.cat([c[:nb].reshape(-1) for c in caches])
     host = torch.empty(src.shape, dtype=src.dtype, pin_memory=args.device.startswith("cuda"))
     d2h_s = best(lambda: host.copy_(src), args.device, args.repeats)

@@ -7,6 +7,7 @@ import pytest
 from kvtier import ConfigError
 
 pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
 vllm_integration = pytest.importorskip("kvtier.integrations.vllm", exc_type=ImportError)
 connector_config = vllm_integration.connector_config
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from kvtier import BlockManager, ConfigError, KvtierConfig
-from kvtier.integrations.paged import PagedLayout, layout_for_backend, load_blocks, save_blocks
+from kvtier.integrations.vllm.paged import PagedLayout, layout_for_backend
+from kvtier.integrations.vllm.tiers import WorkerTiers
 
 torch = pytest.importorskip("torch")
 
@@ -119,36 +120,38 @@ def test_saved_blocks_load_back_exactly_into_other_blocks(case: str) -> None:
     tokens = list(range(100, 100 + 3 * N))
     layout, caches, kvs = caches_for(case, 3, [6, 1, 4], seed=10)
     seq = bm.add_sequence(tokens)
-    assert save_blocks(bm, layout, caches, seq, [6, 1, 4]) == 3
+    assert WorkerTiers(bm, layout, caches).save(seq, [6, 1, 4]) == 3
     bm.free(seq)
     # A second request with the same first two blocks: vLLM gave it blocks 0 and 2.
     pin = bm.add_sequence(tokens[: 2 * N])
     assert bm.num_tokens(pin) == 2 * N  # both cached
     _, fresh, _ = caches_for(case, 1, [7], seed=99)
-    assert load_blocks(bm, layout, fresh, pin, 0, 2 * N, [0, 2]) == 2
+    into = WorkerTiers(bm, layout, fresh)
+    assert into.load(pin, 0, 2 * N, [0, 2]) == 2
     for layer in range(LAYERS):
         assert torch.equal(layout.read(fresh[layer], torch.tensor([0, 2])), kvs[layer][:, : 2 * N])
     # A load of more than the tiers hold writes what they hold and says so.
-    assert load_blocks(bm, layout, fresh, pin, N, 3 * N, [3, 5]) == 1
+    assert into.load(pin, N, 3 * N, [3, 5]) == 1
 
 
 def test_a_saved_prefix_is_not_written_twice() -> None:
     bm = manager()
     tokens = list(range(3 * N))
     layout, caches, _ = caches_for("cpu", 3, [0, 1, 2], seed=3)
+    tiers = WorkerTiers(bm, layout, caches)
     first = bm.add_sequence(tokens[: 2 * N])
-    assert save_blocks(bm, layout, caches, first, [0, 1]) == 2
+    assert tiers.save(first, [0, 1]) == 2
     bm.free(first)
     again = bm.add_sequence(tokens)
     assert bm.num_tokens(again) == 2 * N
-    assert save_blocks(bm, layout, caches, again, [0, 1, 2]) == 1
+    assert tiers.save(again, [0, 1, 2]) == 1
 
 
 def test_gather_blocks_is_gather_in_the_stored_form() -> None:
     bm = manager("bf16,int8,int4")
     layout, caches, _ = caches_for("cpu", 3, [0, 1, 2], seed=8)
     seq = bm.add_sequence(list(range(3 * N)))
-    save_blocks(bm, layout, caches, seq, [0, 1, 2])
+    WorkerTiers(bm, layout, caches).save(seq, [0, 1, 2])
     bm.append(seq, 0, *per_token_kv(1, 9)[:, :5])  # a partial last block at layer 0
     bm.step()  # some blocks at int8 / int4: both decode them alike
     for layer in range(LAYERS):
@@ -180,11 +183,11 @@ def test_gpu_save_and_load_equal_the_cpu_path_byte_for_byte(
         bm = BlockManager(cfg, LAYERS, H, D, dtype="bf16", device="cpu")
         layout, caches, _ = caches_for(case, 4, [3, 0, 6, 2], seed=20, device=device)
         seq = bm.add_sequence(list(range(4 * N)))
-        save_blocks(bm, layout, caches, seq, [3, 0, 6, 2])
+        WorkerTiers(bm, layout, caches).save(seq, [3, 0, 6, 2])
         moves = bm.step()
         assert moves.get("demote", 0) == (4 if "int4" in ladder else 0)
         _, fresh, _ = caches_for(case, 1, [7], seed=5, device=device)
-        assert load_blocks(bm, layout, fresh, seq, 0, 4 * N, [1, 4, 5, 7]) == 4
+        assert WorkerTiers(bm, layout, fresh).load(seq, 0, 4 * N, [1, 4, 5, 7]) == 4
         out[device] = [c.cpu() for c in fresh]
     for a, b in zip(out["cpu"], out["cuda"], strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))

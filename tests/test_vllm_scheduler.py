@@ -152,6 +152,11 @@ class Engine:
         """Rank 0's worker-side connector."""
         return self.workers[0]
 
+    @property
+    def tiers(self) -> Any:
+        """Rank 0's tiers (its manager, layout and caches)."""
+        return self.worker.worker.tiers
+
     def add(
         self, req_id: str, prompt: list[int], max_tokens: int = 4, salt: str | None = None
     ) -> None:
@@ -343,7 +348,7 @@ def test_background_loads_that_finish_out_of_order(
     """Two requests whose prompts load in the background wait while a third runs; their loads
     finish in the opposite order, and each request resumes when its own is done."""
     engine = engine_factory(num_blocks=64, async_loads="always")
-    engine.worker._loader = loader = GatedLoader()
+    engine.worker.worker.loader = loader = GatedLoader()
     a, b, c = prompt(1, 3), prompt(2, 2), prompt(3, 2)
     saved_and_forgotten(engine, a, b)
     engine.add("a", a)
@@ -370,7 +375,7 @@ def test_an_aborted_request_keeps_its_blocks_until_its_background_load_is_over(
     """A request aborted while its load runs keeps its blocks (the load writes into them) until
     the worker reports the load over; a running request aborted mid-prefill frees at once."""
     engine = engine_factory(num_blocks=64, async_loads="always")
-    engine.worker._loader = loader = GatedLoader()
+    engine.worker.worker.loader = loader = GatedLoader()
     saved_and_forgotten(engine, prompt(4, 3))
     engine.add("a", prompt(4, 3))
     engine.step()
@@ -437,7 +442,7 @@ def test_hits_are_reported_by_the_tier_and_level_the_lookup_found_them_in(
     # Where the worker's tiers hold each prompt's blocks now (both are looked up in one step).
     want: dict[str, int] = {}
     for p in (a, b):
-        for (tier, _), n in engine.worker.tiers.lookup(p[:-1]).places(0, len(p)).items():
+        for (tier, _), n in engine.tiers.lookup(p[:-1]).places(0, len(p)).items():
             want[tier] = want.get(tier, 0) + n
     assert want["host"] > 0 and want["disk"] > 0, want
     engine.external_hits, engine.hits_by_source = 0, {}
@@ -463,7 +468,8 @@ def test_hit_sources_name_each_tier_as_vllm_does_and_ranks_load_from_the_farthes
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     from kvtier.integrations.vllm import hit_sources
-    from kvtier.integrations.worker_link import Counters, Held
+    from kvtier.integrations.vllm.link import Held
+    from kvtier.integrations.vllm.metrics import Counters
 
     places = {
         ("host", "bf16"): 64,
@@ -554,7 +560,7 @@ def test_a_learned_scorer_decides_which_saved_blocks_keep_full_precision(
     for i, p in enumerate(prompts):
         engine.add(f"p{i}", p)
     engine.run()
-    manager = engine.worker.tiers.manager
+    manager = engine.tiers.manager
     assert stats(engine)["saved_blocks"] == 16
     mixed = 0
     for p in prompts:
@@ -599,12 +605,12 @@ def test_tensor_parallel_ranks_store_their_own_heads_and_a_rank_that_lost_blocks
         disk_path=str(tmp_path),
     )
     ranks = engine.workers
-    namespaces = [w.tiers.manager.config.namespace.split("|")[5] for w in ranks]
+    namespaces = [w.worker.tiers.manager.config.namespace.split("|")[5] for w in ranks]
     assert namespaces == ["tp0of3", "tp1of3", "tp2of3"]
     a, b = prompt(9, 3), prompt(10, 3)
     saved_and_forgotten(engine, a, b)
     for w in ranks:
-        assert w.tiers.lookup(a[:-1]).tokens == 3 * BLOCK
+        assert w.worker.tiers.lookup(a[:-1]).tokens == 3 * BLOCK
     assert sorted(d.name for d in tmp_path.iterdir()) == ["tp0", "tp1", "tp2"]
     engine.add("a", a)
     engine.run()

@@ -1,4 +1,5 @@
-"""kvtier inside other frameworks: :mod:`kvtier.integrations.hf` (transformers' ``Cache``).
+"""kvtier inside other frameworks: :mod:`kvtier.integrations.hf` (transformers' ``Cache``) and
+:mod:`kvtier.integrations.vllm` (vLLM's KV connector).
 
-Each module imports its framework, so import the one you use (it needs that extra installed).
+Each imports its framework, so import the one you use (it needs that extra installed).
 """

@@ -225,7 +225,7 @@ def _loadable(llm: Any, turns: Sequence[Turn]) -> int:
     """Tokens the tiers hold that a prompt of the workload could load now: the distinct
     complete blocks of the workload's prompts whose whole prefix the tiers still hold (a block
     held behind an evicted one is bytes only: a lookup stops at the first miss)."""
-    link = _connector(llm).link
+    link = _connector(llm).scheduler.link
     reachable: set[tuple[int, ...]] = set()
     for turn in turns:
         hit = link.lookup(list(turn.tokens)).tokens

@@ -11,32 +11,22 @@ shape is the same everywhere, but *where K and V of a token are* is the backend'
 
 A :class:`PagedLayout` moves K/V between such a cache and kvtier's token-major
 ``[num_tokens, kv_heads, head_dim]`` form, whole blocks at a time, on whatever device the cache
-is (the index and the copies stay there). Anything else is refused by :func:`layout_for_backend`
-rather than guessed.
+is (the index and the copies stay there); :class:`~.tiers.WorkerTiers` moves them between such
+caches and a :class:`~kvtier.BlockManager`. Anything else is refused by :func:`layout_for_backend`
+rather than guessed. Nothing here needs vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._torch import torch_module
-from ..errors import ConfigError, InvalidArgumentError
+from ...errors import ConfigError, InvalidArgumentError
 
 if TYPE_CHECKING:
     import torch
 
-    from ..manager import BlockManager
-
-__all__ = [
-    "PagedLayout",
-    "layout_for_backend",
-    "load_blocks",
-    "load_layer",
-    "loadable_blocks",
-    "save_blocks",
-]
+__all__ = ["PagedLayout", "layout_for_backend"]
 
 Split = Literal["channels", "rows"]
 
@@ -144,97 +134,3 @@ def layout_for_backend(
             "[num_blocks, kv_heads, block_size, 2 * head_dim] cache per layer"
         ) from None
     return layout
-
-
-def save_blocks(
-    manager: BlockManager,
-    layout: PagedLayout,
-    caches: Sequence[torch.Tensor],
-    seq: int,
-    block_ids: Sequence[int],
-    on_keys: Callable[[int, torch.Tensor], None] | None = None,
-) -> int:
-    """Appends to manager sequence ``seq`` the K/V it lacks among whole paged blocks
-    ``block_ids`` (the sequence's blocks from its first token; its token ids declared), reading
-    each layer's cache once, in one gather per layer. Returns the blocks written at the last
-    layer (those a cached prefix already held are skipped). ``on_keys(layer, keys)`` sees the
-    keys of the blocks appended at each layer, ``[blocks, block_size, kv_heads, head_dim]``."""
-    torch = torch_module()
-    bs = layout.block_size
-    end = len(block_ids) * bs
-    written = 0
-    for layer, cache in enumerate(caches):
-        start = manager.num_tokens(seq, layer)
-        if start >= end:
-            continue
-        if start % bs:
-            raise InvalidArgumentError(
-                f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of {bs}"
-            )
-        ids = torch.tensor(block_ids[start // bs :], dtype=torch.int64, device=cache.device)
-        kv = layout.read(cache, ids).to(manager.device)
-        manager.append(seq, layer, kv[0], kv[1])
-        written = len(ids)
-        if on_keys is not None:
-            on_keys(layer, kv[0].view(written, bs, layout.num_kv_heads, layout.head_dim))
-    return written
-
-
-def load_blocks(
-    manager: BlockManager,
-    layout: PagedLayout,
-    caches: Sequence[torch.Tensor],
-    seq: int,
-    start: int,
-    end: int,
-    block_ids: Sequence[int],
-) -> int:
-    """Writes the K/V of tokens ``start:end`` of manager sequence ``seq`` (decoded to the
-    model dtype) into whole paged blocks ``block_ids``, as far as the sequence holds them.
-    Returns how many of ``block_ids`` were written, from the first: the rest must be
-    recomputed. A block the tiers lost raises :class:`~kvtier.BlockLostError` (some layers
-    may have been written: the caller recomputes them all)."""
-    ok = loadable_blocks(manager, layout, len(caches), seq, start, end, len(block_ids))
-    for layer, cache in enumerate(caches):
-        load_layer(manager, layout, cache, layer, seq, start, block_ids[:ok])
-    return ok
-
-
-def loadable_blocks(
-    manager: BlockManager,
-    layout: PagedLayout,
-    num_layers: int,
-    seq: int,
-    start: int,
-    end: int,
-    num_block_ids: int,
-) -> int:
-    """How many whole blocks of tokens ``start:end`` manager sequence ``seq`` holds in every
-    layer (at most ``num_block_ids``)."""
-    bs = layout.block_size
-    if start % bs:
-        raise InvalidArgumentError(
-            f"start: expected a multiple of the block size {bs}, got {start}"
-        )
-    have = min(manager.num_tokens(seq, num_layers - 1), end)
-    return min(num_block_ids, max(0, (have - start) // bs))
-
-
-def load_layer(
-    manager: BlockManager,
-    layout: PagedLayout,
-    cache: torch.Tensor,
-    layer: int,
-    seq: int,
-    start: int,
-    block_ids: Sequence[int],
-) -> None:
-    """One layer of :func:`load_blocks`: the blocks of ``seq`` from token ``start`` (a block
-    boundary), as many as ``block_ids``, into those blocks of ``cache``, in one copy."""
-    if not block_ids:
-        return
-    torch = torch_module()
-    first = start // layout.block_size
-    ids = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.device)
-    blocks = manager.gather_blocks(seq, layer)[first : first + len(block_ids)]
-    layout.write_blocks(cache, ids, blocks.to(cache.device, non_blocking=True))

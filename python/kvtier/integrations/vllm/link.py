@@ -8,8 +8,9 @@ process (local only, named after the engine id, authenticated with it), and a sc
 same process takes the direct path. Either way the scheduler sees one :class:`Link`.
 
 Only questions cross the socket: how many leading tokens of a prompt the tiers can load and where
-they lie (tier and level, in runs: :class:`Held`), and their figures. Bytes never do, and the scheduler never changes the tiers: what it decides goes to
-the worker in vLLM's connector metadata.
+they lie (tier and level, in runs: :class:`Held`), and their figures. Bytes never do, and the
+scheduler never changes the tiers: what it decides goes to the worker in vLLM's connector
+metadata. Nothing here needs vLLM.
 """
 
 from __future__ import annotations
@@ -19,30 +20,22 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from itertools import groupby, pairwise
 from multiprocessing.connection import Client, Connection, Listener
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from .._core import Plan
-from ..errors import KvtierError
-
-if TYPE_CHECKING:
-    import torch
-
-    from ..manager import BlockManager
-    from .paged import PagedLayout
+from ...errors import KvtierError
 
 log = logging.getLogger("kvtier.vllm")
 
 __all__ = [
     "CONNECTOR_TIERS",
-    "Counters",
     "Held",
     "Link",
     "Place",
-    "WorkerTiers",
+    "forget",
     "link_to_worker",
     "serve",
 ]
@@ -134,87 +127,23 @@ class Held:
         return cls(tuple(runs))
 
 
-@dataclass
-class Counters:
-    """What the connector did, since its start."""
-
-    lookups: int = 0
-    hit_tokens: int = 0
-    loaded_blocks: int = 0
-    load_errors: int = 0
-    saved_blocks: int = 0
-    save_failures: int = 0
-    #: ``hit_tokens`` by the place (tier, level name) where the lookup found them
-    hits_by_place: dict[Place, int] = field(default_factory=dict)
-
-    def count_hits(self, places: Mapping[Place, int]) -> None:
-        """Counts hit tokens, by where they lie."""
-        for place, tokens in places.items():
-            self.hit_tokens += tokens
-            self.hits_by_place[place] = self.hits_by_place.get(place, 0) + tokens
-
-    def as_dict(self) -> dict[str, int]:
-        """The counts (what vLLM's stats carry: each adds up over intervals and workers)."""
-        return {name: value for name, value in vars(self).items() if isinstance(value, int)}
-
-    def hits_by(self, tiers: Sequence[str], levels: Sequence[str]) -> dict[str, Any]:
-        """``hit_tokens`` by tier, by level name and by both (``{tier: {level: tokens}}``), with
-        a zero for each of ``tiers`` and ``levels`` that had none."""
-        by_tier = dict.fromkeys(tiers, 0)
-        by_level = dict.fromkeys(levels, 0)
-        both = {tier: dict.fromkeys(levels, 0) for tier in tiers}
-        for (tier, level), tokens in self.hits_by_place.items():
-            by_tier[tier] = by_tier.get(tier, 0) + tokens
-            by_level[level] = by_level.get(level, 0) + tokens
-            both.setdefault(tier, dict.fromkeys(levels, 0))
-            both[tier][level] = both[tier].get(level, 0) + tokens
-        return {
-            "hit_tokens_by_tier": by_tier,
-            "hit_tokens_by_level": by_level,
-            "hit_tokens_by_tier_level": both,
-        }
-
-
-@dataclass
-class WorkerTiers:
-    """The worker's tiers and the paged caches they exchange blocks with."""
-
-    manager: BlockManager
-    layout: PagedLayout
-    caches: list[torch.Tensor]
-    counters: Counters = field(default_factory=Counters)
+class Link(Protocol):
+    """A worker's tiers as the scheduler sees them (the worker itself in its own process)."""
 
     def lookup(self, tokens: list[int], salt: str | None = None) -> Held:
-        """The leading tokens of ``tokens`` (a request of cache salt ``salt``) the tiers can load
-        (whole blocks), and where each block lies (tier and level) now."""
-        manager = self.manager
-        bs = manager.block_size
-        hit = manager.lookup(tokens, salt=salt) // bs
-        blocks = manager.core.lookup_tokens(tokens, salt)[:hit]
-        info = manager.core.block_info(blocks)
-        places = [
-            (CONNECTOR_TIERS[Plan.TIERS[tier]], manager.ladder[level])
-            for tier, level in zip(info["tier"].tolist(), info["level"].tolist(), strict=True)
-        ]
-        if manager.config.share_prefixes:
-            # Blocks past the core's own that the server holds: published at level 0.
-            places += [("remote", manager.ladder[0])] * (hit - len(blocks))
-        return Held.of_blocks(places, bs)
+        """The leading tokens of ``tokens`` (a request of cache salt ``salt``) the tiers can
+        load (whole blocks), and where each block lies (tier and level) now."""
+        ...
 
     def stats(self) -> dict[str, Any]:
-        stats = self.manager.get_compression_stats()
-        stats["worker"] = self.counters.as_dict()
-        return stats
-
-
-class Link(Protocol):
-    def lookup(self, tokens: list[int], salt: str | None = None) -> Held: ...
-    def stats(self) -> dict[str, Any]: ...
+        """The tiers' figures (:meth:`~kvtier.BlockManager.get_compression_stats`) and, under
+        ``worker``, the worker's counters."""
+        ...
 
 
 # Workers of this process, by engine id and tensor-parallel rank: a scheduler here asks them
 # directly.
-_LOCAL: dict[tuple[str, int], WorkerTiers] = {}
+_LOCAL: dict[tuple[str, int], Link] = {}
 _LOCAL_LOCK = threading.Lock()
 
 
@@ -227,12 +156,12 @@ def _authkey(engine_id: str) -> bytes:
     return hashlib.sha256(b"kvtier worker link " + engine_id.encode()).digest()
 
 
-def serve(engine_id: str, tiers: WorkerTiers, rank: int = 0) -> Listener:
-    """Registers ``tiers`` (the worker of tensor-parallel rank ``rank``) for schedulers in
+def serve(engine_id: str, worker: Link, rank: int = 0) -> Listener:
+    """Registers ``worker`` (the worker of tensor-parallel rank ``rank``) for schedulers in
     this process and answers the others on its socket (a daemon thread per connection).
     Close the returned listener to stop."""
     with _LOCAL_LOCK:
-        _LOCAL[engine_id, rank] = tiers
+        _LOCAL[engine_id, rank] = worker
     address = _address(engine_id, rank)
     if os.path.exists(address):
         os.unlink(address)  # a dead engine's, of the same id: ids are random per engine
@@ -247,21 +176,22 @@ def serve(engine_id: str, tiers: WorkerTiers, rank: int = 0) -> Listener:
             except Exception as exc:  # a client that failed the handshake
                 log.warning("kvtier: refused a connection to the worker link: %s", exc)
                 continue
-            threading.Thread(target=_answer, args=(conn, tiers), daemon=True).start()
+            threading.Thread(target=_answer, args=(conn, worker), daemon=True).start()
 
     threading.Thread(target=accept, name="kvtier-worker-link", daemon=True).start()
     return listener
 
 
-def forget(engine_id: str, tiers: WorkerTiers, listener: Listener | None, rank: int = 0) -> None:
+def forget(engine_id: str, worker: Link, listener: Listener | None, rank: int = 0) -> None:
+    """Undoes :func:`serve`: schedulers no longer find ``worker``, its socket closes."""
     with _LOCAL_LOCK:
-        if _LOCAL.get((engine_id, rank)) is tiers:
+        if _LOCAL.get((engine_id, rank)) is worker:
             del _LOCAL[engine_id, rank]
     if listener is not None:
         listener.close()
 
 
-def _answer(conn: Connection, tiers: WorkerTiers) -> None:
+def _answer(conn: Connection, worker: Link) -> None:
     with conn:
         while True:
             try:
@@ -270,9 +200,9 @@ def _answer(conn: Connection, tiers: WorkerTiers) -> None:
                 return
             try:
                 if op == "lookup":  # plain tuples cross the socket: (tier, level, tokens) runs
-                    conn.send(("ok", tiers.lookup(*arg).runs))
+                    conn.send(("ok", worker.lookup(*arg).runs))
                 elif op == "stats":
-                    conn.send(("ok", tiers.stats()))
+                    conn.send(("ok", worker.stats()))
                 else:
                     conn.send(("error", f"unknown request {op!r}"))
             except Exception as exc:  # the scheduler treats it as a miss

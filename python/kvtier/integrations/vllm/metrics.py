@@ -1,0 +1,193 @@
+"""What the connector counts, and how the counts reach vLLM and the user.
+
+Each side keeps its own :class:`Counters` (the scheduler: lookups and hit tokens, by where they
+lie; the worker: loaded and saved blocks, load errors, failed saves). vLLM collects each side's
+growth since its last report (:class:`CounterReports`, as :class:`KVTierStats`), adds the sides
+up, logs them and exports them to Prometheus (:class:`KVTierPromMetrics`); hits go to its
+``vllm:prompt_tokens_cached_by_source`` by the tier they lay in (:func:`hit_sources`).
+:func:`connector_stats` is the ``connector`` part of ``get_compression_stats()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .link import CONNECTOR_TIERS, Place
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = [
+    "HIT_SOURCES",
+    "CounterReports",
+    "Counters",
+    "KVTierPromMetrics",
+    "KVTierStats",
+    "connector_stats",
+    "hit_sources",
+]
+
+#: vLLM's label (``vllm:prompt_tokens_cached_by_source``) for hits in each of the connector's
+#: tiers. The server is a store that engines share, not another vLLM instance handing its KV
+#: over (vLLM's ``p2p``): vLLM files a remote store under ``external_unspecified``.
+HIT_SOURCES = {
+    "host": CacheHitSource.HOST,
+    "disk": CacheHitSource.DISK,
+    "remote": CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
+
+
+@dataclass
+class Counters:
+    """What the connector did, since its start."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    loaded_blocks: int = 0
+    load_errors: int = 0
+    saved_blocks: int = 0
+    save_failures: int = 0
+    #: ``hit_tokens`` by the place (tier, level name) where the lookup found them
+    hits_by_place: dict[Place, int] = field(default_factory=dict)
+
+    def count_hits(self, places: Mapping[Place, int]) -> None:
+        """Counts hit tokens, by where they lie."""
+        for place, tokens in places.items():
+            self.hit_tokens += tokens
+            self.hits_by_place[place] = self.hits_by_place.get(place, 0) + tokens
+
+    def as_dict(self) -> dict[str, int]:
+        """The counts (what vLLM's stats carry: each adds up over intervals and workers)."""
+        return {name: value for name, value in vars(self).items() if isinstance(value, int)}
+
+    def hits_by(self, tiers: Sequence[str], levels: Sequence[str]) -> dict[str, Any]:
+        """``hit_tokens`` by tier, by level name and by both (``{tier: {level: tokens}}``), with
+        a zero for each of ``tiers`` and ``levels`` that had none."""
+        by_tier = dict.fromkeys(tiers, 0)
+        by_level = dict.fromkeys(levels, 0)
+        both = {tier: dict.fromkeys(levels, 0) for tier in tiers}
+        for (tier, level), tokens in self.hits_by_place.items():
+            by_tier[tier] = by_tier.get(tier, 0) + tokens
+            by_level[level] = by_level.get(level, 0) + tokens
+            both.setdefault(tier, dict.fromkeys(levels, 0))
+            both[tier][level] = both[tier].get(level, 0) + tokens
+        return {
+            "hit_tokens_by_tier": by_tier,
+            "hit_tokens_by_level": by_level,
+            "hit_tokens_by_tier_level": both,
+        }
+
+
+def hit_sources(places: Mapping[Place, int], tokens: int) -> dict[CacheHitSource, int]:
+    """``tokens`` hit tokens by vLLM's source label, from where they lie (``places``: tokens by
+    tier and level); any ``places`` does not account for are ``external_unspecified``, so that
+    the counts add up to ``tokens`` as vLLM requires. Only non-zero counts."""
+    sources: dict[CacheHitSource, int] = {}
+    for (tier, _), n in places.items():
+        source = HIT_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        sources[source] = sources.get(source, 0) + n
+    rest = tokens - sum(sources.values())
+    if rest:
+        unspecified = CacheHitSource.EXTERNAL_UNSPECIFIED
+        sources[unspecified] = sources.get(unspecified, 0) + rest
+    return {source: n for source, n in sources.items() if n}
+
+
+def connector_stats(stats: dict[str, Any], own: Counters) -> dict[str, Any]:
+    """``get_compression_stats()`` from a worker's figures (``stats``: the tiers' figures with
+    the worker's counters under ``worker``, each rank's under ``ranks`` with tensor
+    parallelism) and this side's ``own`` counters: the worker's and ``own`` counts added up
+    under ``connector``, with ``own``'s hit tokens by tier and level (a zero for each tier and
+    level the tiers have), and each rank's counters under its ``connector``."""
+    counters = stats.pop("worker")
+    for rank in stats.get("ranks", ()):  # tensor parallel: each worker's own figures
+        rank["connector"] = rank.pop("worker")
+    mine = own.as_dict()
+    counters = {k: v + mine[k] for k, v in counters.items()}
+    pools = stats.get("pools", ())
+    tiers = list(dict.fromkeys(CONNECTOR_TIERS[p["tier"]] for p in pools))
+    levels = list(dict.fromkeys(p["codec"] for p in sorted(pools, key=lambda p: p["level"])))
+    stats["connector"] = {**counters, **own.hits_by(tiers, levels)}
+    return stats
+
+
+class CounterReports:
+    """Hands vLLM the growth of ``counters`` since the last report."""
+
+    def __init__(self, counters: Counters) -> None:
+        self.counters = counters
+        self._reported: dict[str, int] = {}  # counters as last handed to vLLM's stats
+
+    def take(self) -> KVTierStats | None:
+        """The growth since the last call, or None if nothing grew."""
+        counters = self.counters.as_dict()
+        delta = {k: v - self._reported.get(k, 0) for k, v in counters.items()}
+        self._reported = counters
+        return KVTierStats(data=delta) if any(delta.values()) else None
+
+
+@dataclass
+class KVTierStats(KVConnectorStats):
+    """The connector's counters over an interval (``Counters`` fields), for vLLM's logs
+    ("KV Transfer metrics: ...") and its Prometheus endpoint (``vllm:kvtier_*_total``)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"kvtier_{name}": value for name, value in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per connector counter, per engine."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        helps = {
+            "lookups": "Prompts looked up in kvtier's tiers.",
+            "hit_tokens": "Prompt tokens kvtier's tiers could load.",
+            "loaded_blocks": "Blocks loaded from kvtier's tiers into vLLM's.",
+            "load_errors": "Blocks kvtier could not give back (recomputed by vLLM).",
+            "saved_blocks": "Blocks saved into kvtier's tiers.",
+            "save_failures": "Saves kvtier's tiers refused (a later miss).",
+        }
+        self.counters = {
+            name: {
+                engine: counter.labels(*values)
+                for engine, values in per_engine_labelvalues.items()
+                for counter in [
+                    self._counter_cls(
+                        name=f"vllm:kvtier_{name}", documentation=doc, labelnames=labelnames
+                    )
+                ]
+            }
+            for name, doc in helps.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in self.counters and value:
+                counter: Any = self.counters[name][engine_idx]
+                counter.inc(value)

@@ -1,0 +1,226 @@
+"""The connector's scheduler side: what the tiers can give each waiting request, and the loads
+and saves of each step.
+
+:class:`KVTierScheduler` asks the worker's tiers (over :mod:`.link`: directly in one process, else
+over the worker's socket) how much of a prompt they hold and where, tells vLLM how many tokens
+beyond its own hit it may load and whether in the background, and, once vLLM has allocated
+blocks, plans the load. Each step it plans the saves of the prompt blocks that step completes,
+and, when a request finishes, of the blocks it generated; the plan goes to the workers in
+:class:`~.metadata.KVTierMetadata`. It never changes the tiers.
+
+State, per request: its ``cache_salt`` (from lookup to finish), the lookup's hit until vLLM
+allocates, the admitted load until vLLM asks for its sources (the same step), and, once
+scheduled, its tokens, blocks and how far they are saved. A request of unknown salt is never
+saved.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ...errors import ConfigError, KvtierError
+from .link import Held, Link, link_to_worker
+from .metadata import KVTierMetadata, LoadSpec, SaveSpec
+from .metrics import CounterReports, Counters, connector_stats, hit_sources
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.request import Request
+
+    from .config import ConnectorSettings
+    from .metrics import KVTierStats
+
+log = logging.getLogger("kvtier.vllm")
+
+__all__ = ["KVTierScheduler"]
+
+
+@dataclass
+class _Hit:
+    """What the tiers can load of a waiting request's prompt: ``tokens[start:end]``."""
+
+    start: int  # vLLM's own hit
+    end: int
+    background: bool
+    held: Held  # where the lookup found the prompt's blocks
+
+
+@dataclass
+class _Request:
+    """The scheduler's view of a running request."""
+
+    salt: str | None
+    tokens: list[int]
+    block_ids: list[int]
+    saved: int = 0  # prompt tokens sent to the worker for saving
+
+
+class KVTierScheduler:
+    """The scheduler side of :class:`~.connector.KVTierConnector`: lookups, the loads and saves
+    of each step, and the counts of lookups and hit tokens (by where they lay)."""
+
+    def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        policy = settings.load_failure_policy
+        if policy not in ("recompute", "fail"):
+            raise ConfigError(
+                f"load_failure_policy: expected 'recompute' or 'fail', got {policy!r}"
+            )
+        # A block the tiers cannot give back is a miss: vLLM recomputes it.
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        transfer.kv_load_failure_policy = policy
+        #: lookups and hit tokens, by where the lookup found them
+        self.counters = Counters()
+        self._reports = CounterReports(self.counters)
+        self._link: Link | None = None
+        self._requests: dict[str, _Request] = {}
+        self._hits: dict[str, _Hit] = {}
+        #: this step's admitted loads, for get_external_cache_hit_sources: (start, held)
+        self._admitted: dict[str, tuple[int, Held]] = {}
+        #: each admitted request's cache_salt (a request of unknown salt is never saved)
+        self._salts: dict[str, str | None] = {}
+        self._loads: list[LoadSpec] = []
+        self._finish_saves: list[SaveSpec] = []
+
+    @property
+    def link(self) -> Link:
+        """The worker's tiers as the scheduler sees them: directly in one process, else over
+        the worker's socket (with tensor parallelism, all ranks as one)."""
+        if self._link is None:
+            self._link = link_to_worker(self.settings.engine_id, self.settings.tp_size)
+        return self._link
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond vLLM's own hit the tiers can load; loaded in the background (the
+        request waits, others run) when some of them are on disk or on the server
+        (``async_loads``: ``auto``), or always, or never."""
+        salt = self._salts[request.request_id] = request.cache_salt or None
+        if not self.settings.loads_kv:
+            return 0, False
+        tokens = list(request.prompt_token_ids or [])
+        # vLLM computes at least the prompt's last token itself.
+        try:
+            held = self.link.lookup(tokens[: len(tokens) - 1], salt)
+        except KvtierError as exc:
+            log.warning("kvtier: lookup failed (%s); a miss", exc)
+            return 0, False
+        counters = self.counters
+        counters.lookups += 1
+        hit = held.tokens
+        if hit <= num_computed_tokens:
+            self._hits.pop(request.request_id, None)
+            return 0, False
+        async_loads = self.settings.async_loads
+        background = async_loads == "always" or (async_loads == "auto" and held.resident < hit)
+        self._hits[request.request_id] = _Hit(num_computed_tokens, hit, background, held)
+        counters.count_hits(held.places(num_computed_tokens, hit))
+        return hit - num_computed_tokens, background
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens == 0 or hit is None:
+            return
+        start = hit.start
+        end = min(hit.end, start + num_external_tokens)
+        bs = self.settings.block_size
+        block_ids = list(blocks.get_block_ids()[0])[start // bs : end // bs]
+        # A synchronous load runs before the step's saves: what the lookup found is there (a
+        # background one may find less, which is a load error: recomputed).
+        tokens = list(request.prompt_token_ids or [])[:end]
+        salt = self._salts.get(request.request_id)
+        load = LoadSpec(request.request_id, salt, tokens, start, block_ids, hit.background)
+        self._loads.append(load)
+        self._admitted[request.request_id] = (start, hit.held)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The tokens vLLM admitted from the tiers for ``request`` this step, by the tier the
+        lookup found them in (vLLM's ``vllm:prompt_tokens_cached_by_source``): ``host`` for
+        host memory, ``disk``, and ``external_unspecified`` for the server (see
+        :data:`~.metrics.HIT_SOURCES`)."""
+        admitted = self._admitted.pop(request.request_id, None)
+        if admitted is None:
+            return hit_sources({}, num_external_tokens)
+        start, held = admitted
+        return hit_sources(held.places(start, start + num_external_tokens), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
+        meta = KVTierMetadata(loads=self._loads, saves=self._finish_saves)
+        meta.finishing = {save.req_id for save in self._finish_saves}
+        self._loads, self._finish_saves = [], []
+        self._admitted.clear()  # vLLM asks for a load's sources in the step that admits it
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.prompt_token_ids is None or new.req_id not in self._salts:
+                continue  # prompt embeddings (no token ids to key them by), or salt unknown
+            salt = self._salts[new.req_id]
+            req = _Request(salt, list(new.prompt_token_ids), list(new.block_ids[0]))
+            self._requests[new.req_id] = req
+            self._plan_save(meta, new.req_id, req, new.num_computed_tokens + scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            known = self._requests.get(req_id)
+            if known is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                known.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                known.block_ids.extend(new_ids[0])
+            self._plan_save(meta, req_id, known, cached.num_computed_tokens[i] + scheduled[req_id])
+        for req_id in scheduler_output.finished_req_ids:
+            self._requests.pop(req_id, None)
+            self._salts.pop(req_id, None)
+        return meta
+
+    def _plan_save(self, meta: KVTierMetadata, req_id: str, req: _Request, computed: int) -> None:
+        """Saves the prompt's blocks that are complete once this step has run."""
+        if not self.settings.saves_kv:
+            return
+        bs = self.settings.block_size
+        end = min(computed, len(req.tokens)) // bs * bs
+        if end <= req.saved:
+            return
+        req.saved = end
+        blocks = end // bs
+        meta.saves.append(SaveSpec(req_id, req.salt, req.tokens[:end], req.block_ids[:blocks]))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Saves the request's complete blocks beyond its prompt (what it generated: the next
+        turn of a conversation starts with them) in the next step, and keeps vLLM from freeing
+        them until then."""
+        req = self._requests.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
+        self._salts.pop(request.request_id, None)
+        if req is None or not self.settings.saves_kv:
+            return False, None
+        bs = self.settings.block_size
+        tokens = list(request.all_token_ids)[: request.num_computed_tokens]
+        end = len(tokens) // bs * bs
+        if end <= req.saved or len(block_ids) < end // bs:
+            return False, None
+        blocks = list(block_ids[: end // bs])
+        save = SaveSpec(request.request_id, req.salt, tokens[:end], blocks)
+        self._finish_saves.append(save)
+        return True, None
+
+    def get_compression_stats(self) -> dict[str, Any]:
+        """The worker's figures (asked over the link) with this side's lookups and hits."""
+        return connector_stats(self.link.stats(), self.counters)
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        """This side's counters since the last call."""
+        return self._reports.take()

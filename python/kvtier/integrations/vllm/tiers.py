@@ -1,0 +1,123 @@
+"""The worker's tiers and the paged caches they exchange whole blocks with.
+
+A :class:`WorkerTiers` is a :class:`~kvtier.BlockManager` (in host memory, or on the caches'
+device), the :class:`~.paged.PagedLayout` of vLLM's per-layer caches and those caches: it saves
+complete blocks of the caches into manager sequences, loads them back into other blocks (decoded
+to the model dtype), a layer at a time or all at once, and tells what the tiers hold of a prompt
+and where (:class:`~.link.Held`). It keeps no state of its own beyond the three; the worker side
+of the connector decides what to save and load, and counts it. Nothing here needs vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..._core import Plan
+from ..._torch import torch_module
+from ...errors import InvalidArgumentError
+from .link import CONNECTOR_TIERS, Held
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...manager import BlockManager
+    from .paged import PagedLayout
+
+__all__ = ["WorkerTiers"]
+
+
+@dataclass
+class WorkerTiers:
+    """The worker's tiers (``manager``) and the paged caches (``caches``, one per layer, in the
+    manager's layer order, all of ``layout``) they exchange blocks with."""
+
+    manager: BlockManager
+    layout: PagedLayout
+    caches: list[torch.Tensor]
+
+    def lookup(self, tokens: list[int], salt: str | None = None) -> Held:
+        """The leading tokens of ``tokens`` (a request of cache salt ``salt``) the tiers can load
+        (whole blocks), and where each block lies (tier and level) now."""
+        manager = self.manager
+        bs = manager.block_size
+        hit = manager.lookup(tokens, salt=salt) // bs
+        blocks = manager.core.lookup_tokens(tokens, salt)[:hit]
+        info = manager.core.block_info(blocks)
+        places = [
+            (CONNECTOR_TIERS[Plan.TIERS[tier]], manager.ladder[level])
+            for tier, level in zip(info["tier"].tolist(), info["level"].tolist(), strict=True)
+        ]
+        if manager.config.share_prefixes:
+            # Blocks past the core's own that the server holds: published at level 0.
+            places += [("remote", manager.ladder[0])] * (hit - len(blocks))
+        return Held.of_blocks(places, bs)
+
+    def save(
+        self,
+        seq: int,
+        block_ids: Sequence[int],
+        on_keys: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> int:
+        """Appends to manager sequence ``seq`` the K/V it lacks among whole paged blocks
+        ``block_ids`` (the sequence's blocks from its first token; its token ids declared),
+        reading each layer's cache once, in one gather per layer. Returns the blocks written at
+        the last layer (those a cached prefix already held are skipped). ``on_keys(layer,
+        keys)`` sees the keys of the blocks appended at each layer, ``[blocks, block_size,
+        kv_heads, head_dim]``."""
+        torch = torch_module()
+        manager, layout = self.manager, self.layout
+        bs = layout.block_size
+        end = len(block_ids) * bs
+        written = 0
+        for layer, cache in enumerate(self.caches):
+            start = manager.num_tokens(seq, layer)
+            if start >= end:
+                continue
+            if start % bs:
+                raise InvalidArgumentError(
+                    f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of {bs}"
+                )
+            ids = torch.tensor(block_ids[start // bs :], dtype=torch.int64, device=cache.device)
+            kv = layout.read(cache, ids).to(manager.device)
+            manager.append(seq, layer, kv[0], kv[1])
+            written = len(ids)
+            if on_keys is not None:
+                on_keys(layer, kv[0].view(written, bs, layout.num_kv_heads, layout.head_dim))
+        return written
+
+    def load(self, seq: int, start: int, end: int, block_ids: Sequence[int]) -> int:
+        """Writes the K/V of tokens ``start:end`` of manager sequence ``seq`` (decoded to the
+        model dtype) into whole paged blocks ``block_ids``, as far as the sequence holds them.
+        Returns how many of ``block_ids`` were written, from the first: the rest must be
+        recomputed. A block the tiers lost raises :class:`~kvtier.BlockLostError` (some layers
+        may have been written: the caller recomputes them all)."""
+        ok = self.loadable(seq, start, end, len(block_ids))
+        for layer in range(len(self.caches)):
+            self.load_layer(layer, seq, start, block_ids[:ok])
+        return ok
+
+    def loadable(self, seq: int, start: int, end: int, num_block_ids: int) -> int:
+        """How many whole blocks of tokens ``start:end`` manager sequence ``seq`` holds in every
+        layer (at most ``num_block_ids``)."""
+        bs = self.layout.block_size
+        if start % bs:
+            raise InvalidArgumentError(
+                f"start: expected a multiple of the block size {bs}, got {start}"
+            )
+        have = min(self.manager.num_tokens(seq, len(self.caches) - 1), end)
+        return min(num_block_ids, max(0, (have - start) // bs))
+
+    def load_layer(self, layer: int, seq: int, start: int, block_ids: Sequence[int]) -> None:
+        """One layer of :meth:`load`: the blocks of ``seq`` from token ``start`` (a block
+        boundary), as many as ``block_ids``, into those blocks of layer ``layer``'s cache, in
+        one copy."""
+        if not block_ids:
+            return
+        torch = torch_module()
+        cache = self.caches[layer]
+        first = start // self.layout.block_size
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.device)
+        blocks = self.manager.gather_blocks(seq, layer)[first : first + len(block_ids)]
+        self.layout.write_blocks(cache, ids, blocks.to(cache.device, non_blocking=True))
