@@ -3,7 +3,7 @@
 // as they are, int8/int4/int2 pools dequantized in registers a tile at a time), without gathering
 // the cache or decoding it to a full-precision copy. The contract, the pool layouts, the 16
 // int64s that describe a pool and the torch reference it must match are in
-// python/kvtier/attend.py; the launches are in python/kvtier/attend_cuda.py.
+// python/kvtier/attend/call.py; the launches are in python/kvtier/attend/cuda.py.
 //
 // Compiled at run time by NVRTC through CuPy, after kernels/kvtier_common.cuh (the integer
 // types, the fp16/bf16 conversions and the F16/BF16/F32 element types), which the loader puts
@@ -46,7 +46,7 @@ typedef unsigned long long u64;
 #define MASS_BLOCKS 32      // blocks one combine CTA sums the mass of (4 per warp)
 #define ROW_CHUNK 1024      // rows whose final log2-sum-exp a combine CTA holds at a time
 
-// The pool descriptor's fields (python/kvtier/attend.py, DESC_FIELDS).
+// The pool descriptor's fields (python/kvtier/attend/call.py, DESC_FIELDS).
 #define DESC_KIND 0
 #define DESC_DTYPE_OR_BITS 1
 #define DESC_FLAGS 2

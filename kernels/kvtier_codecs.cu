@@ -2,7 +2,7 @@
 // pool tensors, addressed by slot indices (gather from source slots, write destination slots).
 // One launch handles a whole batch, never one block.
 //
-// Compiled at run time by NVRTC through CuPy (python/kvtier/codecs/cuda.py); the source ships
+// Compiled at run time by NVRTC through CuPy (python/kvtier/_cuda.py); the source ships
 // inside the extension module (crates/kvtier-py embeds it with include_str!). The loader puts
 // kernels/kvtier_common.cuh (the integer types, the fp16/bf16 conversions and the F16/BF16/F32
 // element types) before this file's text, so NVRTC needs no include path.
@@ -37,7 +37,7 @@ __device__ __forceinline__ float fp16_round(float x) {
 
 // ---- a packed format ---------------------------------------------------------------------
 
-// The host passes a format as 10 int64s (python/kvtier/codecs/cuda.py, `_layout`).
+// The host passes a format as 10 int64s (python/kvtier/codecs/cuda.py, `layout`).
 struct Layout {
     int bits, asym, key_per_channel, group;
     i64 codes, k_scale, k_zero, v_scale, v_zero, row_bytes;

@@ -1,7 +1,7 @@
 // What every kvtier kernel file shares: integer types and the fp16/bf16 <-> fp32 conversions.
 //
 // NVRTC compiles each kernel file as one string with no include path, so nothing here is
-// #included: the loader (python/kvtier/codecs/cuda.py, kernel_source) puts this text before
+// #included: the loader (python/kvtier/_cuda.py, kernel_source) puts this text before
 // each kernel file's, and the extension ships it beside them (crates/kvtier-py embeds it with
 // include_str!). No CUDA header is used, so fp16 and bf16 are converted by hand: the PTX cvt
 // instructions for fp16, bit shifts for bf16 (rounding to nearest even, NaN as torch writes it).
