@@ -44,3 +44,6 @@ class KVTierMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     #: finished requests whose blocks vLLM keeps until their save is done (get_finished)
     finishing: set[str] = field(default_factory=set)
+    #: the step runs no forward pass (what it scheduled waits for background loads, or
+    #: nothing): the worker may wait for a load to end instead of returning at once
+    idle: bool = False

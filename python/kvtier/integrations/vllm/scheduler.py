@@ -158,6 +158,7 @@ class KVTierScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads, saves=self._finish_saves)
         meta.finishing = {save.req_id for save in self._finish_saves}
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         self._loads, self._finish_saves = [], []
         self._admitted.clear()  # vLLM asks for a load's sources in the step that admits it
         scheduled = scheduler_output.num_scheduled_tokens
