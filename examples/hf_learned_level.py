@@ -54,11 +54,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--rank", type=int, default=32, help="latent dimensions per head vector")
     parser.add_argument("--steps", type=int, default=20, help="Adam steps after PCA")
     parser.add_argument("--windows", type=int, default=4, help="held-out windows for perplexity")
+    parser.add_argument(
+        "--train-windows", type=int, default=4, help="windows of 512 tokens to train on"
+    )
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per window")
     args = parser.parse_args(argv)
 
     model, tokenizer = real.load_smollm2()
-    codec = train(model, tokenizer, args.rank, args.steps)
+    codec = train(model, tokenizer, args.rank, args.steps, args.train_windows)
     config = KvtierConfig(ladder=("fp32", "int8", codec.name), recent_window=64)
 
     prompt = tokenizer(

@@ -256,7 +256,8 @@ def test_a_user_trained_compressor_serves_as_a_level(smollm2, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
     example = importlib.import_module("hf_learned_level")
     try:
-        result = example.main(["--steps", "2", "--windows", "1", "--tokens", "512"])
+        argv = ["--steps", "2", "--train-windows", "1", "--windows", "1", "--tokens", "512"]
+        result = example.main(argv)
     finally:
         from kvtier.codecs import unregister_codec
 
