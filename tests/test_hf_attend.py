@@ -14,12 +14,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from test_hf_cache import (  # noqa: E402 (one_thread: the same autouse fixture)
+from test_hf_cache import (  # noqa: E402
     COMPRESSED,
     EXACT,
     PROMPT,
     generate,
-    one_thread,  # noqa: F401
     prompt_ids,
 )
 from transformers import DynamicCache  # noqa: E402
@@ -29,7 +28,7 @@ from kvtier.errors import ConfigError, MissingDependencyError  # noqa: E402
 from kvtier.eval import model as real  # noqa: E402
 from kvtier.integrations.hf import ATTENTION, TieredCache  # noqa: E402
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("model_threads")]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ for greedy, sampled, batched (left-padded) and beam-search decoding and for ``cr
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,21 +23,12 @@ from kvtier.eval import cache as quality  # noqa: E402
 from kvtier.eval import model as real  # noqa: E402
 from kvtier.integrations.hf import TieredCache, check_supported  # noqa: E402
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.usefixtures("model_threads")]
 
 PROMPT = "The history of the printing press begins in China, where"
 #: Small blocks and window, so a short generation already demotes blocks.
 COMPRESSED = KvtierConfig(block_size=8, recent_window=16, device_blocks=512)
 EXACT = COMPRESSED.replace(enable_compression=False)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # See test_custom_engine.py: intra-op threads only wait on a busy 2-core runner.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

