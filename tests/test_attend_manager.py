@@ -103,8 +103,15 @@ def test_a_batch_of_sequences_of_different_lengths_in_one_call() -> None:
         assert not mass[i, blocks:].any()
 
 
-def test_blocks_on_the_host_and_on_disk_are_read_without_a_gather(tmp_path: Path) -> None:
-    """Host blocks (CPU memory) are read in place; disk blocks are staged, one layer."""
+def test_blocks_on_the_host_and_on_disk_are_read_without_a_gather(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host blocks (CPU memory) are read in place; disk blocks are staged, one layer. Neither
+    goes through a gather (refused while attend runs; the oracle gathers afterwards)."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("gather called: attend should read the blocks where they lie")
+
     for tier in ({"host_budget": 4 << 20}, {"disk_budget": 4 << 20, "disk_path": str(tmp_path)}):
         bm = manager(**SPILL, **tier)
         seqs = spill(bm)
@@ -115,7 +122,14 @@ def test_blocks_on_the_host_and_on_disk_are_read_without_a_gather(tmp_path: Path
             for s in seqs
             if (bm.core.block_info(bm.core.sequence_blocks(s))["tier"] == away).any()
         )
-        assert_attends_like_sdpa(bm, seq, queries(1, 5))
+        q = queries(1, 5)
+        with monkeypatch.context() as m:
+            m.setattr(BlockManager, "gather", refuse)
+            m.setattr(BlockManager, "gather_blocks", refuse)
+            got = [bm.attend(seq, layer, q) for layer in range(LAYERS)]
+        for layer in range(LAYERS):
+            want = sdpa(bm, seq, layer, q)
+            torch.testing.assert_close(got[layer].float(), want, atol=2e-3, rtol=2e-3)
         bm.close()
 
 
