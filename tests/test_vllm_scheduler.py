@@ -659,3 +659,72 @@ def test_a_save_larger_than_level_0_is_written_in_pieces(
     # The lookup found most of them at int8, and says so.
     assert counters["hit_tokens_by_level"]["int8"] > counters["hit_tokens_by_level"]["bf16"]
     assert sum(counters["hit_tokens_by_level"].values()) == 8 * BLOCK
+
+
+@pytest.mark.parametrize("case", ["hybrid", "sliding_window", "mla", "pipeline_parallel"])
+def test_models_and_layouts_it_cannot_serve_are_refused_clearly(
+    vllm_model_dir: Any, case: str
+) -> None:
+    """The refusals the README advertises, through the connector's own constructor as vLLM
+    calls it (either role): a hybrid model (two KV-cache groups), a sliding-window one, MLA's
+    latent cache, pipeline parallelism. The configs are vLLM's own; no weights are loaded."""
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm import KVTierConnector
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(vllm_model_dir), dtype="bfloat16", seed=0),
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+        ),
+        device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(),
+    )
+    shape = {"block_size": BLOCK, "num_kv_heads": HEADS, "head_size": HEAD_DIM}
+    full = FullAttentionSpec(**shape, dtype=torch.bfloat16)
+    sliding = SlidingWindowSpec(**shape, dtype=torch.bfloat16, sliding_window=64)
+    groups = {
+        "hybrid": [KVCacheGroupSpec([LAYERS[0]], full), KVCacheGroupSpec([LAYERS[1]], sliding)],
+        "sliding_window": [KVCacheGroupSpec(list(LAYERS), sliding)],
+        "mla": [
+            KVCacheGroupSpec(
+                list(LAYERS),
+                MLAAttentionSpec(
+                    block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16
+                ),
+            )
+        ],
+        "pipeline_parallel": [KVCacheGroupSpec(list(LAYERS), full)],
+    }[case]
+    if case == "pipeline_parallel":
+        config.parallel_config.pipeline_parallel_size = 2
+    kv_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+    expected = {
+        "hybrid": "one KV-cache group",
+        "sliding_window": "SlidingWindowSpec",
+        "mla": "MLAAttentionSpec",
+        "pipeline_parallel": "pipeline_parallel_size=2",
+    }[case]
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match=expected):
+            KVTierConnector(config, role, kv_config)
