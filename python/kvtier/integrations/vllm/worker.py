@@ -200,7 +200,7 @@ class KVTierWorker:
         if self._idle and self._background and self._loaded.empty():
             # Nothing else to do: vLLM's loop would call again at once, and take the GIL from
             # the loads in turns of 5 ms (measured: a pass loading 14 blocks from disk took
-            # 8-10 s that way, 1 s waiting here). Wait a moment for one to end.
+            # 4-10 s that way, under 1 s waiting here). Wait a moment for one to end.
             with contextlib.suppress(queue.Empty):
                 done.append(self._loaded.get(timeout=IDLE_WAIT_S))
         while not self._loaded.empty():
