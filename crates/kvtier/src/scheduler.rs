@@ -1178,7 +1178,9 @@ impl Core {
             self.blocks.rows[m.block as usize].moving = false;
         }
         if !copied {
-            for h in &plan.handed {
+            // Victims in reverse: a chain was taken leaf first, so each parent is indexed again
+            // before its child looks it up.
+            for h in plan.handed.iter().rev() {
                 self.give_back(h);
             }
         }

@@ -344,6 +344,7 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
             }
             Op::PlanCommit | Op::PlanAbort | Op::PlanRoom(..) => {
                 let before = core.tier_bytes().to_vec();
+                let (usage, released) = (core.usage(), core.counters().released);
                 let plan = match op {
                     Op::PlanRoom(n, _) => core.plan_with_room(n * cfg.level_bytes[0]),
                     _ => core.plan(),
@@ -383,6 +384,8 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
                         &before[..],
                         "abort changed the bytes held"
                     );
+                    prop_assert_eq!(core.usage(), usage, "abort changed the pools");
+                    prop_assert_eq!(core.counters().released, released, "abort released blocks");
                 }
             }
         }

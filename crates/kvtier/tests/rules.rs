@@ -799,6 +799,47 @@ fn a_write_evicts_below_a_level_0_block_to_free_its_slot() {
     }
 }
 
+/// Two victims in one plan, the second the parent of the first (eviction takes leaves: a chain
+/// goes child first). An abort before any copy gives both back, the parent first, so that the
+/// child finds its parent indexed again: nothing is released (found by the manager's
+/// hypothesis model, where a failed `add_sequence` lost a cached block this way).
+#[test]
+fn an_abort_gives_back_a_chain_of_victims_whole() {
+    let mut c = core(Config {
+        recent_window: 0,
+        sink_blocks: 0,
+        compression_ratio: 0.0, // every ranked block wants the bottom level
+        headroom: 0.0,
+        pool_slots: vec![
+            (Tier::Device, 0, 2),
+            (Tier::Device, 1, 0),
+            (Tier::Device, 2, 2),
+        ],
+        pool_headroom: true,
+        policy: kvtier::PolicyKind::Lru,
+        ..cfg()
+    });
+    let (a, old) = seq_with(&mut c, 1, 2);
+    assert_eq!(commit(&mut c).moves.len(), 2, "both go to the bottom level");
+    c.free_sequence(a).unwrap(); // a cached chain there: old[0] the parent of old[1]
+    seq_with(&mut c, 5, 2); // level 0 full, the bottom level too
+    assert!(commit(&mut c).moves.is_empty(), "nowhere to demote to");
+    let (released, used) = (c.counters().released, c.usage());
+    let plan = c.plan_with_room(128).unwrap().clone();
+    let evicted: Vec<u32> = plan
+        .moves
+        .iter()
+        .filter(|m| m.kind == MoveKind::Evict)
+        .map(|m| m.block)
+        .collect();
+    assert_eq!(evicted, [old[1], old[0]], "the leaf, then its parent");
+    c.abort(plan.id).unwrap();
+    assert_eq!(c.lookup(&[1, 2]), old, "both indexed again");
+    assert_eq!(c.block_parent(old[1]).unwrap(), Some(old[0]));
+    assert_eq!(c.counters().released, released, "nothing released");
+    assert_eq!(c.usage(), used);
+}
+
 /// Room for a new block when every level below is full: the plan evicts the lowest-ranked
 /// cached leaf below and moves a level-0 block into its slot, in one plan. Aborted before any
 /// copy, the plan gives the victim back; aborted after copies, it cannot.
