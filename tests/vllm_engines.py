@@ -193,17 +193,23 @@ class Server:
         )  # fmt: skip
         os.close(fd)
 
+    def up(self) -> bool:
+        """Whether the server answers now (or has exited: it is not starting any more)."""
+        if self.process.poll() is not None:
+            return True
+        try:
+            call(f"{self.url}/health", timeout=5)
+        except OSError:
+            return False
+        return True
+
     def wait(self, timeout: float = 400) -> None:
         """Until the server answers (it fails with the end of its log if it exits first)."""
         deadline = time.monotonic() + timeout
-        while True:
-            assert self.process.poll() is None, self.log.read_text()[-4000:]
-            try:
-                call(f"{self.url}/health", timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "vllm serve did not come up"
-                time.sleep(1)
+        while not self.up():
+            assert time.monotonic() < deadline, "vllm serve did not come up"
+            time.sleep(1)
+        assert self.process.poll() is None, self.log.read_text()[-4000:]
         [model] = json.loads(call(f"{self.url}/v1/models"))["data"]
         self.model = model["id"]
 
