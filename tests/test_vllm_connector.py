@@ -20,6 +20,7 @@ from vllm_engines import (
     generate,
     loadable_blocks,
     make_engine,
+    metric,
     wikitext_prompts,
 )
 
@@ -32,41 +33,35 @@ def prompts(vllm_model_dir: Any) -> list[list[int]]:
     return wikitext_prompts(vllm_model_dir, [(2 + i) * BLOCK + 7 for i in range(4)])
 
 
-def test_a_tensor_parallel_engine_saves_and_loads_each_ranks_shard(
-    vllm_model_dir: Any, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+def test_a_tensor_parallel_server_saves_and_loads_each_ranks_shard(
+    served_tp: Any, prompts: list[list[int]]
 ) -> None:
-    """vLLM with three tensor-parallel CPU workers (processes it spawns; the scheduler here asks
-    them over their sockets): each rank saves its own KV head's shard, and a pass after vLLM's
-    own prefix cache is emptied loads every rank's shard and generates the tokens of vLLM's own
-    prefix hit (both read the prompt's blocks from vLLM's pool and compute the rest alike; a
-    recompute runs other kernels: on a CPU with AMX, other rounding)."""
-    # Three workers on a machine of one NUMA node: vLLM cannot bind them to nodes of their own.
-    # One OpenMP thread each: three workers of two threads on two cores spin against each other
-    # (measured: 140 s for this test, 55 s with one thread each).
-    import vllm.envs
+    """``vllm serve`` with three tensor-parallel CPU workers (its scheduler asks them over their
+    sockets): each rank saves its own KV head's shard, and a pass after vLLM's own prefix cache
+    is emptied loads every rank's shard and generates the tokens of vLLM's own prefix hit (both
+    read the prompt's blocks from vLLM's pool and compute the rest alike; a recompute runs
+    other kernels: on a CPU with AMX, other rounding). (A server started early: see
+    conftest.py.)"""
+    from kvtier.integrations.vllm.link import link_to_worker
 
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    vllm.envs.disable_envs_cache()  # an earlier engine here froze the variables it had read
-    llm = make_engine(
-        vllm_model_dir, engine={"tensor_parallel_size": 3}, host_budget="64MiB", ladder="bf16"
-    )
-    try:
-        generate(llm, prompts[:2])  # computed, and saved
-        cached = generate(llm, prompts[:2])  # vLLM's own prefix hit
-        llm.reset_prefix_cache()
-        loaded = generate(llm, prompts[:2])
-        stats = connector(llm).get_compression_stats()
-        external_hits = counter(llm, "vllm:external_prefix_cache_hits")
-    finally:
-        close(llm)
-    assert [o.token_ids for o in loaded] == [o.token_ids for o in cached]
+    before = served_tp.metrics()
+    served_tp.complete(prompts[:2])  # computed, and saved
+    cached = served_tp.complete(prompts[:2])  # vLLM's own prefix hit
+    served_tp.reset_prefix_cache()
+    loaded = served_tp.complete(prompts[:2])
+    assert [c["token_ids"] for c in loaded] == [c["token_ids"] for c in cached]
+    text = served_tp.metrics()
     loadable = sum(loadable_blocks(p) for p in prompts[:2])
-    assert external_hits == BLOCK * loadable
-    ranks = stats["ranks"]
-    assert [r["connector"]["loaded_blocks"] for r in ranks] == [loadable] * 3
+    hits = "vllm:external_prefix_cache_hits_total"
+    assert metric(text, hits) - metric(before, hits) == BLOCK * loadable
     # Where the hits were, as the scheduler's lookups over the workers' sockets found them.
-    assert stats["connector"]["hit_tokens_by_tier"] == {"host": BLOCK * loadable}
+    by_source = "vllm:prompt_tokens_cached_by_source_total"
+    host = 'source="host"'
+    assert metric(text, by_source, host) - metric(before, by_source, host) == BLOCK * loadable
+    # Each rank's own tiers, asked over their sockets as the scheduler asks them.
+    ranks = link_to_worker(served_tp.engine_id, 3).stats()["ranks"]
+    assert [r["worker"]["loaded_blocks"] for r in ranks] == [loadable] * 3
+    assert [r["worker"]["load_errors"] for r in ranks] == [0] * 3
     assert [r["pools"][0]["bytes"] for r in ranks] == [ranks[0]["pools"][0]["bytes"]] * 3
 
 

@@ -10,7 +10,6 @@ figures gained."""
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -24,16 +23,11 @@ from vllm_engines import (
     generate,
     loadable_blocks,
     make_engine,
+    metric,
     wikitext_prompts,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.redis]  # every test here uses the served fixture
-
-
-def metric(text: str, name: str, label: str = "") -> float:
-    """The sum of metric ``name`` over its series (those with ``label``, e.g. ``source="host"``)."""
-    found = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? ([0-9.e+-]+)$", text, re.M)
-    return sum(float(v) for labels, v in found if label in labels)
 
 
 def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(

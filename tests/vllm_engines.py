@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -58,14 +59,12 @@ def make_engine(
 
 
 def close(llm: Any) -> None:
-    """Stops ``llm`` and tears down torch.distributed, so that another engine can start in this
-    process (vLLM keeps one worker-side connector per process: one engine at a time)."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
+    """Stops ``llm`` (its shutdown tears torch.distributed down too), so that another engine
+    can start in this process (vLLM keeps one worker-side connector per process: one engine at
+    a time), and frees what it held."""
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    cleanup_dist_env_and_memory()
 
 
 def generate(llm: Any, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[Any]:
@@ -158,14 +157,28 @@ class Server:
     socket), an HTTP server on a free loopback port. Starts when made (most of a minute):
     :meth:`wait` for it."""
 
-    def __init__(self, extra: dict[str, Any], redis: Any = None) -> None:
-        #: the redis-server its connector publishes to (``extra``'s ``remote_url``), if any
+    def __init__(
+        self,
+        extra: dict[str, Any],
+        redis: Any = None,
+        *,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        engine_id: str | None = None,
+    ) -> None:
+        """``args``: more ``vllm serve`` arguments; ``env``: more environment; ``engine_id``:
+        the engine's id (vLLM's default is random), under which its workers' tiers answer on
+        their sockets."""
+        #: the redis-server its connector publishes to (``extra``'s ``remote_url``), if any;
+        #: stopped with the server
         self.redis = redis
+        self.engine_id = engine_id
         config = {
             "kv_connector": "KVTierConnector",
             "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
+            **({"engine_id": engine_id} if engine_id else {}),
         }
         env = {
             **os.environ,
@@ -174,6 +187,7 @@ class Server:
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_SERVER_DEV_MODE": "1",  # for /reset_prefix_cache
+            **(env or {}),
         }
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: processes apart
         port = free_port()
@@ -185,7 +199,7 @@ class Server:
             [
                 sys.executable, "-c", _SERVE, "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", "bfloat16", "--max-model-len", "1024", "--block-size", str(BLOCK),
-                "--enforce-eager", "--kv-transfer-config", json.dumps(config),
+                "--enforce-eager", "--kv-transfer-config", json.dumps(config), *args,
             ],
             env=env,
             stdout=fd,
@@ -220,6 +234,8 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
         self.log.unlink(missing_ok=True)
+        if self.redis is not None:
+            self.redis.stop()
 
     def complete(self, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[dict[str, Any]]:
         """One greedy completion per prompt (its ``text`` and ``token_ids``), in their order."""
@@ -238,3 +254,10 @@ class Server:
 
     def reset_prefix_cache(self) -> None:
         call(f"{self.url}/reset_prefix_cache", {})
+
+
+def metric(text: str, name: str, label: str = "") -> float:
+    """The sum of metric ``name`` over its series in ``/metrics``' ``text`` (those with
+    ``label``, e.g. ``source="host"``)."""
+    found = re.findall(rf"^{re.escape(name)}(?:{{([^}}]*)}})? ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for labels, v in found if label in labels)
