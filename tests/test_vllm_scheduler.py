@@ -142,6 +142,9 @@ class Engine:
         #: vLLM's external-hit figures, as its scheduler reported them each step
         self.external_hits = 0
         self.hits_by_source: dict[str, int] = {}
+        #: the connector's counters as vLLM's scheduler passed them on (to its Prometheus
+        #: counters and logs), the workers' added up by vLLM's own aggregator
+        self.counted: dict[str, int] = {}
 
     @property
     def connector(self) -> Any:
@@ -219,6 +222,7 @@ class Engine:
                         finished_sending=sending,
                         finished_recving=recving,
                         invalid_block_ids=invalid,
+                        kv_connector_stats=worker.get_kv_connector_stats(),
                     ),
                 )
             )
@@ -226,6 +230,9 @@ class Engine:
             self.outputs[req_id].append(sampled[req_id])
         reports = sched.update_from_output(out, self.aggregator.aggregate(results))
         for report in reports.values():
+            counted = report.scheduler_stats and report.scheduler_stats.kv_connector_stats
+            for name, n in (counted or {}).items():
+                self.counted[name] = self.counted.get(name, 0) + n
             hits = report.scheduler_stats and report.scheduler_stats.connector_prefix_cache_stats
             if hits:
                 self.external_hits += hits.hits
@@ -627,7 +634,12 @@ def test_tensor_parallel_ranks_store_their_own_heads_and_a_rank_that_lost_blocks
     engine.add("b", b)
     engine.run()  # every token read on every rank holds its prefix's K/V
     per_rank = engine.connector.get_compression_stats()["ranks"]
-    assert [r["connector"]["load_errors"] > 0 for r in per_rank] == [False, True, False]
+    lost = [r["connector"]["load_errors"] for r in per_rank]
+    assert [n > 0 for n in lost] == [False, True, False]
+    # Rank 1's errors reach vLLM's counters (vllm:kvtier_load_errors_total) and the
+    # connector's figures; the blocks loaded are counted once, not once a rank.
+    assert engine.counted["load_errors"] == sum(lost) == stats(engine)["load_errors"]
+    assert engine.counted["loaded_blocks"] == per_rank[0]["connector"]["loaded_blocks"]
 
 
 def test_a_save_larger_than_level_0_is_written_in_pieces(

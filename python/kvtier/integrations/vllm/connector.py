@@ -85,7 +85,8 @@ class KVTierConnector(KVConnectorBase_V1):
         and level: the manager's ``device`` tier is this connector's host tier) and, under
         ``connector``, what the connector did (lookups and hit tokens: the scheduler's; loaded
         and saved blocks, load errors: the worker's). On the scheduler side it asks the worker;
-        with tensor parallelism, rank 0's figures, and each rank's under ``ranks``.
+        with tensor parallelism, rank 0's figures with every rank's load errors and failed
+        saves added up, and each rank's under ``ranks``.
 
         ``connector`` also splits ``hit_tokens`` (the tokens beyond vLLM's own hit that the
         scheduler's lookups found) by where the lookup found them: ``hit_tokens_by_tier``
@@ -98,7 +99,8 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This side's counters since the last call (vLLM adds the two sides up; of the
-        tensor-parallel workers, rank 0 counts for all: they load and save the same blocks)."""
+        tensor-parallel workers, rank 0 counts the blocks for all, each rank its own failures:
+        see :data:`~.metrics.FAILURES`)."""
         if self._worker is not None:
             return self._worker.get_kv_connector_stats()
         return self.scheduler.get_kv_connector_stats()

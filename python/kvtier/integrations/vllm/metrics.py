@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = [
+    "FAILURES",
     "HIT_SOURCES",
     "CounterReports",
     "Counters",
@@ -101,15 +102,25 @@ def hit_sources(places: Mapping[Place, int], tokens: int) -> dict[CacheHitSource
     return {source: n for source, n in sources.items() if n}
 
 
+#: The worker's counts of what failed. Tensor-parallel ranks load and save the same blocks, so
+#: rank 0 counts the blocks for all of them; but a block any rank fails to load is recomputed on
+#: every rank, so each rank's failures count, added up (a block two ranks lost counts twice).
+FAILURES = ("load_errors", "save_failures")
+
+
 def connector_stats(stats: dict[str, Any], own: Counters) -> dict[str, Any]:
     """``get_compression_stats()`` from a worker's figures (``stats``: the tiers' figures with
     the worker's counters under ``worker``, each rank's under ``ranks`` with tensor
     parallelism) and this side's ``own`` counters: the worker's and ``own`` counts added up
-    under ``connector``, with ``own``'s hit tokens by tier and level (a zero for each tier and
-    level the tiers have), and each rank's counters under its ``connector``."""
-    counters = stats.pop("worker")
+    under ``connector`` (with every rank's :data:`FAILURES`), with ``own``'s hit tokens by tier
+    and level (a zero for each tier and level the tiers have), and each rank's counters under
+    its ``connector``."""
+    counters = dict(stats.pop("worker"))  # with tensor parallelism, also rank 0's own
     for rank in stats.get("ranks", ()):  # tensor parallel: each worker's own figures
         rank["connector"] = rank.pop("worker")
+    for rank in stats.get("ranks", ())[1:]:  # rank 0's are ``counters``
+        for name in FAILURES:
+            counters[name] += rank["connector"][name]
     mine = own.as_dict()
     counters = {k: v + mine[k] for k, v in counters.items()}
     pools = stats.get("pools", ())
@@ -126,11 +137,14 @@ class CounterReports:
         self.counters = counters
         self._reported: dict[str, int] = {}  # counters as last handed to vLLM's stats
 
-    def take(self) -> KVTierStats | None:
-        """The growth since the last call, or None if nothing grew."""
+    def take(self, only: Sequence[str] | None = None) -> KVTierStats | None:
+        """The growth since the last call (of the counters named in ``only``, if given), or
+        None if nothing grew."""
         counters = self.counters.as_dict()
         delta = {k: v - self._reported.get(k, 0) for k, v in counters.items()}
         self._reported = counters
+        if only is not None:
+            delta = {k: delta[k] for k in only}
         return KVTierStats(data=delta) if any(delta.values()) else None
 
 

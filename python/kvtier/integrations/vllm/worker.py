@@ -33,7 +33,7 @@ from ...manager import BlockManager
 from .config import backend_name, engine_namespace, staging_shares, tp_rank
 from .link import Held, forget, serve
 from .metadata import KVTierMetadata, LoadSpec, SaveSpec
-from .metrics import CounterReports, Counters, connector_stats
+from .metrics import FAILURES, CounterReports, Counters, connector_stats
 from .paged import layout_for_backend
 from .tiers import WorkerTiers
 
@@ -222,11 +222,9 @@ class KVTierWorker:
         return connector_stats(self.stats(), Counters())
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
-        """This side's counters since the last call; of the tensor-parallel workers, rank 0
-        counts for all (they load and save the same blocks)."""
-        if self.rank != 0:
-            return None
-        return self._reports.take()
+        """This side's counters since the last call (vLLM adds up its workers'): of the
+        tensor-parallel workers, rank 0 counts blocks for all, each its own :data:`FAILURES`."""
+        return self._reports.take(None if self.rank == 0 else FAILURES)
 
     def shutdown(self) -> None:
         self._finish_layer_loads()
