@@ -56,6 +56,11 @@ CASES = {
     "cpu": ("CPU_ATTN", lambda nb, kv, ids: cpu_backend_cache(nb, kv, ids)),
     "flash-nhd": ("FLASH_ATTN", lambda nb, kv, ids: flash_cache(nb, kv, ids, nhd=True)),
     "flash-hnd": ("FLASH_ATTN", lambda nb, kv, ids: flash_cache(nb, kv, ids, nhd=False)),
+    # vLLM 0.32's triton_attn, flashinfer and flex_attention read their caches as flash_attn
+    # does: kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    "triton": ("TRITON_ATTN", lambda nb, kv, ids: flash_cache(nb, kv, ids, nhd=True)),
+    "flashinfer": ("FLASHINFER", lambda nb, kv, ids: flash_cache(nb, kv, ids, nhd=False)),
+    "flex": ("FLEX_ATTENTION", lambda nb, kv, ids: flash_cache(nb, kv, ids, nhd=False)),
 }
 
 
@@ -79,15 +84,26 @@ def test_a_layout_reads_and_writes_what_its_backend_means(case: str) -> None:
 
 
 def test_a_cache_that_is_not_a_supported_layout_is_refused_clearly() -> None:
-    mla = torch.zeros((4, 1, N, 576), dtype=torch.bfloat16)
+    mla = torch.zeros((4, 1, N, 576), dtype=torch.bfloat16)  # a latent cache, one "head"
     with pytest.raises(ConfigError, match=r"expected a \[num_blocks, 3, 16, 128\] paged cache"):
-        layout_for_backend("FLASHMLA", mla, num_kv_heads=H, block_size=N, head_dim=D)
+        layout_for_backend("FLASH_ATTN", mla, num_kv_heads=H, block_size=N, head_dim=D)
     strided = torch.zeros((4, N, H, 2 * D), dtype=torch.bfloat16).transpose(1, 2)
     with pytest.raises(ConfigError, match="needs them contiguous"):
         layout_for_backend("CPU_ATTN", strided, num_kv_heads=H, block_size=N, head_dim=D)
     layout = PagedLayout("channels", H, N, D)
     with pytest.raises(kvtier_error(), match=r"kv: expected shape \[2, 32, 3, 64\]"):
         layout.write(torch.zeros((4, H, N, 2 * D)), torch.tensor([0, 1]), per_token_kv(1, 0))
+
+
+@pytest.mark.parametrize("backend", ["ROCM_ATTN", "ROCM:FLASH_ATTN", "XFORMERS", "FLASHMLA"])
+def test_a_backend_whose_layout_kvtier_does_not_know_is_refused_by_name(backend: str) -> None:
+    """ROCM_ATTN holds a block as [2, N, H * head_dim]: for two KV heads the very shape of the
+    channel split, with "V of head 0" holding the keys of head 1. So is ROCm's AITER
+    FlashAttention with shuffled caches, which calls itself FLASH_ATTN (the connector names it
+    ROCM:FLASH_ATTN). Refused by name, never read as another backend's layout."""
+    two_heads = torch.zeros((4, 2, N, 2 * D), dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match=rf"attention backend {backend} is not one .* refused"):
+        layout_for_backend(backend, two_heads, num_kv_heads=2, block_size=N, head_dim=D)
 
 
 def kvtier_error() -> Any:

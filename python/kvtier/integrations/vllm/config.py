@@ -248,12 +248,16 @@ def import_scorer(path: object) -> Callable[[int, torch.Tensor], Any] | None:
 
 
 def backend_name(vllm_config: VllmConfig, layer_name: str) -> str:
-    """The name of the attention backend of layer ``layer_name`` (it decides the layout)."""
+    """The name of the attention backend of layer ``layer_name`` (it decides the layout),
+    prefixed ``ROCM:`` on ROCm, whose backends reuse CUDA's names for other layouts."""
+    from vllm.platforms import current_platform
+
     layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
     backend = getattr(layer, "attn_backend", None)
     if backend is None:
         raise ConfigError(f"KVTierConnector: layer {layer_name} has no attention backend")
-    return str(backend.get_name())
+    name = str(backend.get_name())
+    return f"ROCM:{name}" if current_platform.is_rocm() else name
 
 
 def tp_rank(vllm_config: VllmConfig) -> int:

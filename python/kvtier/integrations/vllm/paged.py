@@ -4,10 +4,15 @@ vLLM hands each attention layer's cache to connectors as a ``[num_blocks, kv_hea
 2 * head_dim]`` view (its logical ``[B, H, N, C]``; the memory order behind it varies). The view's
 shape is the same everywhere, but *where K and V of a token are* is the backend's business:
 
-- ``channels`` (FLASH_ATTN, TRITON_ATTN, FLASHINFER, ... on CUDA): token ``n`` of head ``h`` is
-  ``[b, h, n]``; its first ``head_dim`` channels are K, the rest V.
+- ``channels`` (FLASH_ATTN, TRITON_ATTN, FLASHINFER, FLEX_ATTENTION on CUDA): token ``n`` of
+  head ``h`` is ``[b, h, n]``; its first ``head_dim`` channels are K, the rest V.
 - ``rows`` (vLLM's CPU_ATTN): a block's ``[H, N, 2D]`` bytes are read as ``[H, 2N, D]``; K of
   token ``n`` is row ``n`` and V row ``N + n``, so the logical token axis means nothing there.
+
+Other backends read the same shape otherwise: ROCm's ROCM_ATTN, and its AITER FlashAttention
+(which calls itself FLASH_ATTN) with shuffled caches, hold a block as ``[2, N, H * head_dim]``,
+which for two KV heads has exactly the accepted shape with another meaning. So the backends are
+allow-listed (:data:`BACKEND_SPLITS`), and every other one, and every backend on ROCm, refused.
 
 A :class:`PagedLayout` moves K/V between such a cache and kvtier's token-major
 ``[num_tokens, kv_heads, head_dim]`` form, whole blocks at a time, on whatever device the cache
@@ -26,12 +31,21 @@ from ...errors import ConfigError, InvalidArgumentError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PagedLayout", "layout_for_backend"]
+__all__ = ["BACKEND_SPLITS", "PagedLayout", "layout_for_backend"]
 
 Split = Literal["channels", "rows"]
 
-#: Attention backends whose block interior is read as K rows, then V rows.
-ROW_SPLIT_BACKENDS = frozenset({"CPU_ATTN"})
+#: The attention backends whose paged cache kvtier reads, by ``get_name()``, and where their K
+#: and V are (vLLM 0.32: CPU_ATTN's ``do_kv_cache_update`` writes rows; the CUDA backends'
+#: forward passes read ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``). On ROCm the
+#: name is prefixed (``ROCM:``, see :func:`~.config.backend_name`): none is listed.
+BACKEND_SPLITS: dict[str, Split] = {
+    "CPU_ATTN": "rows",
+    "FLASH_ATTN": "channels",
+    "TRITON_ATTN": "channels",
+    "FLASHINFER": "channels",
+    "FLEX_ATTENTION": "channels",
+}
 
 
 @dataclass(frozen=True)
@@ -120,11 +134,19 @@ def layout_for_backend(
 ) -> PagedLayout:
     """The layout of an attention backend's per-layer cache, checked against the tensor.
 
-    ``backend_name`` is ``AttentionBackend.get_name()``; ``cache`` the layer's tensor as vLLM
-    registers it. Raises :class:`ConfigError` for a cache that is not one of the two layouts
-    above (MLA's latent cache, a kernel block size below the block size, a quantized cache).
+    ``backend_name`` is ``AttentionBackend.get_name()`` (prefixed ``ROCM:`` on ROCm);
+    ``cache`` the layer's tensor as vLLM registers it. Raises :class:`ConfigError` for a
+    backend not in :data:`BACKEND_SPLITS` and for a cache that is not its layout (MLA's latent
+    cache, a kernel block size below the block size, a quantized cache).
     """
-    split: Split = "rows" if backend_name in ROW_SPLIT_BACKENDS else "channels"
+    split = BACKEND_SPLITS.get(backend_name)
+    if split is None:
+        raise ConfigError(
+            f"KVTierConnector: attention backend {backend_name} is not one whose paged cache "
+            f"kvtier knows where K and V are in ({', '.join(BACKEND_SPLITS)}; none on ROCm): "
+            "refused rather than guessed; choose one of those with --attention-backend "
+            "(LLM(attention_backend=...))"
+        )
     layout = PagedLayout(split, num_kv_heads, block_size, head_dim)
     try:
         layout.check(cache, f"{backend_name} cache")
