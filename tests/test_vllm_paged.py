@@ -5,13 +5,15 @@ against the CPU path."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from kvtier import BlockManager, ConfigError, KvtierConfig
 from kvtier.integrations.vllm.paged import PagedLayout, layout_for_backend
-from kvtier.integrations.vllm.tiers import WorkerTiers
+from kvtier.integrations.vllm.tiers import LayerLoads, WorkerTiers
 
 torch = pytest.importorskip("torch")
 
@@ -207,3 +209,36 @@ def test_gpu_save_and_load_equal_the_cpu_path_byte_for_byte(
         out[device] = [c.cpu() for c in fresh]
     for a, b in zip(out["cpu"], out["cuda"], strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_layer_wise_loads_are_in_each_layer_once_it_is_waited_for(
+    request: Any, device: str
+) -> None:
+    """The worker's loads of one step, a layer at a time on a thread of their own while vLLM's
+    forward pass computes the layers before (on CUDA: the copies on a stream of their own, and
+    each layer's attention waiting for that layer's event): once a layer is waited for, its
+    blocks hold the saved K/V as the compute stream reads them; at the end each load says which
+    blocks it wrote and which it did not (the tiers held three of four)."""
+    if device == "cuda":
+        request.getfixturevalue("torch_cuda")
+    bm = manager()
+    tokens = list(range(300, 300 + 3 * N))
+    layout, caches, kvs = caches_for("flash-nhd", 3, [6, 1, 4], seed=30, device=device)
+    seq = bm.add_sequence(tokens)
+    assert WorkerTiers(bm, layout, caches).save(seq, [6, 1, 4]) == 3
+    bm.free(seq)
+    _, fresh, _ = caches_for("flash-nhd", 1, [7], seed=98, device=device)
+    into = [0, 2, 5, 3]  # vLLM's blocks for the prompt and one more block of tokens
+    load = SimpleNamespace(
+        req_id="r", salt=None, tokens=[*tokens, *range(N + 1)], start=0, block_ids=into
+    )
+    with ThreadPoolExecutor(1) as thread:
+        loads = LayerLoads(WorkerTiers(bm, layout, fresh), [load], thread)
+        for layer in range(LAYERS):
+            loads.wait(layer)
+            assert (loads.events[layer] is not None) == (device == "cuda")
+            got = layout.read(fresh[layer], torch.tensor(into[:3], device=device))
+            assert torch.equal(got.cpu(), kvs[layer][:, : 3 * N]), layer
+        assert loads.finish() == [(3, [3])]
+    assert bm.sequences() == [], "the loads' sequences are freed"

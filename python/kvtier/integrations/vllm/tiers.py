@@ -4,28 +4,36 @@ A :class:`WorkerTiers` is a :class:`~kvtier.BlockManager` (in host memory, or on
 device), the :class:`~.paged.PagedLayout` of vLLM's per-layer caches and those caches: it saves
 complete blocks of the caches into manager sequences, loads them back into other blocks (decoded
 to the model dtype), a layer at a time or all at once, and tells what the tiers hold of a prompt
-and where (:class:`~.link.Held`). It keeps no state of its own beyond the three; the worker side
+and where (:class:`~.link.Held`). :class:`LayerLoads` runs one step's loads a layer at a time on
+a thread of their own (on CUDA, on a stream of their own), beside the forward pass. It keeps no state of its own beyond the three; the worker side
 of the connector decides what to save and load, and counts it. Nothing here needs vLLM.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..._core import Plan
 from ..._torch import torch_module
-from ...errors import InvalidArgumentError
+from ...errors import InvalidArgumentError, KvtierError
 from .link import CONNECTOR_TIERS, Held
 
 if TYPE_CHECKING:
     import torch
 
     from ...manager import BlockManager
+    from .metadata import LoadSpec
     from .paged import PagedLayout
 
-__all__ = ["WorkerTiers"]
+__all__ = ["LayerLoads", "WorkerTiers"]
+
+log = logging.getLogger("kvtier.vllm")
 
 
 @dataclass
@@ -121,3 +129,67 @@ class WorkerTiers:
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.device)
         blocks = self.manager.gather_blocks(seq, layer)[first : first + len(block_ids)]
         self.layout.write_blocks(cache, ids, blocks.to(cache.device, non_blocking=True))
+
+
+class LayerLoads:
+    """One step's synchronous loads, a layer at a time on the worker's layer thread, so that
+    the forward pass computes layer ``i`` while layer ``i + 1`` loads. On a GPU the copies go
+    on a stream of their own and each layer's attention waits for its event."""
+
+    def __init__(self, tiers: WorkerTiers, loads: Sequence[LoadSpec], thread: Executor) -> None:
+        self.ready = [threading.Event() for _ in tiers.caches]
+        self.events: list[Any] = [None] * len(tiers.caches)
+        self.results: list[tuple[int, list[int]]] = []
+        self.job = thread.submit(self._run, tiers, loads)
+
+    def _run(self, tiers: WorkerTiers, loads: Sequence[LoadSpec]) -> None:
+        torch = torch_module()
+        manager, caches = tiers.manager, tiers.caches
+        work: list[tuple[LoadSpec, int | None, list[int]]] = []  # load, sequence, blocks to write
+        cuda = caches[0].device.type == "cuda"
+        try:
+            for load in loads:
+                try:
+                    seq = manager.add_sequence(load.tokens, salt=load.salt)
+                    n = len(load.block_ids)
+                    ok = tiers.loadable(seq, load.start, len(load.tokens), n)
+                    work.append((load, seq, load.block_ids[:ok]))
+                except KvtierError as exc:
+                    log.warning("kvtier: load of request %s failed (%s)", load.req_id, exc)
+                    work.append((load, None, []))
+            stream = torch.cuda.Stream(caches[0].device) if cuda else None
+            for layer in range(len(caches)):
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for i, (load, held, ids) in enumerate(work):
+                        if held is None or not ids:
+                            continue
+                        try:
+                            tiers.load_layer(layer, held, load.start, ids)
+                        except Exception as exc:  # a block lost in the tiers: all recomputed
+                            log.warning("kvtier: load of request %s failed (%s)", load.req_id, exc)
+                            work[i] = (load, held, [])
+                    if stream is not None:
+                        self.events[layer] = stream.record_event()
+                self.ready[layer].set()
+            if stream is not None:
+                stream.synchronize()
+        finally:
+            for ready in self.ready:  # no layer waits for ever
+                ready.set()
+            for _, held, _ in work:
+                if held is not None:
+                    manager.free(held)
+            # One entry per load, in order (a load never reached wrote nothing).
+            self.results = [(len(ids), load.block_ids[len(ids) :]) for load, _, ids in work]
+            self.results += [(0, load.block_ids) for load in loads[len(work) :]]
+
+    def wait(self, layer: int) -> None:
+        self.ready[layer].wait()
+        event = self.events[layer]
+        if event is not None:
+            torch_module().cuda.current_stream().wait_event(event)
+
+    def finish(self) -> list[tuple[int, list[int]]]:
+        """Per load: the blocks written and those that were not."""
+        self.job.result()
+        return self.results

@@ -4,7 +4,7 @@
 :class:`~kvtier.BlockManager` in host memory, under a namespace of model, dtype, layout and rank,
 as :class:`~.tiers.WorkerTiers` with the caches) and serves them to the scheduler over
 :mod:`.link`. Each step it runs the loads of :class:`~.metadata.KVTierMetadata`: those of blocks
-in host memory a layer at a time beside the forward pass (:class:`_LayerLoads`, each attention
+in host memory a layer at a time beside the forward pass (:class:`~.tiers.LayerLoads`, each attention
 layer waiting for its own), the others in the background while their requests wait; after the
 forward pass it saves the complete blocks, in pieces that fit level 0, scoring them with the
 user's scorer if there is one. A block it cannot load is handed to vLLM as a load error (vLLM
@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import queue
-import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +34,7 @@ from .link import Held, forget, serve
 from .metadata import KVTierMetadata, LoadSpec, SaveSpec
 from .metrics import FAILURES, CounterReports, Counters, connector_stats
 from .paged import layout_for_backend
-from .tiers import WorkerTiers
+from .tiers import LayerLoads, WorkerTiers
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Listener
@@ -74,7 +73,7 @@ class KVTierWorker:
         self._failed_blocks: set[int] = set()
         self._saved_finished: set[str] = set()
         self._layer_thread: Executor | None = None  # this step's loads, a layer at a time
-        self._layer_loads: _LayerLoads | None = None
+        self._layer_loads: LayerLoads | None = None
         self._layer_index = {name: i for i, name in enumerate(settings.layer_names)}
         self._loaded: queue.SimpleQueue[tuple[str, int, list[int]]] = queue.SimpleQueue()
         self._background = 0  # background loads submitted and not yet reported
@@ -175,7 +174,7 @@ class KVTierWorker:
                 now.append(load)
         if now:
             self._layer_thread = self._layer_thread or ThreadPoolExecutor(1, "kvtier-layers")
-            self._layer_loads = _LayerLoads(self.tiers, now, self._layer_thread)
+            self._layer_loads = LayerLoads(self.tiers, now, self._layer_thread)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         loads, layer = self._layer_loads, self._layer_index.get(layer_name)
@@ -347,66 +346,3 @@ class KVTierWorker:
             log.warning("kvtier: scorer failed on request %s, layer %d: %s", req_id, layer, exc)
             return torch.empty(0)
         return scores
-
-
-class _LayerLoads:
-    """One step's synchronous loads, a layer at a time on the worker's layer thread, so that
-    the forward pass computes layer ``i`` while layer ``i + 1`` loads. On a GPU the copies go
-    on a stream of their own and each layer's attention waits for its event."""
-
-    def __init__(self, tiers: WorkerTiers, loads: list[LoadSpec], thread: Executor) -> None:
-        self.ready = [threading.Event() for _ in tiers.caches]
-        self.events: list[Any] = [None] * len(tiers.caches)
-        self.results: list[tuple[int, list[int]]] = []
-        self.job = thread.submit(self._run, tiers, loads)
-
-    def _run(self, tiers: WorkerTiers, loads: list[LoadSpec]) -> None:
-        manager, caches = tiers.manager, tiers.caches
-        work: list[tuple[LoadSpec, int | None, list[int]]] = []  # load, sequence, blocks to write
-        cuda = caches[0].device.type == "cuda"
-        try:
-            for load in loads:
-                try:
-                    seq = manager.add_sequence(load.tokens, salt=load.salt)
-                    n = len(load.block_ids)
-                    ok = tiers.loadable(seq, load.start, len(load.tokens), n)
-                    work.append((load, seq, load.block_ids[:ok]))
-                except KvtierError as exc:
-                    log.warning("kvtier: load of request %s failed (%s)", load.req_id, exc)
-                    work.append((load, None, []))
-            stream = torch.cuda.Stream(caches[0].device) if cuda else None  # type: ignore[no-untyped-call]
-            for layer in range(len(caches)):
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    for i, (load, held, ids) in enumerate(work):
-                        if held is None or not ids:
-                            continue
-                        try:
-                            tiers.load_layer(layer, held, load.start, ids)
-                        except Exception as exc:  # a block lost in the tiers: all recomputed
-                            log.warning("kvtier: load of request %s failed (%s)", load.req_id, exc)
-                            work[i] = (load, held, [])
-                    if stream is not None:
-                        self.events[layer] = stream.record_event()
-                self.ready[layer].set()
-            if stream is not None:
-                stream.synchronize()
-        finally:
-            for ready in self.ready:  # no layer waits for ever
-                ready.set()
-            for _, held, _ in work:
-                if held is not None:
-                    manager.free(held)
-            # One entry per load, in order (a load never reached wrote nothing).
-            self.results = [(len(ids), load.block_ids[len(ids) :]) for load, _, ids in work]
-            self.results += [(0, load.block_ids) for load in loads[len(work) :]]
-
-    def wait(self, layer: int) -> None:
-        self.ready[layer].wait()
-        event = self.events[layer]
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-    def finish(self) -> list[tuple[int, list[int]]]:
-        """Per load: the blocks written and those that were not."""
-        self.job.result()
-        return self.results
