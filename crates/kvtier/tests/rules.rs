@@ -799,26 +799,32 @@ fn a_write_evicts_below_a_level_0_block_to_free_its_slot() {
     }
 }
 
+/// Two level-0 slots, none at level 1 and `bottom` at level 2, where every ranked block wants
+/// to go; room for level 0 is made by moving blocks into the slots of cached leaves below.
+fn bottom_level_core(bottom: u32) -> Core {
+    core(Config {
+        recent_window: 0,
+        sink_blocks: 0,
+        compression_ratio: 0.0,
+        headroom: 0.0,
+        pool_slots: vec![
+            (Tier::Device, 0, 2),
+            (Tier::Device, 1, 0),
+            (Tier::Device, 2, bottom),
+        ],
+        pool_headroom: true,
+        policy: kvtier::PolicyKind::Lru,
+        ..cfg()
+    })
+}
+
 /// Two victims in one plan, the second the parent of the first (eviction takes leaves: a chain
 /// goes child first). An abort before any copy gives both back, the parent first, so that the
 /// child finds its parent indexed again: nothing is released (found by the manager's
 /// hypothesis model, where a failed `add_sequence` lost a cached block this way).
 #[test]
 fn an_abort_gives_back_a_chain_of_victims_whole() {
-    let mut c = core(Config {
-        recent_window: 0,
-        sink_blocks: 0,
-        compression_ratio: 0.0, // every ranked block wants the bottom level
-        headroom: 0.0,
-        pool_slots: vec![
-            (Tier::Device, 0, 2),
-            (Tier::Device, 1, 0),
-            (Tier::Device, 2, 2),
-        ],
-        pool_headroom: true,
-        policy: kvtier::PolicyKind::Lru,
-        ..cfg()
-    });
+    let mut c = bottom_level_core(2);
     let (a, old) = seq_with(&mut c, 1, 2);
     assert_eq!(commit(&mut c).moves.len(), 2, "both go to the bottom level");
     c.free_sequence(a).unwrap(); // a cached chain there: old[0] the parent of old[1]
@@ -846,20 +852,7 @@ fn an_abort_gives_back_a_chain_of_victims_whole() {
 #[test]
 fn room_is_made_by_moving_a_block_into_the_slot_of_a_leaf_below_it_evicts() {
     for (commits, copied) in [(true, false), (false, false), (false, true)] {
-        let mut c = core(Config {
-            recent_window: 0,
-            sink_blocks: 0,
-            compression_ratio: 0.0, // every ranked block wants the bottom level
-            headroom: 0.0,
-            pool_slots: vec![
-                (Tier::Device, 0, 2),
-                (Tier::Device, 1, 0),
-                (Tier::Device, 2, 1),
-            ],
-            pool_headroom: true,
-            policy: kvtier::PolicyKind::Lru,
-            ..cfg()
-        });
+        let mut c = bottom_level_core(1);
         let (a, old) = seq_with(&mut c, 1, 1);
         let plan = commit(&mut c);
         assert_eq!(plan.moves.len(), 1, "its block goes to the bottom level");
