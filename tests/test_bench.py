@@ -68,6 +68,14 @@ def test_bench_manager_quick_prints_figures_beside_baselines() -> None:
     assert decode["baseline"]["tokens_per_s"] > 0, "the named baseline is measured in the run"
     work = result["workload"]
     assert decode["baseline"]["attention"]["count"] == work["steps"] * 32
+    fastest = 0.0
+    for name, dtype in (("baseline", "fp16"), ("baseline_bf16", "bf16"), ("baseline_fp32", "fp32")):
+        assert decode[name]["setting"] == f"contiguous torch cache, {dtype}"
+        assert decode[name]["tokens"] == decode["baseline"]["tokens"], "same work at every dtype"
+        fastest = max(fastest, decode[name]["decode_tokens_per_s"])
+    # the manager's decode rate against the strongest contiguous cache, whichever dtype it is
+    best = decode["default"]["decode_tokens_per_s"] / fastest
+    assert decode["default"]["decode_tokens_per_s_ratio_vs_fastest_baseline"] == best
     for name, read in (
         ("default", "attend"),
         ("fp16_only", "attend"),

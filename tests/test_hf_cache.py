@@ -7,6 +7,7 @@ for greedy, sampled, batched (left-padded) and beam-search decoding and for ``cr
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -428,6 +429,43 @@ def test_kvtier_eval_cache_plots_a_saved_result_without_running_the_model(
     assert image.std() > 0.05, "the plot has marks on it"
 
 
+def test_kvtier_eval_cache_merges_saved_runs_against_the_baseline_of_either(tmp_path, capsys):
+    """Runs of a few methods each merge into one result: rows in order, and every row's
+    figures against ``dynamic`` computed again from whichever run held it."""
+    from kvtier.cli import main
+
+    def strip(row: dict) -> dict:
+        return {k: v for k, v in row.items() if k not in ("ppl_change", "bytes_vs_dynamic")}
+
+    first = {**RESULT, "rows": [strip(r) for r in RESULT["rows"][2:]]}
+    second = {**RESULT, "rows": [strip(r) for r in RESULT["rows"][:2]]}
+    paths = []
+    for i, part in enumerate((first, second)):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    assert (
+        main(
+            ["eval", "cache", "--json", "--from-json", str(paths[0]), "--from-json", str(paths[1])]
+        )
+        == 0
+    )
+    merged = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in merged["rows"]] == [
+        r["method"] for r in RESULT["rows"][2:] + RESULT["rows"][:2]
+    ]
+    by_name = {r["method"]: r for r in merged["rows"]}
+    assert by_name["kvtier-int4"]["ppl_change"] == pytest.approx(25.6 / 25.5 - 1)
+    assert by_name["kvtier-int4"]["bytes_vs_dynamic"] == pytest.approx(0.302)
+    # runs of other settings, or the same method twice, are refused by name
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**second, "windows": 8}))
+    again = tmp_path / "again.json"
+    again.write_text(json.dumps(first))
+    for extra, message in ((other, "windows differ"), (again, "kvpress-knorm@0.5 is in both")):
+        assert main(["eval", "cache", "--from-json", str(paths[0]), "--from-json", str(extra)]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_quanto_int2_bytes_count_its_packed_codes_and_fp16_scales(smollm2):
     """quanto-int2 packs four codes a byte, with a scale and a shift per group of 64 values
     (fp32 here, fp16 in a 16-bit deployment): its bytes must count exactly that."""
@@ -455,6 +493,15 @@ KVPRESS_ABSENT = (
     "kvpress is not installed: kvpress 0.5.5 pins transformers<5.3, so pip cannot install it "
     f"beside kvtier[hf]; it runs without its pins: {quality.KVPRESS_INSTALL}"
 )
+
+
+def test_the_kvpress_install_hint_names_what_make_venv_installs() -> None:
+    """The hint users get and requirements/kvpress.txt (what ``make venv`` and CI install)
+    list the same packages."""
+    listed = (Path(__file__).parents[1] / "requirements" / "kvpress.txt").read_text()
+    wanted = [line for line in listed.splitlines() if line and not line.startswith("#")]
+    hint = quality.KVPRESS_INSTALL.removeprefix("pip install --no-deps ")
+    assert [part.strip("'") for part in hint.split()] == wanted
 
 
 def test_a_kvpress_press_shrinks_the_prefill_and_nothing_else(smollm2):

@@ -207,11 +207,23 @@ def test_preempted_requests_resume_from_kvtier_with_the_tokens_of_a_plain_engine
 
 
 @pytest.fixture(scope="class")
-def host_engine(vllm_model_dir: Any) -> Iterator[Any]:
+def refused_start(vllm_model_dir: Any) -> str:
+    """The error of an engine whose host budget cannot hold a block at each level of its ladder
+    (1 MiB; a bf16 block of SmolLM2 is 720 KiB), started just before :func:`host_engine` in
+    this process."""
+    from kvtier.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        make_engine(vllm_model_dir, host_budget="1MiB", ladder="bf16,int8,int4")
+    return str(refused.value)
+
+
+@pytest.fixture(scope="class")
+def host_engine(vllm_model_dir: Any, refused_start: str) -> Iterator[Any]:
     """One engine for :class:`TestAHostTierAlone` (each test with prompts of its own, counting
     what it gained), stopped after them: vLLM keeps one worker-side connector per process, so
     engines here run one at a time. Prefill in chunks of two blocks: a prompt's blocks are
-    saved over several steps."""
+    saved over several steps. A refused start comes first (:func:`refused_start`)."""
     llm = make_engine(
         vllm_model_dir,
         engine={"max_num_batched_tokens": 2 * BLOCK},
@@ -224,6 +236,22 @@ def host_engine(vllm_model_dir: Any) -> Iterator[Any]:
 
 class TestAHostTierAlone:
     """Saves and loads through the host tier of one engine (``host_engine``)."""
+
+    def test_a_refused_start_before_this_engine_left_nothing_behind(
+        self, refused_start: str, host_engine: Any
+    ) -> None:
+        """The refusal says what to change, in the connector's words, and the engine after it
+        in the same process runs a worker connector of its own (vLLM keeps the first one it
+        installs for every later engine: a connector installed by the refused start would
+        have failed this one with the same error)."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        assert "host budget 1048576 B holds no level-0 block" in refused_start
+        assert "raise host_budget or host_blocks" in refused_start
+        worker = kv_transfer_state.get_kv_transfer_group()
+        assert worker.worker.settings.config.ladder == ("bf16",)
+        pools = connector(host_engine).get_compression_stats()["pools"]
+        assert {p["codec"] for p in pools} == {"bf16"}
 
     def test_a_second_pass_loads_every_prompt_from_the_host_tier_exactly(
         self, host_engine: Any, prompts: list[list[int]]

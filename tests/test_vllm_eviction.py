@@ -27,16 +27,25 @@ def test_the_ladder_holds_only_loadable_prefixes_and_refuses_no_save(vllm_model_
     settings = dataclasses.replace(FULL, prompt_tokens=3000, host_blocks=12, output_tokens=2)
     work = make_workload(settings)
     distinct = distinct_blocks(work.turns)
-    for policy in ("importance", "lru"):
+    # importance under the bench's cut-down scheduler (a 32-token chunk a step), lru at vLLM's
+    # default limits (a whole prompt a step: each save far beyond the ladder's level 0)
+    for policy, step_tokens in (("importance", settings.step_tokens), ("lru", None)):
         result, _ = run_config(
             "kvtier-ladder",
             work.model_dir,
-            settings,
+            dataclasses.replace(settings, step_tokens=step_tokens),
             work.turns,
             work.warm,
             {"policy": policy},
             lambda *_: None,
         )
+        limits = result["scheduling_limits"]["max_num_batched_tokens"]
+        assert limits == step_tokens or (step_tokens is None and limits >= settings.max_prompt)
+        # vLLM's own histograms cover every request of the workload
+        for histogram in result["vllm_histograms"].values():
+            assert histogram["count"] == len(work.turns), (policy, histogram)
+            assert histogram["sum_s"] > 0, (policy, histogram)
+            assert histogram["p90_at_most_s"] >= histogram["median_at_most_s"] > 0, histogram
         held = result["held"]
         assert 0 < held["tokens"] < distinct * 32, (policy, held)
         assert held["loadable_tokens"] == held["tokens"], (policy, held)

@@ -673,13 +673,9 @@ def test_a_save_larger_than_level_0_is_written_in_pieces(
     assert sum(counters["hit_tokens_by_level"].values()) == 8 * BLOCK
 
 
-@pytest.mark.parametrize("case", ["hybrid", "sliding_window", "mla", "pipeline_parallel"])
-def test_models_and_layouts_it_cannot_serve_are_refused_clearly(
-    vllm_model_dir: Any, case: str
-) -> None:
-    """The refusals the README advertises, through the connector's own constructor as vLLM
-    calls it (either role): a hybrid model (two KV-cache groups), a sliding-window one, MLA's
-    latent cache, pipeline parallelism. The configs are vLLM's own; no weights are loaded."""
+def _vllm_configs(model_dir: Any, **extra: Any) -> tuple[Any, Any]:
+    """vLLM's config of an engine on the CPU with the connector (``extra``: its extra config),
+    and the KV-cache config of the stand-in model's full-attention layers (16 blocks)."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -689,6 +685,35 @@ def test_models_and_layouts_it_cannot_serve_are_refused_clearly(
         ParallelConfig,
         VllmConfig,
     )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0),
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+        device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(),
+    )
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16
+    )
+    groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+    return config, KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+@pytest.mark.parametrize("case", ["hybrid", "sliding_window", "mla", "pipeline_parallel"])
+def test_models_and_layouts_it_cannot_serve_are_refused_clearly(
+    vllm_model_dir: Any, case: str
+) -> None:
+    """The refusals the README advertises, through the connector's own constructor as vLLM
+    calls it (either role): a hybrid model (two KV-cache groups), a sliding-window one, MLA's
+    latent cache, pipeline parallelism. The configs are vLLM's own; no weights are loaded."""
+    import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -701,17 +726,7 @@ def test_models_and_layouts_it_cannot_serve_are_refused_clearly(
     from kvtier.errors import ConfigError
     from kvtier.integrations.vllm import KVTierConnector
 
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(vllm_model_dir), dtype="bfloat16", seed=0),
-        cache_config=CacheConfig(block_size=BLOCK),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVTierConnector",
-            kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both",
-        ),
-        device_config=DeviceConfig("cpu"),
-        parallel_config=ParallelConfig(),
-    )
+    config, _ = _vllm_configs(vllm_model_dir)
     shape = {"block_size": BLOCK, "num_kv_heads": HEADS, "head_size": HEAD_DIM}
     full = FullAttentionSpec(**shape, dtype=torch.bfloat16)
     sliding = SlidingWindowSpec(**shape, dtype=torch.bfloat16, sliding_window=64)
@@ -740,3 +755,35 @@ def test_models_and_layouts_it_cannot_serve_are_refused_clearly(
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(ConfigError, match=expected):
             KVTierConnector(config, role, kv_config)
+
+
+def test_a_refused_start_leaves_nothing_behind(vllm_model_dir: Any) -> None:
+    """A budget the worker's tiers cannot hold is refused by the worker's constructor, before
+    vLLM installs the connector as its process's, in the connector's words (``host_budget``,
+    not the manager's ``device_budget``); and caches refused at registration, after vLLM
+    installed it, uninstall it: the next engine of the process makes its own connector instead
+    of failing with this one's error."""
+    import torch
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm import KVTierConnector
+
+    # a bf16 block here: 2 layers x K and V x 3 heads x 32 tokens x 8 channels x 2 bytes = 6 KiB
+    config, kv_config = _vllm_configs(vllm_model_dir, host_budget="4KiB", ladder="bf16,int8")
+    with pytest.raises(ConfigError, match="host budget 4096 B holds no level-0 block") as refused:
+        KVTierConnector(config, KVConnectorRole.WORKER, kv_config)
+    assert "raise host_budget or host_blocks" in str(refused.value)
+    assert "device" not in str(refused.value)
+
+    config, kv_config = _vllm_configs(vllm_model_dir, host_budget="1MiB", ladder="bf16")
+    worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_config)
+    kv_transfer_state._KV_CONNECTOR_AGENT = worker  # vLLM's install (ensure_kv_transfer_...)
+    try:
+        cache = torch.zeros(16, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
+        with pytest.raises(ConfigError, match="no KV cache registered for layers"):
+            worker.register_kv_caches({LAYERS[0]: cache})
+        assert not kv_transfer_state.has_kv_transfer_group()
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = None

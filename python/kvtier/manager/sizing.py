@@ -12,7 +12,7 @@ core that keeps each tier within its budget and each pool within its slots.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,10 +85,18 @@ def size_pools(
     device: Any,
     level_bytes: Sequence[int],
     codecs: int,
+    tier_names: Mapping[str, str] | None = None,
 ) -> PoolLayout:
     """The layout of a manager's pools. ``level_bytes``: one block's bytes at each level of the
     ladder (0 for a drop level); ``codecs``: the levels that hold bytes (the ladder less a drop
-    level); ``device``: where the device tier lives (its free memory sets the default budget)."""
+    level); ``device``: where the device tier lives (its free memory sets the default budget);
+    ``tier_names``: what the caller's users call a tier, where it differs (the vLLM connector's
+    manager lives in host memory: its ``device`` tier is their ``host``), for the errors."""
+    names = dict(tier_names or {})
+
+    def called(tier: str) -> str:
+        return names.get(tier, tier)
+
     budgets: dict[str, int] = {"device": _device_budget(config, level_bytes[0], device)}
     for tier in TIERS[1:]:
         budget = _budget(config, tier, level_bytes[0])
@@ -119,10 +127,12 @@ def size_pools(
         for level, (share, nbytes) in enumerate(zip(shares, level_bytes, strict=True)):
             slots[tier, level] = int(share * budget // nbytes) if nbytes else 0
     if slots["device", 0] < 1:
+        device_tier = called("device")
+        shares_hint = ", or give level 0 a larger pool_shares" if config.pool_shares else ""
         raise ConfigError(
-            f"device budget {budgets['device']} B holds no level-0 block of "
-            f"{level_bytes[0]} B at level-0 share {shares[0]:g}: raise device_budget "
-            "or device_blocks"
+            f"{device_tier} budget {budgets['device']} B holds no level-0 block of "
+            f"{level_bytes[0]} B at level-0 share {shares[0]:g}: raise {device_tier}_budget "
+            f"or {device_tier}_blocks{shares_hint}"
         )
     for tier in budgets:
         if tier != "device" and not any(slots[tier, lv] for lv in range(len(level_bytes))):
@@ -130,13 +140,13 @@ def size_pools(
                 f"{n} B at share {sh:g}" for n, sh in zip(level_bytes, shares, strict=True) if n
             ]
             raise ConfigError(
-                f"{tier}_budget: {budgets[tier]} B holds no block at any level ("
+                f"{called(tier)}_budget: {budgets[tier]} B holds no block at any level ("
                 + ", ".join(held)
-                + f"): expected at least one block's bytes; raise {tier}_budget or "
-                f"{tier}_blocks, or leave both unset for no {tier} tier"
+                + f"): expected at least one block's bytes; raise {called(tier)}_budget or "
+                f"{called(tier)}_blocks, or leave both unset for no {called(tier)} tier"
             )
     layout = PoolLayout(budgets, slots, tuple(level_bytes))
-    _check_pool_sizes(layout, device)
+    _check_pool_sizes(layout, device, called)
     return layout
 
 
@@ -178,15 +188,15 @@ def _device_budget(config: KvtierConfig, level0_bytes: int, device: Any) -> int:
     return DEFAULT_CPU_BYTES
 
 
-def _check_pool_sizes(layout: PoolLayout, device: Any) -> None:
+def _check_pool_sizes(layout: PoolLayout, device: Any, called: Callable[[str], str]) -> None:
     """Refuses budgets the pools cannot have, before anything is allocated or opened: more
     slots than a pool can index, or tensor pools larger than the memory they live in."""
     for (tier, level), n in layout.slots.items():
         if n > MAX_POOL_SLOTS:
             raise ConfigError(
-                f"{tier} budget {layout.budgets[tier]} B makes {n} slots of "
+                f"{called(tier)} budget {layout.budgets[tier]} B makes {n} slots of "
                 f"{layout.level_bytes[level]} B at level {level}, more than the "
-                f"{MAX_POOL_SLOTS} a pool can index: lower the {tier} budget or raise "
+                f"{MAX_POOL_SLOTS} a pool can index: lower the {called(tier)} budget or raise "
                 "block_size"
             )
     wanted: dict[str, tuple[int, list[str]]] = {}
@@ -194,7 +204,7 @@ def _check_pool_sizes(layout: PoolLayout, device: Any) -> None:
         if tier not in STORE_TIERS:
             where = device.type if tier == "device" else "cpu"
             nbytes, tiers = wanted.get(where, (0, []))
-            wanted[where] = (nbytes + n * layout.level_bytes[level], [*tiers, tier])
+            wanted[where] = (nbytes + n * layout.level_bytes[level], [*tiers, called(tier)])
     for where, (nbytes, tiers) in wanted.items():
         have = memory_of(where, device)
         if have is not None and nbytes > have:

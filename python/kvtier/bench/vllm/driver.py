@@ -5,6 +5,7 @@ through a vLLM engine of its own, the long prompt's hit against its recompute, a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -13,7 +14,7 @@ import statistics
 import struct
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,14 @@ from .workload import BLOCK, Settings, Turn, distinct_blocks, make_workload, max
 __all__ = [
     "CONFIGS",
     "CONNECTORS",
+    "DEFAULT_LIMITS_CONFIGS",
     "ENGINE_ENV",
+    "HISTOGRAMS",
     "LABELS",
     "LADDERS",
     "TARGET_HIT_TTFT_RATIO",
     "TARGET_LADDER_RATIO",
+    "over_recompute",
     "run",
     "run_config",
     "run_probe",
@@ -48,6 +52,14 @@ LABELS = {
     "kvtier-ladder": "kvtier bf16,int8,int4",
 }
 LADDERS = {"kvtier-bf16": "bf16", "kvtier-ladder": "bf16,int8,int4"}
+#: The configurations run again at vLLM's default limits (ExampleConnector's engine computes a
+#: whole prompt a step under either).
+DEFAULT_LIMITS_CONFIGS = ("recompute", "kvtier-bf16", "kvtier-ladder")
+#: vLLM's own histograms reported per configuration, by their Prometheus names.
+HISTOGRAMS = {
+    "prefill": "vllm:request_prefill_time_seconds",
+    "ttft": "vllm:time_to_first_token_seconds",
+}
 CONNECTORS = {
     "recompute": None,
     "example": "vLLM's ExampleConnector (match count clamped at 0)",
@@ -98,9 +110,18 @@ def _transfer(config: str, extra: dict[str, Any]) -> Any:
     )
 
 
-def _engine(model_dir: Path, context: int, blocks: int, transfer: Any, step: int) -> Any:
+def _engine(model_dir: Path, context: int, blocks: int, transfer: Any, step: int | None) -> Any:
+    """An engine; ``step=None`` keeps vLLM's default scheduling limits."""
     from vllm import LLM
 
+    limits: dict[str, Any] = (
+        {}
+        if step is None
+        else {
+            "max_num_batched_tokens": step,  # chunked prefill: at most this many tokens a step
+            "max_num_seqs": min(step, 256),  # vLLM wants max_num_batched_tokens >= max_num_seqs
+        }
+    )
     return LLM(
         model=str(model_dir),
         dtype="bfloat16",
@@ -110,9 +131,8 @@ def _engine(model_dir: Path, context: int, blocks: int, transfer: Any, step: int
         disable_log_stats=False,  # vLLM's counters (get_metrics) need the stat loggers
         seed=0,
         num_gpu_blocks_override=blocks,
-        max_num_batched_tokens=step,  # chunked prefill: at most this many tokens a step
-        max_num_seqs=min(step, 256),  # vLLM wants max_num_batched_tokens >= max_num_seqs
         kv_transfer_config=transfer,
+        **limits,
     )
 
 
@@ -126,7 +146,9 @@ def _close(llm: Any) -> None:
 
 
 @contextlib.contextmanager
-def _running(model_dir: Path, context: int, blocks: int, transfer: Any, step: int) -> Iterator[Any]:
+def _running(
+    model_dir: Path, context: int, blocks: int, transfer: Any, step: int | None
+) -> Iterator[Any]:
     llm = _engine(model_dir, context, blocks, transfer, step)
     try:
         yield llm
@@ -147,6 +169,47 @@ def _counters(llm: Any) -> dict[str, float]:
         if m.name.endswith(("prefix_cache_hits", "prefix_cache_queries")):
             out[m.name] = out.get(m.name, 0.0) + float(m.value)
     return out
+
+
+def _histograms(llm: Any) -> dict[str, dict[str, Any]]:
+    """vLLM's :data:`HISTOGRAMS` now: count, sum and cumulative bucket counts, summed over
+    label sets."""
+    out: dict[str, dict[str, Any]] = {}
+    names = {name: key for key, name in HISTOGRAMS.items()}
+    for m in llm.get_metrics():
+        key = names.get(m.name)
+        if key is None:
+            continue
+        h = out.setdefault(key, {"count": 0, "sum": 0.0, "buckets": {}})
+        h["count"] += int(m.count)
+        h["sum"] += float(m.sum)
+        for le, n in m.buckets.items():
+            h["buckets"][le] = h["buckets"].get(le, 0) + int(n)
+    return out
+
+
+def _histogram_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What one histogram gained between two snapshots: its count, sum and mean, and the upper
+    bounds of the buckets holding its median and 90th percentile (vLLM's buckets are all that
+    is known of single values)."""
+    empty: dict[str, Any] = {"count": 0, "sum": 0.0, "buckets": {}}
+    before = before or empty
+    count = after["count"] - before["count"]
+    total = after["sum"] - before["sum"]
+    buckets = {le: n - before["buckets"].get(le, 0) for le, n in after["buckets"].items()}
+
+    def bound(q: float) -> float | None:
+        ordered = sorted(buckets.items(), key=lambda item: float(item[0]))
+        return next((float(le) for le, n in ordered if count and n >= q * count), None)
+
+    return {
+        "count": count,
+        "sum_s": total,
+        "mean_s": total / count if count else None,
+        "median_at_most_s": bound(0.5),
+        "p90_at_most_s": bound(0.9),
+        "buckets": buckets,
+    }
 
 
 def _connector(llm: Any) -> Any:
@@ -268,7 +331,7 @@ def run_config(
             if storage is not None:  # the warm-up's (empty) save is no part of the workload
                 for child in storage.iterdir():
                     shutil.rmtree(child, ignore_errors=True)
-            before = _counters(llm)
+            before, histograms_before = _counters(llm), _histograms(llm)
             ttfts, outputs, cached = [], [], 0
             load = [os.getloadavg()[0]]
             t1 = time.perf_counter()
@@ -285,6 +348,15 @@ def run_config(
             load.append(os.getloadavg()[0])
             after = _counters(llm)
             delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+            histograms = {
+                key: _histogram_figures(histograms_before.get(key, {}), h)
+                for key, h in _histograms(llm).items()
+            }
+            scheduler = llm.llm_engine.vllm_config.scheduler_config
+            limits = {
+                "max_num_batched_tokens": int(scheduler.max_num_batched_tokens),
+                "max_num_seqs": int(scheduler.max_num_seqs),
+            }
             held: dict[str, Any] | None = None
             details: dict[str, Any] | None = None
             if config in LADDERS:
@@ -328,8 +400,11 @@ def run_config(
         "vllm_prefix_hit_tokens": int(local_hits),
         "vllm_prefix_hit_rate": local_hits / prompt,
         "cached_tokens": cached,
+        "scheduling_limits": limits,
         "ttft_s": _stats(ttfts),
         "ttft_per_request_s": ttfts,
+        # vLLM's own histograms over the workload: its prefill time and TTFT per request
+        "vllm_histograms": histograms,
         "wall_s": wall,
         "tokens_per_s": (prompt + generated) / wall,
         "prompt_tokens_per_s": prompt / wall,
@@ -426,14 +501,73 @@ def run_probe(
     }
 
 
+def _workload_pass(
+    configs: Sequence[str],
+    model_dir: Path,
+    settings: Settings,
+    turns: Sequence[Turn],
+    warm: Sequence[int],
+    extras: dict[str, dict[str, Any]],
+    log: Callable[..., None],
+    hooks: Mapping[str, Callable[[Any], None]],
+) -> dict[str, Any]:
+    """The workload through one engine per configuration (``recompute`` first: the others'
+    outputs are compared with its)."""
+    results: dict[str, Any] = {}
+    reference: list[list[int]] = []
+    for config in configs:
+        log(f"{config}: starting an engine")
+        result, outputs = run_config(
+            config, model_dir, settings, turns, warm, extras.get(config, {}), log, hooks.get(config)
+        )
+        if config == "recompute":
+            reference = outputs
+        result["same_output_as_recompute"] = sum(
+            a == b for a, b in zip(outputs, reference, strict=True)
+        )
+        results[config] = result
+        log(
+            f"{config}: connector hit {result['connector_hit_rate']:.1%}, TTFT median "
+            f"{result['ttft_s']['median']:.2f} s, {result['tokens_per_s']:.1f} tokens/s"
+        )
+    return results
+
+
+def over_recompute(configs: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Each kvtier configuration's figures over the recompute's of the same pass: vLLM's own
+    mean prefill time and mean TTFT per request, and the workload's wall time."""
+
+    def ratio(mine: float | None, base: float | None) -> float | None:
+        return mine / base if mine is not None and base else None
+
+    base = configs["recompute"]
+    out = {}
+    for config in LADDERS:
+        mine = configs[config]
+        out[config] = {
+            "prefill_mean": ratio(
+                mine["vllm_histograms"]["prefill"]["mean_s"],
+                base["vllm_histograms"]["prefill"]["mean_s"],
+            ),
+            "ttft_mean": ratio(
+                mine["vllm_histograms"]["ttft"]["mean_s"], base["vllm_histograms"]["ttft"]["mean_s"]
+            ),
+            "wall": ratio(mine["wall_s"], base["wall_s"]),
+        }
+    return out
+
+
 def run(
     settings: Settings,
     extra: dict[str, Any],
     log: Callable[..., None],
     kvtier_extra: dict[str, Any] | None = None,
+    default_limits: bool = True,
 ) -> dict[str, Any]:
     """The whole benchmark: ``extra`` is the ladder's own extra config, ``kvtier_extra`` both
-    kvtier configurations' (the ladder's wins where they overlap)."""
+    kvtier configurations' (the ladder's wins where they overlap). With ``default_limits`` (and
+    cut-down settings), the workload runs again at vLLM's default scheduling limits
+    (:data:`DEFAULT_LIMITS_CONFIGS`)."""
     import vllm
 
     t0 = time.perf_counter()
@@ -472,30 +606,26 @@ def run(
 
     hooks = {"recompute": probe_recompute, "kvtier-ladder": probe_kvtier} if reuse else {}
     both = dict(kvtier_extra or {})
-    configs: dict[str, Any] = {}
-    reference: list[list[int]] = []
-    for config in CONFIGS:
-        log(f"{config}: starting an engine")
-        result, outputs = run_config(
-            config,
+    extras = {"kvtier-bf16": both, "kvtier-ladder": {**both, **extra}}
+    configs = _workload_pass(CONFIGS, model_dir, settings, turns, warm, extras, log, hooks)
+    default_pass = None
+    if default_limits and settings.step_tokens is not None:
+        log("the workload again at vLLM's default scheduling limits")
+        at_default = _workload_pass(
+            DEFAULT_LIMITS_CONFIGS,
             model_dir,
-            settings,
+            dataclasses.replace(settings, step_tokens=None),
             turns,
             warm,
-            {**both, **extra} if config == "kvtier-ladder" else both if config in LADDERS else {},
+            extras,
             log,
-            hooks.get(config),
+            {},
         )
-        if config == "recompute":
-            reference = outputs
-        result["same_output_as_recompute"] = sum(
-            a == b for a, b in zip(outputs, reference, strict=True)
-        )
-        configs[config] = result
-        log(
-            f"{config}: connector hit {result['connector_hit_rate']:.1%}, TTFT median "
-            f"{result['ttft_s']['median']:.2f} s, {result['tokens_per_s']:.1f} tokens/s"
-        )
+        default_pass = {
+            "scheduling_limits": at_default["recompute"]["scheduling_limits"],
+            "configs": at_default,
+            "over_recompute": over_recompute(at_default),
+        }
     if reuse:
         probe_result = {
             **probe_parts["kvtier"],
@@ -526,6 +656,8 @@ def run(
         "kvtier_extra_config": both,
         "workload": workload,
         "configs": configs,
+        "over_recompute": over_recompute(configs),
+        "default_limits": default_pass,
         "ladder_tokens_held_over_bf16": ladder_held / bf16_held if bf16_held else None,
         "target_ladder_tokens_held_over_bf16": TARGET_LADDER_RATIO,
         "probe": probe_result,
@@ -534,6 +666,43 @@ def run(
 
 
 # -- output -----------------------------------------------------------------------------------
+
+
+def _config_lines(configs: dict[str, Any]) -> list[str]:
+    """One row per configuration, under a two-line header."""
+    lines = [
+        f"{'configuration':26s} {'connector':>9s} {'vLLM own':>9s} {'TTFT med':>9s} "
+        f"{'TTFT p90':>9s} {'prefill':>9s} {'TTFT':>9s} {'tokens/s':>9s} {'held tok':>9s} "
+        f"{'tok/GB':>10s}  {'same':6s} {'prefill':>7s} {'load':>5s}",
+        f"{'':26s} {'hit rate':>9s} {'hit rate':>9s} {'':>9s} {'':>9s} {'mean':>9s} "
+        f"{'mean':>9s} {'':>9s} {'':>9s} {'':>10s}  {'output':6s} {'tok/s':>7s} {'avg':>5s}",
+    ]
+    for r in configs.values():
+        held, h = r["held"], r["vllm_histograms"]
+        lines.append(
+            f"{r['label']:26s} {r['connector_hit_rate']:9.1%} {r['vllm_prefix_hit_rate']:9.1%} "
+            f"{r['ttft_s']['median']:8.2f}s {r['ttft_s']['p90']:8.2f}s "
+            f"{h['prefill']['mean_s']:8.3f}s {h['ttft']['mean_s']:8.3f}s {r['tokens_per_s']:9.1f} "
+            + (
+                f"{held['tokens']:9,d} {held['tokens_per_gb']:10,.0f}"
+                if held
+                else f"{'-':>9s} {'-':>10s}"
+            )
+            + f"  {r['same_output_as_recompute']:>2d}/{r['requests']:<3d} "
+            f"{r['computed_tokens_per_ttft_s']:7.1f} {max(r['loadavg_1m']):5.1f}"
+        )
+    return lines
+
+
+def _over_recompute_line(configs: dict[str, Any], over: dict[str, dict[str, float | None]]) -> str:
+    def num(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}x"
+
+    return "over the recompute's (vLLM's mean prefill time, mean TTFT, wall): " + "; ".join(
+        f"{LABELS[c]} {num(o['prefill_mean'])}, {num(o['ttft_mean'])}, {num(o['wall'])} "
+        f"({configs[c]['kvtier']['connector']['save_failures']} saves refused)"
+        for c, o in over.items()
+    )
 
 
 def table(result: dict[str, Any]) -> str:
@@ -554,31 +723,27 @@ def table(result: dict[str, Any]) -> str:
         f"{result['kvtier_extra_config']}, ladder {result['ladder_extra_config']}); "
         "ExampleConnector unbounded on disk",
         "",
-        f"{'configuration':26s} {'connector':>9s} {'vLLM own':>9s} {'TTFT med':>9s} "
-        f"{'TTFT p90':>9s} {'tokens/s':>9s} {'held tok':>9s} {'tok/GB':>10s}  {'same':6s} "
-        f"{'prefill':>7s} {'load':>5s}",
-        f"{'':26s} {'hit rate':>9s} {'hit rate':>9s} {'':>9s} {'':>9s} {'':>9s} {'':>9s} "
-        f"{'':>10s}  {'output':6s} {'tok/s':>7s} {'avg':>5s}",
-    ]
-    for r in result["configs"].values():
-        held = r["held"]
-        lines.append(
-            f"{r['label']:26s} {r['connector_hit_rate']:9.1%} {r['vllm_prefix_hit_rate']:9.1%} "
-            f"{r['ttft_s']['median']:8.2f}s {r['ttft_s']['p90']:8.2f}s {r['tokens_per_s']:9.1f} "
-            + (
-                f"{held['tokens']:9,d} {held['tokens_per_gb']:10,.0f}"
-                if held
-                else f"{'-':>9s} {'-':>10s}"
-            )
-            + f"  {r['same_output_as_recompute']:>2d}/{r['requests']:<3d} "
-            f"{r['computed_tokens_per_ttft_s']:7.1f} {max(r['loadavg_1m']):5.1f}"
-        )
-    lines.append(
+        *_config_lines(result["configs"]),
         "tok/GB: kvtier per GB of host budget; ExampleConnector per GB on disk "
-        f"({result['configs']['example']['held']['bytes'] / 1e6:.1f} MB). prefill tok/s: "
-        "tokens vLLM computed per second of TTFT; load avg: the machine's 1-minute load "
-        f"(it has {result['cpu_count']} CPUs): where they differ, so do TTFT and tokens/s"
-    )
+        f"({result['configs']['example']['held']['bytes'] / 1e6:.1f} MB). prefill and TTFT "
+        "mean: vLLM's own histograms (vllm:request_prefill_time_seconds, "
+        "vllm:time_to_first_token_seconds); prefill tok/s: tokens vLLM computed per second of "
+        "TTFT; load avg: the machine's 1-minute load "
+        f"(it has {result['cpu_count']} CPUs): where they differ, so do TTFT and tokens/s",
+        _over_recompute_line(result["configs"], result["over_recompute"]),
+    ]
+    at_default = result.get("default_limits")
+    if at_default:
+        limits = at_default["scheduling_limits"]
+        lines += [
+            "",
+            "at vLLM's default scheduling limits (max_num_batched_tokens "
+            f"{limits['max_num_batched_tokens']}, max_num_seqs {limits['max_num_seqs']}: a "
+            "whole prompt a step):",
+            *_config_lines(at_default["configs"]),
+            _over_recompute_line(at_default["configs"], at_default["over_recompute"]),
+            "",
+        ]
     ratio = result["ladder_tokens_held_over_bf16"]
     ladder = result["configs"]["kvtier-ladder"]["held"]
     bf16 = result["configs"]["kvtier-bf16"]["held"]

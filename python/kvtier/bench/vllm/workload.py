@@ -63,8 +63,8 @@ class Settings:
     #: vLLM's ``max_num_batched_tokens`` in the workload's engines: prompts prefill in chunks of
     #: this many tokens (vLLM's chunked prefill), so a connector saves at most this many tokens'
     #: blocks of one request a step, as in a server whose step is a small part of its host
-    #: budget
-    step_tokens: int
+    #: budget; None leaves vLLM's default scheduling limits (a whole prompt a step here)
+    step_tokens: int | None
 
 
 FULL = Settings(16, 480, 4000, 5, 4, 20, 16, 1536, 3, 32)

@@ -26,7 +26,9 @@ drops), and ``TieredCache`` with several kvtier settings. For each we measure
 A press compresses during a prefill only (kvpress's prefill presses): the first half of a
 perplexity window, where the other caches compress too, and a passkey prompt; the tokens after
 it are kept whole. ``--plot`` draws perplexity against fp16-equivalent bytes, from a run or from
-a saved ``--json`` result (``--from-json``).
+a saved ``--json`` result (``--from-json``). Several saved results of runs with the same settings
+(each with a few ``--methods``) merge into one (``--from-json`` again for each), their figures
+against ``dynamic`` taken from whichever holds it.
 
 Each method runs the model with an attention implementation: ``eager`` (the default, so that
 attention weights reach the scheduler), ``sdpa``, or ``kvtier`` (attention over the blocks,
@@ -52,6 +54,7 @@ from .metrics import (
     SPEED_PROMPTS,
     WINDOW_TOKENS,
     WINDOWS,
+    against_baseline,
     cache_bytes,
     passkey,
     passkey_prompt,
@@ -74,9 +77,11 @@ __all__ = [
     "WINDOWS",
     "WINDOW_TOKENS",
     "Method",
+    "against_baseline",
     "available",
     "cache_bytes",
     "main",
+    "merge",
     "method",
     "methods",
     "passkey",
@@ -220,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         "--from-json",
         metavar="PATH",
         type=Path,
+        action="append",
         help="read the results from a file of this command's --json output instead of running "
-        "the models (the options of the run are then ignored)",
+        "the models (the options of the run are then ignored); given again, the files' rows "
+        "are merged (runs with the same settings, each method once)",
     )
     args = parser.parse_args(argv)
     plot_path = None
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         # Checked now, so that a bad path fails before the run rather than after it.
         plot_path = resolve_plot_path(args.plot)
     if args.from_json is not None:
-        result = _load(args.from_json)
+        result = merge([_load(path) for path in args.from_json], args.from_json)
     else:
         result = run(
             args.methods,
@@ -249,6 +256,46 @@ def main(argv: list[str] | None = None) -> int:
     if plot_path is not None:
         print(f"wrote {plot(result, plot_path)}", file=sys.stderr)
     return 0
+
+
+#: What runs must share for their rows to be compared (the text by its file name).
+_RUN_SETTINGS = ("model", "windows", "window_tokens", "chunk", "passkey_lengths", "passkey_depths")
+
+
+def merge(results: list[dict[str, Any]], paths: list[Path] | None = None) -> dict[str, Any]:
+    """One result holding the rows of ``results`` (runs with the same settings) in order, each
+    row's figures against ``dynamic`` recomputed from the merged rows."""
+    names = [str(p) for p in paths] if paths else [f"result {i + 1}" for i in range(len(results))]
+    first = results[0]
+
+    def settings(result: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **{key: result.get(key) for key in _RUN_SETTINGS},
+            "text": Path(str(result.get("text"))).name,
+        }
+
+    merged = {**first, "rows": [], "skipped": []}
+    seen: dict[str, str] = {}
+    for name, result in zip(names, results, strict=True):
+        if settings(result) != settings(first):
+            differ = sorted(k for k, v in settings(result).items() if settings(first)[k] != v)
+            raise ConfigError(
+                f"{name} was run with other settings than {names[0]} ({', '.join(differ)} "
+                "differ): their figures cannot be merged",
+                hint="merge results of runs with the same --windows, --tokens, --chunk and "
+                "passkey options",
+            )
+        for row in result["rows"]:
+            if row["method"] in seen:
+                raise ConfigError(
+                    f"method {row['method']} is in both {seen[row['method']]} and {name}",
+                    hint="merge results of disjoint --methods",
+                )
+            seen[row["method"]] = name
+            merged["rows"].append(dict(row))
+        merged["skipped"] += result["skipped"]
+    against_baseline(merged["rows"])
+    return merged
 
 
 def _load(path: Path) -> dict[str, Any]:

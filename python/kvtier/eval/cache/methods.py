@@ -220,6 +220,13 @@ def methods() -> dict[str, Method]:
             recent_window=32,
         ),
         _kvtier(
+            "kvtier-2bit-drop-importance",
+            "kvtier-2bit-drop under the importance policy (key magnitude and attention)",
+            ladder=("fp32", "int2", "drop"),
+            drop_ratio=0.1,
+            recent_window=32,
+        ),
+        _kvtier(
             "kvtier-drop",
             "ladder fp32,drop, drop ratio 0.5, h2o, recent window 32 (eviction only)",
             ladder=("fp32", "drop"),

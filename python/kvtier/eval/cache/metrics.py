@@ -26,6 +26,7 @@ __all__ = [
     "SPEED_PROMPTS",
     "WINDOWS",
     "WINDOW_TOKENS",
+    "against_baseline",
     "cache_bytes",
     "passkey",
     "passkey_prompt",
@@ -299,6 +300,23 @@ def _rates(times: list[float], start: float, prompt: int, new_tokens: int) -> di
     }
 
 
+def against_baseline(rows: list[dict[str, Any]]) -> None:
+    """Adds each row's figures against the ``dynamic`` row's (perplexity change, bytes, decode
+    speed), when there is one."""
+    base = next((r for r in rows if r["method"] == "dynamic"), None)
+    if base is None:
+        return
+    base_speed = {sp["prompt"]: sp["decode_tokens_per_s"] for sp in base.get("speed", [])}
+    for r in rows:
+        r["ppl_change"] = r["perplexity"] / base["perplexity"] - 1
+        r["bytes_vs_dynamic"] = r["kv_bytes"] / base["kv_bytes"]
+        r["bytes_vs_fp16"] = r["kv_bytes_fp16"] / base["kv_bytes_fp16"]
+        for mine in r.get("speed", []):
+            theirs = base_speed.get(mine["prompt"])
+            if mine["decode_tokens_per_s"] and theirs:
+                mine["vs_baseline"] = mine["decode_tokens_per_s"] / theirs
+
+
 def run(
     names: list[str],
     windows: int = WINDOWS,
@@ -331,20 +349,10 @@ def run(
             progress(f"{method.name}: speed, {len(prompt)}-token prompt")
             row.setdefault("speed", []).append(speed(model, method, prompt, speed_new))
         rows.append(row)
-    base = next((r for r in rows if r["method"] == "dynamic"), None)
-    for r in rows:
-        if base is not None:
-            r["ppl_change"] = r["perplexity"] / base["perplexity"] - 1
-            r["bytes_vs_dynamic"] = r["kv_bytes"] / base["kv_bytes"]
-            r["bytes_vs_fp16"] = r["kv_bytes_fp16"] / base["kv_bytes_fp16"]
-            for mine, theirs in zip(r.get("speed", []), base.get("speed", []), strict=True):
-                if mine["decode_tokens_per_s"] and theirs["decode_tokens_per_s"]:
-                    mine["vs_baseline"] = (
-                        mine["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
-                    )
+    against_baseline(rows)
     return {
         "model": real.MODEL_ID + " (fp32, CPU; attention per method)",
-        "text": str(source),
+        "text": source.name,
         "windows": windows,
         "window_tokens": tokens,
         "scored": "second half of each window, after a prefill of the first half",

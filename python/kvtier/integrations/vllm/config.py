@@ -37,6 +37,7 @@ __all__ = [
     "engine_namespace",
     "import_scorer",
     "staging_shares",
+    "tiers_config",
     "tp_rank",
 ]
 
@@ -133,6 +134,13 @@ def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -
     # Half a byte more than the slots take: the manager's floor of share * budget / bytes
     # must not lose one to rounding.
     above = [(stage * b + 0.5) / budget for b in level_bytes[:-1]]
+    if sum(above) >= 1.0:
+        raise ConfigError(
+            f"host budget {budget} B holds no level-0 block with room below it: one block "
+            f"takes {' + '.join(map(str, level_bytes[:-1]))} B at the levels above the bottom "
+            f"({', '.join(ladder[:-1])}) and the bottom level ({ladder[-1]}) needs room too: "
+            "raise host_budget or host_blocks"
+        )
     return (*above, 1.0 - sum(above))
 
 
@@ -202,6 +210,40 @@ class ConnectorSettings:
             scorer=import_scorer(extra.get("scorer")),
             load_failure_policy=extra.get("load_failure_policy", "recompute"),
         )
+
+
+def tiers_config(settings: ConnectorSettings) -> KvtierConfig:
+    """The worker's tiers' config, less the namespace (which needs the cache layout): the
+    staging shares of :func:`staging_shares` for a block of the model's KV where none are
+    given, and every check of the manager's pools made on it now, with nothing allocated, so
+    that the connector's constructor refuses what its tiers could not hold (in the connector's
+    words: ``host_budget``, not the manager's ``device_budget``)."""
+    import torch
+
+    from ..._torch import dtype_name
+    from ...manager.sizing import size_pools
+
+    config, spec = settings.config, settings.spec
+    shape = BlockShape(
+        len(settings.layer_names),
+        spec.num_kv_heads,
+        settings.block_size,
+        spec.head_size,
+        dtype_name(spec.dtype),
+    )
+    ladder = config.resolved_ladder(shape.dtype)
+    if ladder[0] != shape.dtype:
+        raise ConfigError(
+            f"ladder: level 0 is {ladder[0]!r} but vLLM's KV cache is {shape.dtype!r}: level 0 "
+            "holds K/V exactly as vLLM wrote it"
+        )
+    if config.pool_shares is None and config.enable_compression and config.levels > 1:
+        config = config.replace(pool_shares=staging_shares(config, shape, settings.stage_blocks))
+    level_bytes = [get_codec(name).bytes_per_block(shape) for name in ladder]
+    size_pools(
+        config, torch.device("cpu"), level_bytes, len(level_bytes), tier_names={"device": "host"}
+    )
+    return config
 
 
 def attention_spec(kv_cache_config: KVCacheConfig) -> Any:

@@ -126,7 +126,23 @@ class KVTierConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        try:
+            self.worker.register_kv_caches(kv_caches)
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def _uninstall(self) -> None:
+        """After a refused registration: shuts down what the worker started and, where vLLM
+        installed this connector as its process's (it does so before registering the caches,
+        and keeps it for every later engine of the process), uninstalls it, so that the next
+        engine makes its own instead of failing with this one's error."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        self.shutdown()
+        state = kv_transfer_state
+        if state.has_kv_transfer_group() and state.get_kv_transfer_group() is self:
+            state.ensure_kv_transfer_shutdown()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._metadata())

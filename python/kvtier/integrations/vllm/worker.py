@@ -25,11 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..._torch import dtype_name
-from ...codecs.base import BlockShape
 from ...errors import ConfigError, KvtierError
 from ...manager import BlockManager
-from .config import backend_name, engine_namespace, staging_shares, tp_rank
+from .config import backend_name, engine_namespace, tiers_config, tp_rank
 from .link import Held, forget, serve
 from .metadata import KVTierMetadata, LoadSpec, SaveSpec
 from .metrics import FAILURES, CounterReports, Counters, connector_stats
@@ -60,6 +58,9 @@ class KVTierWorker:
     def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings) -> None:
         self.settings = settings
         self._vllm_config = vllm_config
+        # Checked now, before vLLM installs this connector: a refused start must leave nothing
+        # behind for the next engine of the process.
+        self._config = tiers_config(settings)
         #: loaded and saved blocks, load errors, failed saves
         self.counters = Counters()
         self._reports = CounterReports(self.counters)
@@ -127,17 +128,7 @@ class KVTierWorker:
         # Each tensor-parallel rank keeps its own heads' shard under a namespace of its own.
         self.rank = tp_rank(self._vllm_config)
         namespace = engine_namespace(self._vllm_config, spec, settings.config.namespace, self.rank)
-        config = settings.config.replace(namespace=f"{namespace}/{layout.name}")
-        if config.pool_shares is None and config.enable_compression and config.levels > 1:
-            shape = BlockShape(
-                len(caches),
-                spec.num_kv_heads,
-                settings.block_size,
-                spec.head_size,
-                dtype_name(caches[0].dtype),
-            )
-            shares = staging_shares(config, shape, settings.stage_blocks)
-            config = config.replace(pool_shares=shares)
+        config = self._config.replace(namespace=f"{namespace}/{layout.name}")
         if settings.tp_size > 1 and config.disk_path is not None:  # a directory per rank
             config = config.replace(disk_path=os.path.join(config.disk_path, f"tp{self.rank}"))
         manager = BlockManager(
@@ -149,7 +140,11 @@ class KVTierWorker:
             device="cpu",
         )
         self._tiers = WorkerTiers(manager, layout, caches)
-        self._listener = serve(settings.engine_id, self, self.rank)
+        try:
+            self._listener = serve(settings.engine_id, self, self.rank)
+        except BaseException:
+            self.shutdown()
+            raise
         log.info(
             "kvtier: %d layers, layout %s, tiers %s, ladder %s",
             len(caches),
@@ -235,6 +230,7 @@ class KVTierWorker:
             forget(self.settings.engine_id, self, self._listener, self.rank)
             self._listener = None
             self._tiers.manager.close()
+            self._tiers = None
 
     # -- loads -------------------------------------------------------------------------------
 

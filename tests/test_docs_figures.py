@@ -1,0 +1,124 @@
+"""The figures of docs/quality.md are the saved results' own: every number in its tables equals,
+to the digits it shows, the figure of ``docs/quality.json`` (``kvtier eval cache``, 8 windows;
+several runs merged with ``--from-json``) or ``docs/quality-speed.json`` (the speed run) it
+stands for. No model runs here: a figure edited by hand, or a result saved without the table
+being brought along, fails."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+DOCS = Path(__file__).parents[1] / "docs"
+Row = dict[str, Any]
+#: a column's figure, from the method's row and every row by method
+Figure = Callable[[Row, dict[str, Row]], float]
+
+
+def _passkey(r: Row, _: dict[str, Row]) -> float:
+    return r["passkey"]["accuracy"] * 100
+
+
+def _speed(prompt: int, key: str, against: str | None = None) -> Figure:
+    def figure(r: Row, rows: dict[str, Row]) -> float:
+        mine = next(s for s in r["speed"] if s["prompt"] == prompt)[key]
+        if against is None:
+            return float(mine)
+        base = next(s for s in rows[against]["speed"] if s["prompt"] == prompt)[key]
+        return float(mine / base)
+
+    return figure
+
+
+def _field(key: str, scale: float = 1.0) -> Figure:
+    return lambda r, _: r[key] * scale
+
+
+#: The checked tables: the start of each header line, the results it shows, and its columns'
+#: figures by column index (column 0 names the method: its first word, backticks dropped).
+TABLES: list[tuple[str, str, dict[int, Figure]]] = [
+    (
+        "| method | attention | perplexity | vs baseline | passkey | KV bytes |",
+        "quality.json",
+        {
+            2: _field("perplexity"),
+            3: _field("ppl_change", 100),
+            4: _passkey,
+            5: _field("kv_bytes", 1e-6),
+            6: _field("bytes_vs_dynamic"),
+            7: _field("bytes_vs_fp16"),
+        },
+    ),
+    (
+        "| method | ladder | fp16-equiv. vs fp16 | perplexity | passkey |",
+        "quality.json",
+        {2: _field("bytes_vs_fp16"), 3: _field("ppl_change", 100), 4: _passkey},
+    ),
+    (
+        "| method | attention | perplexity | vs baseline | fp16-equiv. vs fp16 |",
+        "quality.json",
+        {2: _field("perplexity"), 3: _field("ppl_change", 100), 4: _field("bytes_vs_fp16")},
+    ),
+    (
+        "| method | cache | attention | decode tok/s @512 |",
+        "quality-speed.json",
+        {
+            3: _speed(512, "decode_tokens_per_s"),
+            4: _speed(512, "decode_tokens_per_s", "dynamic"),
+            5: _speed(512, "decode_tokens_per_s", "dynamic-sdpa"),
+            6: _speed(4096, "decode_tokens_per_s"),
+            7: _speed(4096, "decode_tokens_per_s", "dynamic"),
+            8: _speed(4096, "decode_tokens_per_s", "dynamic-sdpa"),
+            9: _speed(4096, "prefill_s"),
+        },
+    ),
+]
+
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
+
+
+def _table_rows(text: str, header: str) -> list[list[str]]:
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(header)]
+    assert len(starts) == 1, f"docs/quality.md has {len(starts)} tables headed {header!r}"
+    rows = []
+    for line in lines[starts[0] + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _shown(cell: str) -> tuple[float, int]:
+    """The number a cell shows (bold, a unicode minus, units and %) and its decimals."""
+    found = _NUMBER.search(cell.replace("*", "").replace("\u2212", "-"))
+    assert found is not None, f"no figure in {cell!r}"
+    digits = found.group().replace(",", "")
+    decimals = len(digits.partition(".")[2])
+    return float(digits), decimals
+
+
+@pytest.mark.parametrize(
+    ("header", "source", "columns"), TABLES, ids=["results", "below-int4", "attention", "speed"]
+)
+def test_every_figure_of_a_quality_table_is_its_saved_results(
+    header: str, source: str, columns: dict[int, Figure]
+) -> None:
+    rows = {r["method"]: r for r in json.loads((DOCS / source).read_text())["rows"]}
+    table = _table_rows((DOCS / "quality.md").read_text(), header)
+    assert table, f"the table headed {header!r} has no rows"
+    for cells in table:
+        method = cells[0].replace("`", "").replace("*", "").split()[0]
+        assert method in rows, f"{method}: no such row in docs/{source}"
+        for index, figure in columns.items():
+            shown, decimals = _shown(cells[index])
+            want = round(figure(rows[method], rows), decimals)
+            assert shown == pytest.approx(want, abs=10**-decimals / 2 + 1e-12), (
+                f"docs/quality.md, {method}, column {index}: shows {cells[index]!r}, "
+                f"docs/{source} says {figure(rows[method], rows)}"
+            )
