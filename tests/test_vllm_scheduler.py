@@ -777,6 +777,13 @@ def test_a_refused_start_leaves_nothing_behind(vllm_model_dir: Any) -> None:
     assert "raise host_budget or host_blocks" in str(refused.value)
     assert "device" not in str(refused.value)
 
+    # What the tiers can hold passes, a shared remote tier too (the worker names its namespace
+    # after the engine at registration; nothing connects before then).
+    config, kv_config = _vllm_configs(
+        vllm_model_dir, host_budget="1MiB", ladder="bf16", remote_url="redis://127.0.0.1:9"
+    )
+    KVTierConnector(config, KVConnectorRole.WORKER, kv_config).shutdown()
+
     config, kv_config = _vllm_configs(vllm_model_dir, host_budget="1MiB", ladder="bf16")
     worker = KVTierConnector(config, KVConnectorRole.WORKER, kv_config)
     kv_transfer_state._KV_CONNECTOR_AGENT = worker  # vLLM's install (ensure_kv_transfer_...)

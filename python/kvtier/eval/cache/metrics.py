@@ -352,7 +352,7 @@ def run(
     against_baseline(rows)
     return {
         "model": real.MODEL_ID + " (fp32, CPU; attention per method)",
-        "text": source.name,
+        "text": str(source),
         "windows": windows,
         "window_tokens": tokens,
         "scored": "second half of each window, after a prefill of the first half",

@@ -240,8 +240,11 @@ def tiers_config(settings: ConnectorSettings) -> KvtierConfig:
     if config.pool_shares is None and config.enable_compression and config.levels > 1:
         config = config.replace(pool_shares=staging_shares(config, shape, settings.stage_blocks))
     level_bytes = [get_codec(name).bytes_per_block(shape) for name in ladder]
+    # The worker names the namespace after the engine when it registers the caches; any name
+    # but the default's stands for it here (sharing prefixes needs one).
+    named = config.replace(namespace=f"{config.namespace}/vllm")
     size_pools(
-        config, torch.device("cpu"), level_bytes, len(level_bytes), tier_names={"device": "host"}
+        named, torch.device("cpu"), level_bytes, len(level_bytes), tier_names={"device": "host"}
     )
     return config
 
