@@ -278,6 +278,28 @@ def test_a_fork_shares_full_blocks_and_copies_the_partial_one() -> None:
     assert torch.equal(bm.gather(child, 0)[0][: 2 * BS + 5], x[0, 0])
 
 
+def test_clearing_the_prefix_cache_frees_what_is_cached_and_keeps_live_sequences_whole() -> None:
+    """A reset: no later prompt shares what was stored; cached blocks are freed at once, a live
+    sequence still reads its own K/V and is not cached when freed."""
+    bm = manager(enable_compression=False)
+    cached_ids, live_ids = np.arange(4 * BS), np.arange(1000, 1000 + 3 * BS + 5)
+    cached, live = bm.add_sequence(cached_ids), bm.add_sequence(live_ids)
+    x, y = kv(4 * BS, seed=1), kv(3 * BS + 5, seed=2)
+    append_all(bm, cached, x)
+    append_all(bm, live, y)
+    bm.free(cached)
+    held = bm.stats().held_bytes
+    assert bm.lookup(cached_ids) == 4 * BS and bm.lookup(live_ids) == 3 * BS
+    assert bm.clear_prefix_cache() == 4 + 3  # the indexed blocks: every full one
+    assert bm.lookup(cached_ids) == 0 and bm.lookup(live_ids) == 0
+    assert bm.stats().held_bytes == held - 4 * bm.level_bytes[0]
+    for layer in range(LAYERS):
+        k, v = bm.gather(live, layer)
+        assert torch.equal(k, y[layer, 0]) and torch.equal(v, y[layer, 1])
+    bm.free(live)
+    assert bm.stats().held_bytes == 0 and bm.clear_prefix_cache() == 0
+
+
 def test_freeing_everything_returns_every_slot() -> None:
     bm = manager()
     seqs = [bm.add_sequence() for _ in range(3)]

@@ -328,3 +328,25 @@ class TestAHostTierAlone:
         after = conn.get_compression_stats()["connector"]
         assert after["loaded_blocks"] - loaded == sum(loadable_blocks(p) for p in turn2)
         assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
+
+    def test_a_prefix_cache_reset_with_the_connector_empties_the_tiers_too(
+        self, host_engine: Any, vllm_model_dir: Any
+    ) -> None:
+        """``reset_prefix_cache(reset_connector=True)`` (what ``/reset_prefix_cache?
+        reset_connector=true`` does in a server): vLLM's cache and kvtier's forget what they
+        stored, so the same prompts are computed again, not loaded. (The class's last test:
+        it empties the engine's tiers.)"""
+        llm = host_engine
+        conn = connector(llm)
+        prompts = wikitext_prompts(vllm_model_dir, [3 * BLOCK + 5, 2 * BLOCK + 9], skip=3000)
+        first = generate(llm, prompts)
+        held = conn.get_compression_stats()["pools"]
+        assert sum(p["blocks"] for p in held) > 0
+        loaded = conn.get_compression_stats()["connector"]["loaded_blocks"]
+        assert llm.reset_prefix_cache(reset_connector=True)
+        again = generate(llm, prompts)
+        stats = conn.get_compression_stats()
+        assert stats["connector"]["loaded_blocks"] == loaded  # nothing loaded: a recompute
+        assert [list(o.token_ids) for o in again] == [list(o.token_ids) for o in first]
+        # the tiers hold this pass's saves only: the prompts' blocks, stored once again
+        assert sum(p["blocks"] for p in stats["pools"]) == sum(len(p) // BLOCK for p in prompts)

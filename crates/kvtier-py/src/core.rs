@@ -387,6 +387,11 @@ impl PyCore {
         self.with(py, |c| c.forget(ids)).py_err()
     }
 
+    /// Every block in the prefix index, as uint32 ids.
+    fn indexed_blocks<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
+        PyArray1::from_vec(py, self.with(py, |c| c.indexed_blocks()))
+    }
+
     fn free_sequence(&self, py: Python<'_>, seq: Int) -> PyResult<()> {
         let seq = int_arg("seq", seq)?;
         self.with(py, |c| c.free_sequence(seq)).py_err()

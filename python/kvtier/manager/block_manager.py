@@ -264,6 +264,17 @@ class BlockManager:
         bs = self.block_size
         return here + self._sharing.held(tokens, salt, here // bs) * bs
 
+    def clear_prefix_cache(self) -> int:
+        """Forgets what is stored (a reset): every block leaves the prefix index, so no later
+        prompt shares it. Cached blocks are freed at once (their slots, on every tier); a live
+        sequence keeps its blocks until it is freed, and they are not cached then. What a shared
+        remote tier holds stays there: other engines publish to it too. Returns the blocks
+        forgotten."""
+        with self._lock:
+            blocks = self.core.indexed_blocks()
+            self.core.forget(blocks)
+            return len(blocks)
+
     def fork(self, seq: int) -> int:
         """A child sequence sharing ``seq``'s blocks (beam search, parallel sampling): full blocks
         are shared, the partial last block is copied."""

@@ -44,6 +44,15 @@ impl Core {
         Ok(self.key(b as usize))
     }
 
+    /// Every block in the prefix index (cached or in a live sequence), in id order: what a
+    /// reset forgets.
+    pub fn indexed_blocks(&self) -> Vec<u32> {
+        let rows = &self.blocks.rows;
+        (0..rows.len() as u32)
+            .filter(|&b| rows[b as usize].live && rows[b as usize].indexed)
+            .collect()
+    }
+
     pub fn cached_blocks(&self) -> u64 {
         self.caches.iter().map(|e| e.count).sum()
     }

@@ -185,6 +185,9 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> dict[CacheHitSource, int]:
         return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
 
+    def reset_cache(self) -> bool:
+        return self.scheduler.reset_cache()
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 

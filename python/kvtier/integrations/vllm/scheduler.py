@@ -87,6 +87,9 @@ class KVTierScheduler:
         self._salts: dict[str, str | None] = {}
         self._loads: list[LoadSpec] = []
         self._finish_saves: list[SaveSpec] = []
+        #: a reset asked for and not yet in a step's metadata: lookups miss until the worker
+        #: has it (it forgets before that step's loads)
+        self._reset_pending = False
 
     @property
     def link(self) -> Link:
@@ -103,7 +106,7 @@ class KVTierScheduler:
         request waits, others run) when some of them are on disk or on the server
         (``async_loads``: ``auto``), or always, or never."""
         salt = self._salts[request.request_id] = request.cache_salt or None
-        if not self.settings.loads_kv:
+        if not self.settings.loads_kv or self._reset_pending:
             return 0, False
         tokens = list(request.prompt_token_ids or [])
         # vLLM computes at least the prompt's last token itself.
@@ -159,6 +162,7 @@ class KVTierScheduler:
         meta = KVTierMetadata(loads=self._loads, saves=self._finish_saves)
         meta.finishing = {save.req_id for save in self._finish_saves}
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        meta.reset, self._reset_pending = self._reset_pending, False
         self._loads, self._finish_saves = [], []
         self._admitted.clear()  # vLLM asks for a load's sources in the step that admits it
         scheduled = scheduler_output.num_scheduled_tokens
@@ -217,6 +221,13 @@ class KVTierScheduler:
         save = SaveSpec(request.request_id, req.salt, tokens[:end], blocks)
         self._finish_saves.append(save)
         return True, None
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: the workers forget what their
+        tiers store in the next step (its metadata says so), and every lookup misses until
+        then. What a shared remote tier holds stays: other engines publish to it too."""
+        self._reset_pending = True
+        return True
 
     def get_compression_stats(self) -> dict[str, Any]:
         """The worker's figures (asked over the link) with this side's lookups and hits."""

@@ -158,6 +158,9 @@ class KVTierWorker:
         for them), the others a layer at a time on the layer thread, while the forward pass
         runs (each attention layer waits for its own, in :meth:`wait_for_layer_load`)."""
         self._finish_layer_loads()  # a step whose loads no one waited for (no save pass)
+        if meta.reset:
+            forgotten = self.tiers.manager.clear_prefix_cache()
+            log.info("kvtier: reset, %d stored blocks forgotten", forgotten)
         self._idle = meta.idle
         now = []
         for load in meta.loads:
