@@ -52,6 +52,16 @@ def test_vllm_serve_loads_a_prompt_from_kvtier_and_reports_it_on_metrics(
     loadable = loadable_blocks(prompt)
     assert gained("vllm:kvtier_saved_blocks_total") == len(prompt) // BLOCK
     assert gained("vllm:kvtier_loaded_blocks_total") == loadable
+    # Bytes of vLLM's bf16 blocks (30 layers, K and V, 3 heads x 32 tokens x 64 channels) and
+    # the seconds the saves and loads took; the host tier's use as gauges.
+    block_bytes = 30 * 2 * 3 * BLOCK * 64 * 2
+    assert gained("vllm:kvtier_saved_bytes_total") == len(prompt) // BLOCK * block_bytes
+    assert gained("vllm:kvtier_loaded_bytes_total") == loadable * block_bytes
+    assert gained("vllm:kvtier_save_seconds_total") > 0
+    assert gained("vllm:kvtier_load_seconds_total") > 0
+    held = metric(text, "vllm:kvtier_host_held_bytes")
+    assert len(prompt) // BLOCK * block_bytes <= held
+    assert held <= metric(text, "vllm:kvtier_host_capacity_bytes") <= 64 * 2**20
     assert metric(text, "vllm:kvtier_load_errors_total") == 0
     assert gained("vllm:external_prefix_cache_hits_total") == loadable * BLOCK
     # ... from host memory, as the scheduler's lookup over the worker's socket found them.

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FAILURES",
+    "GAUGES",
     "HIT_SOURCES",
     "CounterReports",
     "Counters",
@@ -56,6 +57,13 @@ class Counters:
     load_errors: int = 0
     saved_blocks: int = 0
     save_failures: int = 0
+    #: bytes of vLLM's KV the loads wrote and the saves read (its blocks, at its dtype)
+    loaded_bytes: int = 0
+    saved_bytes: int = 0
+    #: time the loads took (on the worker's threads, beside the forward pass) and the saves
+    #: (within vLLM's step, after the forward pass)
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
     #: ``hit_tokens`` by the place (tier, level name) where the lookup found them
     hits_by_place: dict[Place, int] = field(default_factory=dict)
 
@@ -65,9 +73,9 @@ class Counters:
             self.hit_tokens += tokens
             self.hits_by_place[place] = self.hits_by_place.get(place, 0) + tokens
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         """The counts (what vLLM's stats carry: each adds up over intervals and workers)."""
-        return {name: value for name, value in vars(self).items() if isinstance(value, int)}
+        return {name: value for name, value in vars(self).items() if isinstance(value, int | float)}
 
     def hits_by(self, tiers: Sequence[str], levels: Sequence[str]) -> dict[str, Any]:
         """``hit_tokens`` by tier, by level name and by both (``{tier: {level: tokens}}``), with
@@ -102,6 +110,11 @@ def hit_sources(places: Mapping[Place, int], tokens: int) -> dict[CacheHitSource
     return {source: n for source, n in sources.items() if n}
 
 
+#: Levels, not counts: the host tier's bytes held and its capacity, in every rank's tiers
+#: together (rank 0 reports them: every rank holds its heads' shard of the same blocks). A report
+#: carries their value at its time; vLLM's log line over an interval shows the highest.
+GAUGES = ("host_held_bytes", "host_capacity_bytes")
+
 #: The worker's counts of what failed. Tensor-parallel ranks load and save the same blocks, so
 #: rank 0 counts the blocks for all of them; but a block any rank fails to load is recomputed on
 #: every rank, so each rank's failures count, added up (a block two ranks lost counts twice).
@@ -135,7 +148,7 @@ class CounterReports:
 
     def __init__(self, counters: Counters) -> None:
         self.counters = counters
-        self._reported: dict[str, int] = {}  # counters as last handed to vLLM's stats
+        self._reported: dict[str, float] = {}  # counters as last handed to vLLM's stats
 
     def take(self, only: Sequence[str] | None = None) -> KVTierStats | None:
         """The growth since the last call (of the counters named in ``only``, if given), or
@@ -146,6 +159,10 @@ class CounterReports:
         if only is not None:
             delta = {k: delta[k] for k in only}
         return KVTierStats(data=delta) if any(delta.values()) else None
+
+    def empty(self) -> KVTierStats:
+        """A report of no growth (for figures that are not counts)."""
+        return KVTierStats(data={})
 
 
 @dataclass
@@ -158,7 +175,10 @@ class KVTierStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
+            if name in GAUGES:
+                self.data[name] = max(self.data.get(name, 0), value)
+            else:
+                self.data[name] = self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -186,6 +206,14 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             "load_errors": "Blocks kvtier could not give back (recomputed by vLLM).",
             "saved_blocks": "Blocks saved into kvtier's tiers.",
             "save_failures": "Saves kvtier's tiers refused (a later miss).",
+            "loaded_bytes": "Bytes of vLLM's KV loaded from kvtier's tiers.",
+            "saved_bytes": "Bytes of vLLM's KV saved into kvtier's tiers.",
+            "load_seconds": "Seconds kvtier's loads took (beside the forward pass).",
+            "save_seconds": "Seconds kvtier's saves took (within vLLM's step).",
+        }
+        gauges = {
+            "host_held_bytes": "Bytes kvtier's host tier holds (every rank's).",
+            "host_capacity_bytes": "Bytes kvtier's host tier can hold (every rank's).",
         }
         self.counters = {
             name: {
@@ -199,9 +227,28 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             }
             for name, doc in helps.items()
         }
+        gauge_cls: Any = self._gauge_cls  # vLLM's map of metric types is typed loosely
+        self.gauges = {
+            name: {
+                engine: gauge.labels(*values)
+                for engine, values in per_engine_labelvalues.items()
+                for gauge in [
+                    gauge_cls(
+                        name=f"vllm:kvtier_{name}",
+                        documentation=doc,
+                        labelnames=labelnames,
+                        multiprocess_mode="mostrecent",
+                    )
+                ]
+            }
+            for name, doc in gauges.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
             if name in self.counters and value:
                 counter: Any = self.counters[name][engine_idx]
                 counter.inc(value)
+            elif name in self.gauges:
+                gauge: Any = self.gauges[name][engine_idx]
+                gauge.set(value)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -140,12 +141,15 @@ class LayerLoads:
         self.ready = [threading.Event() for _ in tiers.caches]
         self.events: list[Any] = [None] * len(tiers.caches)
         self.results: list[tuple[int, list[int]]] = []
+        #: how long the loads took on the layer thread (their reads, decodes and copies)
+        self.seconds = 0.0
         self.job = thread.submit(self._run, tiers, loads)
 
     def _run(self, tiers: WorkerTiers, loads: Sequence[LoadSpec]) -> None:
         torch = torch_module()
         manager, caches = tiers.manager, tiers.caches
         work: list[tuple[LoadSpec, int | None, list[int]]] = []  # load, sequence, blocks to write
+        start = time.perf_counter()
         cuda = caches[0].device.type == "cuda"
         try:
             for load in loads:
@@ -182,6 +186,7 @@ class LayerLoads:
             # One entry per load, in order (a load never reached wrote nothing).
             self.results = [(len(ids), load.block_ids[len(ids) :]) for load, _, ids in work]
             self.results += [(0, load.block_ids) for load in loads[len(work) :]]
+            self.seconds = time.perf_counter() - start
 
     def wait(self, layer: int) -> None:
         self.ready[layer].wait()

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import queue
+import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -76,9 +77,11 @@ class KVTierWorker:
         self._layer_thread: Executor | None = None  # this step's loads, a layer at a time
         self._layer_loads: LayerLoads | None = None
         self._layer_index = {name: i for i, name in enumerate(settings.layer_names)}
-        self._loaded: queue.SimpleQueue[tuple[str, int, list[int]]] = queue.SimpleQueue()
+        #: background loads done: request, blocks written, blocks failed, seconds
+        self._loaded: queue.SimpleQueue[tuple[str, int, list[int], float]] = queue.SimpleQueue()
         self._background = 0  # background loads submitted and not yet reported
         self._idle = False  # this step runs no forward pass
+        self._reset = False  # a reset since the last stats report
 
     @property
     def tiers(self) -> WorkerTiers:
@@ -160,6 +163,7 @@ class KVTierWorker:
         self._finish_layer_loads()  # a step whose loads no one waited for (no save pass)
         if meta.reset:
             forgotten = self.tiers.manager.clear_prefix_cache()
+            self._reset = True  # the host tier's use moved
             log.info("kvtier: reset, %d stored blocks forgotten", forgotten)
         self._idle = meta.idle
         now = []
@@ -182,10 +186,12 @@ class KVTierWorker:
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         """Saves what the step completed (every layer is computed by now)."""
         self._finish_layer_loads()
+        start = time.perf_counter()
         for save in meta.saves:
             self._save(save)
         if meta.saves:
             self.tiers.manager.step()
+            self.counters.save_seconds += time.perf_counter() - start
         self._saved_finished |= meta.finishing
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -203,9 +209,9 @@ class KVTierWorker:
         while not self._loaded.empty():
             done.append(self._loaded.get())
         loaded: set[str] = set()
-        for req_id, ok, failed in done:
+        for req_id, ok, failed, seconds in done:
             loaded.add(req_id)
-            self._count_load(ok, failed)
+            self._count_load(ok, failed, seconds)
         self._background -= len(done)
         return saved or None, loaded or None
 
@@ -220,8 +226,25 @@ class KVTierWorker:
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """This side's counters since the last call (vLLM adds up its workers'): of the
-        tensor-parallel workers, rank 0 counts blocks for all, each its own :data:`FAILURES`."""
-        return self._reports.take(None if self.rank == 0 else FAILURES)
+        tensor-parallel workers, rank 0 counts blocks for all, each its own :data:`FAILURES`;
+        rank 0 adds the host tier's :data:`GAUGES` when a save, load or reset may have moved
+        them."""
+        report = self._reports.take(None if self.rank == 0 else FAILURES)
+        if self.rank == 0 and self._tiers is not None and (report is not None or self._reset):
+            self._reset = False
+            report = report or self._reports.empty()
+            report.data.update(self._host_use())
+        return report
+
+    def _host_use(self) -> dict[str, int]:
+        """:data:`GAUGES`: rank 0's host tier times the ranks (each holds its heads' shard of
+        the same blocks)."""
+        pools = [p for p in self.tiers.manager.stats().pools if p.tier == "device"]
+        ranks = self.settings.tp_size
+        return {
+            "host_held_bytes": ranks * sum(p.bytes for p in pools),
+            "host_capacity_bytes": ranks * sum(p.capacity_bytes for p in pools),
+        }
 
     def shutdown(self) -> None:
         self._finish_layer_loads()
@@ -241,22 +264,27 @@ class KVTierWorker:
         """Waits for this step's layer-wise loads (every layer is in by now, unless vLLM ran
         no forward pass) and hands their failed blocks to vLLM."""
         if self._layer_loads is not None:
-            for ok, failed in self._layer_loads.finish():
+            results = self._layer_loads.finish()
+            for ok, failed in results:
                 self._count_load(ok, failed)
+            self.counters.load_seconds += self._layer_loads.seconds
             self._layer_loads = None
 
     def _load_in_background(self, load: LoadSpec) -> None:
+        start = time.perf_counter()
         try:
             ok, failed = self._load(load)
         except BaseException:  # never leave the request waiting: a failed load is recomputed
             log.exception("kvtier: background load of request %s failed", load.req_id)
             ok, failed = 0, load.block_ids
-        self._loaded.put((load.req_id, ok, failed))
+        self._loaded.put((load.req_id, ok, failed, time.perf_counter() - start))
 
-    def _count_load(self, ok: int, failed: list[int]) -> None:
+    def _count_load(self, ok: int, failed: list[int], seconds: float = 0.0) -> None:
         self._failed_blocks.update(failed)
         self.counters.loaded_blocks += ok
+        self.counters.loaded_bytes += ok * self.tiers.manager.level_bytes[0]
         self.counters.load_errors += len(failed)
+        self.counters.load_seconds += seconds
 
     def _load(self, load: LoadSpec) -> tuple[int, list[int]]:
         """Writes what the tiers give back into ``load.block_ids``: how many it wrote, and the
@@ -319,6 +347,7 @@ class KVTierWorker:
         try:
             saved = tiers.save(seq, save.block_ids, on_keys)
             self.counters.saved_blocks += saved
+            self.counters.saved_bytes += saved * manager.level_bytes[0]
             if scores and all(len(x) == saved for x in scores):  # mean over the layers
                 manager.set_learned_scores(seq, torch.stack(scores).mean(0).numpy(), first)
         except KvtierError as exc:
