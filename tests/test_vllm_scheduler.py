@@ -757,6 +757,14 @@ def test_models_and_layouts_it_cannot_serve_are_refused_clearly(
             KVTierConnector(config, role, kv_config)
 
 
+def test_vllm_captures_cuda_graphs_piecewise_around_the_layer_wise_loads() -> None:
+    """Each attention layer waits for its own load, so vLLM must not capture the whole model
+    in one CUDA graph (it asks the connector's class)."""
+    from kvtier.integrations.vllm import KVTierConnector
+
+    assert KVTierConnector.requires_piecewise_for_cudagraph({}) is True
+
+
 def test_a_refused_start_leaves_nothing_behind(vllm_model_dir: Any) -> None:
     """A budget the worker's tiers cannot hold is refused by the worker's constructor, before
     vLLM installs the connector as its process's, in the connector's words (``host_budget``,

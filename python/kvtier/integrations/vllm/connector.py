@@ -106,6 +106,12 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.scheduler.get_kv_connector_stats()
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Yes: each attention layer waits for its own load (``wait_for_layer_load``, on CUDA
+        an event of the connector's stream), which a whole-model CUDA graph would skip."""
+        return True
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return KVTierStats(data=dict(data or {}))
 
