@@ -89,9 +89,10 @@ bench: develop ## run the core and codec benchmarks (print JSON figures, never p
 	$(BIN)/python benchmarks/bench_core.py
 	$(BIN)/kvtier bench codecs
 
-eval: develop ## codec and whole-cache quality on real SmolLM2-135M and WikiText-2 (~30 min)
+eval: develop ## codec, whole-cache and in-vLLM quality on real SmolLM2-135M and WikiText-2 (over an hour)
 	$(BIN)/kvtier eval codecs
 	$(BIN)/kvtier eval cache
+	$(BIN)/kvtier eval vllm
 
 wheel: venv ## build a release wheel into dist/
 	$(BIN)/maturin build --release --out dist
