@@ -30,10 +30,8 @@ Prints a table on stderr and one JSON object on stdout (``--json``: the JSON onl
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -101,26 +99,21 @@ def _windows(model_dir: Path, settings: Settings, text: Path | None) -> list[lis
 
 
 def _engine(model_dir: Path, settings: Settings, ladder: str | None, prefix_caching: bool) -> Any:
-    from vllm import LLM
-
-    from ..integrations.vllm.engines import connector_transfer
+    from ..integrations.vllm.engines import connector_transfer, engine
 
     extra = {"host_budget": HOST_BUDGET, "ladder": ladder}
     context = -(-(settings.prefix + settings.continuation + settings.generated) // BLOCK) * BLOCK
-    return LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        max_model_len=context,
-        block_size=BLOCK,
-        enforce_eager=True,
-        seed=0,
+    return engine(
+        model_dir,
+        context,
+        BLOCK,
+        connector_transfer(extra) if ladder else None,
         enable_prefix_caching=prefix_caching,
         # Two blocks a step: the connector's levels above the bottom stage one step's saves, so
         # the blocks of every earlier step move down the ladder, as in a server whose host
         # budget is full (with a whole prompt a step, this budget would keep them at level 0).
         max_num_batched_tokens=STEP_TOKENS,
         max_num_seqs=STEP_TOKENS,
-        kv_transfer_config=connector_transfer(extra) if ladder else None,
     )
 
 
@@ -317,14 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--continuation: expected at least 2 tokens (the first is not scored)")
     if args.text is not None and not args.text.is_file():
         parser.error(f"--text: no such file: {args.text}")
-    from ..integrations.vllm.engines import stdout_to_stderr
+    from ..integrations.vllm.engines import report
 
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-    with stdout_to_stderr():
-        result = run(settings, args.text, log)
-    if not args.json:
-        log(table(result))
-    print(json.dumps(result, indent=2))
+    report(lambda log: run(settings, args.text, log), table, args.json)
     return 0
 
 

@@ -72,10 +72,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import asdict
 
-from ...integrations.vllm.engines import stdout_to_stderr
+from ...integrations.vllm.engines import report
 from .. import bench_parser
 from .driver import (
     CONFIGS,
@@ -224,18 +223,17 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{flag}: expected a JSON object")
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-    with stdout_to_stderr():
-        result = run(
+    report(
+        lambda log: run(
             settings,
             dict(args.ladder_config),
             log,
             dict(args.kvtier_config),
             default_limits=not args.no_default_limits,
-        )
-    if not args.json:
-        log(table(result))
-    print(json.dumps(result, indent=2))
+        ),
+        table,
+        args.json,
+    )
     return 0
 
 

@@ -25,6 +25,7 @@ from ...integrations.vllm.engines import (
     ENGINE_ENV,
     close_engine,
     connector_transfer,
+    engine,
     scheduler_connector,
 )
 from ...traces import bundled_trace_path
@@ -96,8 +97,6 @@ def _transfer(config: str, extra: dict[str, Any]) -> Any:
 
 def _engine(model_dir: Path, context: int, blocks: int, transfer: Any, step: int | None) -> Any:
     """An engine; ``step=None`` keeps vLLM's default scheduling limits."""
-    from vllm import LLM
-
     limits: dict[str, Any] = (
         {}
         if step is None
@@ -106,18 +105,7 @@ def _engine(model_dir: Path, context: int, blocks: int, transfer: Any, step: int
             "max_num_seqs": min(step, 256),  # vLLM wants max_num_batched_tokens >= max_num_seqs
         }
     )
-    return LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        max_model_len=context,
-        block_size=BLOCK,
-        enforce_eager=True,
-        disable_log_stats=False,  # vLLM's counters (get_metrics) need the stat loggers
-        seed=0,
-        num_gpu_blocks_override=blocks,
-        kv_transfer_config=transfer,
-        **limits,
-    )
+    return engine(model_dir, context, BLOCK, transfer, num_gpu_blocks_override=blocks, **limits)
 
 
 @contextlib.contextmanager

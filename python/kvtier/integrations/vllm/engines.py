@@ -1,22 +1,27 @@
 """In-process vLLM engines with the connector, for the command line's measurements (``kvtier
-bench vllm``, ``kvtier eval vllm``): the environment they run under, the connector's transfer
-config, an engine's scheduler-side connector, closing an engine so that the next one of the
-process can start, and vLLM's prints kept off stdout. Nothing here imports vLLM at import time.
+bench vllm``, ``kvtier eval vllm``): the environment they run under, an engine and the
+connector's transfer config, an engine's scheduler-side connector, closing an engine so that
+the next one of the process can start, and a measurement's report with vLLM's prints kept off
+stdout. Nothing here imports vLLM at import time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 __all__ = [
     "ENGINE_ENV",
     "close_engine",
     "connector_transfer",
+    "engine",
+    "report",
     "scheduler_connector",
     "stdout_to_stderr",
 ]
@@ -51,6 +56,27 @@ def connector_transfer(
     )
 
 
+def engine(
+    model_dir: Path, context: int, block_size: int, transfer: Any = None, **options: Any
+) -> Any:
+    """An in-process engine of the model in ``model_dir``: bf16, eager, seed 0, its stats on
+    (vLLM's counters and histograms, ``get_metrics``, need the stat loggers), ``transfer`` its
+    ``KVTransferConfig`` (None: no connector), ``options`` more ``LLM`` arguments."""
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        max_model_len=context,
+        block_size=block_size,
+        enforce_eager=True,
+        disable_log_stats=False,
+        seed=0,
+        kv_transfer_config=transfer,
+        **options,
+    )
+
+
 def scheduler_connector(llm: Any) -> Any:
     """The scheduler-side connector of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
@@ -65,6 +91,24 @@ def close_engine(llm: Any) -> None:
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
+
+
+def report(
+    measure: Callable[[Callable[..., None]], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str],
+    json_only: bool,
+) -> None:
+    """Runs ``measure(log)`` with what the engines print sent to stderr, then prints its
+    ``table`` on stderr (unless ``json_only``) and its result as JSON on stdout."""
+
+    def log(*parts: object) -> None:
+        print(*parts, file=sys.stderr, flush=True)
+
+    with stdout_to_stderr():
+        result = measure(log)
+    if not json_only:
+        log(table(result))
+    print(json.dumps(result, indent=2))
 
 
 @contextlib.contextmanager
