@@ -2,7 +2,7 @@
 paged caches, beside a plain copy of the same bytes between the device and host memory (the
 baseline: what moving the blocks costs with nothing else done).
 
-    python benchmarks/vllm_paths.py [--device cuda] [--layout channels|rows] [--blocks 64]
+    python benchmarks/vllm_paths.py [--device cuda] [--layout channels|cpu-vec|cpu-amx] [--blocks 64]
 
 Shape: Llama-3-8B's KV (32 layers, 8 KV heads, head_dim 128, bf16), vLLM block size 16.
 """
@@ -42,11 +42,16 @@ def best(fn, device: str, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--layout", default=None, help="channels (CUDA backends) or rows (CPU)")
+    ap.add_argument(
+        "--layout",
+        default=None,
+        choices=["channels", "cpu-vec", "cpu-amx"],
+        help="channels (CUDA backends), cpu-vec or cpu-amx (vLLM's CPU backend by ISA)",
+    )
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    split = args.layout or ("channels" if args.device.startswith("cuda") else "rows")
+    split = args.layout or ("channels" if args.device.startswith("cuda") else "cpu-amx")
     layout = PagedLayout(split, H, N, D)
     nb = args.blocks
     pool = 2 * nb + 8

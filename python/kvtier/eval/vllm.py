@@ -78,7 +78,7 @@ class Settings:
 
 
 FULL = Settings(12, 256, 256, 16, tuple(CONFIGS))
-QUICK = Settings(2, 256, 64, 4, ("reference", "int8"))
+QUICK = Settings(4, 256, 128, 4, ("reference", "int8", "default"))
 
 
 def _windows(model_dir: Path, settings: Settings, text: Path | None) -> list[list[int]]:

@@ -294,7 +294,9 @@ def import_scorer(path: object) -> Callable[[int, torch.Tensor], Any] | None:
 
 def backend_name(vllm_config: VllmConfig, layer_name: str) -> str:
     """The name of the attention backend of layer ``layer_name`` (it decides the layout),
-    prefixed ``ROCM:`` on ROCm, whose backends reuse CUDA's names for other layouts."""
+    prefixed ``ROCM:`` on ROCm, whose backends reuse CUDA's names for other layouts; for
+    CPU_ATTN followed by ``:`` and the instruction set its kernels were chosen for (the layer's
+    ``isa``, set before the caches are registered), whose cache layout differs by it."""
     from vllm.platforms import current_platform
 
     layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
@@ -302,6 +304,8 @@ def backend_name(vllm_config: VllmConfig, layer_name: str) -> str:
     if backend is None:
         raise ConfigError(f"KVTierConnector: layer {layer_name} has no attention backend")
     name = str(backend.get_name())
+    if name == "CPU_ATTN":
+        name = f"{name}:{getattr(layer, 'isa', None)}"
     return f"ROCM:{name}" if current_platform.is_rocm() else name
 
 

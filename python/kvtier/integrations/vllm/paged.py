@@ -6,13 +6,23 @@ shape is the same everywhere, but *where K and V of a token are* is the backend'
 
 - ``channels`` (FLASH_ATTN, TRITON_ATTN, FLASHINFER, FLEX_ATTENTION on CUDA): token ``n`` of
   head ``h`` is ``[b, h, n]``; its first ``head_dim`` channels are K, the rest V.
-- ``rows`` (vLLM's CPU_ATTN): a block's ``[H, N, 2D]`` bytes are read as ``[H, 2N, D]``; K of
-  token ``n`` is row ``n`` and V row ``N + n``, so the logical token axis means nothing there.
+- vLLM's CPU_ATTN reads each block's ``[H, N, 2D]`` as ``[H, 2, N * D]``: per head, a region of
+  K then one of V, each packed for the kernel of the instruction set the backend chose
+  (``layer.isa``; vLLM 0.32's ``reshape_and_cache`` in ``csrc/cpu/cpu_attn_*.hpp``):
+
+  - ``cpu-vec`` (ISA ``vec``, ``vec16``): K column-major ``[D, N]``, V row-major ``[N, D]``;
+  - ``cpu-amx`` (ISA ``amx``: bf16 with blocks a multiple of 32 on a CPU with AMX): K in tiles
+    ``[N / 16, D / 2, 16, 2]`` (16 tokens a tile, channel pairs), V in tiles ``[D / 16, N / 2,
+    16, 2]`` (16 channels a tile, token pairs).
+
+  The logical token axis means nothing there: a byte-for-byte copy of a block survives any
+  layout, but a codec grouping a token's channels, or a channel's tokens, needs the right one.
 
 Other backends read the same shape otherwise: ROCm's ROCM_ATTN, and its AITER FlashAttention
 (which calls itself FLASH_ATTN) with shuffled caches, hold a block as ``[2, N, H * head_dim]``,
 which for two KV heads has exactly the accepted shape with another meaning. So the backends are
-allow-listed (:data:`BACKEND_SPLITS`), and every other one, and every backend on ROCm, refused.
+allow-listed (:data:`BACKEND_LAYOUTS`, CPU_ATTN by ISA), and every other one, and every backend
+on ROCm, refused.
 
 A :class:`PagedLayout` moves K/V between such a cache and kvtier's token-major
 ``[num_tokens, kv_heads, head_dim]`` form, whole blocks at a time, on whatever device the cache
@@ -31,21 +41,27 @@ from ...errors import ConfigError, InvalidArgumentError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BACKEND_SPLITS", "PagedLayout", "layout_for_backend"]
+__all__ = ["BACKEND_LAYOUTS", "PagedLayout", "layout_for_backend"]
 
-Split = Literal["channels", "rows"]
+Split = Literal["channels", "cpu-vec", "cpu-amx"]
 
-#: The attention backends whose paged cache kvtier reads, by ``get_name()``, and where their K
-#: and V are (vLLM 0.32: CPU_ATTN's ``do_kv_cache_update`` writes rows; the CUDA backends'
-#: forward passes read ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``). On ROCm the
-#: name is prefixed (``ROCM:``, see :func:`~.config.backend_name`): none is listed.
-BACKEND_SPLITS: dict[str, Split] = {
-    "CPU_ATTN": "rows",
+#: The attention backends whose paged cache kvtier reads, by ``get_name()`` (CPU_ATTN by
+#: ``name:isa``, see :func:`~.config.backend_name`), and where their K and V are (vLLM 0.32:
+#: CPU_ATTN's ``cpu_attn_reshape_and_cache``; the CUDA backends' forward passes read
+#: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``). On ROCm the name is prefixed
+#: (``ROCM:``): none is listed.
+BACKEND_LAYOUTS: dict[str, Split] = {
+    "CPU_ATTN:amx": "cpu-amx",
+    "CPU_ATTN:vec": "cpu-vec",
+    "CPU_ATTN:vec16": "cpu-vec",
     "FLASH_ATTN": "channels",
     "TRITON_ATTN": "channels",
     "FLASHINFER": "channels",
     "FLEX_ATTENTION": "channels",
 }
+
+#: AMX tiles: 16 rows of 64 bytes, i.e. 16 tokens (K) or channels (V) of bf16 pairs.
+_TILE = 16
 
 
 @dataclass(frozen=True)
@@ -70,29 +86,71 @@ class PagedLayout:
                 f"{what}: expected a [num_blocks, {want[0]}, {want[1]}, {want[2]}] paged cache "
                 f"(kv_heads, block_size, 2 * head_dim), got {list(cache.shape)}"
             )
-        if self.split == "rows" and not _rows_viewable(cache):
+        if self.split != "channels" and not _heads_contiguous(cache):
             raise InvalidArgumentError(
-                f"{what}: the {self.split} layout reads each block's [H, N, 2D] bytes as "
-                "[H, 2N, D], which needs them contiguous (head-major); got strides "
+                f"{what}: the {self.split} layout reads each block's [H, N, 2D] as per-head "
+                "regions of K and V, which needs them contiguous (head-major); got strides "
                 f"{list(cache.stride())}"
             )
+        if self.split == "cpu-amx" and (self.block_size % _TILE or self.head_dim % _TILE):
+            raise InvalidArgumentError(
+                f"{what}: the cpu-amx layout packs 16 tokens and 16 channels a tile: expected a "
+                f"block size and head_dim that are multiples of 16, got {self.block_size} and "
+                f"{self.head_dim}"
+            )
 
-    def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
-        """The cache as ``[B, H, 2, N, D]`` (rows) or ``[B, H, N, 2, D]`` (channels)."""
+    def _regions(self, cache: torch.Tensor) -> torch.Tensor:
+        """The cache as ``[B, H, N, 2, D]`` (channels) or ``[B, H, 2, N * D]`` (K then V
+        regions, the CPU layouts)."""
         b, h, n, _ = cache.shape
-        if self.split == "rows":
-            return cache.view(b, h, 2, n, self.head_dim)
-        return cache.view(b, h, n, 2, self.head_dim)
+        if self.split == "channels":
+            return cache.view(b, h, n, 2, self.head_dim)
+        return cache.view(b, h, 2, n * self.head_dim)
+
+    def _unpack(self, region: torch.Tensor, kv: int) -> torch.Tensor:
+        """One CPU region, ``[b, H, N * D]`` of K (``kv`` 0) or V, as a view ``[b, H, N, D]``
+        or, where tiles interleave tokens and channels, ``[b, H, N / t, t, D / c, c]`` (what
+        ``[b, H, N, D]`` reshapes to)."""
+        b, h = region.shape[:2]
+        n, d = self.block_size, self.head_dim
+        if self.split == "cpu-vec":
+            return region.view(b, h, d, n).transpose(2, 3) if kv == 0 else region.view(b, h, n, d)
+        if kv == 0:  # [N/16, D/2, 16 tokens, 2 channels]
+            tiles = region.view(b, h, n // _TILE, d // 2, _TILE, 2).permute(0, 1, 2, 4, 3, 5)
+        else:  # [D/16, N/2, 16 channels, 2 tokens]
+            tiles = region.view(b, h, d // _TILE, n // 2, _TILE, 2).permute(0, 1, 3, 5, 2, 4)
+        return tiles
+
+    def _pack(self, x: torch.Tensor, kv: int) -> torch.Tensor:
+        """:meth:`_unpack` backwards: ``[b, H, N, D]`` of K or V as its region's order (a view,
+        ``[b, H, ...]``)."""
+        b, h = x.shape[:2]
+        n, d = self.block_size, self.head_dim
+        if self.split == "cpu-vec":
+            return x.transpose(2, 3) if kv == 0 else x
+        if kv == 0:
+            return x.reshape(b, h, n // _TILE, _TILE, d // 2, 2).permute(0, 1, 2, 4, 3, 5)
+        return x.reshape(b, h, n // 2, 2, d // _TILE, _TILE).permute(0, 1, 4, 2, 5, 3)
+
+    def read_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Whole blocks in kvtier's form, ``[len(block_ids), 2, H, N, D]`` (what
+        :meth:`~kvtier.BlockManager.gather_blocks` returns; a view where it can be), from the
+        cache's blocks ``block_ids`` (an int64 tensor on its device)."""
+        picked = self._regions(cache).index_select(0, block_ids)
+        if self.split == "channels":
+            return picked.permute(0, 3, 1, 2, 4)  # [b, H, N, 2, D] -> [b, 2, H, N, D]
+        b, h, n, d = len(block_ids), self.num_kv_heads, self.block_size, self.head_dim
+        blocks = picked.new_empty((b, 2, h, n, d))
+        for kv in (0, 1):
+            tokens = self._unpack(picked[:, :, kv], kv)
+            blocks[:, kv].view(tokens.shape).copy_(tokens)
+        return blocks
 
     def read(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """K and V of whole blocks: ``[2, len(block_ids) * N, H, D]`` (K first), a new tensor on
         the cache's device; ``block_ids`` is an int64 tensor on that device."""
-        picked = self._blocks(cache).index_select(0, block_ids)
-        # -> [2, blocks, N, H, D]
-        kv = (
-            picked.permute(2, 0, 3, 1, 4) if self.split == "rows" else picked.permute(3, 0, 2, 1, 4)
-        )
-        return kv.reshape(2, -1, self.num_kv_heads, self.head_dim)
+        blocks = self.read_blocks(cache, block_ids)  # [b, 2, H, N, D]
+        return blocks.permute(1, 0, 3, 2, 4).reshape(2, -1, self.num_kv_heads, self.head_dim)
 
     def write_blocks(
         self, cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor
@@ -104,9 +162,16 @@ class PagedLayout:
             raise InvalidArgumentError(
                 f"blocks: expected shape {list(want)}, got {list(blocks.shape)}"
             )
-        # -> [blocks, H, 2, N, D] (rows) or [blocks, H, N, 2, D] (channels)
-        order = (0, 2, 1, 3, 4) if self.split == "rows" else (0, 2, 3, 1, 4)
-        self._blocks(cache).index_copy_(0, block_ids, blocks.permute(order).to(cache.dtype))
+        blocks = blocks.to(cache.dtype)
+        if self.split == "channels":
+            stored = blocks.permute(0, 2, 3, 1, 4)  # -> [b, H, N, 2, D]
+        else:
+            b, h = len(block_ids), self.num_kv_heads
+            stored = blocks.new_empty((b, h, 2, self.block_size * self.head_dim))
+            for kv in (0, 1):
+                packed = self._pack(blocks[:, kv], kv)
+                stored[:, :, kv].view(packed.shape).copy_(packed)
+        self._regions(cache).index_copy_(0, block_ids, stored)
 
     def write(self, cache: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
         """Writes ``kv`` (``[2, len(block_ids) * N, H, D]``, the form :meth:`read` returns) into
@@ -116,14 +181,10 @@ class PagedLayout:
         if tuple(kv.shape) != want:
             raise InvalidArgumentError(f"kv: expected shape {list(want)}, got {list(kv.shape)}")
         per_block = kv.reshape(2, n, self.block_size, self.num_kv_heads, self.head_dim)
-        if self.split == "rows":
-            rows = per_block.permute(1, 3, 0, 2, 4)  # [blocks, H, 2, N, D]
-        else:
-            rows = per_block.permute(1, 3, 2, 0, 4)  # [blocks, H, N, 2, D]
-        self._blocks(cache).index_copy_(0, block_ids, rows.to(cache.dtype))
+        self.write_blocks(cache, block_ids, per_block.permute(1, 0, 3, 2, 4))
 
 
-def _rows_viewable(cache: torch.Tensor) -> bool:
+def _heads_contiguous(cache: torch.Tensor) -> bool:
     """Whether each block's ``[H, N, 2D]`` is one contiguous run (blocks may be apart)."""
     _, h, n, c = cache.shape
     return cache.stride()[1:] == (n * c, c, 1) or h * n * c == 0
@@ -134,16 +195,17 @@ def layout_for_backend(
 ) -> PagedLayout:
     """The layout of an attention backend's per-layer cache, checked against the tensor.
 
-    ``backend_name`` is ``AttentionBackend.get_name()`` (prefixed ``ROCM:`` on ROCm);
-    ``cache`` the layer's tensor as vLLM registers it. Raises :class:`ConfigError` for a
-    backend not in :data:`BACKEND_SPLITS` and for a cache that is not its layout (MLA's latent
+    ``backend_name`` is :func:`~.config.backend_name`'s (``AttentionBackend.get_name()``,
+    with ``:isa`` for CPU_ATTN, prefixed ``ROCM:`` on ROCm); ``cache`` the layer's tensor as
+    vLLM registers it. Raises :class:`ConfigError` for a backend not in
+    :data:`BACKEND_LAYOUTS` and for a cache that is not its layout (MLA's latent
     cache, a kernel block size below the block size, a quantized cache).
     """
-    split = BACKEND_SPLITS.get(backend_name)
+    split = BACKEND_LAYOUTS.get(backend_name)
     if split is None:
         raise ConfigError(
             f"KVTierConnector: attention backend {backend_name} is not one whose paged cache "
-            f"kvtier knows where K and V are in ({', '.join(BACKEND_SPLITS)}; none on ROCm): "
+            f"kvtier knows where K and V are in ({', '.join(BACKEND_LAYOUTS)}; none on ROCm): "
             "refused rather than guessed; choose one of those with --attention-backend "
             "(LLM(attention_backend=...))"
         )
