@@ -1215,3 +1215,90 @@ def test_the_engine_keeps_running_when_redis_dies() -> None:
         assert 0 < lost < len(seqs) + len(more)
     finally:
         server.stop()
+
+
+# -- whole blocks (append_blocks) -----------------------------------------------------------------
+
+
+def as_blocks(x: Any, layer: int, first: int, count: int) -> Any:
+    """Blocks ``first:first + count`` of one layer of ``kv``'s output, in the form
+    ``append_blocks`` takes: ``[count, 2, heads, BS, dim]``."""
+    tokens = x[layer, :, first * BS : (first + count) * BS]  # [2, tokens, H, D]
+    return tokens.reshape(2, count, BS, HEADS, DIM).permute(1, 0, 3, 2, 4).contiguous()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_whole_blocks_are_stored_as_their_tokens_appended_one_by_one_are(
+    request: Any, device: str, dtype: Any
+) -> None:
+    """The same K/V, the same key-norm signal the scheduler ranks by, and the blocks cached
+    for later prompts once every layer has them; a sequence sharing a cached prefix appends
+    the blocks after it. (On the CPU the extension checks and copies them; on CUDA, torch.)"""
+    if device == "cuda":
+        request.getfixturevalue("torch_cuda")
+    x = kv(3 * BS, seed=40, device=device, dtype=dtype)
+    tokens = np.arange(3 * BS)
+    by_token, by_block = manager(device, dtype), manager(device, dtype)
+    a = by_token.add_sequence(tokens)
+    append_all(by_token, a, x)
+    b = by_block.add_sequence(tokens)
+    for layer in range(LAYERS):
+        by_block.append_blocks(b, layer, as_blocks(x, layer, 0, 3))
+    assert_gathers(by_block, b, x)
+    blocks_a, blocks_b = by_token.core.sequence_blocks(a), by_block.core.sequence_blocks(b)
+    np.testing.assert_allclose(
+        by_block.ledger.magnitude(blocks_b), by_token.ledger.magnitude(blocks_a), rtol=1e-4
+    )
+    by_block.free(b)
+    assert by_block.lookup(tokens) == 3 * BS
+    longer = by_block.add_sequence(np.arange(4 * BS))
+    assert by_block.num_tokens(longer) == 3 * BS
+    y = kv(4 * BS, seed=40, device=device, dtype=dtype)
+    y[:, :, : 3 * BS] = x
+    for layer in range(LAYERS):
+        by_block.append_blocks(longer, layer, as_blocks(y, layer, 3, 1))
+    assert_gathers(by_block, longer, y)
+
+
+def test_whole_blocks_into_a_block_another_sequence_is_writing_keep_its_tokens() -> None:
+    """A sequence that shares blocks another is still writing (the same prompt, added before
+    the first finished): its whole blocks fill the rest of them, and the tokens already there
+    stay the writer's."""
+    bm = manager()
+    tokens = np.arange(2 * BS)
+    x = kv(2 * BS, seed=41)
+    writer = bm.add_sequence(tokens)
+    bm.append(writer, 0, x[0, 0, :5], x[0, 1, :5])
+    reader = bm.add_sequence(tokens)
+    other = x.clone()
+    other[0, :, :5] += 1.0  # what the writer wrote wins where it wrote
+    bm.append_blocks(reader, 0, as_blocks(other, 0, 0, 2))
+    k, v = bm.gather(reader, 0)
+    assert torch.equal(k, x[0, 0]) and torch.equal(v, x[0, 1])
+
+
+def test_bad_whole_blocks_are_refused_saying_what_was_expected_and_store_nothing() -> None:
+    bm = manager()
+    seq = bm.add_sequence(np.arange(3 * BS))
+    x = kv(3 * BS, seed=42)
+    good = as_blocks(x, 0, 0, 2)
+    k_nan, v_inf = good.clone(), good.clone()
+    k_nan[1, 0, 1, 3, 5] = float("nan")
+    v_inf[0, 1, 0, 0, 0] = float("inf")
+    cases = [
+        (k_nan, "expected finite values, got NaN or inf in K"),
+        (v_inf, "expected finite values, got NaN or inf in V"),
+        (good[:, :, :1], r"expected shape \[num_blocks, 2, 2 kv_heads, 16 block_size"),
+        (good.float(), "expected dtype torch.float16"),
+    ]
+    before = snapshot(bm)
+    for blocks, message in cases:
+        with pytest.raises(InvalidArgumentError, match=message):
+            bm.append_blocks(seq, 0, blocks)
+        assert_same(before, snapshot(bm))
+    bm.append(seq, 1, x[1, 0, :3], x[1, 1, :3])
+    with pytest.raises(InvalidArgumentError, match="holds 3 tokens, not whole blocks of 16"):
+        bm.append_blocks(seq, 1, as_blocks(x, 1, 0, 1))
+    bm.append_blocks(seq, 0, good)  # the retry with good blocks stores them
+    assert bm.num_tokens(seq, 0) == 2 * BS

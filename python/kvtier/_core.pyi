@@ -382,3 +382,18 @@ def write_token(
     head_dim: int,
     dtype: int,
 ) -> tuple[float, int]: ...
+def paged_copy(
+    layout: str,
+    to_cache: bool,
+    cache: int,
+    block_stride: int,
+    strides: tuple[int, int],
+    block_ids: npt.NDArray[np.int64],
+    blocks: npt.NDArray[np.uint64],
+    shape: tuple[int, int, int],
+    elem: int,
+) -> None: ...
+def block_key_norms(
+    blocks: int, num_blocks: int, shape: tuple[int, int, int], dtype: int
+) -> tuple[npt.NDArray[np.float32], int]: ...
+def copy_rows(srcs: npt.NDArray[np.uint64], dsts: npt.NDArray[np.uint64], bytes: int) -> None: ...

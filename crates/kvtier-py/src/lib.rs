@@ -9,6 +9,7 @@ mod core;
 mod errors;
 mod files;
 mod host;
+mod paged;
 mod plan;
 mod sealed;
 mod sim;
@@ -102,5 +103,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(files::write_checksummed, m)?)?;
     m.add_function(wrap_pyfunction!(files::write_stored, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::write_token, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::paged_copy, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::copy_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens::block_key_norms, m)?)?;
     Ok(())
 }

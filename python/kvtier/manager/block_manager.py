@@ -34,6 +34,8 @@ from ..config import KvtierConfig, normalize_dtype
 from ..errors import ConfigError, InvalidArgumentError, InvalidSequenceError, OutOfCapacityError
 from .attention import AttentionTables, per_block
 from .checks import (
+    block_key_norms_of,
+    check_blocks,
     check_finite_query,
     check_kv,
     check_layer,
@@ -359,6 +361,62 @@ class BlockManager:
             self._write(seq, layer, start, end, k, v, norms)
             state.lengths[layer] = end
 
+    def append_blocks(self, seq: int, layer: int, blocks: Any) -> None:
+        """Appends whole blocks of K/V to one layer of ``seq``, ``[num_blocks, 2, kv_heads,
+        block_size, head_dim]`` (K then V: the form :meth:`gather_blocks` returns), from the
+        layer's first token not yet written, which must start a block. What :meth:`append`
+        does with their tokens (the same checks, room and errors; a call that raises changes
+        nothing), for an engine whose own cache is paged: no token-major form on the way, one
+        copy a block into the level-0 pool. Blocks of a cached prefix the sequence shares are
+        skipped, as :meth:`append` skips their tokens."""
+        blocks = check_blocks(blocks, self.shape, self.dtype, self.device).detach()
+        layer = self._layer(layer)
+        norms = block_key_norms_of(blocks, self._dtype_code)
+        n, bs = int(blocks.shape[0]), self.block_size
+        with self._lock:
+            state = self._seq(seq)
+            start = int(state.lengths[layer])
+            if start % bs:
+                raise InvalidArgumentError(
+                    f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of "
+                    f"{bs}: append the rest of its last block with append()"
+                )
+            if n == 0:
+                return
+            end = start + n * bs
+            have = self.core.sequence_tokens(seq)
+            if start < have:
+                self.ledger.check_writable(seq, layer, start, min(end, have))
+            if end > have:
+                self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
+            self._write_blocks(seq, layer, start // bs, blocks, norms)
+            state.lengths[layer] = end
+
+    def _write_blocks(
+        self, seq: int, layer: int, first: int, blocks: Any, norms: np.ndarray
+    ) -> None:
+        """:meth:`append_blocks`' write: ``blocks`` into the sequence's blocks from its block
+        ``first`` (allocated), but for those some layer-owner already wrote (a shared
+        prefix), whose tokens :meth:`_write` writes where they are partly written."""
+        torch = torch_module()
+        bs, n = self.block_size, len(blocks)
+        ids = self.core.sequence_blocks(seq)[first : first + n]
+        written = self.ledger.written[ids, layer]
+        whole = np.nonzero(written == 0)[0]
+        if len(whole):
+            slots = self.core.block_info(ids[whole])["slot"].astype(np.int64)
+            pick = torch.from_numpy(whole).to(self.device)
+            part = blocks if len(whole) == n else blocks.index_select(0, pick)
+            self._tiers.write_blocks(torch.from_numpy(slots).to(self.device), layer, part)
+            offsets = np.tile(np.arange(bs), len(whole))
+            per_token = norms.reshape(n, bs)[whole].reshape(-1)
+            self._finish(self.ledger.wrote(np.repeat(ids[whole], bs), layer, offsets, per_token))
+        for i in np.nonzero((written > 0) & (written < bs))[0]:
+            k, v = blocks[i].transpose(1, 2)  # [N, H, D] each
+            start = (first + int(i)) * bs
+            tokens = norms[i * bs : (i + 1) * bs]
+            self._write(seq, layer, start, start + bs, k, v, tokens)
+
     def _append_one(self, seq: int, layer: Any, k: Any, v: Any) -> bool:
         """The decode step's append on the CPU: one token into the block this sequence is
         filling, its checks inlined (this runs once per layer per token). False, with nothing
@@ -485,9 +543,7 @@ class BlockManager:
             blocks, tokens = self._attended(seq, int(self._seq(seq).lengths[layer]))
             self.ledger.check_written(seq, layer, blocks, tokens)
             self.ledger.check_not_lost(seq, blocks)
-            out = torch.empty(
-                (len(blocks), *self.shape.dims[1:]), dtype=self.dtype, device=self.device
-            )
+            out = None
             for (tier, level), rows, slots, ids in self._tiers.locations(blocks):
                 try:
                     part = self._tiers.read_layer(tier, level, slots, layer, ids)
@@ -495,7 +551,16 @@ class BlockManager:
                     self._mark_lost(exc.blocks.astype(np.uint32))
                     self.ledger.check_not_lost(seq, blocks)
                     raise
+                if len(ids) == len(blocks):  # one pool holds them all, in order
+                    out = part
+                    break
+                if out is None:
+                    out = torch.empty(
+                        (len(blocks), *self.shape.dims[1:]), dtype=self.dtype, device=self.device
+                    )
                 out.index_copy_(0, rows, part)
+            if out is None:
+                out = torch.empty((0, *self.shape.dims[1:]), dtype=self.dtype, device=self.device)
             if len(blocks):
                 self.core.record_reads(blocks)
         return tokens, out

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._core import block_key_norms
 from .._torch import all_finite, as_tensor
 from ..codecs.base import BlockShape
 from ..errors import InvalidArgumentError
@@ -60,6 +61,40 @@ def check_kv(x: Any, what: str, shape: BlockShape, dtype: Any, device: Any) -> t
     if t.device != device:
         raise InvalidArgumentError(f"{what}: expected a tensor on {device}, got one on {t.device}")
     return t
+
+
+def check_blocks(x: Any, shape: BlockShape, dtype: Any, device: Any) -> torch.Tensor:
+    """``x`` as whole blocks of one layer, ``[num_blocks, 2, kv_heads, block_size, head_dim]``
+    of ``dtype`` on ``device``, contiguous (a copy if it was not)."""
+    t = as_tensor(x, "blocks")
+    want = (2, shape.kv_heads, shape.block_size, shape.head_dim)
+    if t.dim() != 5 or tuple(t.shape[1:]) != want:
+        raise InvalidArgumentError(
+            f"blocks: expected shape [num_blocks, 2, {want[1]} kv_heads, {want[2]} block_size, "
+            f"{want[3]} head_dim] (K then V), got {list(t.shape)}"
+        )
+    if t.dtype != dtype:
+        raise InvalidArgumentError(
+            f"blocks: expected dtype {dtype} (the model dtype of this manager), got {t.dtype}"
+        )
+    if t.device != device:
+        raise InvalidArgumentError(f"blocks: expected a tensor on {device}, got one on {t.device}")
+    return t.contiguous()
+
+
+def block_key_norms_of(blocks: torch.Tensor, dtype_code: int) -> np.ndarray:
+    """Per token of ``blocks`` (checked by :func:`check_blocks`), block by block, the mean over
+    heads of its key's norm, once K and V are known to be finite (see :func:`key_norms`):
+    in the extension, one pass, on the CPU; elsewhere :func:`key_norms` of the blocks' tokens."""
+    if blocks.device.type != "cpu":
+        return key_norms(blocks[:, 0].transpose(1, 2), blocks[:, 1]).reshape(-1)
+    n, _, h, bs, d = blocks.shape
+    norms, bad = block_key_norms(blocks.data_ptr(), n, (h, bs, d), dtype_code)
+    if bad:
+        raise InvalidArgumentError(
+            f"blocks: expected finite values, got NaN or inf in {'KV'[bad - 1]}; nothing was stored"
+        )
+    return norms
 
 
 def check_query(

@@ -36,6 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
+
+from ..._core import paged_copy
 from ...errors import ConfigError, InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -136,10 +139,14 @@ class PagedLayout:
         """Whole blocks in kvtier's form, ``[len(block_ids), 2, H, N, D]`` (what
         :meth:`~kvtier.BlockManager.gather_blocks` returns; a view where it can be), from the
         cache's blocks ``block_ids`` (an int64 tensor on its device)."""
+        b, h, n, d = len(block_ids), self.num_kv_heads, self.block_size, self.head_dim
+        if cache.device.type == "cpu":
+            blocks = cache.new_empty((b, 2, h, n, d))
+            self._native(cache, block_ids, blocks, to_cache=False)
+            return blocks
         picked = self._regions(cache).index_select(0, block_ids)
         if self.split == "channels":
             return picked.permute(0, 3, 1, 2, 4)  # [b, H, N, 2, D] -> [b, 2, H, N, D]
-        b, h, n, d = len(block_ids), self.num_kv_heads, self.block_size, self.head_dim
         blocks = picked.new_empty((b, 2, h, n, d))
         for kv in (0, 1):
             tokens = self._unpack(picked[:, :, kv], kv)
@@ -163,6 +170,9 @@ class PagedLayout:
                 f"blocks: expected shape {list(want)}, got {list(blocks.shape)}"
             )
         blocks = blocks.to(cache.dtype)
+        if cache.device.type == "cpu":
+            self._native(cache, block_ids, blocks.contiguous(), to_cache=True)
+            return
         if self.split == "channels":
             stored = blocks.permute(0, 2, 3, 1, 4)  # -> [b, H, N, 2, D]
         else:
@@ -172,6 +182,25 @@ class PagedLayout:
                 packed = self._pack(blocks[:, kv], kv)
                 stored[:, :, kv].view(packed.shape).copy_(packed)
         self._regions(cache).index_copy_(0, block_ids, stored)
+
+    def _native(
+        self, cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor, *, to_cache: bool
+    ) -> None:
+        """The CPU path of :meth:`read_blocks` (``to_cache`` False) and :meth:`write_blocks`:
+        one pass over the bytes in the extension (``_core.paged_copy``), between ``cache``
+        and ``blocks`` (contiguous ``[b, 2, H, N, D]`` of the cache's dtype)."""
+        ids = block_ids.numpy().astype(np.int64, copy=False)
+        if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < cache.shape[0]:
+            raise InvalidArgumentError(
+                f"block_ids: expected blocks of the cache's {cache.shape[0]}, got {ids.tolist()}"
+            )
+        step = blocks[0].numel() * blocks.element_size() if len(blocks) else 0
+        addrs = blocks.data_ptr() + step * np.arange(len(ids), dtype=np.uint64)
+        paged_copy(
+            self.split, to_cache, cache.data_ptr(), cache.stride(0),
+            (cache.stride(1), cache.stride(2)), ids, addrs,
+            (self.num_kv_heads, self.block_size, self.head_dim), cache.element_size(),
+        )  # fmt: skip
 
     def write(self, cache: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
         """Writes ``kv`` (``[2, len(block_ids) * N, H, D]``, the form :meth:`read` returns) into

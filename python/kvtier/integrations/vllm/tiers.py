@@ -71,30 +71,41 @@ class WorkerTiers:
     ) -> int:
         """Appends to manager sequence ``seq`` the K/V it lacks among whole paged blocks
         ``block_ids`` (the sequence's blocks from its first token; its token ids declared),
-        reading each layer's cache once, in one gather per layer. Returns the blocks written at
-        the last layer (those a cached prefix already held are skipped). ``on_keys(layer,
-        keys)`` sees the keys of the blocks appended at each layer, ``[blocks, block_size,
-        kv_heads, head_dim]``."""
-        torch = torch_module()
-        manager, layout = self.manager, self.layout
-        bs = layout.block_size
-        end = len(block_ids) * bs
+        a layer at a time (:meth:`save_layer`). Returns the blocks written at the last layer
+        (those a cached prefix already held are skipped)."""
         written = 0
-        for layer, cache in enumerate(self.caches):
-            start = manager.num_tokens(seq, layer)
-            if start >= end:
-                continue
-            if start % bs:
-                raise InvalidArgumentError(
-                    f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of {bs}"
-                )
-            ids = torch.tensor(block_ids[start // bs :], dtype=torch.int64, device=cache.device)
-            kv = layout.read(cache, ids).to(manager.device)
-            manager.append(seq, layer, kv[0], kv[1])
-            written = len(ids)
-            if on_keys is not None:
-                on_keys(layer, kv[0].view(written, bs, layout.num_kv_heads, layout.head_dim))
+        for layer in range(len(self.caches)):
+            written = self.save_layer(layer, seq, block_ids, on_keys)
         return written
+
+    def save_layer(
+        self,
+        layer: int,
+        seq: int,
+        block_ids: Sequence[int],
+        on_keys: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> int:
+        """One layer of :meth:`save`: the blocks of ``block_ids`` that manager sequence ``seq``
+        lacks at ``layer``, read from its cache in one pass (on the CPU, in the extension) and
+        appended whole (:meth:`~kvtier.BlockManager.append_blocks`). Returns how many.
+        ``on_keys(layer, keys)`` sees their keys, ``[blocks, block_size, kv_heads,
+        head_dim]``."""
+        torch = torch_module()
+        manager, layout, cache = self.manager, self.layout, self.caches[layer]
+        bs = layout.block_size
+        start = manager.num_tokens(seq, layer)
+        if start >= len(block_ids) * bs:
+            return 0
+        if start % bs:
+            raise InvalidArgumentError(
+                f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of {bs}"
+            )
+        ids = torch.tensor(block_ids[start // bs :], dtype=torch.int64, device=cache.device)
+        blocks = layout.read_blocks(cache, ids).to(manager.device)
+        manager.append_blocks(seq, layer, blocks)
+        if on_keys is not None:
+            on_keys(layer, blocks[:, 0].transpose(1, 2))
+        return len(ids)
 
     def load(self, seq: int, start: int, end: int, block_ids: Sequence[int]) -> int:
         """Writes the K/V of tokens ``start:end`` of manager sequence ``seq`` (decoded to the
