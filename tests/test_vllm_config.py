@@ -60,19 +60,20 @@ def test_pool_shares_stand_where_given(
 @pytest.mark.parametrize(
     ("host_budget", "stage_blocks", "slots"),
     [
-        # a step's blocks at level 0 and at int8, the rest of the budget at int4
-        ("1GiB", 8, {0: 8, 1: 8}),
-        # a budget of 16 bf16 blocks: a quarter of it stages at most, one slot each at least
-        (16, 8, {0: 2, 1: 2}),
-        (16, 1, {0: 1, 1: 1}),
-        (2, 8, {0: 1, 1: 1}),
+        # two steps' blocks at level 0, one step's at int8, the rest of the budget at int4
+        ("1GiB", 8, {0: 16, 1: 8}),
+        # a budget of 16 bf16 blocks: a quarter of it stages at most, one stage at least
+        (16, 8, {0: 2, 1: 1}),
+        (16, 1, {0: 2, 1: 1}),
+        (3, 8, {0: 2, 1: 1}),
     ],
 )
 def test_staging_levels_hold_one_steps_saves_and_the_bottom_level_the_rest(
     host_budget: str | int, stage_blocks: int, slots: dict[int, int]
 ) -> None:
-    """The manager built from the shares has ``stage_blocks`` slots (bounded) at each level
-    above the bottom, and the bottom level takes every byte they leave."""
+    """The manager built from the shares has ``stage_blocks`` slots (bounded) at each middle
+    level and twice as many at level 0 (a step's saves land beside the step before's, which
+    move down meanwhile), and the bottom level takes every byte they leave."""
     from kvtier import BlockManager
     from kvtier.codecs.base import BlockShape
 

@@ -284,6 +284,84 @@ class TestAHostTierAlone:
         finally:
             manager.free(seq)
 
+    def test_saves_are_written_a_layer_at_a_time_during_the_forward_pass(
+        self, host_engine: Any, vllm_model_dir: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Each layer's blocks are saved when vLLM's attention hook says that layer is done,
+        before the step's ``wait_for_save``, which only hands the tiers' step to its thread;
+        the figures count the blocks once."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        worker = kv_transfer_state.get_kv_transfer_group().worker
+        tiers, events = worker.tiers, []
+        save_layer, wait_for_save, save = tiers.save_layer, worker.wait_for_save, worker._save
+
+        def spy_layer(layer: int, *args: Any, **kwargs: Any) -> int:
+            events.append(("layer", layer))
+            return save_layer(layer, *args, **kwargs)
+
+        def spy_wait(meta: Any) -> None:
+            events.append(("wait", len(meta.saves)))
+            wait_for_save(meta)
+
+        def spy_save(spec: Any) -> None:
+            events.append(("after", spec.req_id))
+            save(spec)
+
+        monkeypatch.setattr(tiers, "save_layer", spy_layer)
+        monkeypatch.setattr(worker, "wait_for_save", spy_wait)
+        monkeypatch.setattr(worker, "_save", spy_save)
+        (prompt,) = wikitext_prompts(vllm_model_dir, [4 * BLOCK + 3], skip=6000)
+        before = connector(host_engine).get_compression_stats()["connector"]["saved_blocks"]
+        generate(host_engine, [prompt], max_new=1)
+        after = connector(host_engine).get_compression_stats()["connector"]
+        assert after["saved_blocks"] - before == 4
+        assert after["shed_blocks"] == 0
+        assert not [e for e in events if e[0] == "after"], "every save went a layer at a time"
+        layers = len(tiers.caches)
+        steps, current = [], []  # each step with saves: its layers, then its wait
+        for kind, value in events:
+            if kind == "layer":
+                current.append(value)
+            elif value:
+                steps.append(current)
+                current = []
+        assert steps and all(s == list(range(layers)) for s in steps), steps
+
+    def test_a_save_that_finds_level_0_full_while_the_tiers_step_runs_is_shed(
+        self, host_engine: Any, vllm_model_dir: Any
+    ) -> None:
+        """The tiers' step after a save runs on a thread of its own, and the next step's saves
+        do not wait for it: those that find no room at level 0 meanwhile are shed (counted; a
+        later miss), and vLLM's answer is the same."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        worker = kv_transfer_state.get_kv_transfer_group().worker
+        manager = worker.tiers.manager
+        (prompt,) = wikitext_prompts(vllm_model_dir, [3 * BLOCK + 3], skip=7000)
+        want = generate(host_engine, [prompt], max_new=4)
+        host_engine.reset_prefix_cache()
+        manager.clear_prefix_cache()
+        # Level 0 held by a sequence, and the tiers' step held up (its lock taken): the step
+        # that would make room is still running when the next save comes.
+        free = manager.core.usage()
+        slots = next(cap - used for t, lvl, used, cap, _ in free if (t, lvl) == ("device", 0))
+        hog = manager.add_sequence(list(range(10**6, 10**6 + slots * BLOCK)))
+        before = connector(host_engine).get_compression_stats()["connector"]
+        try:
+            with manager._step_lock:  # the step thread waits for it
+                worker._step_later()
+                assert worker._stepping()
+                got = generate(host_engine, [prompt], max_new=4)
+        finally:
+            manager.free(hog)
+        after = connector(host_engine).get_compression_stats()["connector"]
+        # Two blocks a step: the first step's save sheds its 2 blocks, the second's all 3 of
+        # the prompt (none held)
+        assert after["shed_blocks"] - before["shed_blocks"] == 2 + 3
+        assert after["saved_blocks"] == before["saved_blocks"]
+        assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
+
     def test_a_second_pass_loads_every_prompt_from_the_host_tier_exactly(
         self, host_engine: Any, prompts: list[list[int]]
     ) -> None:

@@ -101,7 +101,10 @@ def _windows(model_dir: Path, settings: Settings, text: Path | None) -> list[lis
 def _engine(model_dir: Path, settings: Settings, ladder: str | None, prefix_caching: bool) -> Any:
     from ..integrations.vllm.engines import connector_transfer, engine
 
-    extra = {"host_budget": HOST_BUDGET, "ladder": ladder}
+    # Every block saved (shed_saves off): this measures the levels' quality, not whether the
+    # tiers' step keeps up with vLLM's two-block steps (it does not on this CPU: kvtier bench
+    # vllm counts the blocks shed at the default).
+    extra = {"host_budget": HOST_BUDGET, "ladder": ladder, "shed_saves": False}
     context = -(-(settings.prefix + settings.continuation + settings.generated) // BLOCK) * BLOCK
     return engine(
         model_dir,
@@ -162,13 +165,14 @@ def _run_config(
             llm.reset_prefix_cache()  # vLLM forgets: the prefixes load from kvtier
         before = scheduler_connector(llm).get_compression_stats()["connector"] if ladder else {}
         scored, cached = _scored(llm, windows, settings.prefix)
-        levels = None
+        levels, saves = None, None
         if ladder:
             after = scheduler_connector(llm).get_compression_stats()["connector"]
             levels = {
                 level: tokens - before["hit_tokens_by_level"].get(level, 0)
                 for level, tokens in after["hit_tokens_by_level"].items()
             }
+            saves = {k: before[k] for k in ("saved_blocks", "shed_blocks", "save_failures")}
             llm.reset_prefix_cache()
         greedy = _greedy(llm, windows, settings)
     finally:
@@ -178,6 +182,7 @@ def _run_config(
         "scored": scored,
         "prefix_tokens_not_computed": cached,
         "loaded_tokens_by_level": levels,
+        "prefix_saves": saves,
         "greedy": greedy,
         "seconds": time.perf_counter() - t0,
     }
@@ -230,6 +235,7 @@ def run(
             **_compare(r, raw["reference"]),
             "prefix_tokens_not_computed": r["prefix_tokens_not_computed"],
             "loaded_tokens_by_level": r["loaded_tokens_by_level"],
+            "prefix_saves": r["prefix_saves"],
             "seconds": r["seconds"],
         }
     return {

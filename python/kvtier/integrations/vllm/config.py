@@ -46,7 +46,7 @@ MAX_STAGING_SHARE = 0.25
 #: The host tier's budget when the extra config names none.
 DEFAULT_HOST_BUDGET = "2GiB"
 #: Keys of ``kv_connector_extra_config`` that are the connector's own, not KvtierConfig fields.
-CONNECTOR_KEYS = frozenset({"load_failure_policy", "async_loads", "scorer"})
+CONNECTOR_KEYS = frozenset({"load_failure_policy", "async_loads", "scorer", "shed_saves"})
 #: ``async_loads``: when a hit loads in the worker's background while the request waits.
 ASYNC_LOADS = ("auto", "always", "never")
 _VARS = {var.field: var for var in ENV_VARS}
@@ -113,33 +113,37 @@ def connector_config(
 def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -> tuple[float, ...]:
     """The connector's own ``pool_shares`` for blocks of ``shape``: ``stage_blocks`` slots (the
     blocks one step of vLLM may complete: ``max_num_batched_tokens`` over the block size) at
-    level 0 and at each middle level, at most a quarter of the budget and at least one slot
-    each, and the rest of the budget at the bottom level.
+    each middle level and twice as many at level 0, at most a quarter of the budget and at least
+    one stage, and the rest of the budget at the bottom level.
 
     vLLM's own pool holds the hot blocks at full precision; behind it the connector is
-    capacity. A save lands at level 0 (pinned there until written), and each step demotes it
-    as deep as a free slot is (the bottom level making room by evicting its lowest-ranked
-    leaf), so the levels above the bottom only stage what a step passes on: sized to one step,
-    they leave the rest of the bytes to the bottom level (``int4`` holds a block in 0.31 of its
-    bf16 bytes). A save larger than half of level 0 goes in pieces, each making room for the
-    next, so a long prefill chunk still fits."""
+    capacity. A save lands at level 0 (pinned there until its last layer is written), and the
+    tiers' step after vLLM's, on a thread of its own, demotes it as deep as a free slot is (the
+    bottom level making room by evicting its lowest-ranked leaf). So the levels above the
+    bottom only stage what a step passes on, level 0 twice over: one step's saves land in one
+    half while the step before's move down from the other. Sized so, they leave the rest of the
+    bytes to the bottom level (``int4`` holds a block in 0.31 of its bf16 bytes). A save larger
+    than level 0 has free goes in pieces after the forward pass, each making room for the next,
+    so a long prefill chunk still fits."""
     ladder = config.resolved_ladder(shape.dtype)
     level_bytes = [get_codec(name).bytes_per_block(shape) for name in ladder]
     budget = config.device_budget
     if budget is None:
         assert config.device_blocks is not None, "connector_config sets one of the two"
         budget = config.device_blocks * level_bytes[0]
-    affordable = int(MAX_STAGING_SHARE * budget) // sum(level_bytes[:-1])
+    staged = [2 * level_bytes[0], *level_bytes[1:-1]]  # one stage's bytes at each level
+    affordable = int(MAX_STAGING_SHARE * budget) // sum(staged)
     stage = max(1, min(stage_blocks, affordable))
     # Half a byte more than the slots take: the manager's floor of share * budget / bytes
     # must not lose one to rounding.
-    above = [(stage * b + 0.5) / budget for b in level_bytes[:-1]]
+    above = [(stage * b + 0.5) / budget for b in staged]
     if sum(above) >= 1.0:
         raise ConfigError(
-            f"host budget {budget} B holds no level-0 block with room below it: one block "
-            f"takes {' + '.join(map(str, level_bytes[:-1]))} B at the levels above the bottom "
-            f"({', '.join(ladder[:-1])}) and the bottom level ({ladder[-1]}) needs room too: "
-            "raise host_budget or host_blocks"
+            f"host budget {budget} B holds no level-0 block with room below it: the levels "
+            f"above the bottom take {' + '.join(map(str, staged))} B at the least ({ladder[0]} "
+            f"twice over: a step's saves beside the step before's; then "
+            f"{', '.join(ladder[1:-1]) or 'nothing'}) and the bottom level ({ladder[-1]}) needs "
+            "room too: raise host_budget or host_blocks"
         )
     return (*above, 1.0 - sum(above))
 
@@ -169,6 +173,10 @@ class ConnectorSettings:
     scorer: Callable[[int, torch.Tensor], Any] | None
     #: ``load_failure_policy`` as given (the scheduler checks it and sets vLLM's)
     load_failure_policy: object
+    #: a save that finds the tiers' level 0 full while their step makes room is cut to what
+    #: fits, the rest skipped (True, the default: vLLM's step never waits for kvtier's), or
+    #: waits for that step (False: every block saved, the forward pass held up meanwhile)
+    shed_saves: bool = True
 
     @classmethod
     def from_vllm(
@@ -209,7 +217,18 @@ class ConnectorSettings:
             async_loads=async_loads,
             scorer=import_scorer(extra.get("scorer")),
             load_failure_policy=extra.get("load_failure_policy", "recompute"),
+            shed_saves=_flag(extra, "shed_saves", default=True),
         )
+
+
+def _flag(extra: Mapping[str, Any], name: str, *, default: bool) -> bool:
+    """A boolean of the extra config: JSON true/false, or "true"/"false" as a string."""
+    value = extra.get(name, default)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    return value
 
 
 def tiers_config(settings: ConnectorSettings) -> KvtierConfig:

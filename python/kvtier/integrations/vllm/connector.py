@@ -163,7 +163,7 @@ class KVTierConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return  # saves read every layer after the forward pass, in wait_for_save
+        self.worker.save_kv_layer(layer_name, self._metadata())
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._metadata())

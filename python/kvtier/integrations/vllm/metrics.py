@@ -57,11 +57,13 @@ class Counters:
     load_errors: int = 0
     saved_blocks: int = 0
     save_failures: int = 0
+    #: blocks a save skipped because level 0 was full while the background step made room
+    shed_blocks: int = 0
     #: bytes of vLLM's KV the loads wrote and the saves read (its blocks, at its dtype)
     loaded_bytes: int = 0
     saved_bytes: int = 0
     #: time the loads took (on the worker's threads, beside the forward pass) and the saves
-    #: (within vLLM's step, after the forward pass)
+    #: (within vLLM's step: a layer at a time in the forward pass, or after it)
     load_seconds: float = 0.0
     save_seconds: float = 0.0
     #: ``hit_tokens`` by the place (tier, level name) where the lookup found them
@@ -206,6 +208,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             "load_errors": "Blocks kvtier could not give back (recomputed by vLLM).",
             "saved_blocks": "Blocks saved into kvtier's tiers.",
             "save_failures": "Saves kvtier's tiers refused (a later miss).",
+            "shed_blocks": "Blocks a save skipped, the tiers' level 0 full (a later miss).",
             "loaded_bytes": "Bytes of vLLM's KV loaded from kvtier's tiers.",
             "saved_bytes": "Bytes of vLLM's KV saved into kvtier's tiers.",
             "load_seconds": "Seconds kvtier's loads took (beside the forward pass).",

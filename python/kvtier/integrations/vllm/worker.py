@@ -5,13 +5,18 @@
 as :class:`~.tiers.WorkerTiers` with the caches) and serves them to the scheduler over
 :mod:`.link`. Each step it runs the loads of :class:`~.metadata.KVTierMetadata`: those of blocks
 in host memory a layer at a time beside the forward pass (:class:`~.tiers.LayerLoads`, each attention
-layer waiting for its own), the others in the background while their requests wait; after the
-forward pass it saves the complete blocks, in pieces that fit level 0, scoring them with the
-user's scorer if there is one. A block it cannot load is handed to vLLM as a load error (vLLM
-recomputes it); a save that fails is a later miss.
+layer waiting for its own), the others in the background while their requests wait. It saves the
+step's complete blocks a layer at a time as the forward pass finishes each layer (one native pass
+out of vLLM's cache into the host tier's level 0), scoring them with the user's scorer if there
+is one; a save that does not fit level 0's free slots waits for the end of the forward pass and
+goes in pieces there. The scheduler's step that moves the saved blocks down the ladder (their encoding) runs
+on a thread of its own after vLLM's step; a save that finds level 0 full while it runs is shed
+(counted), never waited for. A block it cannot load is handed to vLLM as a load error (vLLM
+recomputes it); a save that fails or is shed is a later miss.
 
-State: the tiers (from registration to shutdown), this step's layer loads, background loads done
-and not yet reported, the failed blocks and finished saves not yet reported, and its counters.
+State: the tiers (from registration to shutdown), this step's layer loads and layer saves, the
+saves left for the end of the forward pass, the background step, background loads done and not
+yet reported, the failed blocks and finished saves not yet reported, and its counters.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ import logging
 import os
 import queue
 import time
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,6 +58,22 @@ IDLE_WAIT_S = 0.05
 __all__ = ["KVTierWorker"]
 
 
+@dataclass
+class _LayerSave:
+    """One request's save, written a layer at a time as the forward pass finishes each."""
+
+    spec: SaveSpec
+    #: the manager sequence it writes (its prefix the tiers held shared)
+    seq: int
+    #: blocks the tiers held already (skipped)
+    first: int
+    #: the user's scores of the written blocks, one tensor per layer
+    scores: list[torch.Tensor] = field(default_factory=list)
+    #: blocks written at the last layer (0 until it is written)
+    written: int = 0
+    failed: bool = False
+
+
 class KVTierWorker:
     """The worker side of :class:`~.connector.KVTierConnector` (one per tensor-parallel rank):
     the tiers, the loads and saves of each step, and the counts of loaded and saved blocks."""
@@ -76,6 +98,12 @@ class KVTierWorker:
         self._saved_finished: set[str] = set()
         self._layer_thread: Executor | None = None  # this step's loads, a layer at a time
         self._layer_loads: LayerLoads | None = None
+        self._layer_saves: list[_LayerSave] | None = None  # this step's, a layer at a time
+        #: this step's saves left for the end of the forward pass (None: no layer saved yet,
+        #: so all of them)
+        self._deferred: list[SaveSpec] | None = None
+        self._stepper: Executor | None = None  # the manager's step after vLLM's
+        self._step_job: Future[Any] | None = None
         self._layer_index = {name: i for i, name in enumerate(settings.layer_names)}
         #: background loads done: request, blocks written, blocks failed, seconds
         self._loaded: queue.SimpleQueue[tuple[str, int, list[int], float]] = queue.SimpleQueue()
@@ -97,7 +125,9 @@ class KVTierWorker:
         return self.tiers.lookup(tokens, salt)
 
     def stats(self) -> dict[str, Any]:
-        """The tiers' figures and, under ``worker``, this side's counters."""
+        """The tiers' figures (once the background step is over) and, under ``worker``, this
+        side's counters."""
+        self._settle()
         stats = self.tiers.manager.get_compression_stats()
         stats["worker"] = self.counters.as_dict()
         return stats
@@ -183,15 +213,40 @@ class KVTierWorker:
         if loads is not None and layer is not None:
             loads.wait(layer)
 
-    def wait_for_save(self, meta: KVTierMetadata) -> None:
-        """Saves what the step completed (every layer is computed by now)."""
-        self._finish_layer_loads()
+    def save_kv_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
+        """Saves layer ``layer_name`` of the step's complete blocks, which the forward pass has
+        just computed, while it goes on with the next layer: one native read of their blocks
+        out of vLLM's cache each, appended whole to the host tier's level 0. The first layer
+        starts the step's saves (:meth:`_begin_layer_saves`), the last one ends them."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not meta.saves:
+            return
         start = time.perf_counter()
-        for save in meta.saves:
+        if layer == 0:
+            self._end_layer_saves()  # a forward pass that never reached its last layer
+            self._layer_saves = self._begin_layer_saves(meta.saves)
+        last = layer == len(self._layer_index) - 1
+        for save in self._layer_saves or ():
+            if not save.failed:
+                self._save_layer(save, layer, last)
+        if last:
+            self._end_layer_saves()
+        self.counters.save_seconds += time.perf_counter() - start
+
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
+        """Runs the saves the layers did not (all of them if no layer saved: a forward pass
+        without vLLM's attention hooks; else those level 0 had no room for), then hands the
+        manager's step, which moves the saved blocks down the ladder, to a thread of its own."""
+        self._finish_layer_loads()
+        self._end_layer_saves()
+        start = time.perf_counter()
+        deferred = meta.saves if self._deferred is None else self._deferred
+        self._deferred = None
+        for save in deferred:
             self._save(save)
         if meta.saves:
-            self.tiers.manager.step()
-            self.counters.save_seconds += time.perf_counter() - start
+            self._step_later()
+        self.counters.save_seconds += time.perf_counter() - start
         self._saved_finished |= meta.finishing
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -248,10 +303,13 @@ class KVTierWorker:
 
     def shutdown(self) -> None:
         self._finish_layer_loads()
-        for pool in (self.loader, self._layer_thread):
+        if self._tiers is not None:
+            self._end_layer_saves()
+        self._settle()
+        for pool in (self.loader, self._layer_thread, self._stepper):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self.loader = self._layer_thread = None
+        self.loader = self._layer_thread = self._stepper = None
         if self._tiers is not None:
             forget(self.settings.engine_id, self, self._listener, self.rank)
             self._listener = None
@@ -307,6 +365,117 @@ class KVTierWorker:
         return ok, load.block_ids[ok:]
 
     # -- saves -------------------------------------------------------------------------------
+
+    def _begin_layer_saves(self, saves: list[SaveSpec]) -> list[_LayerSave]:
+        """A manager sequence for each save whose new blocks fit the free slots of the host
+        tier's level 0 (where they stay, pinned, until their last layer is written). One that
+        does not fit waits for the end of the forward pass (:meth:`_save` makes room there, in
+        pieces) or, while the background step that makes that room is still running, is cut
+        to what fits and the rest shed (counted: a later miss) rather than waited for (unless
+        ``shed_saves`` is off: then it waits for that step)."""
+        manager = self.tiers.manager
+        bs = self.settings.block_size
+        free, busy = self._level0_free(), self._stepping()
+        layer_saves: list[_LayerSave] = []
+        self._deferred = []
+        for spec in saves:
+            held = len(manager.core.lookup_tokens(spec.tokens, spec.salt))
+            new = len(spec.block_ids) - held
+            if new <= 0:
+                continue
+            if new > free and busy and not self.settings.shed_saves:
+                self._settle()
+                free, busy = self._level0_free(), False
+            if new > free and not busy:
+                self._deferred.append(spec)
+                continue
+            if new > free:
+                self.counters.shed_blocks += new - free
+                if not free:
+                    continue
+                end = held + free  # the blocks that fit, from the first the tiers lack
+                spec = SaveSpec(
+                    spec.req_id, spec.salt, spec.tokens[: end * bs], spec.block_ids[:end]
+                )
+                new = free
+            try:
+                seq = manager.add_sequence(spec.tokens, salt=spec.salt)
+            except KvtierError as exc:  # a save that fails is a future miss, nothing worse
+                log.warning("kvtier: save of request %s failed (%s)", spec.req_id, exc)
+                self.counters.save_failures += 1
+                continue
+            free -= new
+            layer_saves.append(_LayerSave(spec, seq, manager.num_tokens(seq) // bs))
+        return layer_saves
+
+    def _save_layer(self, save: _LayerSave, layer: int, last: bool) -> None:
+        """One layer of a layer save; a failure ends it (its sequence is freed at the end)."""
+        on_keys = None
+        if self.settings.scorer is not None:
+
+            def on_keys(layer: int, keys: torch.Tensor) -> None:
+                save.scores.append(self._score(save.spec.req_id, layer, keys))
+
+        try:
+            written = self.tiers.save_layer(layer, save.seq, save.spec.block_ids, on_keys)
+        except KvtierError as exc:
+            log.warning("kvtier: save of request %s failed (%s)", save.spec.req_id, exc)
+            self.counters.save_failures += 1
+            save.failed = True
+            return
+        if last:
+            save.written = written
+
+    def _end_layer_saves(self) -> None:
+        """Counts the layer saves whose last layer is written, gives them the user's scores,
+        and frees their sequences (blocks some layer never finished are forgotten)."""
+        saves, self._layer_saves = self._layer_saves, None
+        if not saves:
+            return
+        manager = self.tiers.manager
+        for save in saves:
+            try:
+                if save.written and not save.failed:
+                    self.counters.saved_blocks += save.written
+                    self.counters.saved_bytes += save.written * manager.level_bytes[0]
+                    scores = save.scores
+                    if scores and all(len(x) == save.written for x in scores):
+                        mean = torch.stack(scores).mean(0).numpy()  # over the layers
+                        manager.set_learned_scores(save.seq, mean, save.first)
+            except KvtierError as exc:
+                log.warning("kvtier: save of request %s failed (%s)", save.spec.req_id, exc)
+            finally:
+                manager.free(save.seq)
+
+    def _level0_free(self) -> int:
+        """Free slots of the host tier's level 0 now."""
+        for tier, level, used, capacity, *_ in self.tiers.manager.core.usage():
+            if tier == "device" and level == 0:
+                return int(capacity) - int(used)
+        return 0
+
+    def _stepping(self) -> bool:
+        """Whether the background step is still running."""
+        return self._step_job is not None and not self._step_job.done()
+
+    def _step_later(self) -> None:
+        """The manager's step on the stepper thread, unless one is running (the next covers
+        what it does not)."""
+        if self._stepping():
+            return
+        self._settle()
+        self._stepper = self._stepper or ThreadPoolExecutor(1, "kvtier-step")
+        self._step_job = self._stepper.submit(self.tiers.manager.step)
+
+    def _settle(self) -> None:
+        """Waits for the background step; logs its failure (its plan was aborted: every block
+        stayed where it was)."""
+        job, self._step_job = self._step_job, None
+        if job is not None:
+            try:
+                job.result()
+            except Exception:
+                log.exception("kvtier: the tiers' step after a save failed")
 
     def _save(self, save: SaveSpec) -> None:
         """Saves what the tiers lack of the request's complete blocks so far, in pieces of at
