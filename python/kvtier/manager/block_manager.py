@@ -402,20 +402,17 @@ class BlockManager:
         bs, n = self.block_size, len(blocks)
         ids = self.core.sequence_blocks(seq)[first : first + n]
         written = self.ledger.written[ids, layer]
-        whole = np.nonzero(written == 0)[0]
-        if len(whole):
-            slots = self.core.block_info(ids[whole])["slot"].astype(np.int64)
-            pick = torch.from_numpy(whole).to(self.device)
-            part = blocks if len(whole) == n else blocks.index_select(0, pick)
-            self._tiers.write_blocks(torch.from_numpy(slots).to(self.device), layer, part)
-            offsets = np.tile(np.arange(bs), len(whole))
-            per_token = norms.reshape(n, bs)[whole].reshape(-1)
-            self._finish(self.ledger.wrote(np.repeat(ids[whole], bs), layer, offsets, per_token))
-        for i in np.nonzero((written > 0) & (written < bs))[0]:
+        whole = written == 0
+        if whole.any():
+            part = blocks if whole.all() else blocks[torch.from_numpy(whole).to(self.device)]
+            slots = torch.from_numpy(self.core.block_info(ids[whole])["slot"].astype(np.int64))
+            self._tiers.write_blocks(slots.to(self.device), layer, part)
+            sums = norms.reshape(n, bs)[whole].sum(axis=1, dtype=np.float64)
+            self._finish(self.ledger.wrote_blocks(ids[whole], layer, sums))
+        for i in np.nonzero(~whole & (written < bs))[0]:
             k, v = blocks[i].transpose(1, 2)  # [N, H, D] each
             start = (first + int(i)) * bs
-            tokens = norms[i * bs : (i + 1) * bs]
-            self._write(seq, layer, start, start + bs, k, v, tokens)
+            self._write(seq, layer, start, start + bs, k, v, norms[i * bs : (i + 1) * bs])
 
     def _append_one(self, seq: int, layer: Any, k: Any, v: Any) -> bool:
         """The decode step's append on the CPU: one token into the block this sequence is

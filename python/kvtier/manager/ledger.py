@@ -127,6 +127,18 @@ class BlockLedger:
         self.core.set_magnitude(uniq, self.magnitude(uniq))
         return uniq[self.pinned[uniq] & (self.written[uniq] == self.block_size).all(axis=1)]
 
+    def wrote_blocks(self, blocks: np.ndarray, layer: int, norm_sums: np.ndarray) -> np.ndarray:
+        """Whole blocks (distinct, none written before in ``layer``) written in ``layer``, the
+        sums of their tokens' key norms ``norm_sums``: what :meth:`wrote` does for all their
+        tokens, without a per-token pass. Returns those now complete in every layer and still
+        pinned."""
+        bs = self.block_size
+        self.written[blocks, layer] = bs
+        self.norm_sum[blocks] += norm_sums
+        self.norm_count[blocks] += bs
+        self.core.set_magnitude(blocks, self.magnitude(blocks))
+        return blocks[self.pinned[blocks] & (self.written[blocks] == bs).all(axis=1)]
+
     def filled(self, blocks: np.ndarray, norm_sums: np.ndarray) -> None:
         """Blocks written whole at once (every layer, every token: fetched from another
         engine), the sums of their tokens' key norms ``norm_sums``: complete, so unpinned."""

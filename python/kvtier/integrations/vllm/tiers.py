@@ -20,6 +20,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..._core import Plan
 from ..._torch import torch_module
 from ...errors import InvalidArgumentError, KvtierError
@@ -100,8 +102,8 @@ class WorkerTiers:
             raise InvalidArgumentError(
                 f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of {bs}"
             )
-        ids = torch.tensor(block_ids[start // bs :], dtype=torch.int64, device=cache.device)
-        blocks = layout.read_blocks(cache, ids).to(manager.device)
+        ids = torch.from_numpy(np.asarray(block_ids[start // bs :], dtype=np.int64))
+        blocks = layout.read_blocks(cache, ids.to(cache.device)).to(manager.device)
         manager.append_blocks(seq, layer, blocks)
         if on_keys is not None:
             on_keys(layer, blocks[:, 0].transpose(1, 2))

@@ -8,8 +8,8 @@ in host memory a layer at a time beside the forward pass (:class:`~.tiers.LayerL
 layer waiting for its own), the others in the background while their requests wait. It saves the
 step's complete blocks a layer at a time as the forward pass finishes each layer (one native pass
 out of vLLM's cache into the host tier's level 0), scoring them with the user's scorer if there
-is one; a save that does not fit level 0's free slots waits for the end of the forward pass and
-goes in pieces there. The scheduler's step that moves the saved blocks down the ladder (their encoding) runs
+is one; a save longer than half of level 0 waits for the end of the forward pass and goes in
+pieces there. The scheduler's step that moves the saved blocks down the ladder (their encoding) runs
 on a thread of its own after vLLM's step; a save that finds level 0 full while it runs is shed
 (counted), never waited for. A block it cannot load is handed to vLLM as a load error (vLLM
 recomputes it); a save that fails or is shed is a later miss.
@@ -235,7 +235,7 @@ class KVTierWorker:
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         """Runs the saves the layers did not (all of them if no layer saved: a forward pass
-        without vLLM's attention hooks; else those level 0 had no room for), then hands the
+        without vLLM's attention hooks; else those longer than half of level 0), then hands the
         manager's step, which moves the saved blocks down the ladder, to a thread of its own."""
         self._finish_layer_loads()
         self._end_layer_saves()
@@ -367,14 +367,16 @@ class KVTierWorker:
     # -- saves -------------------------------------------------------------------------------
 
     def _begin_layer_saves(self, saves: list[SaveSpec]) -> list[_LayerSave]:
-        """A manager sequence for each save whose new blocks fit the free slots of the host
-        tier's level 0 (where they stay, pinned, until their last layer is written). One that
-        does not fit waits for the end of the forward pass (:meth:`_save` makes room there, in
-        pieces) or, while the background step that makes that room is still running, is cut
-        to what fits and the rest shed (counted: a later miss) rather than waited for (unless
+        """A manager sequence for each save the layers can write: at most half of the host
+        tier's level 0 of new blocks (where they stay, pinned, until their last layer is
+        written; a longer save waits for the end of the forward pass and goes in pieces,
+        :meth:`_save`). Room for them is made as an append makes it, unless the tiers' step,
+        which makes it, is still running on its thread: then a save is cut to the free slots
+        and the rest shed (counted: a later miss) rather than waited for (unless
         ``shed_saves`` is off: then it waits for that step)."""
         manager = self.tiers.manager
         bs = self.settings.block_size
+        piece = max(1, int(manager.pools["device", 0].shape[0]) // 2)
         free, busy = self._level0_free(), self._stepping()
         layer_saves: list[_LayerSave] = []
         self._deferred = []
@@ -383,13 +385,13 @@ class KVTierWorker:
             new = len(spec.block_ids) - held
             if new <= 0:
                 continue
-            if new > free and busy and not self.settings.shed_saves:
-                self._settle()
-                free, busy = self._level0_free(), False
-            if new > free and not busy:
+            if new > piece:
                 self._deferred.append(spec)
                 continue
-            if new > free:
+            if busy and new > free and not self.settings.shed_saves:
+                self._settle()
+                busy = False
+            if busy and new > free:
                 self.counters.shed_blocks += new - free
                 if not free:
                     continue
@@ -404,7 +406,7 @@ class KVTierWorker:
                 log.warning("kvtier: save of request %s failed (%s)", spec.req_id, exc)
                 self.counters.save_failures += 1
                 continue
-            free -= new
+            free = max(0, free - new)
             layer_saves.append(_LayerSave(spec, seq, manager.num_tokens(seq) // bs))
         return layer_saves
 
@@ -460,12 +462,18 @@ class KVTierWorker:
 
     def _step_later(self) -> None:
         """The manager's step on the stepper thread, unless one is running (the next covers
-        what it does not)."""
+        what it does not). Under the connector's own staging shares it also makes room at
+        level 0 for the next step's saves (half of it: a step's blocks, see
+        :func:`~.config.staging_shares`); under the user's, the next save makes its own."""
         if self._stepping():
             return
         self._settle()
+        manager = self.tiers.manager
+        staging = self.settings.config.pool_shares is None and len(manager.ladder) > 1
+        room = int(manager.pools["device", 0].shape[0]) // 2 * manager.level_bytes[0]
+        room *= staging
         self._stepper = self._stepper or ThreadPoolExecutor(1, "kvtier-step")
-        self._step_job = self._stepper.submit(self.tiers.manager.step)
+        self._step_job = self._stepper.submit(manager.step, room)
 
     def _settle(self) -> None:
         """Waits for the background step; logs its failure (its plan was aborted: every block
