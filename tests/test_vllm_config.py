@@ -62,10 +62,13 @@ def test_pool_shares_stand_where_given(
     [
         # two steps' blocks at level 0, one step's at int8, the rest of the budget at int4
         ("1GiB", 8, {0: 16, 1: 8}),
-        # a budget of 16 bf16 blocks: a quarter of it stages at most, one stage at least
-        (16, 8, {0: 2, 1: 1}),
-        (16, 1, {0: 2, 1: 1}),
-        (3, 8, {0: 2, 1: 1}),
+        # a budget of 32 bf16 blocks: a quarter of it stages at most (level 0 twice over: a
+        # stage takes at most an eighth), one stage at least
+        (32, 8, {0: 6, 1: 3}),
+        # 16 blocks: level 0 twice over would take more than an eighth
+        (16, 8, {0: 2, 1: 2}),
+        (16, 1, {0: 1, 1: 1}),
+        (2, 8, {0: 1, 1: 1}),
     ],
 )
 def test_staging_levels_hold_one_steps_saves_and_the_bottom_level_the_rest(
@@ -73,7 +76,8 @@ def test_staging_levels_hold_one_steps_saves_and_the_bottom_level_the_rest(
 ) -> None:
     """The manager built from the shares has ``stage_blocks`` slots (bounded) at each middle
     level and twice as many at level 0 (a step's saves land beside the step before's, which
-    move down meanwhile), and the bottom level takes every byte they leave."""
+    move down meanwhile) where that costs the bottom level little, and the bottom level takes
+    every byte they leave."""
     from kvtier import BlockManager
     from kvtier.codecs.base import BlockShape
 

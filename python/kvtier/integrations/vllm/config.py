@@ -113,8 +113,9 @@ def connector_config(
 def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -> tuple[float, ...]:
     """The connector's own ``pool_shares`` for blocks of ``shape``: ``stage_blocks`` slots (the
     blocks one step of vLLM may complete: ``max_num_batched_tokens`` over the block size) at
-    each middle level and twice as many at level 0, at most a quarter of the budget and at least
-    one stage, and the rest of the budget at the bottom level.
+    each middle level and twice as many at level 0 (once where a stage of that takes more than
+    an eighth of the budget), at most a quarter of the budget and at least one stage, and the
+    rest of the budget at the bottom level.
 
     vLLM's own pool holds the hot blocks at full precision; behind it the connector is
     capacity. A save lands at level 0 (pinned there until its last layer is written), and the
@@ -131,7 +132,11 @@ def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -
     if budget is None:
         assert config.device_blocks is not None, "connector_config sets one of the two"
         budget = config.device_blocks * level_bytes[0]
-    staged = [2 * level_bytes[0], *level_bytes[1:-1]]  # one stage's bytes at each level
+    # One stage's bytes at each level, level 0 twice over where that takes at most half the
+    # staging share (else a small budget would lose bottom-level blocks to it).
+    staged = [2 * level_bytes[0], *level_bytes[1:-1]]
+    if sum(staged) > MAX_STAGING_SHARE / 2 * budget:
+        staged[0] = level_bytes[0]
     affordable = int(MAX_STAGING_SHARE * budget) // sum(staged)
     stage = max(1, min(stage_blocks, affordable))
     # Half a byte more than the slots take: the manager's floor of share * budget / bytes
@@ -139,11 +144,10 @@ def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -
     above = [(stage * b + 0.5) / budget for b in staged]
     if sum(above) >= 1.0:
         raise ConfigError(
-            f"host budget {budget} B holds no level-0 block with room below it: the levels "
-            f"above the bottom take {' + '.join(map(str, staged))} B at the least ({ladder[0]} "
-            f"twice over: a step's saves beside the step before's; then "
-            f"{', '.join(ladder[1:-1]) or 'nothing'}) and the bottom level ({ladder[-1]}) needs "
-            "room too: raise host_budget or host_blocks"
+            f"host budget {budget} B holds no level-0 block with room below it: one block "
+            f"takes {' + '.join(map(str, staged))} B at the levels above the bottom "
+            f"({', '.join(ladder[:-1])}) and the bottom level ({ladder[-1]}) needs room too: "
+            "raise host_budget or host_blocks"
         )
     return (*above, 1.0 - sum(above))
 

@@ -368,14 +368,15 @@ class KVTierWorker:
 
     def _begin_layer_saves(self, saves: list[SaveSpec]) -> list[_LayerSave]:
         """A manager sequence for each save the layers can write: at most half of the host
-        tier's level 0 of new blocks (where they stay, pinned, until their last layer is
-        written; a longer save waits for the end of the forward pass and goes in pieces,
+        tier's level 0 of new blocks for all of them (where they stay, pinned, until their last
+        layer is written; the others wait for the end of the forward pass and go in pieces,
         :meth:`_save`). Room for them is made as an append makes it, unless the tiers' step,
         which makes it, is still running on its thread: then a save is cut to the free slots
         and the rest shed (counted: a later miss) rather than waited for (unless
         ``shed_saves`` is off: then it waits for that step)."""
         manager = self.tiers.manager
         bs = self.settings.block_size
+        # What the layer saves of a step may pin at level 0 at once, in all.
         piece = max(1, int(manager.pools["device", 0].shape[0]) // 2)
         free, busy = self._level0_free(), self._stepping()
         layer_saves: list[_LayerSave] = []
@@ -406,7 +407,7 @@ class KVTierWorker:
                 log.warning("kvtier: save of request %s failed (%s)", spec.req_id, exc)
                 self.counters.save_failures += 1
                 continue
-            free = max(0, free - new)
+            free, piece = max(0, free - new), piece - new
             layer_saves.append(_LayerSave(spec, seq, manager.num_tokens(seq) // bs))
         return layer_saves
 
