@@ -399,7 +399,7 @@ class BlockManager:
         ``first`` (allocated), but for those some layer-owner already wrote (a shared
         prefix), whose tokens :meth:`_write` writes where they are partly written."""
         torch = torch_module()
-        bs, n = self.block_size, len(blocks)
+        bs, n = self.block_size, blocks.shape[0]
         ids = self.core.sequence_blocks(seq)[first : first + n]
         written = self.ledger.written[ids, layer]
         whole = written == 0

@@ -339,13 +339,13 @@ class Tiers:
 
 def _row_bytes(blocks: torch.Tensor) -> int:
     """Bytes of one row (block) of a contiguous tensor of blocks."""
-    return blocks[0].numel() * blocks.element_size() if len(blocks) else 0
+    return int(blocks.stride(0) * blocks.element_size())
 
 
 def _rows_of(blocks: torch.Tensor) -> np.ndarray:
     """The address of each row (block) of a contiguous tensor of blocks."""
     step = np.uint64(_row_bytes(blocks))
-    return np.uint64(blocks.data_ptr()) + step * np.arange(len(blocks), dtype=np.uint64)
+    return np.uint64(blocks.data_ptr()) + step * np.arange(blocks.shape[0], dtype=np.uint64)
 
 
 def _row_addresses(pool: torch.Tensor, slots: np.ndarray, layer: int) -> np.ndarray:

@@ -139,7 +139,7 @@ class PagedLayout:
         """Whole blocks in kvtier's form, ``[len(block_ids), 2, H, N, D]`` (what
         :meth:`~kvtier.BlockManager.gather_blocks` returns; a view where it can be), from the
         cache's blocks ``block_ids`` (an int64 tensor on its device)."""
-        b, h, n, d = len(block_ids), self.num_kv_heads, self.block_size, self.head_dim
+        b, h, n, d = block_ids.shape[0], self.num_kv_heads, self.block_size, self.head_dim
         if cache.device.type == "cpu":
             blocks = cache.new_empty((b, 2, h, n, d))
             self._native(cache, block_ids, blocks, to_cache=False)
@@ -194,8 +194,8 @@ class PagedLayout:
             raise InvalidArgumentError(
                 f"block_ids: expected blocks of the cache's {cache.shape[0]}, got {ids.tolist()}"
             )
-        step = blocks[0].numel() * blocks.element_size() if len(blocks) else 0
-        addrs = blocks.data_ptr() + step * np.arange(len(ids), dtype=np.uint64)
+        step = np.uint64(blocks.stride(0) * blocks.element_size())  # contiguous blocks
+        addrs = np.uint64(blocks.data_ptr()) + step * np.arange(len(ids), dtype=np.uint64)
         paged_copy(
             self.split, to_cache, cache.data_ptr(), cache.stride(0),
             (cache.stride(1), cache.stride(2)), ids, addrs,
