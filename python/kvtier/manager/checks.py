@@ -54,13 +54,19 @@ def check_kv(x: Any, what: str, shape: BlockShape, dtype: Any, device: Any) -> t
             f"{what}: expected shape [num_tokens, {want[0]} kv_heads, {want[1]} head_dim], "
             f"got {list(t.shape)}"
         )
+    _check_dtype_device(t, what, dtype, device)
+    return t
+
+
+def _check_dtype_device(t: torch.Tensor, what: str, dtype: Any, device: Any) -> None:
+    """Refuses K/V (named ``what``) not of the manager's model ``dtype`` or not on its
+    ``device``."""
     if t.dtype != dtype:
         raise InvalidArgumentError(
             f"{what}: expected dtype {dtype} (the model dtype of this manager), got {t.dtype}"
         )
     if t.device != device:
         raise InvalidArgumentError(f"{what}: expected a tensor on {device}, got one on {t.device}")
-    return t
 
 
 def check_blocks(x: Any, shape: BlockShape, dtype: Any, device: Any) -> torch.Tensor:
@@ -73,12 +79,7 @@ def check_blocks(x: Any, shape: BlockShape, dtype: Any, device: Any) -> torch.Te
             f"blocks: expected shape [num_blocks, 2, {want[1]} kv_heads, {want[2]} block_size, "
             f"{want[3]} head_dim] (K then V), got {list(t.shape)}"
         )
-    if t.dtype != dtype:
-        raise InvalidArgumentError(
-            f"blocks: expected dtype {dtype} (the model dtype of this manager), got {t.dtype}"
-        )
-    if t.device != device:
-        raise InvalidArgumentError(f"blocks: expected a tensor on {device}, got one on {t.device}")
+    _check_dtype_device(t, "blocks", dtype, device)
     return t.contiguous()
 
 
