@@ -9,10 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvtier import BlockManager, ConfigError, KvtierConfig
-from kvtier.integrations.vllm.paged import PagedLayout, layout_for_backend
+from kvtier.integrations.vllm.paged import PagedBlocks, PagedLayout, layout_for_backend
 from kvtier.integrations.vllm.tiers import LayerLoads, WorkerTiers
 
 torch = pytest.importorskip("torch")
@@ -258,3 +259,86 @@ def test_layer_wise_loads_are_in_each_layer_once_it_is_waited_for(
             assert torch.equal(got.cpu(), kvs[layer][:, : 3 * N]), layer
         assert loads.finish() == [(3, [3])]
     assert bm.sequences() == [], "the loads' sequences are freed"
+
+
+def saved(case: str, source: bool, kv_of: Any = None) -> tuple[BlockManager, int]:
+    """A manager holding 3 blocks of 2 layers saved from ``case``'s caches: handed over where
+    they lie (``source``, :class:`PagedBlocks`) or read into a tensor first."""
+    bm = manager()
+    layout, caches, _ = caches_for(case, 3, [6, 1, 4], seed=21)
+    seq = bm.add_sequence(list(range(3 * N)))
+    for layer, cache in enumerate(caches):
+        blocks = PagedBlocks.of(layout, cache, [6, 1, 4])
+        bm.append_blocks(seq, layer, blocks if source else blocks.read())
+    return bm, seq
+
+
+@pytest.mark.parametrize("case", ["cpu-amx", "cpu-vec", "flash-nhd", "flash-hnd"])
+def test_blocks_handed_over_where_they_lie_are_stored_as_their_tensor_is(case: str) -> None:
+    """append_blocks of PagedBlocks (checked in the cache, copied once into the pool) stores
+    what append_blocks of the same blocks read into a tensor stores, with the same key norms
+    (the importance signal), to float rounding."""
+    (a, sa), (b, sb) = saved(case, source=True), saved(case, source=False)
+    for layer in range(LAYERS):
+        assert torch.equal(a.gather_blocks(sa, layer), b.gather_blocks(sb, layer))
+    blocks = a.core.sequence_blocks(sa)
+    assert a.ledger.norm_count[blocks].tolist() == b.ledger.norm_count[blocks].tolist()
+    np.testing.assert_allclose(a.ledger.norm_sum[blocks], b.ledger.norm_sum[blocks], rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["cpu-amx", "cpu-vec", "flash-nhd"])
+@pytest.mark.parametrize(("kv", "value"), [(0, "nan"), (0, "inf"), (1, "-inf"), (1, "nan")])
+def test_a_cache_block_that_is_not_finite_is_refused_and_nothing_is_stored(
+    case: str, kv: int, value: str
+) -> None:
+    bm = manager()
+    layout, caches, kvs = caches_for(case, 3, [6, 1, 4], seed=5)
+    bad = kvs[0].clone()
+    bad[kv, 2 * N + 7, 1, D - 3] = float(value)  # block 4, token 7, head 1
+    layout.write(caches[0], torch.tensor([6, 1, 4]), bad)
+    huge = kvs[1].clone()
+    huge[0, 5, 0, :] = 3e38  # finite, though its square overflows float32: accepted
+    layout.write(caches[1], torch.tensor([6, 1, 4]), huge)
+    seq = bm.add_sequence(list(range(3 * N)))
+    before = bm.core.usage()
+    with pytest.raises(kvtier_error(), match=f"NaN or inf in {'KV'[kv]}; nothing was stored"):
+        bm.append_blocks(seq, 0, PagedBlocks.of(layout, caches[0], [6, 1, 4]))
+    assert bm.num_tokens(seq, 0) == 0 and bm.core.usage() == before
+    bm.append_blocks(seq, 1, PagedBlocks.of(layout, caches[1], [6, 1, 4]))
+    assert torch.equal(bm.gather(seq, 1)[0], huge[0])
+
+
+def test_paged_blocks_refuse_what_is_not_the_managers() -> None:
+    bm = manager()
+    layout, caches, _ = caches_for("cpu-amx", 1, [0], seed=1)
+    seq = bm.add_sequence(list(range(N)))
+    with pytest.raises(kvtier_error(), match=r"block_ids: expected blocks of the cache's 8"):
+        PagedBlocks.of(layout, caches[0], [8])
+    with pytest.raises(kvtier_error(), match=r"expected dtype torch\.bfloat16"):
+        bm.append_blocks(seq, 0, PagedBlocks.of(layout, caches[0].float(), [0]))
+    other = PagedLayout("cpu-amx", H, 2 * N, D)
+    wide = torch.zeros((2, H, 2 * N, 2 * D), dtype=torch.bfloat16)
+    with pytest.raises(kvtier_error(), match=r"expected blocks of \[3 kv_heads, 16 block_size"):
+        bm.append_blocks(seq, 0, PagedBlocks.of(other, wide, [0]))
+    assert bm.num_tokens(seq, 0) == 0
+
+
+@pytest.mark.parametrize("case", ["cpu-amx", "cpu-vec", "flash-nhd"])
+def test_load_blocks_writes_what_gather_blocks_gives_from_every_level(case: str) -> None:
+    """Level-0 blocks are copied from the pool into place, int8/int4 ones decoded and written:
+    either way the cache then holds gather_blocks' K/V, in the backend's layout."""
+    bm = manager("bf16,int8,int4")
+    layout, caches, _ = caches_for(case, 3, [0, 1, 2], seed=8)
+    seq = bm.add_sequence(list(range(3 * N)))
+    WorkerTiers(bm, layout, caches).save(seq, [0, 1, 2])
+    bm.step()
+    assert len(set(bm.core.block_info(bm.core.sequence_blocks(seq))["level"].tolist())) > 1
+    _, fresh, _ = caches_for(case, 1, [7], seed=99)
+    for layer in range(LAYERS):
+        bm.load_blocks(seq, layer, 1, PagedBlocks.of(layout, fresh[layer], [5, 3]))
+        got = PagedBlocks.of(layout, fresh[layer], [5, 3]).read()
+        assert torch.equal(got, bm.gather_blocks(seq, layer)[1:3])
+    before = fresh[0].clone()
+    with pytest.raises(kvtier_error(), match=r"expected whole blocks it holds, got blocks 2:4"):
+        bm.load_blocks(seq, 0, 2, PagedBlocks.of(layout, fresh[0], [5, 3]))
+    assert torch.equal(fresh[0], before)

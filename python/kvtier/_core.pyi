@@ -22,12 +22,16 @@ __all__ = [
     "StoreStats",
     "StreamingChecksum",
     "attend",
+    "block_key_norms",
     "checksum",
     "copy_checksum",
+    "copy_rows",
     "digest",
     "kernel_sources",
     "namespace_seed",
     "pack_texts",
+    "paged_copy",
+    "paged_scan",
     "prefix_hashes",
     "read_key",
     "read_sealed",
@@ -393,6 +397,15 @@ def paged_copy(
     shape: tuple[int, int, int],
     elem: int,
 ) -> None: ...
+def paged_scan(
+    layout: str,
+    cache: int,
+    block_stride: int,
+    strides: tuple[int, int],
+    block_ids: npt.NDArray[np.int64],
+    shape: tuple[int, int, int],
+    dtype: int,
+) -> tuple[npt.NDArray[np.float32], int]: ...
 def block_key_norms(
     blocks: int, num_blocks: int, shape: tuple[int, int, int], dtype: int
 ) -> tuple[npt.NDArray[np.float32], int]: ...

@@ -104,6 +104,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(files::write_stored, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::write_token, m)?)?;
     m.add_function(wrap_pyfunction!(paged::paged_copy, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::paged_scan, m)?)?;
     m.add_function(wrap_pyfunction!(paged::copy_rows, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::block_key_norms, m)?)?;
     Ok(())

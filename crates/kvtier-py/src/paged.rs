@@ -8,9 +8,29 @@
 //! - `cpu-amx`: per head K in tiles `[N/16, D/2, 16, 2]` (16 tokens a tile, channel pairs as
 //!   32-bit words), then V in tiles `[D/16, N/2, 16, 2]` (16 channels a tile, token pairs).
 
-use numpy::PyReadonlyArray1;
+use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use rayon::prelude::*;
+
+use crate::tokens::{each_dtype, Bits};
+
+/// Bytes below which a call runs on the calling thread: waking the pool costs more.
+pub(crate) const PARALLEL_BYTES: usize = 1 << 19;
+
+/// Runs `f` over the items of `items`, on rayon's pool when they hold `bytes` or more, with
+/// the first error any returns.
+fn for_each<T: Send, E: Send>(
+    items: Vec<T>,
+    bytes: usize,
+    f: impl Fn(T) -> Result<(), E> + Sync + Send,
+) -> Result<(), E> {
+    if bytes < PARALLEL_BYTES {
+        items.into_iter().try_for_each(f)
+    } else {
+        items.into_par_iter().with_min_len(2).try_for_each(f)
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
@@ -44,16 +64,6 @@ unsafe fn run<T: Copy, const TO_CACHE: bool>(cache: *mut T, block: *mut T, len: 
     }
 }
 
-/// As [`run`] for one element at unaligned addresses.
-#[inline(always)]
-unsafe fn one<T: Copy, const TO_CACHE: bool>(cache: *mut T, block: *mut T) {
-    if TO_CACHE {
-        cache.write_unaligned(block.read_unaligned());
-    } else {
-        block.write_unaligned(cache.read_unaligned());
-    }
-}
-
 /// Moves one block between the cache (`cache`: the block's first element) and kvtier's form
 /// (`block`: `2 * H * N * D` contiguous elements of `E` bytes), towards the cache when
 /// `TO_CACHE`.
@@ -61,6 +71,7 @@ unsafe fn one<T: Copy, const TO_CACHE: bool>(cache: *mut T, block: *mut T) {
 /// # Safety
 /// `cache` valid for the block's elements under `g`, `block` for `2 * H * N * D` elements;
 /// they do not overlap; `cpu-amx` needs 2-byte elements and N, D multiples of 16.
+#[inline(always)]
 unsafe fn move_block<const TO_CACHE: bool>(
     layout: Layout,
     g: Geometry,
@@ -103,16 +114,14 @@ unsafe fn move_block<const TO_CACHE: bool>(
                         16,
                     );
                 }
-                // V: per tile of 16 channels and pair of tokens, 16 (channel, token) pairs.
-                let (v_cache, v_block) = (k_cache.add(plane).cast::<u16>(), v_block.cast::<u16>());
+                // V: per tile of 16 channels and pair of tokens, 16 words of (token 2p, token
+                // 2p + 1) of one channel each: the low halves are row 2p's 16 channels.
+                let (v_cache, v_block) = (k_cache.add(plane).cast::<u32>(), v_block.cast::<u16>());
                 for tile in 0..d / 16 {
                     for pair in 0..n / 2 {
-                        let src = v_cache.add(tile * n * 16 + pair * 32);
-                        let row = v_block.add(2 * pair * d + tile * 16);
-                        for j in 0..16 {
-                            one::<u16, TO_CACHE>(src.add(2 * j), row.add(j));
-                            one::<u16, TO_CACHE>(src.add(2 * j + 1), row.add(d + j));
-                        }
+                        let words = v_cache.add((tile * n / 2 + pair) * 16);
+                        let even = v_block.add(2 * pair * d + tile * 16);
+                        deinterleave::<TO_CACHE>(words, even, even.add(d));
                     }
                 }
             }
@@ -120,8 +129,35 @@ unsafe fn move_block<const TO_CACHE: bool>(
     }
 }
 
+/// 16 words of two 16-bit halves and two rows of 16: the low halves are `even`'s, the high
+/// ones `odd`'s (towards the words when `TO_CACHE`).
+///
+/// # Safety
+/// `words` valid for 16 (4-byte aligned) words, `even` and `odd` for 16 elements each.
+#[inline(always)]
+unsafe fn deinterleave<const TO_CACHE: bool>(words: *mut u32, even: *mut u16, odd: *mut u16) {
+    let (mut w, mut e, mut o) = ([0u32; 16], [0u16; 16], [0u16; 16]);
+    if TO_CACHE {
+        e = even.cast::<[u16; 16]>().read_unaligned();
+        o = odd.cast::<[u16; 16]>().read_unaligned();
+        for j in 0..16 {
+            w[j] = u32::from(e[j]) | u32::from(o[j]) << 16;
+        }
+        words.cast::<[u32; 16]>().write_unaligned(w);
+    } else {
+        w = words.cast::<[u32; 16]>().read_unaligned();
+        for j in 0..16 {
+            e[j] = w[j] as u16;
+            o[j] = (w[j] >> 16) as u16;
+        }
+        even.cast::<[u16; 16]>().write_unaligned(e);
+        odd.cast::<[u16; 16]>().write_unaligned(o);
+    }
+}
+
 /// The cache's `[rows, cols]` (row-major) is the block's `[cols, rows]`: element `(r, c)` of
-/// the cache is `(c, r)` of the block.
+/// the cache is `(c, r)` of the block. 2- and 4-byte elements go in square tiles of vector
+/// registers where the sides allow.
 ///
 /// # Safety
 /// Both valid for `rows * cols` elements, not overlapping.
@@ -132,11 +168,121 @@ unsafe fn transpose<T: Copy, const TO_CACHE: bool>(
     rows: usize,
     cols: usize,
 ) {
-    for r in 0..rows {
-        for c in 0..cols {
-            one::<T, TO_CACHE>(cache.add(r * cols + c), block.add(c * rows + r));
+    // The copy reads a `[src_rows, src_cols]` matrix and writes its transpose.
+    let (src, dst, src_rows, src_cols) = if TO_CACHE {
+        (block, cache, cols, rows)
+    } else {
+        (cache, block, rows, cols)
+    };
+    #[cfg(target_arch = "x86_64")]
+    {
+        let tile = 16 / std::mem::size_of::<T>(); // elements of a 128-bit register
+        if matches!(tile, 4 | 8) && src_rows.is_multiple_of(tile) && src_cols.is_multiple_of(tile) {
+            for r in (0..src_rows).step_by(tile) {
+                for c in (0..src_cols).step_by(tile) {
+                    let from = src.add(r * src_cols + c).cast::<u8>();
+                    let to = dst.add(c * src_rows + r).cast::<u8>();
+                    let (from_stride, to_stride) = (src_cols * 16 / tile, src_rows * 16 / tile);
+                    if tile == 4 {
+                        simd::transpose_4x4_u32(from, from_stride, to, to_stride);
+                    } else {
+                        simd::transpose_8x8_u16(from, from_stride, to, to_stride);
+                    }
+                }
+            }
+            return;
         }
     }
+    for r in 0..src_rows {
+        for c in 0..src_cols {
+            *dst.add(c * src_rows + r) = *src.add(r * src_cols + c);
+        }
+    }
+}
+
+/// Square transposes in SSE2 registers (every x86-64 CPU has them): rows of 16 bytes,
+/// `stride` bytes apart, read at `from` and written transposed at `to`.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn rows<const N: usize>(at: *const u8, stride: usize) -> [__m128i; N] {
+        std::array::from_fn(|i| _mm_loadu_si128(at.add(i * stride).cast()))
+    }
+
+    #[inline(always)]
+    unsafe fn store<const N: usize>(at: *mut u8, stride: usize, rows: [__m128i; N]) {
+        for (i, r) in rows.into_iter().enumerate() {
+            _mm_storeu_si128(at.add(i * stride).cast(), r);
+        }
+    }
+
+    /// # Safety
+    /// 4 rows of 4 u32 at each end.
+    #[inline(always)]
+    pub unsafe fn transpose_4x4_u32(from: *const u8, fs: usize, to: *mut u8, ts: usize) {
+        let [a0, a1, a2, a3] = rows::<4>(from, fs);
+        let (t0, t1) = (_mm_unpacklo_epi32(a0, a1), _mm_unpacklo_epi32(a2, a3));
+        let (t2, t3) = (_mm_unpackhi_epi32(a0, a1), _mm_unpackhi_epi32(a2, a3));
+        let out = [
+            _mm_unpacklo_epi64(t0, t1),
+            _mm_unpackhi_epi64(t0, t1),
+            _mm_unpacklo_epi64(t2, t3),
+            _mm_unpackhi_epi64(t2, t3),
+        ];
+        store(to, ts, out);
+    }
+
+    /// # Safety
+    /// 8 rows of 8 u16 at each end.
+    #[inline(always)]
+    pub unsafe fn transpose_8x8_u16(from: *const u8, fs: usize, to: *mut u8, ts: usize) {
+        let a = rows::<8>(from, fs);
+        // pairs of rows interleaved, then pairs of those, then halves
+        let b: [__m128i; 8] = std::array::from_fn(|i| {
+            let (x, y) = (a[2 * (i / 2)], a[2 * (i / 2) + 1]);
+            if i % 2 == 0 {
+                _mm_unpacklo_epi16(x, y)
+            } else {
+                _mm_unpackhi_epi16(x, y)
+            }
+        });
+        // c[0..4] from rows 0-3 (b0..b3), c[4..8] from rows 4-7 (b4..b7)
+        let c: [__m128i; 8] = std::array::from_fn(|i| {
+            let base = 4 * (i / 4);
+            let (x, y) = (b[base + (i % 4) / 2], b[base + 2 + (i % 4) / 2]);
+            if i % 2 == 0 {
+                _mm_unpacklo_epi32(x, y)
+            } else {
+                _mm_unpackhi_epi32(x, y)
+            }
+        });
+        let out: [__m128i; 8] = std::array::from_fn(|j| {
+            let (x, y) = (c[j / 2], c[4 + j / 2]);
+            if j % 2 == 0 {
+                _mm_unpacklo_epi64(x, y)
+            } else {
+                _mm_unpackhi_epi64(x, y)
+            }
+        });
+        store(to, ts, out);
+    }
+}
+
+/// Refuses what `layout` cannot hold: elements of 2 or 4 bytes; `cpu-amx` tiles of 16 tokens
+/// and 16 channels of 2-byte elements.
+fn check_geometry(layout: Layout, elem: usize, tokens: usize, dim: usize) -> PyResult<()> {
+    if !matches!(elem, 2 | 4)
+        || (layout == Layout::CpuAmx
+            && (elem != 2 || !tokens.is_multiple_of(16) || !dim.is_multiple_of(16)))
+    {
+        return Err(PyValueError::new_err(format!(
+            "{layout:?} with {elem}-byte elements, block size {tokens}, head_dim {dim}: expected \
+             2- or 4-byte elements (cpu-amx: 2-byte, block size and head_dim multiples of 16)"
+        )));
+    }
+    Ok(())
 }
 
 fn layout_of(name: &str) -> PyResult<Layout> {
@@ -173,13 +319,7 @@ pub fn paged_copy(
 ) -> PyResult<()> {
     let layout = layout_of(layout)?;
     let (heads, tokens, dim) = shape;
-    if !matches!(elem, 2 | 4)
-        || (layout == Layout::CpuAmx && (elem != 2 || tokens % 16 != 0 || dim % 16 != 0))
-    {
-        return Err(PyValueError::new_err(format!(
-            "paged_copy: {layout:?} with {elem}-byte elements, block size {tokens}, head_dim {dim}"
-        )));
-    }
+    check_geometry(layout, elem, tokens, dim)?;
     let ids = block_ids.as_slice()?;
     let addrs = blocks.as_slice()?;
     if ids.len() != addrs.len() || ids.iter().any(|&b| b < 0) {
@@ -194,21 +334,253 @@ pub fn paged_copy(
         head_stride: strides.0,
         token_stride: strides.1,
     };
-    let (ids, addrs) = (ids.to_vec(), addrs.to_vec());
+    let work: Vec<(usize, usize)> = ids
+        .iter()
+        .zip(addrs)
+        .map(|(&id, &addr)| (cache + id as usize * block_stride * elem, addr as usize))
+        .collect();
+    let bytes = work.len() * 2 * heads * tokens * dim * elem;
+    let wide = has_avx2();
     py.detach(|| {
-        for (&id, &addr) in ids.iter().zip(&addrs) {
-            let at = (cache + id as usize * block_stride * elem) as *mut u8;
+        for_each(work, bytes, |(at, addr)| {
             // SAFETY: the caller's tensors hold these blocks (see above), which do not overlap.
             unsafe {
                 if to_cache {
-                    move_block::<true>(layout, g, elem, at, addr as *mut u8);
+                    move_any::<true>(wide, layout, g, elem, at as *mut u8, addr as *mut u8);
                 } else {
-                    move_block::<false>(layout, g, elem, at, addr as *mut u8);
+                    move_any::<false>(wide, layout, g, elem, at as *mut u8, addr as *mut u8);
                 }
             }
-        }
-    });
+            Ok::<(), ()>(())
+        })
+    })
+    .ok();
     Ok(())
+}
+
+/// Each token's key norm, averaged over heads, of one cache block of `layout` (`cache`: its
+/// first element), into `norms` (`N` values), read where the layout keeps K (the sums run
+/// along the memory, across tokens, wherever it can); Err(1) / Err(2) when K / V holds a NaN
+/// or an infinity. A norm past f32's range is f32's largest value.
+///
+/// # Safety
+/// `cache` valid for reading the block's elements under `g`.
+#[inline(always)]
+unsafe fn scan_block<T: Bits>(
+    layout: Layout,
+    g: Geometry,
+    cache: *const T,
+    norms: &mut [f32],
+) -> Result<(), u8> {
+    let (n, d) = (g.tokens, g.dim);
+    let mut squares = vec![0.0f32; n];
+    norms.fill(0.0);
+    for h in 0..g.heads {
+        squares.fill(0.0);
+        // A NaN or an infinity in K makes its token's sum of squares one: K is checked
+        // element by element only then (a finite value past 1.8e19 overflows it too).
+        let k_finite = match layout {
+            Layout::Channels => {
+                for (t, sq) in squares.iter_mut().enumerate() {
+                    let at = cache.add(h * g.head_stride + t * g.token_stride);
+                    let (k, v) = std::slice::from_raw_parts(at, 2 * d).split_at(d);
+                    if T::any_non_finite(k) {
+                        return Err(1);
+                    }
+                    if T::any_non_finite(v) {
+                        return Err(2);
+                    }
+                    let mut lanes = [0.0f32; 16];
+                    for c in k.chunks(16) {
+                        for (lane, x) in lanes.iter_mut().zip(c) {
+                            *lane += x.widen() * x.widen();
+                        }
+                    }
+                    *sq = lanes.iter().sum();
+                }
+                true
+            }
+            Layout::CpuVec | Layout::CpuAmx => {
+                let region = std::slice::from_raw_parts(cache.add(h * 2 * n * d), 2 * n * d);
+                let (k, v) = region.split_at(n * d);
+                if T::any_non_finite(v) {
+                    return Err(2);
+                }
+                if layout == Layout::CpuVec {
+                    // K column-major: row c holds channel c of every token; 16 tokens at a time
+                    // in registers.
+                    for (t, sq) in squares.chunks_mut(16).enumerate() {
+                        let mut lanes = [0.0f32; 16];
+                        for channel in k.chunks_exact(n) {
+                            let xs = &channel[16 * t..16 * t + sq.len()];
+                            for (lane, x) in lanes.iter_mut().zip(xs) {
+                                *lane += x.widen() * x.widen();
+                            }
+                        }
+                        sq.copy_from_slice(&lanes[..sq.len()]);
+                    }
+                } else {
+                    // Per tile of 16 tokens, D/2 rows of 16 words: token j's channel pair at
+                    // lanes 2j, 2j + 1 of every row.
+                    for (tile, sq) in k.chunks_exact(16 * d).zip(squares.chunks_exact_mut(16)) {
+                        let mut lanes = [0.0f32; 32];
+                        for row in tile.chunks_exact(32) {
+                            for (lane, x) in lanes.iter_mut().zip(row) {
+                                *lane += x.widen() * x.widen();
+                            }
+                        }
+                        for (j, s) in sq.iter_mut().enumerate() {
+                            *s = lanes[2 * j] + lanes[2 * j + 1];
+                        }
+                    }
+                }
+                squares.iter().all(|s| s.is_finite()) || !T::any_non_finite(k)
+            }
+        };
+        if !k_finite {
+            return Err(1);
+        }
+        for (norm, sq) in norms.iter_mut().zip(&squares) {
+            *norm += sq.sqrt();
+        }
+    }
+    let per_head = 1.0 / g.heads.max(1) as f32;
+    norms
+        .iter_mut()
+        .for_each(|x| *x = (*x * per_head).min(f32::MAX));
+    Ok(())
+}
+
+/// [`scan_block`] and [`move_block`] compiled for AVX2, which the CPU is checked for first
+/// ([`has_avx2`]): their loops vectorize twice as wide as the build's baseline (SSE2) allows.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Bits, Geometry, Layout};
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn scan_block<T: Bits>(
+        layout: Layout,
+        g: Geometry,
+        cache: *const T,
+        norms: &mut [f32],
+    ) -> Result<(), u8> {
+        super::scan_block(layout, g, cache, norms)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn move_block<const TO_CACHE: bool>(
+        layout: Layout,
+        g: Geometry,
+        elem: usize,
+        cache: *mut u8,
+        block: *mut u8,
+    ) {
+        super::move_block::<TO_CACHE>(layout, g, elem, cache, block);
+    }
+}
+
+/// Whether this CPU runs the [`avx2`] copies of the loops.
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::is_x86_feature_detected!("avx2");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// [`scan_block`], as wide as the CPU allows.
+///
+/// # Safety
+/// As [`scan_block`]'s.
+unsafe fn scan_any<T: Bits>(
+    wide: bool,
+    layout: Layout,
+    g: Geometry,
+    cache: *const T,
+    norms: &mut [f32],
+) -> Result<(), u8> {
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        return avx2::scan_block(layout, g, cache, norms);
+    }
+    scan_block(layout, g, cache, norms)
+}
+
+/// [`move_block`], as wide as the CPU allows.
+///
+/// # Safety
+/// As [`move_block`]'s.
+unsafe fn move_any<const TO_CACHE: bool>(
+    wide: bool,
+    layout: Layout,
+    g: Geometry,
+    elem: usize,
+    cache: *mut u8,
+    block: *mut u8,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        return avx2::move_block::<TO_CACHE>(layout, g, elem, cache, block);
+    }
+    move_block::<TO_CACHE>(layout, g, elem, cache, block);
+}
+
+/// Checks whole blocks of a paged cache on the CPU finite and measures their keys, in place
+/// (nothing is copied): for cache blocks `block_ids` (as [`paged_copy`] reads them), each
+/// token's key norm averaged over heads, block by block, and 0; or an empty array and 1 / 2
+/// when some K / V holds a NaN or an infinity. `dtype` is the kernels' code (0 fp32, 1 fp16,
+/// 2 bf16). The GIL is released meanwhile; the address is trusted as [`paged_copy`]'s is.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_scan<'py>(
+    py: Python<'py>,
+    layout: &str,
+    cache: usize,
+    block_stride: usize,
+    strides: (usize, usize),
+    block_ids: PyReadonlyArray1<'_, i64>,
+    shape: (usize, usize, usize),
+    dtype: u8,
+) -> PyResult<(Bound<'py, PyArray1<f32>>, u8)> {
+    let layout = layout_of(layout)?;
+    let elem = crate::tokens::element_bytes(dtype)?;
+    let (heads, tokens, dim) = shape;
+    check_geometry(layout, elem, tokens, dim)?;
+    let ids = block_ids.as_slice()?;
+    if ids.iter().any(|&b| b < 0) {
+        return Err(PyValueError::new_err(
+            "paged_scan: expected non-negative block ids",
+        ));
+    }
+    let g = Geometry {
+        heads,
+        tokens,
+        dim,
+        head_stride: strides.0,
+        token_stride: strides.1,
+    };
+    let starts: Vec<usize> = ids
+        .iter()
+        .map(|&id| cache + id as usize * block_stride * elem)
+        .collect();
+    let bytes = starts.len() * 2 * heads * tokens * dim * elem;
+    let wide = has_avx2();
+    let outcome = py.detach(|| {
+        let mut norms = vec![0.0f32; starts.len() * tokens];
+        let work: Vec<_> = starts.into_iter().zip(norms.chunks_mut(tokens)).collect();
+        // SAFETY: the caller's cache holds these blocks (see above).
+        for_each(work, bytes, |(at, out)| unsafe {
+            each_dtype!(
+                dtype,
+                T,
+                scan_any::<T>(wide, layout, g, at as *const T, out)
+            )
+        })
+        .map(|()| norms)
+    });
+    Ok(match outcome {
+        Ok(norms) => (PyArray1::from_vec(py, norms), 0),
+        Err(bad) => (PyArray1::from_vec(py, Vec::new()), bad),
+    })
 }
 
 /// Copies `bytes` bytes from each address of `srcs` to the address of `dsts` beside it (rows
@@ -228,12 +600,16 @@ pub fn copy_rows(
             "copy_rows: expected one destination per source",
         ));
     }
+    let total = srcs.len() * bytes;
+    let work: Vec<(u64, u64)> = srcs.into_iter().zip(dsts).collect();
     py.detach(|| {
-        for (&src, &dst) in srcs.iter().zip(&dsts) {
+        for_each(work, total, |(src, dst)| {
             // SAFETY: see above.
             unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
-        }
-    });
+            Ok::<(), ()>(())
+        })
+    })
+    .ok();
     Ok(())
 }
 
@@ -255,6 +631,36 @@ mod tests {
             }
             (Layout::CpuAmx, _) => {
                 region + (d / 16) * nn * 16 + (n / 2) * 32 + (d % 16) * 2 + n % 2
+            }
+        }
+    }
+
+    #[test]
+    fn four_byte_elements_round_trip_in_the_layouts_that_take_them() {
+        let (h, n, d) = (2, 24, 40); // sides that are multiples of 4 and 8, and not
+        for (tokens, dim) in [(n, d), (16, 64), (5, 6)] {
+            let g = Geometry {
+                heads: h,
+                tokens,
+                dim,
+                head_stride: tokens * 2 * dim,
+                token_stride: 2 * dim,
+            };
+            for layout in [Layout::Channels, Layout::CpuVec] {
+                let block: Vec<u32> = (0..2 * h * tokens * dim).map(|i| i as u32 * 7).collect();
+                let mut cache = vec![0u32; block.len()];
+                let mut back = vec![0u32; block.len()];
+                unsafe {
+                    let mut src = block.clone();
+                    let (c, s) = (cache.as_mut_ptr().cast(), src.as_mut_ptr().cast());
+                    move_block::<true>(layout, g, 4, c, s);
+                    move_block::<false>(layout, g, 4, c, back.as_mut_ptr().cast());
+                }
+                assert_eq!(back, block, "{layout:?}");
+                for (kv, hh, t, ch) in [(0, 1, tokens - 1, 2), (1, 0, 3, dim - 1)] {
+                    let want = block[((kv * h + hh) * tokens + t) * dim + ch];
+                    assert_eq!(cache[cache_index(layout, g, kv, hh, t, ch)], want);
+                }
             }
         }
     }

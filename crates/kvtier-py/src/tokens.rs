@@ -7,7 +7,7 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 
 /// Bits of one element, by the kernels' dtype code: 0 fp32, 1 fp16, 2 bf16.
-fn element_bytes(dtype: u8) -> PyResult<usize> {
+pub(crate) fn element_bytes(dtype: u8) -> PyResult<usize> {
     match dtype {
         0 => Ok(4),
         1 | 2 => Ok(2),
@@ -102,48 +102,82 @@ pub fn write_token(
 }
 
 /// An element type's bits: whether the value is a NaN or an infinity, and the value as f32.
-trait Bits: Copy {
-    fn non_finite(self) -> bool;
+pub(crate) trait Bits: Copy + Send + Sync {
     fn widen(self) -> f32;
+    /// Whether any of `xs` is a NaN or an infinity: the largest exponent field of them all, a
+    /// fold without early exit that the compiler vectorizes.
+    fn any_non_finite(xs: &[Self]) -> bool;
+}
+
+/// [`Bits::any_non_finite`] of elements whose exponent field is `mask` of their `bits`.
+#[inline(always)]
+fn exponent_all_ones<T: Copy, B: Ord + Copy + std::ops::BitAnd<Output = B> + From<u8>>(
+    xs: &[T],
+    bits: impl Fn(T) -> B,
+    mask: B,
+) -> bool {
+    xs.iter().fold(B::from(0), |m, &x| m.max(bits(x) & mask)) == mask
 }
 
 /// bf16 bits.
 #[derive(Clone, Copy)]
-struct Bf16(u16);
+pub(crate) struct Bf16(u16);
 /// fp16 bits.
 #[derive(Clone, Copy)]
-struct Fp16(u16);
+pub(crate) struct Fp16(u16);
+
+/// `$body` with `$t` the element type of the kernels' dtype code `$code` (0 fp32, 1 fp16,
+/// else bf16).
+macro_rules! each_dtype {
+    ($code:expr, $t:ident, $body:expr) => {
+        match $code {
+            0 => {
+                type $t = f32;
+                $body
+            }
+            1 => {
+                type $t = $crate::tokens::Fp16;
+                $body
+            }
+            _ => {
+                type $t = $crate::tokens::Bf16;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use each_dtype;
 
 impl Bits for Bf16 {
     #[inline(always)]
-    fn non_finite(self) -> bool {
-        self.0 & 0x7f80 == 0x7f80 // the exponent all ones
-    }
-    #[inline(always)]
     fn widen(self) -> f32 {
         f32::from_bits(u32::from(self.0) << 16)
+    }
+    #[inline(always)]
+    fn any_non_finite(xs: &[Self]) -> bool {
+        exponent_all_ones(xs, |x| x.0, 0x7f80)
     }
 }
 
 impl Bits for Fp16 {
     #[inline(always)]
-    fn non_finite(self) -> bool {
-        self.0 & 0x7c00 == 0x7c00
-    }
-    #[inline(always)]
     fn widen(self) -> f32 {
         f16_to_f32(self.0)
+    }
+    #[inline(always)]
+    fn any_non_finite(xs: &[Self]) -> bool {
+        exponent_all_ones(xs, |x| x.0, 0x7c00)
     }
 }
 
 impl Bits for f32 {
     #[inline(always)]
-    fn non_finite(self) -> bool {
-        !self.is_finite()
-    }
-    #[inline(always)]
     fn widen(self) -> f32 {
         self
+    }
+    #[inline(always)]
+    fn any_non_finite(xs: &[Self]) -> bool {
+        exponent_all_ones(xs, f32::to_bits, 0x7f80_0000)
     }
 }
 
@@ -156,15 +190,10 @@ fn block_norms<T: Bits>(
     norms: &mut [f32],
 ) -> Result<(), u8> {
     let (k, v) = block.split_at(heads * tokens * dim);
-    // Lanes of 16: a loop the compiler vectorizes, whatever the element type.
-    let any_bad = |xs: &[T]| {
-        xs.chunks(16)
-            .any(|c| c.iter().fold(false, |bad, x| bad | x.non_finite()))
-    };
-    if any_bad(k) {
+    if T::any_non_finite(k) {
         return Err(1);
     }
-    if any_bad(v) {
+    if T::any_non_finite(v) {
         return Err(2);
     }
     norms.fill(0.0);
@@ -187,7 +216,8 @@ fn block_norms<T: Bits>(
     Ok(())
 }
 
-/// [`block_norms`] of the blocks at `blocks` of `dtype`.
+/// [`block_norms`] of the blocks at `blocks` of `dtype`, a share of them on each thread of
+/// rayon's pool when they are many.
 ///
 /// # Safety
 /// `blocks` valid for reading `norms.len() / tokens` whole blocks.
@@ -197,23 +227,23 @@ unsafe fn blocks_norms(
     dtype: u8,
     norms: &mut [f32],
 ) -> Result<(), u8> {
+    use rayon::prelude::*;
     let (heads, tokens, dim) = shape;
     let per_block = 2 * heads * tokens * dim;
     let n = norms.len() / tokens.max(1);
-    macro_rules! each {
-        ($t:ty) => {{
-            let all = std::slice::from_raw_parts(blocks as *const $t, n * per_block);
-            for (block, out) in all.chunks_exact(per_block).zip(norms.chunks_mut(tokens)) {
-                block_norms(block, shape, out)?;
-            }
-            Ok(())
-        }};
-    }
-    match dtype {
-        0 => each!(f32),
-        1 => each!(Fp16),
-        _ => each!(Bf16),
-    }
+    each_dtype!(dtype, T, {
+        let all = std::slice::from_raw_parts(blocks as *const T, n * per_block);
+        let (per_block, tokens) = (per_block.max(1), tokens.max(1));
+        if std::mem::size_of_val(all) < crate::paged::PARALLEL_BYTES {
+            let mut work = all.chunks_exact(per_block).zip(norms.chunks_mut(tokens));
+            return work.try_for_each(|(block, out)| block_norms(block, shape, out));
+        }
+        let work = all
+            .par_chunks_exact(per_block)
+            .zip(norms.par_chunks_mut(tokens));
+        work.with_min_len(2)
+            .try_for_each(|(block, out)| block_norms(block, shape, out))
+    })
 }
 
 /// Each token's key norm averaged over heads, for `num_blocks` blocks in kvtier's form at

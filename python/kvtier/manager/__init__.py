@@ -49,11 +49,13 @@ disk/remote stores, executing a plan's moves), ``ledger`` (per block: tokens wri
 key-norm sums, lost blocks), ``attention`` (the tables the attention kernels read), ``sharing``
 (prefix publishing and fetching), and the stateless ``sizing`` (budgets to pools), ``room``
 (what a plan frees, why the device is full), ``stats`` (:class:`ManagerStats`, Prometheus text)
-and ``checks`` (argument checks).
+``checks`` (argument checks) and ``external`` (:class:`ExternalBlocks`: blocks of an engine's
+own paged cache, appended and loaded where they lie).
 """
 
 from .attention import AttentionBatch, AttentionTables
 from .block_manager import BlockManager
+from .external import ExternalBlocks
 from .ledger import BlockLedger
 from .sizing import DEFAULT_CPU_BYTES as DEFAULT_CPU_BYTES
 from .sizing import DEFAULT_CUDA_SHARE as DEFAULT_CUDA_SHARE
@@ -69,6 +71,7 @@ __all__ = [
     "AttentionTables",
     "BlockLedger",
     "BlockManager",
+    "ExternalBlocks",
     "ManagerStats",
     "PoolStats",
 ]

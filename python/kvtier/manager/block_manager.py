@@ -45,6 +45,7 @@ from .checks import (
     softmax_scale,
     token_array,
 )
+from .external import ExternalBlocks, check_external
 from .ledger import BlockLedger
 from .room import slots_after, why_full
 from .sharing import PrefixSharing
@@ -368,11 +369,22 @@ class BlockManager:
         does with their tokens (the same checks, room and errors; a call that raises changes
         nothing), for an engine whose own cache is paged: no token-major form on the way, one
         copy a block into the level-0 pool. Blocks of a cached prefix the sequence shares are
-        skipped, as :meth:`append` skips their tokens."""
-        blocks = check_blocks(blocks, self.shape, self.dtype, self.device).detach()
+        skipped, as :meth:`append` skips their tokens.
+
+        ``blocks`` may also be :class:`~kvtier.manager.ExternalBlocks` (blocks of an engine's
+        paged cache, :class:`~kvtier.integrations.vllm.paged.PagedBlocks`): on the CPU the
+        manager checks them where they lie and copies each once, into the pool."""
+        if isinstance(blocks, ExternalBlocks):
+            check_external(blocks, self.shape, self.dtype)
+            if blocks.device != self.device or self.device.type != "cpu":
+                blocks = blocks.read().to(self.device)
+        if isinstance(blocks, ExternalBlocks):
+            norms = blocks.key_norms()
+        else:
+            blocks = check_blocks(blocks, self.shape, self.dtype, self.device).detach()
+            norms = block_key_norms_of(blocks, self._dtype_code)
         layer = self._layer(layer)
-        norms = block_key_norms_of(blocks, self._dtype_code)
-        n, bs = int(blocks.shape[0]), self.block_size
+        n, bs = len(blocks), self.block_size
         with self._lock:
             state = self._seq(seq)
             start = int(state.lengths[layer])
@@ -399,20 +411,62 @@ class BlockManager:
         ``first`` (allocated), but for those some layer-owner already wrote (a shared
         prefix), whose tokens :meth:`_write` writes where they are partly written."""
         torch = torch_module()
-        bs, n = self.block_size, blocks.shape[0]
+        bs, n = self.block_size, len(blocks)
         ids = self.core.sequence_blocks(seq)[first : first + n]
         written = self.ledger.written[ids, layer]
         whole = written == 0
         if whole.any():
-            part = blocks if whole.all() else blocks[torch.from_numpy(whole).to(self.device)]
             slots = torch.from_numpy(self.core.block_info(ids[whole])["slot"].astype(np.int64))
-            self._tiers.write_blocks(slots.to(self.device), layer, part)
+            if isinstance(blocks, ExternalBlocks):
+                self._tiers.write_external(slots, layer, blocks, None if whole.all() else whole)
+            else:
+                part = blocks if whole.all() else blocks[torch.from_numpy(whole).to(self.device)]
+                self._tiers.write_blocks(slots.to(self.device), layer, part)
             sums = norms.reshape(n, bs)[whole].sum(axis=1, dtype=np.float64)
             self._finish(self.ledger.wrote_blocks(ids[whole], layer, sums))
-        for i in np.nonzero(~whole & (written < bs))[0]:
+        partial = np.nonzero(~whole & (written < bs))[0]
+        if len(partial) and isinstance(blocks, ExternalBlocks):
+            blocks = blocks.read()
+        for i in partial:
             k, v = blocks[i].transpose(1, 2)  # [N, H, D] each
             start = (first + int(i)) * bs
             self._write(seq, layer, start, start + bs, k, v, norms[i * bs : (i + 1) * bs])
+
+    def load_blocks(self, seq: int, layer: int, first: int, into: ExternalBlocks) -> None:
+        """Writes blocks ``first : first + len(into)`` of ``seq`` at ``layer`` (whole and written,
+        none dropped), decoded to the model dtype, into ``into`` (blocks of an engine's paged
+        cache): what :meth:`gather_blocks` gives for them. On the CPU a level-0 block is copied
+        once, from the pool into place; others are decoded, then written. Counts a read of
+        each. Raises :class:`BlockLostError` for a block a store lost (blocks of other pools
+        may have been written)."""
+        check_external(into, self.shape, self.dtype)
+        layer = self._layer(layer)
+        n, bs = len(into), self.block_size
+        with self._lock:
+            tokens = int(self._seq(seq).lengths[layer])
+            if not first >= 0 or (first + n) * bs > tokens:
+                raise InvalidArgumentError(
+                    f"sequence {seq} layer {layer}: expected whole blocks it holds, got blocks "
+                    f"{first}:{first + n} of {bs} tokens with {tokens} tokens written"
+                )
+            blocks = self.core.sequence_blocks(seq)[first : first + n]
+            self.ledger.check_written(seq, layer, blocks, n * bs)
+            self.ledger.check_not_lost(seq, blocks)
+            for (tier, level), rows, slots, ids in self._tiers.locations(blocks):
+                if self.drop_level is not None and level == self.drop_level:
+                    raise InvalidArgumentError(
+                        f"sequence {seq}: block {int(ids[0])} was dropped (level "
+                        f"{self.ladder[level]!r}): its K/V is gone"
+                    )
+                pick = rows.cpu().numpy()
+                try:
+                    self._tiers.read_layer_into(tier, level, slots, layer, ids, into, pick)
+                except BlocksLost as exc:
+                    self._mark_lost(exc.blocks.astype(np.uint32))
+                    self.ledger.check_not_lost(seq, blocks)
+                    raise
+            if len(blocks):
+                self.core.record_reads(blocks)
 
     def _append_one(self, seq: int, layer: Any, k: Any, v: Any) -> bool:
         """The decode step's append on the CPU: one token into the block this sequence is

@@ -42,6 +42,8 @@ from .sizing import STORE_TIERS, PoolLayout
 if TYPE_CHECKING:
     import torch
 
+    from .external import ExternalBlocks
+
 __all__ = ["STORE_RETRY_S", "BlocksLost", "StoreRefused", "Tiers"]
 
 log = logging.getLogger("kvtier.manager")
@@ -205,6 +207,23 @@ class Tiers:
             pool, self.shape, layer, slots=idx, dtype=self.dtype, device=self.device
         )
 
+    def read_layer_into(
+        self,
+        tier: str,
+        level: int,
+        slots: np.ndarray,
+        layer: int,
+        blocks: np.ndarray,
+        into: ExternalBlocks,
+        pick: np.ndarray,
+    ) -> None:
+        """:meth:`read_layer` into blocks ``pick`` of ``into``: a level-0 CPU pool's rows are
+        copied straight there; raises :class:`BlocksLost` for blocks a store lost."""
+        if (tier, level) == ("device", 0) and self.device.type == "cpu" == into.device.type:
+            into.copy_from(_row_addresses(self.pools[tier, 0], slots, layer), pick)
+        else:
+            into.write(self.read_layer(tier, level, slots, layer, blocks), pick)
+
     def write_tokens(
         self, slots: torch.Tensor, layer: int, offsets: torch.Tensor, k: Any, v: Any
     ) -> None:
@@ -222,6 +241,13 @@ class Tiers:
             pool[slots, layer] = blocks
             return
         copy_rows(_rows_of(blocks), _row_addresses(pool, slots.numpy(), layer), _row_bytes(blocks))
+
+    def write_external(
+        self, slots: torch.Tensor, layer: int, blocks: ExternalBlocks, pick: np.ndarray | None
+    ) -> None:
+        """Blocks ``pick`` of ``blocks`` (every one when None), one layer's, into level-0 CPU
+        slots ``slots``: each copied straight from where it lies into its slot."""
+        blocks.copy_to(_row_addresses(self.pools["device", 0], slots.numpy(), layer), pick)
 
     def copy_level0(self, src: int, dst: int) -> None:
         """Level-0 device slot ``src``'s bytes into slot ``dst``."""

@@ -38,13 +38,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from ..._core import paged_copy
+from ..._core import paged_copy, paged_scan
+from ..._torch import dtype_name, torch_module
+from ...attend import FLOAT_CODES
 from ...errors import ConfigError, InvalidArgumentError
+from ...manager import ExternalBlocks
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BACKEND_LAYOUTS", "PagedLayout", "layout_for_backend"]
+__all__ = ["BACKEND_LAYOUTS", "PagedBlocks", "PagedLayout", "layout_for_backend"]
 
 Split = Literal["channels", "cpu-vec", "cpu-amx"]
 
@@ -189,18 +192,47 @@ class PagedLayout:
         """The CPU path of :meth:`read_blocks` (``to_cache`` False) and :meth:`write_blocks`:
         one pass over the bytes in the extension (``_core.paged_copy``), between ``cache``
         and ``blocks`` (contiguous ``[b, 2, H, N, D]`` of the cache's dtype)."""
-        ids = block_ids.numpy().astype(np.int64, copy=False)
+        ids = self._ids(cache, block_ids.numpy())
+        step = np.uint64(blocks.stride(0) * blocks.element_size())  # contiguous blocks
+        addrs = np.uint64(blocks.data_ptr()) + step * np.arange(len(ids), dtype=np.uint64)
+        self.copy(cache, ids, addrs, to_cache=to_cache)
+
+    def _ids(self, cache: torch.Tensor, block_ids: np.ndarray) -> np.ndarray:
+        """``block_ids`` as int64, refused unless each is one of the cache's blocks."""
+        ids = block_ids.astype(np.int64, copy=False)
         if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < cache.shape[0]:
             raise InvalidArgumentError(
                 f"block_ids: expected blocks of the cache's {cache.shape[0]}, got {ids.tolist()}"
             )
-        step = np.uint64(blocks.stride(0) * blocks.element_size())  # contiguous blocks
-        addrs = np.uint64(blocks.data_ptr()) + step * np.arange(len(ids), dtype=np.uint64)
+        return ids
+
+    def copy(
+        self, cache: torch.Tensor, ids: np.ndarray, addrs: np.ndarray, *, to_cache: bool
+    ) -> None:
+        """Whole blocks between a CPU ``cache`` (its blocks ``ids``, int64, checked) and kvtier's
+        form at ``addrs`` (one uint64 address a block, ``2 * H * N * D`` contiguous elements of
+        the cache's dtype each), in the extension."""
         paged_copy(
             self.split, to_cache, cache.data_ptr(), cache.stride(0),
             (cache.stride(1), cache.stride(2)), ids, addrs,
             (self.num_kv_heads, self.block_size, self.head_dim), cache.element_size(),
         )  # fmt: skip
+
+    def key_norms(self, cache: torch.Tensor, ids: np.ndarray) -> np.ndarray:
+        """Per token of a CPU ``cache``'s blocks ``ids`` (int64, checked), block by block, the
+        mean over heads of its key's norm, read in place; raises
+        :class:`~kvtier.InvalidArgumentError` if K or V holds a NaN or an infinity."""
+        norms, bad = paged_scan(
+            self.split, cache.data_ptr(), cache.stride(0), (cache.stride(1), cache.stride(2)),
+            ids, (self.num_kv_heads, self.block_size, self.head_dim),
+            FLOAT_CODES[dtype_name(cache.dtype)],
+        )  # fmt: skip
+        if bad:
+            raise InvalidArgumentError(
+                f"blocks: expected finite values, got NaN or inf in {'KV'[bad - 1]}; nothing was "
+                "stored"
+            )
+        return norms
 
     def write(self, cache: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
         """Writes ``kv`` (``[2, len(block_ids) * N, H, D]``, the form :meth:`read` returns) into
@@ -211,6 +243,62 @@ class PagedLayout:
             raise InvalidArgumentError(f"kv: expected shape {list(want)}, got {list(kv.shape)}")
         per_block = kv.reshape(2, n, self.block_size, self.num_kv_heads, self.head_dim)
         self.write_blocks(cache, block_ids, per_block.permute(1, 0, 3, 2, 4))
+
+
+@dataclass(frozen=True)
+class PagedBlocks(ExternalBlocks):
+    """Whole blocks ``block_ids`` of one layer's paged ``cache`` of ``layout``, as
+    :meth:`~kvtier.BlockManager.append_blocks` takes them and
+    :meth:`~kvtier.BlockManager.load_blocks` writes them: on the CPU the manager checks them
+    where they lie (:meth:`PagedLayout.key_norms`) and copies each once, between the cache and
+    its pool slot (:meth:`PagedLayout.copy`)."""
+
+    layout: PagedLayout
+    cache: torch.Tensor
+    block_ids: np.ndarray  # int64, each one of the cache's blocks
+
+    @classmethod
+    def of(cls, layout: PagedLayout, cache: torch.Tensor, block_ids: Any) -> PagedBlocks:
+        """Blocks ``block_ids`` (ints, any sequence or array) of ``cache``, checked."""
+        return cls(layout, cache, layout._ids(cache, np.asarray(block_ids)))
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        return self.layout.num_kv_heads, self.layout.block_size, self.layout.head_dim
+
+    @property
+    def dtype(self) -> Any:
+        return self.cache.dtype
+
+    @property
+    def device(self) -> Any:
+        return self.cache.device
+
+    def key_norms(self) -> np.ndarray:
+        return self.layout.key_norms(self.cache, self.block_ids)
+
+    def copy_to(self, addresses: np.ndarray, pick: np.ndarray | None = None) -> None:
+        ids = self.block_ids if pick is None else self.block_ids[pick]
+        self.layout.copy(self.cache, ids, addresses, to_cache=False)
+
+    def copy_from(self, addresses: np.ndarray, pick: np.ndarray | None = None) -> None:
+        ids = self.block_ids if pick is None else self.block_ids[pick]
+        self.layout.copy(self.cache, ids, addresses, to_cache=True)
+
+    def read(self) -> torch.Tensor:
+        return self.layout.read_blocks(self.cache, self._ids_tensor(None))
+
+    def write(self, blocks: torch.Tensor, pick: np.ndarray | None = None) -> None:
+        blocks = blocks.to(self.cache.device, non_blocking=True)
+        self.layout.write_blocks(self.cache, self._ids_tensor(pick), blocks)
+
+    def _ids_tensor(self, pick: np.ndarray | None) -> torch.Tensor:
+        ids = self.block_ids if pick is None else self.block_ids[pick]
+        tensor: torch.Tensor = torch_module().from_numpy(np.ascontiguousarray(ids))
+        return tensor.to(self.cache.device)
 
 
 def _heads_contiguous(cache: torch.Tensor) -> bool:

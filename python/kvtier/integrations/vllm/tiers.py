@@ -20,12 +20,11 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..._core import Plan
 from ..._torch import torch_module
 from ...errors import InvalidArgumentError, KvtierError
 from .link import CONNECTOR_TIERS, Held
+from .paged import PagedBlocks
 
 if TYPE_CHECKING:
     import torch
@@ -88,11 +87,11 @@ class WorkerTiers:
         on_keys: Callable[[int, torch.Tensor], None] | None = None,
     ) -> int:
         """One layer of :meth:`save`: the blocks of ``block_ids`` that manager sequence ``seq``
-        lacks at ``layer``, read from its cache in one pass (on the CPU, in the extension) and
-        appended whole (:meth:`~kvtier.BlockManager.append_blocks`). Returns how many.
+        lacks at ``layer``, appended whole where they lie in its cache
+        (:meth:`~kvtier.BlockManager.append_blocks` of :class:`~.paged.PagedBlocks`: on the
+        CPU, checked in place and copied once, into the pool). Returns how many.
         ``on_keys(layer, keys)`` sees their keys, ``[blocks, block_size, kv_heads,
         head_dim]``."""
-        torch = torch_module()
         manager, layout, cache = self.manager, self.layout, self.caches[layer]
         bs = layout.block_size
         start = manager.num_tokens(seq, layer)
@@ -102,12 +101,11 @@ class WorkerTiers:
             raise InvalidArgumentError(
                 f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of {bs}"
             )
-        ids = torch.from_numpy(np.asarray(block_ids[start // bs :], dtype=np.int64))
-        blocks = layout.read_blocks(cache, ids.to(cache.device)).to(manager.device)
-        manager.append_blocks(seq, layer, blocks)
+        source = PagedBlocks.of(layout, cache, block_ids[start // bs :])
+        manager.append_blocks(seq, layer, source)
         if on_keys is not None:
-            on_keys(layer, blocks[:, 0].transpose(1, 2))
-        return len(ids)
+            on_keys(layer, source.read()[:, 0].transpose(1, 2))
+        return len(source)
 
     def load(self, seq: int, start: int, end: int, block_ids: Sequence[int]) -> int:
         """Writes the K/V of tokens ``start:end`` of manager sequence ``seq`` (decoded to the
@@ -133,16 +131,12 @@ class WorkerTiers:
 
     def load_layer(self, layer: int, seq: int, start: int, block_ids: Sequence[int]) -> None:
         """One layer of :meth:`load`: the blocks of ``seq`` from token ``start`` (a block
-        boundary), as many as ``block_ids``, into those blocks of layer ``layer``'s cache, in
-        one copy."""
+        boundary), as many as ``block_ids``, into those blocks of layer ``layer``'s cache
+        (:meth:`~kvtier.BlockManager.load_blocks`: on the CPU, a level-0 block in one copy)."""
         if not block_ids:
             return
-        torch = torch_module()
-        cache = self.caches[layer]
-        first = start // self.layout.block_size
-        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=cache.device)
-        blocks = self.manager.gather_blocks(seq, layer)[first : first + len(block_ids)]
-        self.layout.write_blocks(cache, ids, blocks.to(cache.device, non_blocking=True))
+        into = PagedBlocks.of(self.layout, self.caches[layer], block_ids)
+        self.manager.load_blocks(seq, layer, start // self.layout.block_size, into)
 
 
 class LayerLoads:
