@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm_engines import vllm_block_hashes
 
 pytestmark = pytest.mark.vllm
 
@@ -844,21 +845,6 @@ def announced(events: list[Any]) -> dict[Any, str]:
     return held
 
 
-def vllm_hashes(tokens: list[int], salt: str | None = None) -> list[Any]:
-    """vLLM's block hashes of ``tokens``' whole blocks (its prefix cache's keys, as its events
-    carry them)."""
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, maybe_convert_block_hash
-    from vllm.v1.request import Request
-
-    hasher = get_request_block_hasher(BLOCK, sha256)
-    request = Request(
-        "hashes", tokens, SamplingParams(), None, cache_salt=salt, block_hasher=hasher
-    )
-    return [maybe_convert_block_hash(h) for h in request.block_hashes]
-
-
 def held_by_tiers(engine: Engine, prompts: list[list[int]]) -> dict[Any, str]:
     """vLLM's hashes of the prompts' blocks rank 0's tiers hold now, with the medium each lies
     on (the background step over, what it dropped reported by one more step)."""
@@ -868,7 +854,7 @@ def held_by_tiers(engine: Engine, prompts: list[list[int]]) -> dict[Any, str]:
     held: dict[Any, str] = {}
     for p in prompts:
         places = engine.tiers.lookup(p).runs
-        hashes = iter(vllm_hashes(p))
+        hashes = iter(vllm_block_hashes(p))
         for tier, _, tokens in places:
             for _ in range(tokens // BLOCK):
                 held[next(hashes)] = media[tier]
@@ -896,12 +882,15 @@ def test_kv_events_name_the_blocks_the_host_tier_stores_and_drops_by_vllms_hashe
     engine.run()
     events = connector_events(engine)
     stored = [e for e in events if isinstance(e, BlockStored)]
-    assert [h for e in stored for h in e.block_hashes] == vllm_hashes(a)[:3]
+    assert [h for e in stored for h in e.block_hashes] == vllm_block_hashes(a)[:3]
     assert stored[0].parent_block_hash is None
     assert [t for e in stored for t in e.token_ids] == a[: 3 * BLOCK]
     assert {(e.medium, e.block_size, e.group_idx) for e in stored} == {("CPU", BLOCK, 0)}
     for e in stored[1:]:  # a step's blocks chain on from the previous step's
-        assert e.parent_block_hash == vllm_hashes(a)[vllm_hashes(a).index(e.block_hashes[0]) - 1]
+        assert (
+            e.parent_block_hash
+            == vllm_block_hashes(a)[vllm_block_hashes(a).index(e.block_hashes[0]) - 1]
+        )
     on_gpu = {
         h
         for b in engine.published
@@ -909,7 +898,7 @@ def test_kv_events_name_the_blocks_the_host_tier_stores_and_drops_by_vllms_hashe
         if e.medium == "GPU"
         for h in getattr(e, "block_hashes", [])
     }
-    assert set(vllm_hashes(a)[:3]) <= on_gpu  # the keys vLLM's own prefix cache published
+    assert set(vllm_block_hashes(a)[:3]) <= on_gpu  # the keys vLLM's own prefix cache published
     # More prompts than the host tier holds: it evicts, and says so.
     prompts = [a, *(prompt(21 + i, 2) for i in range(3))]
     for i, p in enumerate(prompts[1:]):
