@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from vllm_engines import (
     BLOCK,
+    EventSubscriber,
     cached_by_source,
     close,
     connector,
@@ -23,6 +24,7 @@ from vllm_engines import (
     metric,
     model_kv,
     relative_error,
+    vllm_block_hashes,
     wikitext_prompts,
 )
 
@@ -225,14 +227,25 @@ def refused_start(vllm_model_dir: Any) -> str:
 
 
 @pytest.fixture(scope="class")
-def host_engine(vllm_model_dir: Any, refused_start: str) -> Iterator[Any]:
+def kv_events() -> Iterator[EventSubscriber]:
+    """A subscriber to :func:`host_engine`'s KV events (vLLM's ZMQ publisher, on loopback)."""
+    subscriber = EventSubscriber()
+    yield subscriber
+    subscriber.close()
+
+
+@pytest.fixture(scope="class")
+def host_engine(
+    vllm_model_dir: Any, refused_start: str, kv_events: EventSubscriber
+) -> Iterator[Any]:
     """One engine for :class:`TestAHostTierAlone` (each test with prompts of its own, counting
     what it gained), stopped after them: vLLM keeps one worker-side connector per process, so
     engines here run one at a time. Prefill in chunks of two blocks: a prompt's blocks are
-    saved over several steps. A refused start comes first (:func:`refused_start`)."""
+    saved over several steps. It publishes its KV events to :func:`kv_events`. A refused start
+    comes first (:func:`refused_start`)."""
     llm = make_engine(
         vllm_model_dir,
-        engine={"max_num_batched_tokens": 2 * BLOCK},
+        engine={"max_num_batched_tokens": 2 * BLOCK, "kv_events_config": kv_events.config()},
         host_budget="256MiB",
         ladder="bf16",
     )
@@ -433,6 +446,33 @@ class TestAHostTierAlone:
         after = conn.get_compression_stats()["connector"]
         assert after["loaded_blocks"] - loaded == sum(loadable_blocks(p) for p in turn2)
         assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
+
+    def test_its_kv_events_name_what_the_tiers_stored_and_forgot_by_vllms_hashes(
+        self, host_engine: Any, vllm_model_dir: Any, kv_events: EventSubscriber
+    ) -> None:
+        """A router subscribed to vLLM's KV event stream (ZMQ) sees the blocks kvtier saved of
+        a prompt, ``BlockStored`` on medium ``CPU``, under vLLM's own block hashes (the keys
+        its prefix cache published on ``GPU`` for the same blocks), each whole block once, with
+        its tokens; after ``reset_prefix_cache(reset_connector=True)``, ``BlockRemoved`` on
+        ``CPU`` for each of them. (It empties the engine's tiers.)"""
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+        kv_events.events()  # what the tests before published
+        (p,) = wikitext_prompts(vllm_model_dir, [3 * BLOCK + 5], skip=8000)
+        want = vllm_block_hashes(p)[:3]
+        generate(host_engine, [p], max_new=1)
+        events = kv_events.events(wait=10)
+        stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+        assert [h for e in stored for h in e.block_hashes] == want
+        assert [t for e in stored for t in e.token_ids] == p[: 3 * BLOCK]
+        assert stored[0].parent_block_hash is None and stored[0].block_size == BLOCK
+        on_gpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "GPU"]
+        assert set(want) <= {h for e in on_gpu for h in e.block_hashes}
+        assert host_engine.reset_prefix_cache(reset_connector=True)
+        generate(host_engine, [p[:5]], max_new=1)  # a step: the worker forgets, and says so
+        events = kv_events.events(wait=10)
+        removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+        assert set(want) <= {h for e in removed for h in e.block_hashes}
 
     def test_a_prefix_cache_reset_with_the_connector_empties_the_tiers_too(
         self, host_engine: Any, vllm_model_dir: Any

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm_engines import vllm_block_hashes
 
 pytestmark = pytest.mark.vllm
 
@@ -49,14 +50,18 @@ class Engine:
         prefix_caching: bool = True,
         tensor_parallel: int = 1,
         atol: float = 0.0,
+        kv_events: bool = False,
         **extra: Any,
     ) -> None:
+        """``kv_events``: vLLM's KV events on (the batches its scheduler publishes are kept in
+        :attr:`published`)."""
         import copy
 
         import torch
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
+            KVEventsConfig,
             KVTransferConfig,
             ModelConfig,
             ParallelConfig,
@@ -92,6 +97,7 @@ class Engine:
             ),
             device_config=DeviceConfig("cpu"),
             parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel),
+            kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
         )
         config.cache_config.num_gpu_blocks = num_blocks
         # What the model's attention layers tell connectors: their backend (here a CUDA one's
@@ -120,6 +126,10 @@ class Engine:
             block_size=BLOCK,
             log_stats=True,
         )
+        #: the KV event batches vLLM's scheduler published (its own prefix cache's and the
+        #: connector's), with ``kv_events``
+        self.published: list[Any] = []
+        self.scheduler.kv_event_publisher.publish = self.published.append  # type: ignore[method-assign]
         self.workers, self.caches = [], []
         for rank in range(tensor_parallel):
             worker_config = copy.copy(config)
@@ -223,6 +233,7 @@ class Engine:
                         finished_recving=recving,
                         invalid_block_ids=invalid,
                         kv_connector_stats=worker.get_kv_connector_stats(),
+                        kv_cache_events=worker.get_kv_connector_kv_cache_events(),
                     ),
                 )
             )
@@ -802,3 +813,127 @@ def test_a_refused_start_leaves_nothing_behind(vllm_model_dir: Any) -> None:
         assert not kv_transfer_state.has_kv_transfer_group()
     finally:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
+
+
+# -- KV events ----------------------------------------------------------------------------------
+
+
+def connector_events(engine: Engine) -> list[Any]:
+    """The connector's events among those vLLM's scheduler published (its own prefix cache's
+    are on medium ``GPU``), in order."""
+    return [
+        e
+        for batch in engine.published
+        for e in batch.events
+        if getattr(e, "medium", None) in ("CPU", "STORAGE")
+    ]
+
+
+def announced(events: list[Any]) -> dict[Any, str]:
+    """What a router that reads ``events`` believes the tiers hold: vLLM's block hash → the
+    medium."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    held: dict[Any, str] = {}
+    for e in events:
+        if isinstance(e, BlockStored):
+            held.update(dict.fromkeys(e.block_hashes, e.medium))
+        elif isinstance(e, BlockRemoved):
+            for h in e.block_hashes:
+                if held.get(h) == e.medium:
+                    del held[h]
+    return held
+
+
+def held_by_tiers(engine: Engine, prompts: list[list[int]]) -> dict[Any, str]:
+    """vLLM's hashes of the prompts' blocks rank 0's tiers hold now, with the medium each lies
+    on (the background step over, what it dropped reported by one more step)."""
+    engine.worker.worker._settle()
+    engine.step()  # nothing scheduled: the workers report what the step dropped
+    media = {"host": "CPU", "disk": "STORAGE"}
+    held: dict[Any, str] = {}
+    for p in prompts:
+        places = engine.tiers.lookup(p).runs
+        hashes = iter(vllm_block_hashes(p))
+        for tier, _, tokens in places:
+            for _ in range(tokens // BLOCK):
+                held[next(hashes)] = media[tier]
+    return held
+
+
+@pytest.mark.parametrize("tensor_parallel", [1, 3])
+def test_kv_events_name_the_blocks_the_host_tier_stores_and_drops_by_vllms_hashes(
+    engine_factory: Callable[..., Engine], tensor_parallel: int
+) -> None:
+    """With vLLM's KV events on, the scheduler publishes the connector's beside its prefix
+    cache's: ``BlockStored`` (medium ``CPU``) for each block a save wrote, under vLLM's own hash
+    of it (the key vLLM's own events gave it on ``GPU``), with its tokens and parent, and
+    ``BlockRemoved`` when the host tier of four blocks evicts it to store others, or forgets it
+    on a reset. A router replaying them holds what the tiers hold; with tensor parallelism
+    rank 0 speaks for all, once."""
+    from vllm.distributed.kv_events import BlockStored
+
+    budget = f"{24 // tensor_parallel}KiB"  # four blocks of each rank's heads
+    engine = engine_factory(
+        num_blocks=64, kv_events=True, tensor_parallel=tensor_parallel, host_budget=budget
+    )
+    a = prompt(20, 3)
+    engine.add("a", a, max_tokens=1)
+    engine.run()
+    events = connector_events(engine)
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert [h for e in stored for h in e.block_hashes] == vllm_block_hashes(a)[:3]
+    assert stored[0].parent_block_hash is None
+    assert [t for e in stored for t in e.token_ids] == a[: 3 * BLOCK]
+    assert {(e.medium, e.block_size, e.group_idx) for e in stored} == {("CPU", BLOCK, 0)}
+    for e in stored[1:]:  # a step's blocks chain on from the previous step's
+        assert (
+            e.parent_block_hash
+            == vllm_block_hashes(a)[vllm_block_hashes(a).index(e.block_hashes[0]) - 1]
+        )
+    on_gpu = {
+        h
+        for b in engine.published
+        for e in b.events
+        if e.medium == "GPU"
+        for h in getattr(e, "block_hashes", [])
+    }
+    assert set(vllm_block_hashes(a)[:3]) <= on_gpu  # the keys vLLM's own prefix cache published
+    # More prompts than the host tier holds: it evicts, and says so.
+    prompts = [a, *(prompt(21 + i, 2) for i in range(3))]
+    for i, p in enumerate(prompts[1:]):
+        engine.add(f"p{i}", p, max_tokens=1)
+        engine.run()
+    events = connector_events(engine)
+    assert any(e.__class__.__name__ == "BlockRemoved" for e in events)
+    held = held_by_tiers(engine, prompts)
+    assert 0 < len(held) <= 4
+    assert announced(connector_events(engine)) == held
+    # A reset with the connector's: everything it announced is removed.
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    engine.add("after", prompt(30, 1), max_tokens=1)
+    engine.run()
+    assert announced(connector_events(engine)) == held_by_tiers(engine, [prompt(30, 1)])
+
+
+def test_kv_events_follow_blocks_the_core_moves_to_disk(
+    engine_factory: Callable[..., Engine], tmp_path: Any
+) -> None:
+    """A host tier of four blocks with a disk tier behind it: a block the core offloads is
+    announced on ``STORAGE`` and removed from ``CPU``; a router replaying the events holds each
+    block on the medium the tiers hold it on."""
+    engine = engine_factory(
+        num_blocks=64,
+        kv_events=True,
+        host_budget="24KiB",
+        disk_budget="16MiB",
+        disk_path=str(tmp_path),
+    )
+    prompts = [prompt(40 + i, 3) for i in range(3)]
+    for i, p in enumerate(prompts):
+        engine.add(f"p{i}", p, max_tokens=1)
+        engine.run()
+    held = held_by_tiers(engine, prompts)
+    assert set(held.values()) == {"CPU", "STORAGE"}, held
+    assert len(held) == 9
+    assert announced(connector_events(engine)) == held

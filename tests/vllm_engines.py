@@ -136,6 +136,64 @@ def model_kv(model_dir: Any, tokens: list[int], dtype: str) -> list[Any]:
     return [torch.stack([c.keys[0], c.values[0]]).transpose(1, 2).float() for c in cache.layers]
 
 
+def vllm_block_hashes(tokens: list[int], salt: str | None = None) -> list[Any]:
+    """vLLM's hashes of ``tokens``' whole blocks (its prefix cache's keys, sha256, as its KV
+    events carry them)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        init_none_hash,
+        maybe_convert_block_hash,
+    )
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)  # what an engine does (fixed, for sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    request = Request(
+        "hashes", tokens, SamplingParams(), None, cache_salt=salt, block_hasher=hasher
+    )
+    return [maybe_convert_block_hash(h) for h in request.block_hashes]
+
+
+class EventSubscriber:
+    """A router's end of vLLM's KV event stream: a ZMQ SUB socket bound on a free loopback
+    port (:attr:`endpoint`, for ``KVEventsConfig``: vLLM's publisher connects to it), decoding
+    vLLM's ``KVEventBatch`` messages."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.RCVHWM, 0)  # keep every batch until read
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.bind("tcp://127.0.0.1:0")
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def config(self) -> Any:
+        """vLLM's ``KVEventsConfig`` publishing to this subscriber."""
+        from vllm.config import KVEventsConfig
+
+        return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=self.endpoint)
+
+    def events(self, wait: float = 0.0) -> list[Any]:
+        """The events of every batch received so far (after waiting up to ``wait`` seconds for
+        the first), in order."""
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        out: list[Any] = []
+        while self._socket.poll(int(wait * 1000)):
+            _topic, _seq, payload = self._socket.recv_multipart()
+            out.extend(decoder.decode(payload).events)
+            wait = 0.0
+        return out
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
 def relative_error(got: Any, want: Any) -> float:
     """Mean |got - want| over mean |want|."""
     return float((got.float() - want).abs().mean() / want.abs().mean())

@@ -392,6 +392,28 @@ impl PyCore {
         PyArray1::from_vec(py, self.with(py, |c| c.indexed_blocks()))
     }
 
+    /// Starts (or stops, dropping what it holds) logging changes to the prefix index, for
+    /// :meth:`take_index_log`.
+    fn set_index_log(&self, py: Python<'_>, on: bool) {
+        self.with(py, |c| c.set_index_log(on));
+    }
+
+    /// The changes to the prefix index since the last call, oldest first, as `(hashes,
+    /// tiers)`: each a block's prefix hash (uint64) and the tier it lies in now (int8, its
+    /// index in `Plan.TIERS`), or -1 where it left the index. Empty while the log is off.
+    fn take_index_log<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<i8>>) {
+        let log = self.with(py, |c| c.take_index_log());
+        let hashes = log.iter().map(|c| c.hash).collect();
+        let tiers = log.iter().map(|c| c.tier.map_or(-1, |t| t as i8)).collect();
+        (
+            PyArray1::from_vec(py, hashes),
+            PyArray1::from_vec(py, tiers),
+        )
+    }
+
     fn free_sequence(&self, py: Python<'_>, seq: Int) -> PyResult<()> {
         let seq = int_arg("seq", seq)?;
         self.with(py, |c| c.free_sequence(seq)).py_err()

@@ -20,7 +20,7 @@ pub mod store_index;
 mod types;
 
 pub use crate::config::{Config, PolicyKind, Tier, TierConfig};
-pub use crate::core::{Appended, Core, Counters, Forked, PoolUsage};
+pub use crate::core::{Appended, Core, Counters, Forked, IndexChange, PoolUsage};
 pub use crate::error::{Error, Result};
 pub use crate::prefix::{
     chain_hash, chain_seed, namespace_seed, prefix_hashes, salted_seed, PrefixIndex,

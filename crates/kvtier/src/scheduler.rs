@@ -1120,6 +1120,7 @@ impl Core {
                 }
                 MoveKind::Promote => {
                     let cur = self.blocks.rows[i].loc;
+                    self.log_tier_change(b, cur.tier, m.dst);
                     self.give_slot(cur);
                     self.give_slot(m.src);
                     self.blocks.copy[i] = None;
@@ -1133,6 +1134,7 @@ impl Core {
                     self.counters.drops += 1;
                 }
                 MoveKind::Demote | MoveKind::Offload | MoveKind::Fetch => {
+                    self.log_tier_change(b, m.src.tier, m.dst);
                     self.give_slot(m.src);
                     self.blocks.rows[i].loc = m.dst.expect("a copy has a destination");
                     match m.kind {
@@ -1204,7 +1206,19 @@ impl Core {
             None => Some(NO_BLOCK),
             Some(p) => self.index.get(p),
         };
-        self.index_block(b, hash, parent);
+        if self.index_block(b, hash, parent) {
+            self.log_moved(hash, h.loc.tier); // back where it was
+        }
+    }
+
+    /// Logs a committed move of an indexed block from tier `from` to `dst`'s tier, if they
+    /// differ (see `Core::set_index_log`).
+    fn log_tier_change(&mut self, b: u32, from: Tier, dst: Option<Loc>) {
+        let row = &self.blocks.rows[b as usize];
+        match dst {
+            Some(dst) if row.indexed && dst.tier != from => self.log_moved(row.hash, dst.tier),
+            _ => {}
+        }
     }
 
     fn take_pending(&mut self, plan_id: u64) -> Result<Plan> {

@@ -7,9 +7,13 @@
 //! indexed, up to a root), the per-pool reclaimable counts equal a brute-force count (cached
 //! blocks whose whole subtree is cached), and an append never fails while cached, unpinned
 //! blocks hold the room it needs.
+//!
+//! The index log: replayed onto the indexed hashes before each operation (a block that left
+//! is gone, one that moved lies in its new tier), it gives the indexed hashes after it, but for
+//! those newly indexed (which it does not log).
 
 use proptest::prelude::*;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use kvtier::{Config, Core, Error, MoveKind, PolicyKind, Tier, TierConfig};
 
@@ -264,8 +268,46 @@ fn check_state(core: &Core) {
     );
 }
 
+/// Replays the index log onto `model` (indexed hashes and their tiers, as the log told them),
+/// adds the hashes newly indexed since, and checks the result is what the core indexes.
+fn check_index_log(
+    core: &mut Core,
+    model: &mut HashMap<u64, Tier>,
+) -> std::result::Result<(), TestCaseError> {
+    for change in core.take_index_log() {
+        match change.tier {
+            None => {
+                model.remove(&change.hash);
+            }
+            Some(tier) => {
+                if let Some(t) = model.get_mut(&change.hash) {
+                    *t = tier;
+                }
+            }
+        }
+    }
+    let indexed: HashMap<u64, Tier> = core
+        .indexed_blocks()
+        .into_iter()
+        .map(|b| {
+            let hash = core
+                .block_hash(b)
+                .unwrap()
+                .expect("an indexed block has a hash");
+            (hash, core.block_loc(b).unwrap().tier)
+        })
+        .collect();
+    for (&hash, &tier) in &indexed {
+        model.entry(hash).or_insert(tier);
+    }
+    prop_assert_eq!(&*model, &indexed, "the index log replayed != the index");
+    Ok(())
+}
+
 fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
     let mut core = Core::new(cfg.clone()).unwrap();
+    core.set_index_log(true);
+    let mut logged: HashMap<u64, Tier> = HashMap::new();
     let mut seqs: Vec<u32> = Vec::new();
     let mut pinned: Vec<u32> = Vec::new();
     let pick = |v: &Vec<u32>, i: usize| {
@@ -393,6 +435,7 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
         if cfg.prefix_aware {
             check_tree(&core);
         }
+        check_index_log(&mut core, &mut logged)?;
     }
     // Free everything: only cached blocks remain, and evicting them empties every pool.
     if !pinned.is_empty() {
@@ -418,7 +461,13 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
         }
         let id = core.plan().unwrap().id;
         core.commit(id).unwrap();
+        check_index_log(&mut core, &mut logged)?;
     }
+    prop_assert!(
+        logged.is_empty(),
+        "the index log left {} hashes",
+        logged.len()
+    );
     prop_assert_eq!(
         core.live_blocks(),
         0,

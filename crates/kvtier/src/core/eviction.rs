@@ -312,6 +312,12 @@ impl Core {
         cache.reclaimable -= k; // a plain core's cached blocks are all reclaimable
         self.counters.evictions += k;
         self.counters.released += k;
+        if self.index_log_on() {
+            for i in first..self.recycled.len() {
+                let hash = self.blocks.rows[self.recycled[i] as usize].hash;
+                self.log_left(hash); // cached, so it was indexed
+            }
+        }
         if self.cfg.tiers.len() > 1 {
             for i in first..self.recycled.len() {
                 self.release_copy(self.recycled[i]);

@@ -25,13 +25,15 @@
 //! an append or a free over those parts). `Core`'s methods are grouped by what they do: pools
 //! and bytes (here), block ids (`ids`), the prefix tree (`tree`), the cache index and making
 //! room (`eviction`), appends (`append`), sequences and lookups (`sequences`), statistics and
-//! pins (`signals`), inspection (`inspect`); plans are `crate::scheduler`'s.
+//! pins (`signals`), inspection (`inspect`), the log of index changes (`index_log`); plans are
+//! `crate::scheduler`'s.
 
 mod append;
 mod blocks;
 mod cache;
 mod eviction;
 mod ids;
+mod index_log;
 mod inspect;
 mod passes;
 mod ranking;
@@ -56,6 +58,7 @@ use self::cache::PoolCache;
 use self::ranking::{PoolMap, Ranking};
 
 pub(crate) use self::cache::Cached;
+pub use self::index_log::IndexChange;
 pub use crate::types::{Key, Loc, NO_SLOT};
 
 /// Hashes a sequence id by one multiply. Ids are handed out in order, and the low bits of
@@ -182,6 +185,8 @@ pub struct Core {
     pub(crate) counters: Counters,
     /// Per-block scratch for the scheduler (all `u32::MAX` between plans).
     pub(crate) scratch: Vec<u32>,
+    /// Changes to the prefix index not yet taken (`None`: not logged; see `index_log`).
+    index_log: Option<Vec<IndexChange>>,
 }
 
 impl Core {
@@ -242,6 +247,7 @@ impl Core {
             plans_may_idle: Core::config_may_idle(&cfg),
             counters: Counters::default(),
             scratch: Vec::new(),
+            index_log: None,
             cfg,
         })
     }

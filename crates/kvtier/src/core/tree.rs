@@ -79,6 +79,7 @@ impl Core {
         row.indexed = false;
         let hash = row.hash;
         self.index.remove(hash, b);
+        self.log_left(hash);
         if self.prefix_aware() {
             let parent = detach(&mut self.blocks.links, &self.blocks.rows, b);
             if parent != NO_BLOCK {

@@ -51,6 +51,8 @@ The package, bottom up (imports point down only):
 - :mod:`.link`: what the scheduler asks the worker's tiers, and how (in process or a socket);
 - :mod:`.tiers`: the worker's tiers and caches, saving and loading whole blocks;
 - :mod:`.metadata`: the loads and saves the scheduler hands the workers each step;
+- :mod:`.events`: vLLM's KV events (``BlockStored``/``BlockRemoved``) for what the tiers store
+  and drop;
 - :mod:`.metrics`: the counters, and their way to vLLM's logs and Prometheus;
 - :mod:`.scheduler` and :mod:`.worker`: the two sides;
 - :mod:`.connector`: the class vLLM loads, a facade over the side of its role.

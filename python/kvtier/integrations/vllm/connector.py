@@ -24,8 +24,11 @@ from .scheduler import KVTierScheduler
 from .worker import KVTierWorker
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -36,7 +39,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from .events import KVTierEvents
 
 __all__ = ["KVTierConnector"]
 
@@ -174,6 +180,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
+    def get_kv_connector_kv_cache_events(self) -> KVTierEvents | None:
+        return self.worker.get_kv_connector_kv_cache_events()
+
     # -- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(
@@ -201,3 +210,12 @@ class KVTierConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """What kvtier's tiers stored and dropped since the last call, as vLLM's KV events
+        keyed by vLLM's block hashes, with the medium (``CPU``: host memory, ``STORAGE``: disk
+        or the server); vLLM publishes them with its prefix cache's (``--kv-events-config``)."""
+        return self.scheduler.take_events()

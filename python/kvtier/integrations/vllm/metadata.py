@@ -6,11 +6,12 @@ last save. The scheduler builds it (:mod:`.scheduler`), vLLM hands it to every w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["KVTierMetadata", "LoadSpec", "SaveSpec"]
+__all__ = ["BlockKeys", "KVTierMetadata", "LoadSpec", "SaveSpec"]
 
 
 @dataclass
@@ -28,6 +29,25 @@ class LoadSpec:
 
 
 @dataclass
+class BlockKeys:
+    """vLLM's own keys of a request's leading blocks, as its prefix cache publishes them in KV
+    events (:mod:`vllm.distributed.kv_events`): for the worker to announce the blocks it
+    stores under the keys a router knows them by."""
+
+    #: the block hashes (``request.block_hashes``, as vLLM's events carry them), one a block
+    hashes: list[Any]
+    #: each block's extra keys (cache salt, LoRA name, multimodal inputs) as events carry them
+    extra_keys: list[Any] | None = None
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+    def head(self, blocks: int) -> BlockKeys:
+        """The keys of the first ``blocks`` blocks."""
+        extra = None if self.extra_keys is None else self.extra_keys[:blocks]
+        return replace(self, hashes=self.hashes[:blocks], extra_keys=extra)
+
+
+@dataclass
 class SaveSpec:
     """Save the K/V of ``tokens`` (complete blocks, all of them computed by now) that the
     manager lacks, reading vLLM blocks ``block_ids``."""
@@ -36,6 +56,14 @@ class SaveSpec:
     salt: str | None
     tokens: list[int]
     block_ids: list[int]
+    #: vLLM's keys of the blocks, when the engine publishes KV events (else None)
+    keys: BlockKeys | None = None
+
+    def head(self, blocks: int, block_size: int) -> SaveSpec:
+        """The save of the first ``blocks`` blocks (of ``block_size`` tokens) only."""
+        tokens, block_ids = self.tokens[: blocks * block_size], self.block_ids[:blocks]
+        keys = None if self.keys is None else self.keys.head(blocks)
+        return replace(self, tokens=tokens, block_ids=block_ids, keys=keys)
 
 
 @dataclass

@@ -8,10 +8,14 @@ blocks, plans the load. Each step it plans the saves of the prompt blocks that s
 and, when a request finishes, of the blocks it generated; the plan goes to the workers in
 :class:`~.metadata.KVTierMetadata`. It never changes the tiers.
 
+When vLLM publishes KV events (``--kv-events-config``), each save carries vLLM's keys of its
+blocks (:func:`~.events.block_keys`), the worker announces what it stored and what its tiers
+dropped (:mod:`.events`), and this side hands vLLM the workers' events (``take_events``).
+
 State, per request: its ``cache_salt`` (from lookup to finish), the lookup's hit until vLLM
 allocates, the admitted load until vLLM asks for its sources (the same step), and, once
-scheduled, its tokens, blocks and how far they are saved. A request of unknown salt is never
-saved.
+scheduled, its tokens, blocks and how far they are saved (and, with KV events, vLLM's request,
+for its block hashes). A request of unknown salt is never saved.
 """
 
 from __future__ import annotations
@@ -21,15 +25,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ConfigError, KvtierError
+from .events import KVTierEvents, block_keys
 from .link import Held, Link, link_to_worker
 from .metadata import KVTierMetadata, LoadSpec, SaveSpec
 from .metrics import CounterReports, Counters, connector_stats, hit_sources
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from .config import ConnectorSettings
@@ -58,6 +67,8 @@ class _Request:
     tokens: list[int]
     block_ids: list[int]
     saved: int = 0  # prompt tokens sent to the worker for saving
+    #: vLLM's request (for its block hashes), with KV events only
+    request: Request | None = None
 
 
 class KVTierScheduler:
@@ -90,6 +101,13 @@ class KVTierScheduler:
         #: a reset asked for and not yet in a step's metadata: lookups miss until the worker
         #: has it (it forgets before that step's loads)
         self._reset_pending = False
+        #: vLLM publishes KV events: saves carry vLLM's keys of their blocks
+        events = vllm_config.kv_events_config
+        self.kv_events = events is not None and bool(events.enable_kv_cache_events)
+        #: each admitted request, for its block hashes (with KV events only)
+        self._vllm_requests: dict[str, Request] = {}
+        #: the workers' KV events not yet taken by vLLM
+        self._events: list[KVCacheEvent] = []
 
     @property
     def link(self) -> Link:
@@ -106,6 +124,8 @@ class KVTierScheduler:
         request waits, others run) when some of them are on disk or on the server
         (``async_loads``: ``auto``), or always, or never."""
         salt = self._salts[request.request_id] = request.cache_salt or None
+        if self.kv_events:
+            self._vllm_requests[request.request_id] = request
         if not self.settings.loads_kv or self._reset_pending:
             return 0, False
         tokens = list(request.prompt_token_ids or [])
@@ -171,6 +191,7 @@ class KVTierScheduler:
                 continue  # prompt embeddings (no token ids to key them by), or salt unknown
             salt = self._salts[new.req_id]
             req = _Request(salt, list(new.prompt_token_ids), list(new.block_ids[0]))
+            req.request = self._vllm_requests.get(new.req_id)
             self._requests[new.req_id] = req
             self._plan_save(meta, new.req_id, req, new.num_computed_tokens + scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
@@ -187,6 +208,7 @@ class KVTierScheduler:
         for req_id in scheduler_output.finished_req_ids:
             self._requests.pop(req_id, None)
             self._salts.pop(req_id, None)
+            self._vllm_requests.pop(req_id, None)
         return meta
 
     def _plan_save(self, meta: KVTierMetadata, req_id: str, req: _Request, computed: int) -> None:
@@ -199,7 +221,10 @@ class KVTierScheduler:
             return
         req.saved = end
         blocks = end // bs
-        meta.saves.append(SaveSpec(req_id, req.salt, req.tokens[:end], req.block_ids[:blocks]))
+        save = SaveSpec(req_id, req.salt, req.tokens[:end], req.block_ids[:blocks])
+        if req.request is not None:
+            save.keys = block_keys(req.request, blocks, bs)
+        meta.saves.append(save)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -210,6 +235,7 @@ class KVTierScheduler:
         req = self._requests.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self._salts.pop(request.request_id, None)
+        self._vllm_requests.pop(request.request_id, None)
         if req is None or not self.settings.saves_kv:
             return False, None
         bs = self.settings.block_size
@@ -219,6 +245,8 @@ class KVTierScheduler:
             return False, None
         blocks = list(block_ids[: end // bs])
         save = SaveSpec(request.request_id, req.salt, tokens[:end], blocks)
+        if self.kv_events:
+            save.keys = block_keys(request, len(blocks), bs)
         self._finish_saves.append(save)
         return True, None
 
@@ -228,6 +256,19 @@ class KVTierScheduler:
         then. What a shared remote tier holds stays: other engines publish to it too."""
         self._reset_pending = True
         return True
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Keeps the workers' KV events of the step for :meth:`take_events`."""
+        events = connector_output.kv_cache_events
+        if isinstance(events, KVTierEvents):
+            self._events.extend(events.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The workers' KV events since the last call, in order: the blocks the tiers stored
+        (``BlockStored``, medium ``CPU`` or ``STORAGE``) and dropped (``BlockRemoved``), keyed
+        by vLLM's block hashes. vLLM publishes them with its own prefix cache's."""
+        events, self._events = self._events, []
+        return events
 
     def get_compression_stats(self) -> dict[str, Any]:
         """The worker's figures (asked over the link) with this side's lookups and hits."""

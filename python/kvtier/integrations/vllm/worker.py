@@ -12,7 +12,8 @@ is one; a save longer than half of level 0 waits for the end of the forward pass
 pieces there. The scheduler's step that moves the saved blocks down the ladder (their encoding) runs
 on a thread of its own after vLLM's step; a save that finds level 0 full while it runs is shed
 (counted), never waited for. A block it cannot load is handed to vLLM as a load error (vLLM
-recomputes it); a save that fails or is shed is a later miss.
+recomputes it); a save that fails or is shed is a later miss. When vLLM publishes KV events,
+rank 0 announces the blocks its saves wrote and those its tiers dropped (:mod:`.events`).
 
 State: the tiers (from registration to shutdown), this step's layer loads and layer saves, the
 saves left for the end of the forward pass, the background step, background loads done and not
@@ -35,6 +36,7 @@ import torch
 from ...errors import ConfigError, KvtierError
 from ...manager import BlockManager
 from .config import backend_name, engine_namespace, tiers_config, tp_rank
+from .events import KVTierEvents, TierEvents
 from .link import Held, forget, serve
 from .metadata import KVTierMetadata, LoadSpec, SaveSpec
 from .metrics import FAILURES, CounterReports, Counters, connector_stats
@@ -110,6 +112,8 @@ class KVTierWorker:
         self._background = 0  # background loads submitted and not yet reported
         self._idle = False  # this step runs no forward pass
         self._reset = False  # a reset since the last stats report
+        #: what the tiers stored and dropped, for vLLM's KV events (rank 0, with events on)
+        self.events: TierEvents | None = None
 
     @property
     def tiers(self) -> WorkerTiers:
@@ -173,6 +177,9 @@ class KVTierWorker:
             device="cpu",
         )
         self._tiers = WorkerTiers(manager, layout, caches)
+        kv_events = self._vllm_config.kv_events_config
+        if kv_events is not None and kv_events.enable_kv_cache_events and self.rank == 0:
+            self.events = TierEvents(manager.core, settings.block_size)
         try:
             self._listener = serve(settings.engine_id, self, self.rank)
         except BaseException:
@@ -279,6 +286,12 @@ class KVTierWorker:
         """The tiers' figures with this side's counters under ``connector``."""
         return connector_stats(self.stats(), Counters())
 
+    def get_kv_connector_kv_cache_events(self) -> KVTierEvents | None:
+        """What the tiers stored and dropped since the last call, as vLLM's KV events (rank
+        0's, when vLLM publishes them; a drop the background step makes after this step's
+        call is in the next step's)."""
+        return None if self.events is None else self.events.take()
+
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """This side's counters since the last call (vLLM adds up its workers'): of the
         tensor-parallel workers, rank 0 counts blocks for all, each its own :data:`FAILURES`;
@@ -313,6 +326,9 @@ class KVTierWorker:
         if self._tiers is not None:
             forget(self.settings.engine_id, self, self._listener, self.rank)
             self._listener = None
+            if self.events is not None:
+                self.events.close()
+                self.events = None
             self._tiers.manager.close()
             self._tiers = None
 
@@ -396,10 +412,7 @@ class KVTierWorker:
                 self.counters.shed_blocks += new - free
                 if not free:
                     continue
-                end = held + free  # the blocks that fit, from the first the tiers lack
-                spec = SaveSpec(
-                    spec.req_id, spec.salt, spec.tokens[: end * bs], spec.block_ids[:end]
-                )
+                spec = spec.head(held + free, bs)  # the blocks that fit, from the first lacking
                 new = free
             try:
                 seq = manager.add_sequence(spec.tokens, salt=spec.salt)
@@ -445,6 +458,7 @@ class KVTierWorker:
                     if scores and all(len(x) == save.written for x in scores):
                         mean = torch.stack(scores).mean(0).numpy()  # over the layers
                         manager.set_learned_scores(save.seq, mean, save.first)
+                    self._announce(save.spec, save.seq, save.first, save.written)
             except KvtierError as exc:
                 log.warning("kvtier: save of request %s failed (%s)", save.spec.req_id, exc)
             finally:
@@ -499,8 +513,7 @@ class KVTierWorker:
             return
         held = self.tiers.manager.lookup(save.tokens, salt=save.salt) // bs
         for end in [*range(held + piece, blocks, piece), blocks]:
-            tokens, block_ids = save.tokens[: end * bs], save.block_ids[:end]
-            if not self._save_prefix(SaveSpec(save.req_id, save.salt, tokens, block_ids)):
+            if not self._save_prefix(save.head(end, bs)):
                 return
 
     def _save_prefix(self, save: SaveSpec) -> bool:
@@ -528,6 +541,7 @@ class KVTierWorker:
             self.counters.saved_bytes += saved * manager.level_bytes[0]
             if scores and all(len(x) == saved for x in scores):  # mean over the layers
                 manager.set_learned_scores(seq, torch.stack(scores).mean(0).numpy(), first)
+            self._announce(save, seq, first, saved)
         except KvtierError as exc:
             log.warning("kvtier: save of request %s failed (%s)", save.req_id, exc)
             self.counters.save_failures += 1
@@ -535,6 +549,15 @@ class KVTierWorker:
         finally:
             manager.free(seq)
         return True
+
+    def _announce(self, save: SaveSpec, seq: int, first: int, written: int) -> None:
+        """Announces (vLLM's KV events) the ``written`` blocks a save wrote after the ``first``
+        its sequence ``seq`` shared, while the sequence still holds them (none can have left
+        the tiers yet)."""
+        if self.events is None or save.keys is None or not written:
+            return
+        blocks = self.tiers.manager.core.sequence_blocks(seq)[first : first + written]
+        self.events.stored(save.keys, save.tokens, blocks, first)
 
     def _score(self, req_id: str, layer: int, keys: torch.Tensor) -> torch.Tensor:
         """The user's scorer on one layer's keys of the blocks saved; a failing scorer leaves
