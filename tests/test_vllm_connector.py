@@ -460,19 +460,29 @@ class TestAHostTierAlone:
         kv_events.events()  # what the tests before published
         (p,) = wikitext_prompts(vllm_model_dir, [3 * BLOCK + 5], skip=8000)
         want = vllm_block_hashes(p)[:3]
+
+        def stored_on(medium: str, events: list[Any]) -> list[Any]:
+            return [e for e in events if isinstance(e, BlockStored) and e.medium == medium]
+
+        def hashes(events: list[Any]) -> list[Any]:
+            return [h for e in events for h in e.block_hashes]
+
         generate(host_engine, [p], max_new=1)
-        events = kv_events.events(wait=10)
-        stored = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
-        assert [h for e in stored for h in e.block_hashes] == want
+        events = kv_events.events(wait=30, until=lambda ev: len(hashes(stored_on("CPU", ev))) >= 3)
+        stored = stored_on("CPU", events)
+        assert hashes(stored) == want
         assert [t for e in stored for t in e.token_ids] == p[: 3 * BLOCK]
         assert stored[0].parent_block_hash is None and stored[0].block_size == BLOCK
-        on_gpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "GPU"]
-        assert set(want) <= {h for e in on_gpu for h in e.block_hashes}
+        assert set(want) <= set(hashes(stored_on("GPU", events)))
         assert host_engine.reset_prefix_cache(reset_connector=True)
         generate(host_engine, [p[:5]], max_new=1)  # a step: the worker forgets, and says so
-        events = kv_events.events(wait=10)
-        removed = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
-        assert set(want) <= {h for e in removed for h in e.block_hashes}
+
+        def removed(events: list[Any]) -> set[Any]:
+            gone = [e for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+            return set(hashes(gone))
+
+        events = kv_events.events(wait=30, until=lambda ev: set(want) <= removed(ev))
+        assert set(want) <= removed(events)
 
     def test_a_prefix_cache_reset_with_the_connector_empties_the_tiers_too(
         self, host_engine: Any, vllm_model_dir: Any

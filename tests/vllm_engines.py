@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -176,18 +177,24 @@ class EventSubscriber:
 
         return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=self.endpoint)
 
-    def events(self, wait: float = 0.0) -> list[Any]:
-        """The events of every batch received so far (after waiting up to ``wait`` seconds for
-        the first), in order."""
+    def events(
+        self, wait: float = 0.0, until: Callable[[list[Any]], bool] | None = None
+    ) -> list[Any]:
+        """The events of every batch received so far, in order: waiting up to ``wait`` seconds
+        in all for the first batch or, with ``until``, for batches until ``until(events)``
+        holds (vLLM's publisher sends from a thread of its own, a step's events may come in
+        the batch of a step after)."""
         import msgspec
         from vllm.distributed.kv_events import KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         out: list[Any] = []
-        while self._socket.poll(int(wait * 1000)):
+        deadline = time.monotonic() + wait
+        while self._socket.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
             _topic, _seq, payload = self._socket.recv_multipart()
             out.extend(decoder.decode(payload).events)
-            wait = 0.0
+            if until is None or until(out):
+                deadline = 0.0  # then only what has come already
         return out
 
     def close(self) -> None:
