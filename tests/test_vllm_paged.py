@@ -342,3 +342,24 @@ def test_load_blocks_writes_what_gather_blocks_gives_from_every_level(case: str)
     with pytest.raises(kvtier_error(), match=r"expected whole blocks it holds, got blocks 2:4"):
         bm.load_blocks(seq, 0, 2, PagedBlocks.of(layout, fresh[0], [5, 3]))
     assert torch.equal(fresh[0], before)
+
+
+@pytest.mark.parametrize("kv", [0, 1])
+def test_a_layer_refused_after_the_first_leaves_nothing_it_could_be_read_as(kv: int) -> None:
+    """Layers after the first find their blocks allocated: their blocks are checked as they are
+    copied into the pool. A refusal there writes no token of the layer, and the layer's good
+    blocks then save and read back as they are."""
+    bm = manager()
+    layout, caches, kvs = caches_for("cpu-amx", 3, [6, 1, 4], seed=12)
+    seq = bm.add_sequence(list(range(3 * N)))
+    bm.append_blocks(seq, 0, PagedBlocks.of(layout, caches[0], [6, 1, 4]))
+    before = bm.core.usage()
+    bad, values = caches[1].clone(), kvs[1].clone()
+    values[kv, N + 3] = float("nan") if kv == 0 else float("inf")  # in the second block
+    layout.write(bad, torch.tensor([6, 1, 4]), values)
+    with pytest.raises(kvtier_error(), match=f"NaN or inf in {'KV'[kv]}"):
+        bm.append_blocks(seq, 1, PagedBlocks.of(layout, bad, [6, 1, 4]))
+    assert bm.num_tokens(seq, 1) == 0 and bm.core.usage() == before
+    bm.append_blocks(seq, 1, PagedBlocks.of(layout, caches[1], [6, 1, 4]))
+    k, v = bm.gather(seq, 1)
+    assert torch.equal(k, kvs[1][0]) and torch.equal(v, kvs[1][1])

@@ -407,6 +407,7 @@ def paged_scan(
     block_ids: npt.NDArray[np.int64],
     shape: tuple[int, int, int],
     dtype: int,
+    copy_to: npt.NDArray[np.uint64] | None = None,
 ) -> tuple[npt.NDArray[np.float32], int]: ...
 def block_key_norms(
     blocks: int, num_blocks: int, shape: tuple[int, int, int], dtype: int

@@ -524,12 +524,15 @@ unsafe fn move_any<const TO_CACHE: bool>(
     move_block::<TO_CACHE>(layout, g, elem, cache, block);
 }
 
-/// Checks whole blocks of a paged cache on the CPU finite and measures their keys, in place
-/// (nothing is copied): for cache blocks `block_ids` (as [`paged_copy`] reads them), each
-/// token's key norm averaged over heads, block by block, and 0; or an empty array and 1 / 2
-/// when some K / V holds a NaN or an infinity. `dtype` is the kernels' code (0 fp32, 1 fp16,
-/// 2 bf16). The GIL is released meanwhile; the address is trusted as [`paged_copy`]'s is.
+/// Checks whole blocks of a paged cache on the CPU finite and measures their keys, in place:
+/// for cache blocks `block_ids` (as [`paged_copy`] reads them), each token's key norm averaged
+/// over heads, block by block, and 0; or an empty array and 1 / 2 when some K / V holds a NaN
+/// or an infinity. `dtype` is the kernels' code (0 fp32, 1 fp16, 2 bf16). With `copy_to`
+/// (one address a block, as [`paged_copy`]'s `blocks`), each block is also copied out there
+/// once checked, while it is in the core's cache: on an error, some blocks may have been
+/// copied. The GIL is released meanwhile; the addresses are trusted as [`paged_copy`]'s are.
 #[pyfunction]
+#[pyo3(signature = (layout, cache, block_stride, strides, block_ids, shape, dtype, copy_to=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_scan<'py>(
     py: Python<'py>,
@@ -540,15 +543,20 @@ pub fn paged_scan<'py>(
     block_ids: PyReadonlyArray1<'_, i64>,
     shape: (usize, usize, usize),
     dtype: u8,
+    copy_to: Option<PyReadonlyArray1<'_, u64>>,
 ) -> PyResult<(Bound<'py, PyArray1<f32>>, u8)> {
     let layout = layout_of(layout)?;
     let elem = crate::tokens::element_bytes(dtype)?;
     let (heads, tokens, dim) = shape;
     check_geometry(layout, elem, tokens, dim)?;
     let ids = block_ids.as_slice()?;
-    if ids.iter().any(|&b| b < 0) {
+    let dsts = match &copy_to {
+        Some(addrs) => Some(addrs.as_slice()?),
+        None => None,
+    };
+    if ids.iter().any(|&b| b < 0) || dsts.is_some_and(|d| d.len() != ids.len()) {
         return Err(PyValueError::new_err(
-            "paged_scan: expected non-negative block ids",
+            "paged_scan: expected non-negative block ids (and one address a block to copy to)",
         ));
     }
     let g = Geometry {
@@ -558,22 +566,30 @@ pub fn paged_scan<'py>(
         head_stride: strides.0,
         token_stride: strides.1,
     };
-    let starts: Vec<usize> = ids
+    let work: Vec<(usize, usize)> = ids
         .iter()
-        .map(|&id| cache + id as usize * block_stride * elem)
+        .enumerate()
+        .map(|(i, &id)| {
+            let to = dsts.map_or(0, |d| d[i] as usize);
+            (cache + id as usize * block_stride * elem, to)
+        })
         .collect();
-    let bytes = starts.len() * 2 * heads * tokens * dim * elem;
+    let bytes = work.len() * 2 * heads * tokens * dim * elem;
     let wide = has_avx2();
     let outcome = py.detach(|| {
-        let mut norms = vec![0.0f32; starts.len() * tokens];
-        let work: Vec<_> = starts.into_iter().zip(norms.chunks_mut(tokens)).collect();
-        // SAFETY: the caller's cache holds these blocks (see above).
-        for_each(work, bytes, |(at, out)| unsafe {
+        let mut norms = vec![0.0f32; work.len() * tokens];
+        let work: Vec<_> = work.into_iter().zip(norms.chunks_mut(tokens)).collect();
+        // SAFETY: the caller's cache holds these blocks, and its destinations (see above).
+        for_each(work, bytes, |((at, to), out)| unsafe {
             each_dtype!(
                 dtype,
                 T,
                 scan_any::<T>(wide, layout, g, at as *const T, out)
-            )
+            )?;
+            if to != 0 {
+                move_any::<false>(wide, layout, g, elem, at as *mut u8, to as *mut u8);
+            }
+            Ok(())
         })
         .map(|()| norms)
     });

@@ -378,9 +378,8 @@ class BlockManager:
             check_external(blocks, self.shape, self.dtype)
             if blocks.device != self.device or self.device.type != "cpu":
                 blocks = blocks.read().to(self.device)
-        if isinstance(blocks, ExternalBlocks):
-            norms = blocks.key_norms()
-        else:
+        norms = None  # external blocks: measured on their way into the pool
+        if not isinstance(blocks, ExternalBlocks):
             blocks = check_blocks(blocks, self.shape, self.dtype, self.device).detach()
             norms = block_key_norms_of(blocks, self._dtype_code)
         layer = self._layer(layer)
@@ -400,34 +399,45 @@ class BlockManager:
             if start < have:
                 self.ledger.check_writable(seq, layer, start, min(end, have))
             if end > have:
+                if norms is None:  # checked before the sequence grows: a refusal changes nothing
+                    norms = blocks.key_norms()
                 self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
             self._write_blocks(seq, layer, start // bs, blocks, norms)
             state.lengths[layer] = end
 
     def _write_blocks(
-        self, seq: int, layer: int, first: int, blocks: Any, norms: np.ndarray
+        self, seq: int, layer: int, first: int, blocks: Any, norms: np.ndarray | None
     ) -> None:
         """:meth:`append_blocks`' write: ``blocks`` into the sequence's blocks from its block
         ``first`` (allocated), but for those some layer-owner already wrote (a shared
-        prefix), whose tokens :meth:`_write` writes where they are partly written."""
+        prefix), whose tokens :meth:`_write` writes where they are partly written. ``norms``
+        None: external blocks all unwritten at ``layer`` are checked and measured as they are
+        copied (a refusal leaves bytes in slots nothing reads, as no layer-owner wrote them)."""
         torch = torch_module()
         bs, n = self.block_size, len(blocks)
         ids = self.core.sequence_blocks(seq)[first : first + n]
         written = self.ledger.written[ids, layer]
         whole = written == 0
+        if norms is None and not whole.all():
+            norms = blocks.key_norms()
         if whole.any():
             slots = torch.from_numpy(self.core.block_info(ids[whole])["slot"].astype(np.int64))
             if isinstance(blocks, ExternalBlocks):
-                self._tiers.write_external(slots, layer, blocks, None if whole.all() else whole)
+                pick = None if whole.all() else whole
+                got = self._tiers.write_external(slots, layer, blocks, pick, measure=norms is None)
+                if norms is None:
+                    norms = got
             else:
                 part = blocks if whole.all() else blocks[torch.from_numpy(whole).to(self.device)]
                 self._tiers.write_blocks(slots.to(self.device), layer, part)
+            assert norms is not None
             sums = norms.reshape(n, bs)[whole].sum(axis=1, dtype=np.float64)
             self._finish(self.ledger.wrote_blocks(ids[whole], layer, sums))
         partial = np.nonzero(~whole & (written < bs))[0]
         if len(partial) and isinstance(blocks, ExternalBlocks):
             blocks = blocks.read()
         for i in partial:
+            assert norms is not None  # measured first: not every block was whole
             k, v = blocks[i].transpose(1, 2)  # [N, H, D] each
             start = (first + int(i)) * bs
             self._write(seq, layer, start, start + bs, k, v, norms[i * bs : (i + 1) * bs])

@@ -51,10 +51,14 @@ class ExternalBlocks(ABC):
         :class:`~kvtier.InvalidArgumentError` if they are not. Writes nothing."""
 
     @abstractmethod
-    def copy_to(self, addresses: np.ndarray, pick: np.ndarray | None = None) -> None:
+    def copy_to(
+        self, addresses: np.ndarray, pick: np.ndarray | None = None, *, measure: bool = False
+    ) -> np.ndarray | None:
         """Copies blocks ``pick`` (every one when None) in kvtier's form to the CPU memory at
         ``addresses`` (uint64, one per block copied, each ``2 * kv_heads * block_size *
-        head_dim`` contiguous elements of :attr:`dtype` the caller owns)."""
+        head_dim`` contiguous elements of :attr:`dtype` the caller owns). With ``measure``,
+        each is checked on the way and the copied blocks' :meth:`key_norms` returned; on a
+        refusal some blocks may have been copied."""
 
     @abstractmethod
     def copy_from(self, addresses: np.ndarray, pick: np.ndarray | None = None) -> None:

@@ -243,11 +243,19 @@ class Tiers:
         copy_rows(_rows_of(blocks), _row_addresses(pool, slots.numpy(), layer), _row_bytes(blocks))
 
     def write_external(
-        self, slots: torch.Tensor, layer: int, blocks: ExternalBlocks, pick: np.ndarray | None
-    ) -> None:
+        self,
+        slots: torch.Tensor,
+        layer: int,
+        blocks: ExternalBlocks,
+        pick: np.ndarray | None,
+        *,
+        measure: bool = False,
+    ) -> np.ndarray | None:
         """Blocks ``pick`` of ``blocks`` (every one when None), one layer's, into level-0 CPU
-        slots ``slots``: each copied straight from where it lies into its slot."""
-        blocks.copy_to(_row_addresses(self.pools["device", 0], slots.numpy(), layer), pick)
+        slots ``slots``: each copied straight from where it lies into its slot (with
+        ``measure``, checked and measured on the way: :meth:`ExternalBlocks.copy_to`)."""
+        addresses = _row_addresses(self.pools["device", 0], slots.numpy(), layer)
+        return blocks.copy_to(addresses, pick, measure=measure)
 
     def copy_level0(self, src: int, dst: int) -> None:
         """Level-0 device slot ``src``'s bytes into slot ``dst``."""

@@ -218,14 +218,18 @@ class PagedLayout:
             (self.num_kv_heads, self.block_size, self.head_dim), cache.element_size(),
         )  # fmt: skip
 
-    def key_norms(self, cache: torch.Tensor, ids: np.ndarray) -> np.ndarray:
+    def key_norms(
+        self, cache: torch.Tensor, ids: np.ndarray, copy_to: np.ndarray | None = None
+    ) -> np.ndarray:
         """Per token of a CPU ``cache``'s blocks ``ids`` (int64, checked), block by block, the
         mean over heads of its key's norm, read in place; raises
-        :class:`~kvtier.InvalidArgumentError` if K or V holds a NaN or an infinity."""
+        :class:`~kvtier.InvalidArgumentError` if K or V holds a NaN or an infinity. With
+        ``copy_to`` (addresses as :meth:`copy`'s), each block is copied there once checked
+        (on a refusal, some may have been)."""
         norms, bad = paged_scan(
             self.split, cache.data_ptr(), cache.stride(0), (cache.stride(1), cache.stride(2)),
             ids, (self.num_kv_heads, self.block_size, self.head_dim),
-            FLOAT_CODES[dtype_name(cache.dtype)],
+            FLOAT_CODES[dtype_name(cache.dtype)], copy_to,
         )  # fmt: skip
         if bad:
             raise InvalidArgumentError(
@@ -280,9 +284,14 @@ class PagedBlocks(ExternalBlocks):
     def key_norms(self) -> np.ndarray:
         return self.layout.key_norms(self.cache, self.block_ids)
 
-    def copy_to(self, addresses: np.ndarray, pick: np.ndarray | None = None) -> None:
+    def copy_to(
+        self, addresses: np.ndarray, pick: np.ndarray | None = None, *, measure: bool = False
+    ) -> np.ndarray | None:
         ids = self.block_ids if pick is None else self.block_ids[pick]
+        if measure:
+            return self.layout.key_norms(self.cache, ids, addresses)
         self.layout.copy(self.cache, ids, addresses, to_cache=False)
+        return None
 
     def copy_from(self, addresses: np.ndarray, pick: np.ndarray | None = None) -> None:
         ids = self.block_ids if pick is None else self.block_ids[pick]
