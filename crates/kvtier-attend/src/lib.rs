@@ -19,12 +19,14 @@
 //! Threads: rayon; a call whose work is small runs on the calling thread (waking a pool costs
 //! microseconds, more than a decode step of a short sequence takes).
 
+mod codec;
 mod driver;
 mod error;
 mod half;
 mod kernels;
 mod layout;
 
+pub use crate::codec::{dequantize, quantize, transcode, BlockDims, PackedFormat, LAYOUT_LEN};
 pub use crate::error::{Error, Result};
 pub use crate::layout::{FloatDtype, Format, PoolDesc, QuantFormat, DESC_LEN, DESC_PTR};
 
