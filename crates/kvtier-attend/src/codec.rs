@@ -38,7 +38,6 @@ use rayon::prelude::*;
 
 use crate::driver::on_pool;
 use crate::error::{invalid, Result};
-use crate::half::{f16_to_f32, f32_to_f16};
 use crate::kernels::{Encoding, Kernels, Scalar};
 use crate::layout::{FloatDtype, QuantFormat};
 use crate::{Exec, Isa};
@@ -234,7 +233,7 @@ pub fn transcode(
         for t in 0..2 * dims.heads {
             let x = &mut sc.x;
             dequantize_tile(k, &a, &src, t, x, &mut sc.w);
-            quantize_tile(&b, t, x, &mut out, &mut sc.w);
+            quantize_tile(k, &b, t, x, &mut out, &mut sc.w);
         }
     }))
 }
@@ -523,7 +522,7 @@ fn quantize_layer<K: Kernels>(
     let tile_bytes = g.tile * dtype.size();
     for (t, tile) in src.chunks_exact(tile_bytes).enumerate() {
         k.widen(tile, enc, &mut sc.x);
-        quantize_tile(g, t, &sc.x, out, &mut sc.w);
+        quantize_tile(k, g, t, &sc.x, out, &mut sc.w);
     }
 }
 
@@ -561,13 +560,6 @@ fn unkey(k: i32) -> f32 {
     f32::from_bits((k ^ (((k >> 31) as u32) >> 1) as i32) as u32)
 }
 
-/// `fp16(x)`: clamped to ±65504, rounded to nearest even; its bits and its value.
-#[inline]
-fn fp16(x: f32) -> (u16, f32) {
-    let h = f32_to_f16(x.clamp(-FP16_MAX, FP16_MAX));
-    (h, f16_to_f32(h))
-}
-
 /// `(lo, hi, 1/n)`: the code range and the reciprocal the scale multiplies by, for `bits`
 /// (`1/n` an fp32 constant rounded from the exact quotient, as quant.py's `np.float32(1 / n)`).
 const fn code_range(bits: u8, asymmetric: bool) -> (f32, f32, f32) {
@@ -582,7 +574,14 @@ const fn code_range(bits: u8, asymmetric: bool) -> (f32, f32, f32) {
 }
 
 /// Quantizes tile `t` (`kv * heads + head`) of a layer, values `x`, into `out`.
-fn quantize_tile(g: &Geometry, t: usize, x: &[f32], out: &mut Sections<&mut [u8]>, w: &mut Work) {
+fn quantize_tile<K: Kernels>(
+    k: K,
+    g: &Geometry,
+    t: usize,
+    x: &[f32],
+    out: &mut Sections<&mut [u8]>,
+    w: &mut Work,
+) {
     let f = &g.f;
     let kv = t / g.heads;
     let h = t % g.heads;
@@ -618,21 +617,30 @@ fn quantize_tile(g: &Geometry, t: usize, x: &[f32], out: &mut Sections<&mut [u8]
         }
     }
 
+    // scales and zero points: the fp32 values, clamped to fp16's range, narrowed into the row
+    // (to nearest even), then read back as the values the codes divide by
     let (q_lo, q_hi, inv) = code_range(f.bits, f.asymmetric);
-    let scale = part_mut(out.scale[kv], h, 2 * groups);
-    let zero = part_mut(out.zero[kv], h, 2 * groups);
-    for i in 0..groups {
-        let (mn, mx) = (unkey(lo[i]), unkey(hi[i]));
-        let (s_bits, s) = if f.asymmetric {
-            let (z_bits, z) = fp16(mn);
-            zero[2 * i..2 * i + 2].copy_from_slice(&z_bits.to_le_bytes());
-            w.z[i] = z;
-            fp16((mx - mn) * inv)
+    let (s, z) = (&mut w.s[..groups], &mut w.z[..groups]);
+    for (((s, z), &l), &u) in s.iter_mut().zip(z.iter_mut()).zip(lo.iter()).zip(hi.iter()) {
+        let (mn, mx) = (unkey(l), unkey(u));
+        let raw = if f.asymmetric {
+            (mx - mn) * inv
         } else {
-            fp16(mn.abs().max(mx.abs()) * inv)
+            mn.abs().max(mx.abs()) * inv
         };
-        scale[2 * i..2 * i + 2].copy_from_slice(&s_bits.to_le_bytes());
-        w.s[i] = if s > 0.0 { s } else { 1.0 };
+        *s = raw.clamp(-FP16_MAX, FP16_MAX);
+        *z = mn.clamp(-FP16_MAX, FP16_MAX);
+    }
+    let scale = part_mut(out.scale[kv], h, 2 * groups);
+    k.narrow(s, FloatDtype::F16, scale);
+    k.widen(scale, Encoding::F16, s);
+    if f.asymmetric {
+        let zero = part_mut(out.zero[kv], h, 2 * groups);
+        k.narrow(z, FloatDtype::F16, zero);
+        k.widen(zero, Encoding::F16, z);
+    }
+    for s in s.iter_mut() {
+        *s = if *s > 0.0 { *s } else { 1.0 };
     }
 
     let codes = part_mut(out.codes, t, g.code_tile);

@@ -4,6 +4,7 @@
 //! (Bit-exactness against the torch reference itself: tests/test_codecs_native.py.)
 
 use super::*;
+use crate::half::{f16_to_f32, f32_to_f16};
 
 /// The layout of python/kvtier/codecs/quant.py's sections for `dims`: codes, k_scale, k_zero,
 /// v_scale, v_zero, in that order.
