@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.quick else args.repeats
     log = (lambda *_: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
     log(
-        f"kvtier bench codecs: {tokens} tokens of Llama-3-8B KV ({SHAPE}), torch {torch.__version__}"
+        f"kvtier bench codecs: {tokens} tokens of Llama-3-8B KV ({SHAPE}; on the CPU in "
+        f"{args.dtype}), torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
     )
     result: dict[str, Any] = {
         "shape": SHAPE.__dict__,
