@@ -359,8 +359,8 @@ fn dequantize_is_q_times_s_plus_z_in_each_output_dtype() {
             let q = if f.asymmetric {
                 f32::from(field)
             } else {
-                let sign = 1i8 << (f.bits - 1);
-                f32::from((field as i8 ^ sign) - sign)
+                let sign = 1i16 << (f.bits - 1);
+                f32::from((i16::from(field) ^ sign) - sign)
             };
             let (s_off, z_off) = if kv == 0 {
                 (f.k_scale, f.k_zero)
