@@ -41,6 +41,13 @@ def test_bench_codecs_quick_prints_figures_beside_baselines() -> None:
     for name in ("int8 encode", "int8 decode", "int4 encode", "int4 decode"):
         assert rows[name]["gb_per_s"] > 0
         assert rows[name]["backend"] == "torch"
+    for name in ("int8 encode", "int8 decode", "int4 encode", "int4 decode"):
+        native = rows[f"{name} (native)"]
+        assert native["backend"] == "native" and native["kv_gb_per_s"] > 0
+        assert native["speedup_vs_torch_cpu"] == pytest.approx(rows[name]["us"] / native["us"])
+    assert rows["torch copy (memory pace)"]["kv_gb_per_s"] > 0
+    transcode = rows["int8->int4 transcode (native)"]
+    assert transcode["torch_cpu_us"] == rows["int8->int4 transcode (torch)"]["us"]
     assert rows["plain torch int8 encode"]["us"] > 0, "the named baseline is measured in the run"
     # bytes moved: the fp16 input plus exactly the packed rows the codec writes
     fp16 = result["fp16_bytes"]

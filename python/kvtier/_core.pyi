@@ -26,6 +26,7 @@ __all__ = [
     "checksum",
     "copy_checksum",
     "copy_rows",
+    "dequantize_rows",
     "digest",
     "kernel_sources",
     "namespace_seed",
@@ -33,11 +34,13 @@ __all__ = [
     "paged_copy",
     "paged_scan",
     "prefix_hashes",
+    "quantize_rows",
     "read_key",
     "read_sealed",
     "read_stored",
     "seal_header",
     "store_path",
+    "transcode_rows",
     "unseal",
     "write_checksummed",
     "write_stored",
@@ -413,3 +416,28 @@ def block_key_norms(
     blocks: int, num_blocks: int, shape: tuple[int, int, int], dtype: int
 ) -> tuple[npt.NDArray[np.float32], int]: ...
 def copy_rows(srcs: npt.NDArray[np.uint64], dsts: npt.NDArray[np.uint64], bytes: int) -> None: ...
+def quantize_rows(
+    src: npt.ArrayLike,
+    dst: npt.ArrayLike,
+    layout: npt.ArrayLike,
+    dims: tuple[int, int, int, int],
+    dtype: int,
+    threads: int = 0,
+) -> None: ...
+def dequantize_rows(
+    src: npt.ArrayLike,
+    dst: npt.ArrayLike,
+    layout: npt.ArrayLike,
+    dims: tuple[int, int, int, int],
+    dtype: int,
+    layers: tuple[int, int],
+    threads: int = 0,
+) -> None: ...
+def transcode_rows(
+    src: npt.ArrayLike,
+    src_layout: npt.ArrayLike,
+    dst: npt.ArrayLike,
+    dst_layout: npt.ArrayLike,
+    dims: tuple[int, int, int, int],
+    threads: int = 0,
+) -> None: ...

@@ -665,7 +665,7 @@ fn plan(c: &Ctx<'_>, chunk: usize) -> Vec<Item> {
 }
 
 /// Runs `f` on `threads` threads: 0, rayon's global pool; n, a pool of n built on first use.
-fn on_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
+pub(crate) fn on_pool<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> R {
     static POOLS: Mutex<Vec<(usize, Arc<rayon::ThreadPool>)>> = Mutex::new(Vec::new());
     if threads == 0 {
         return f();

@@ -65,6 +65,38 @@ pub struct QuantFormat {
     pub v_zero: usize,
 }
 
+impl QuantFormat {
+    /// Codes that share one byte: 1, 2 or 4.
+    pub fn per_byte(&self) -> usize {
+        8 / usize::from(self.bits)
+    }
+
+    /// Checks that blocks of head dimension `dim` pack in this format: whole bytes of codes per
+    /// token, groups that divide the head.
+    pub(crate) fn check_dim(&self, dim: usize) -> std::result::Result<(), String> {
+        let per_byte = self.per_byte();
+        if !dim.is_multiple_of(per_byte) {
+            return Err(format!(
+                "head_dim {dim}: {}-bit codes need a head_dim that is a multiple of {per_byte}",
+                self.bits
+            ));
+        }
+        if self.group == 0 || !dim.is_multiple_of(self.group) {
+            return Err(format!(
+                "group {}: expected a divisor of head_dim {dim}",
+                self.group
+            ));
+        }
+        Ok(())
+    }
+
+    /// Groups of one (layer, head) tile of `block` tokens: `(keys, values)`.
+    pub(crate) fn groups(&self, block: usize, dim: usize) -> (usize, usize) {
+        let v = block * (dim / self.group);
+        (if self.key_per_channel { dim } else { v }, v)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
     Float(FloatDtype),
@@ -221,24 +253,12 @@ impl PoolDesc {
                 })
             }
             Format::Quant(q) => {
-                let per_byte = 8 / usize::from(q.bits);
-                if dim % per_byte != 0 {
-                    return Err(fail(format!(
-                        "head_dim {dim}: {}-bit codes need a head_dim that is a multiple of {per_byte}",
-                        q.bits
-                    )));
-                }
-                if q.group == 0 || dim % q.group != 0 {
-                    return Err(fail(format!(
-                        "group {}: expected a divisor of head_dim {dim}",
-                        q.group
-                    )));
-                }
+                q.check_dim(dim).map_err(fail)?;
                 let code_row = dim * usize::from(q.bits) / 8;
                 let tile = m(block, code_row)?;
                 fits("codes", q.codes, m(m(m(self.layers, 2)?, heads)?, tile)?)?;
-                let v_groups = m(block, dim / q.group)?;
-                let k_groups = if q.key_per_channel { dim } else { v_groups };
+                m(block, dim / q.group)?;
+                let (k_groups, v_groups) = q.groups(block, dim);
                 let k_bytes = m(m(m(self.layers, heads)?, k_groups)?, 2)?;
                 let v_bytes = m(m(m(self.layers, heads)?, v_groups)?, 2)?;
                 fits("k_scale", q.k_scale, k_bytes)?;

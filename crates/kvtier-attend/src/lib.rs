@@ -15,16 +15,22 @@
 //! head) row and each block's share of the sum; a second pass merges a sequence's partials into
 //! its output and its per-block attention mass.
 //!
+//! The crate also holds the quantized codecs on the CPU ([`quantize`], [`dequantize`],
+//! [`transcode`] of packed rows; `codec.rs`), which write the formats attention reads, byte for
+//! byte what the torch reference (python/kvtier/codecs/quant.py) writes.
+//!
 //! SIMD: AVX2 + FMA + F16C, detected at run time ([`Isa::Auto`]), else portable loops.
 //! Threads: rayon; a call whose work is small runs on the calling thread (waking a pool costs
 //! microseconds, more than a decode step of a short sequence takes).
 
+mod codec;
 mod driver;
 mod error;
 mod half;
 mod kernels;
 mod layout;
 
+pub use crate::codec::{dequantize, quantize, transcode, BlockDims, PackedFormat, LAYOUT_LEN};
 pub use crate::error::{Error, Result};
 pub use crate::layout::{FloatDtype, Format, PoolDesc, QuantFormat, DESC_LEN, DESC_PTR};
 

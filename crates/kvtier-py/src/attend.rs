@@ -6,37 +6,11 @@
 //! here is that an address holds what the caller says (kvtier.attend.attend_cpu checks the
 //! tensors and keeps them alive for the call). The compute runs without the GIL.
 
-use kvtier_attend::{Error, Exec, FloatDtype, Inputs, Outputs, Pool, PoolDesc, Problem, DESC_LEN};
+use kvtier_attend::{Exec, FloatDtype, Inputs, Outputs, Pool, PoolDesc, Problem, DESC_LEN};
 use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-/// Every core error is bad input from the caller: `kvtier.errors.InvalidArgumentError`. The
-/// match has no catch-all arm, so a new core error cannot ship unmapped.
-fn to_py(err: Error) -> PyErr {
-    let class = match err {
-        Error::InvalidArgument { .. }
-        | Error::InvalidPool { .. }
-        | Error::PoolOutOfRange { .. }
-        | Error::SlotOutOfRange { .. } => "InvalidArgumentError",
-    };
-    raise(class, err.to_string())
-}
-
-fn raise(class: &str, message: String) -> PyErr {
-    Python::attach(
-        |py| match py.import("kvtier.errors").and_then(|m| m.getattr(class)) {
-            Ok(class) => match class.call1((message,)) {
-                Ok(instance) => PyErr::from_value(instance),
-                Err(e) => e,
-            },
-            Err(e) => e,
-        },
-    )
-}
-
-fn invalid(message: String) -> PyErr {
-    raise("InvalidArgumentError", message)
-}
+use crate::errors::{attend_to_py as to_py, invalid};
 
 /// A C-contiguous numpy array of `T`, borrowed: its values.
 fn values<'a, 'py, T: numpy::Element>(

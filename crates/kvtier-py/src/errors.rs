@@ -28,6 +28,24 @@ fn store_class_name(err: &kvtier_store::Error) -> &'static str {
     }
 }
 
+/// Builds the Python exception for an error of the CPU kernels (`kvtier-attend`: attention and
+/// the codecs): every one is bad input from the caller, `InvalidArgumentError`.
+pub fn attend_to_py(err: kvtier_attend::Error) -> PyErr {
+    use kvtier_attend::Error as E;
+    let class = match err {
+        E::InvalidArgument { .. }
+        | E::InvalidPool { .. }
+        | E::PoolOutOfRange { .. }
+        | E::SlotOutOfRange { .. } => "InvalidArgumentError",
+    };
+    raise(class, err.to_string())
+}
+
+/// `kvtier.errors.InvalidArgumentError(message)`.
+pub fn invalid(message: String) -> PyErr {
+    raise("InvalidArgumentError", message)
+}
+
 /// An instance of `kvtier.errors.<class>(message)` (falls back to the import's error only if
 /// the `kvtier.errors` module itself cannot be imported).
 fn raise(class: &str, message: String) -> PyErr {

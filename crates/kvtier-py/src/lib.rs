@@ -5,6 +5,7 @@
 mod arrays;
 mod attend;
 mod checksum;
+mod codec;
 mod core;
 mod errors;
 mod files;
@@ -107,5 +108,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(paged::paged_scan, m)?)?;
     m.add_function(wrap_pyfunction!(paged::copy_rows, m)?)?;
     m.add_function(wrap_pyfunction!(tokens::block_key_norms, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::quantize_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::dequantize_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::transcode_rows, m)?)?;
     Ok(())
 }

@@ -5,9 +5,13 @@ in 64 blocks of 16 tokens, encoded into a packed pool and decoded back. Effectiv
 counts the bytes a pass must move: fp16 blocks read plus packed bytes written (encode), or the
 reverse (decode).
 
-- CPU: kvtier's torch reference, beside a plain per-token torch quantizer (the few lines people
-  write) and transformers' quantized-cache backend, optimum-quanto (if installed), quantizing
-  the same K/V as ``QuantizedCache`` does (int4, group 64, MaxOptimizer).
+- CPU: kvtier's native codecs (Rust, crates/kvtier-attend/src/codec.rs; what ``backend="auto"``
+  runs on the CPU) beside its torch reference, measured in the same run (``kv_gb_per_s``: the
+  16-bit K/V bytes encoded or decoded a second; ``speedup_vs_torch_cpu``: native over torch),
+  a plain torch copy of the same K/V (the memory's pace on this machine), the int8 -> int4
+  transcode both ways, a plain per-token torch quantizer (the few lines people write) and
+  transformers' quantized-cache backend, optimum-quanto (if installed), quantizing the same K/V
+  as ``QuantizedCache`` does (int4, group 64, MaxOptimizer).
 - GPU (when CUDA is available): kvtier's CUDA kernels beside the same torch reference on the
   GPU, as a ratio; and the int8 -> int4 transcode. Times are the median of CUDA-event-timed
   runs after warm-up.
@@ -17,6 +21,7 @@ Prints a table on stderr and JSON on stdout (``--json``: JSON only). Figures, ne
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -47,10 +52,10 @@ def _row(name: str, seconds: float, moved: int, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _blocks(device: str, tokens: int) -> torch.Tensor:
+def _blocks(device: str, tokens: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     gen = torch.Generator(device="cpu").manual_seed(0)
     n = tokens // SHAPE.block_size
-    return torch.randn((n, *SHAPE.dims), generator=gen).to(torch.float16).to(device)
+    return torch.randn((n, *SHAPE.dims), generator=gen).to(dtype).to(device)
 
 
 def bench_codec(
@@ -58,16 +63,25 @@ def bench_codec(
 ) -> list[dict[str, Any]]:
     n = blocks.shape[0]
     packed_bytes = n * codec.bytes_per_block(SHAPE)
-    fp16_bytes = blocks.numel() * 2
+    kv_bytes = blocks.numel() * blocks.element_size()
     packed = torch.empty((n, codec.bytes_per_block(SHAPE)), dtype=torch.uint8, device=blocks.device)
     out = torch.empty_like(blocks)
     slots = torch.arange(n)
     enc = timer(lambda: codec.encode_into(blocks, slots, packed, slots, backend=backend), repeats)
     dec = timer(lambda: codec.decode_into(packed, slots, out, slots, backend=backend), repeats)
-    moved = fp16_bytes + packed_bytes
+    moved = kv_bytes + packed_bytes
+    suffix = " (native)" if backend == "native" else ""
     return [
-        _row(f"{codec.name} encode", enc, moved, codec=codec.name, op="encode", backend=backend),
-        _row(f"{codec.name} decode", dec, moved, codec=codec.name, op="decode", backend=backend),
+        _row(
+            f"{codec.name} {op}{suffix}",
+            seconds,
+            moved,
+            codec=codec.name,
+            op=op,
+            backend=backend,
+            kv_gb_per_s=kv_bytes / seconds / 1e9,
+        )
+        for op, seconds in (("encode", enc), ("decode", dec))
     ]
 
 
@@ -117,11 +131,36 @@ def bench_quanto(blocks: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
     ]
 
 
-def run_cpu(repeats: int, tokens: int, *, quanto: bool = True) -> list[dict[str, Any]]:
-    blocks = _blocks("cpu", tokens)
+def run_cpu(
+    repeats: int, tokens: int, *, quanto: bool = True, dtype: torch.dtype = torch.float16
+) -> list[dict[str, Any]]:
+    blocks = _blocks("cpu", tokens, dtype)
+    kv_bytes = blocks.numel() * blocks.element_size()
     rows = []
     for name in CODECS:
-        rows += bench_codec(get_codec(name), blocks, "torch", cpu_time, repeats)
+        codec = get_codec(name)
+        reference = bench_codec(codec, blocks, "torch", cpu_time, repeats)
+        for r, t in zip(
+            bench_codec(codec, blocks, "native", cpu_time, repeats), reference, strict=True
+        ):
+            r["torch_cpu_us"] = t["us"]
+            r["speedup_vs_torch_cpu"] = t["us"] / r["us"]
+            rows.append(r)
+        rows += reference
+    out = torch.empty_like(blocks)
+    seconds = cpu_time(lambda: out.copy_(blocks), repeats)
+    rows.append(
+        _row(
+            "torch copy (memory pace)",
+            seconds,
+            2 * kv_bytes,
+            codec="copy",
+            op="copy",
+            backend="torch",
+            kv_gb_per_s=kv_bytes / seconds / 1e9,
+        )
+    )
+    rows += _cpu_transcodes(blocks, repeats)
     seconds = cpu_time(lambda: plain_torch_int8(blocks), repeats)
     moved = blocks.numel() * 3 + blocks.numel() // SHAPE.head_dim * 2
     rows.append(
@@ -139,6 +178,41 @@ def run_cpu(repeats: int, tokens: int, *, quanto: bool = True) -> list[dict[str,
     except Exception as exc:  # a peer that fails to build is reported, not fatal
         print(f"quanto peer skipped: {exc}", file=sys.stderr)
     return rows
+
+
+def _cpu_transcodes(blocks: torch.Tensor, repeats: int) -> list[dict[str, Any]]:
+    """int8 -> int4 rows on the CPU, native and torch, with their ratio."""
+    int8, int4 = get_codec("int8"), get_codec("int4")
+    shape = dataclasses.replace(SHAPE, dtype=_DTYPE_NAMES[blocks.dtype])
+    n = blocks.shape[0]
+    src = int8.encode(blocks).data
+    dst = torch.empty((n, int4.bytes_per_block(shape)), dtype=torch.uint8)
+    slots = torch.arange(n)
+    kv_bytes = blocks.numel() * blocks.element_size()
+    rows = []
+    for backend in ("native", "torch"):
+
+        def move(b: Backend = backend) -> None:
+            int8.transcode_into(src, slots, int4, dst, slots, shape, backend=b)
+
+        seconds = cpu_time(move, repeats)
+        rows.append(
+            _row(
+                f"int8->int4 transcode ({backend})",
+                seconds,
+                src.numel() + dst.numel(),
+                codec="int8->int4",
+                op="transcode",
+                backend=backend,
+                kv_gb_per_s=kv_bytes / seconds / 1e9,
+            )
+        )
+    rows[0]["torch_cpu_us"] = rows[1]["us"]
+    rows[0]["speedup_vs_torch_cpu"] = rows[1]["us"] / rows[0]["us"]
+    return rows
+
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def run_gpu(repeats: int, tokens: int) -> dict[str, Any]:
@@ -187,12 +261,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per figure (CPU: best)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU figures")
     ap.add_argument("--no-quanto", action="store_true", help="skip the optimum-quanto peer")
+    ap.add_argument(
+        "--dtype", choices=("fp16", "bf16"), default="fp16", help="the K/V's dtype on the CPU"
+    )
     args = ap.parse_args(argv)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     tokens = QUICK_TOKENS if args.quick else TOKENS
     repeats = 1 if args.quick else args.repeats
     log = (lambda *_: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
     log(
-        f"kvtier bench codecs: {tokens} tokens of Llama-3-8B KV ({SHAPE}), torch {torch.__version__}"
+        f"kvtier bench codecs: {tokens} tokens of Llama-3-8B KV ({SHAPE}; on the CPU in "
+        f"{args.dtype}), torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
     )
     result: dict[str, Any] = {
         "shape": SHAPE.__dict__,
@@ -201,9 +280,15 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_threads": torch.get_num_threads(),
     }
     if not args.no_cpu:
-        result["cpu"] = run_cpu(repeats, tokens, quanto=not args.no_quanto)
+        result["cpu_dtype"] = args.dtype
+        result["cpu"] = run_cpu(repeats, tokens, quanto=not args.no_quanto, dtype=dtype)
         for r in result["cpu"]:
-            log(f"cpu  {r['name']:28s} {r['us'] / 1e3:9.2f} ms  {r['gb_per_s']:7.2f} GB/s")
+            extra = ""
+            if "kv_gb_per_s" in r:
+                extra = f"  {r['kv_gb_per_s']:6.2f} GB/s of {args.dtype} K/V"
+            if "speedup_vs_torch_cpu" in r:
+                extra += f"  x{r['speedup_vs_torch_cpu']:.1f} vs torch"
+            log(f"cpu  {r['name']:32s} {r['us'] / 1e3:9.2f} ms  {r['gb_per_s']:7.2f} GB/s{extra}")
     if torch.cuda.is_available():
         result["gpu"] = run_gpu(repeats if args.quick else max(repeats, 20), tokens)
         log(f"gpu: {result['gpu']['device']}")

@@ -18,7 +18,10 @@ Two ways in:
 Subclasses implement the math as a torch reference (``_encode``/``_decode``) that runs on any
 device; a codec with CUDA kernels (``has_kernels``) names them by overriding ``_kernels()``
 (:class:`~kvtier.codecs.quant.QuantCodec` returns :mod:`kvtier.codecs.cuda`), and they run for
-CUDA tensors when CuPy is installed: this module knows no kernel. The byte layout needs no
+CUDA tensors when CuPy is installed; a codec with a native CPU implementation (``has_native``)
+names it by overriding ``_native()`` (QuantCodec's: :mod:`kvtier.codecs.native`, Rust in the
+extension), and it runs for CPU tensors. ``backend="torch"`` forces the reference, ``"cuda"``
+and ``"native"`` refuse what they cannot run: this module knows no kernel. The byte layout needs no
 torch: ``bytes_per_block`` works with numpy alone, which is how the simulator sizes pools.
 """
 
@@ -29,14 +32,20 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import numpy as np
+
 from .._torch import DTYPES, as_tensor, cupy_available, dtype_name, torch_dtype, torch_module
 from ..errors import InvalidArgumentError, PayloadError
 
 if TYPE_CHECKING:
     import torch
 
-#: How a call picks its implementation: CUDA kernels where possible, or the torch reference.
-Backend = Literal["auto", "torch", "cuda"]
+#: How a call picks its implementation: ``auto`` takes the CUDA kernels for CUDA tensors and the
+#: native (Rust) code for CPU tensors where the codec has them, else the torch reference.
+Backend = Literal["auto", "torch", "cuda", "native"]
+
+#: The implementation a call runs.
+Implementation = Literal["torch", "cuda", "native"]
 
 #: The dtypes of K/V a block holds (keys of :data:`kvtier._torch.DTYPES`, the storage dtypes).
 FLOAT_DTYPES = ("fp16", "bf16", "fp32")
@@ -165,6 +174,22 @@ class CodecKernels(Protocol):
     ) -> None: ...
 
 
+class NativeKernels(CodecKernels, Protocol):
+    """A codec's CPU implementation (what :meth:`Codec._native` returns): the
+    :class:`CodecKernels` calls for CPU pools, and one layer of packed rows decoded into a
+    ``[n, 2, kv_heads, block_size, head_dim]`` tensor (:meth:`Codec.decode_layer`)."""
+
+    def dequantize_layer(
+        self,
+        codec: Codec,
+        src: torch.Tensor,
+        src_slots: Any,
+        dst: torch.Tensor,
+        shape: BlockShape,
+        layer: int,
+    ) -> None: ...
+
+
 class Codec(ABC):
     """Packs blocks of K/V into bytes and back. Subclass it (and register it) to add one."""
 
@@ -176,6 +201,8 @@ class Codec(ABC):
     lossless: bool = False
     #: CUDA kernels exist for this codec: :meth:`_kernels` returns them
     has_kernels: bool = False
+    #: a native CPU implementation exists for this codec: :meth:`_native` returns it
+    has_native: bool = False
     #: every section's leading axis is the layer, so one layer decodes from its own bytes
     layer_major: bool = False
 
@@ -206,6 +233,11 @@ class Codec(ABC):
         """This codec's CUDA kernels, for a codec with :attr:`has_kernels` (it overrides this; the
         kernels' module is imported when first asked for, so this one imports none)."""
         raise TypeError(f"codec {self.name!r} has no CUDA kernels")
+
+    def _native(self) -> NativeKernels:
+        """This codec's native CPU implementation, for a codec with :attr:`has_native` (it
+        overrides this, importing the module when first asked for)."""
+        raise TypeError(f"codec {self.name!r} has no native implementation")
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -328,8 +360,11 @@ class Codec(ABC):
         s, d = slot_pair(src_slots, src, dst_slots, dst)
         if not len(s):
             return
-        if self._use_cuda(backend, src, dst):
+        run = self._implementation(backend, src, dst)
+        if run == "cuda":
             self._kernels().quantize_into(self, src, s.index, dst, d.index, shape)
+        elif run == "native":
+            self._native().quantize_into(self, src, s.index, dst, d.index, shape)
         else:
             self._write_parts(dst, d, self._encode(s.read(src)), shape)
 
@@ -345,8 +380,11 @@ class Codec(ABC):
         s, d = slot_pair(src_slots, src, dst_slots, dst)
         if not len(s):
             return
-        if self._use_cuda(backend, src, dst):
+        run = self._implementation(backend, src, dst)
+        if run == "cuda":
             self._kernels().dequantize_into(self, src, s.index, dst, d.index, shape)
+        elif run == "native":
+            self._native().dequantize_into(self, src, s.index, dst, d.index, shape)
         else:
             d.write(
                 dst, saturate_to(self._decode(self.unpack(s.read(src), shape), shape), dst.dtype)
@@ -370,8 +408,11 @@ class Codec(ABC):
         s, d = slot_pair(src_slots, src, dst_slots, dst)
         if not len(s):
             return
-        if self._use_cuda(backend, src, dst) and to.has_kernels:
+        run = self._implementation(backend, src, dst, to)
+        if run == "cuda" and to.has_kernels:
             self._kernels().transcode_into(self, src, s.index, to, dst, d.index, shape)
+        elif run == "native":
+            self._native().transcode_into(self, src, s.index, to, dst, d.index, shape)
         else:
             values = self._decode(self.unpack(s.read(src), shape), shape)
             to._write_parts(dst, d, to._encode(values), shape)
@@ -398,6 +439,12 @@ class Codec(ABC):
             raise InvalidArgumentError(f"layer: expected 0 <= layer < {shape.layers}, got {layer}")
         out_dtype = torch_dtype(shape.dtype) if dtype is None else dtype
         device = rows.device if device is None else device
+        native = self._native_rows(rows, slots, out_dtype, device)
+        if native is not None:
+            torch = torch_module()
+            out = torch.empty((len(native), *shape.dims[1:]), dtype=out_dtype)
+            self._native().dequantize_layer(self, rows, native, out, shape, layer)
+            return out
         pick = slice(None) if slots is None else slots.to(rows.device)
         if not self.layer_major:
             whole = self.unpack(rows[pick].to(device), shape)
@@ -412,12 +459,43 @@ class Codec(ABC):
             at += s.nbytes
         return saturate_to(self._decode(parts, one)[:, 0], out_dtype)
 
+    def _native_rows(
+        self, rows: torch.Tensor, slots: torch.Tensor | None, out_dtype: Any, device: Any
+    ) -> Any:
+        """The rows :meth:`decode_layer` decodes natively (a numpy array of slots), or None
+        where the torch path runs it: a codec without a native implementation, a tensor off
+        the CPU, another output dtype, or slots that are not in-range indices (the torch path
+        gives them their indexing meaning, negative or boolean)."""
+        torch = torch_module()
+        if not (self.has_native and self.layer_major and rows.device.type == "cpu"):
+            return None
+        if torch.device(device).type != "cpu" or out_dtype not in (
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+        ):
+            return None
+        if slots is None:
+            return np.arange(rows.shape[0])
+        idx = slots.detach().cpu().numpy() if isinstance(slots, torch.Tensor) else None
+        if idx is None or idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+            return None
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= rows.shape[0]):
+            return None
+        return idx
+
     # -- backend choice -------------------------------------------------------------------------
 
-    def _use_cuda(self, backend: Backend, src: torch.Tensor, dst: torch.Tensor) -> bool:
+    def _implementation(
+        self, backend: Backend, src: torch.Tensor, dst: torch.Tensor, to: Codec | None = None
+    ) -> Implementation:
+        """What runs a call from pool ``src`` to pool ``dst`` (into codec ``to``'s format for a
+        transcode); ``cuda`` or ``native`` asked for but impossible raise."""
         if backend == "torch":
-            return False
+            return "torch"
         on_cuda = src.is_cuda and dst.is_cuda
+        on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
+        native = self.has_native and (to is None or to.has_native)
         if backend == "cuda":
             if not (on_cuda and self.has_kernels):
                 raise InvalidArgumentError(
@@ -425,15 +503,36 @@ class Codec(ABC):
                     f"{self.name!r} has_kernels={self.has_kernels}, tensors on "
                     f"{src.device} and {dst.device}"
                 )
-            return True
+            return "cuda"
+        if backend == "native":
+            if not (on_cpu and native):
+                codecs = f"codec {self.name!r} has_native={self.has_native}"
+                if to is not None:
+                    codecs += f", codec {to.name!r} has_native={to.has_native}"
+                raise InvalidArgumentError(
+                    f"backend='native' needs CPU tensors and codecs with a native "
+                    f"implementation; {codecs}, tensors on {src.device} and {dst.device}"
+                )
+            return "native"
         if backend != "auto":
             raise InvalidArgumentError(
-                f"backend: expected 'auto', 'torch' or 'cuda', got {backend!r}"
+                f"backend: expected 'auto', 'torch', 'cuda' or 'native', got {backend!r}"
             )
-        return on_cuda and self.has_kernels and cupy_available()
+        if on_cuda and self.has_kernels and cupy_available():
+            return "cuda"
+        if on_cpu and native and not _overlap(src, dst):
+            return "native"
+        return "torch"
 
 
 # -- argument checks (all of them run before anything is written) --------------------------------
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' bytes may overlap (the native path writes while it reads; torch's
+    gathers copy first)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def saturate_to(values: torch.Tensor, dtype: Any) -> torch.Tensor:

@@ -9,13 +9,14 @@ a copy; the codecs' argument checks (codecs/base.py) have run before anything he
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from .. import _cuda
 from .._torch import torch_module
 from .base import BlockShape, Codec
+from .layout import QuantFormat, layout
 
 if TYPE_CHECKING:
     import torch
@@ -25,48 +26,10 @@ THREADS = 128
 _SUFFIX = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}
 
 
-class QuantFormat(Protocol):
-    """What these kernels read of a codec: a :class:`~kvtier.codecs.quant.QuantCodec`'s format
-    (a protocol, so that this module need not import the codec that imports it)."""
-
-    name: str
-    bits: int
-    asymmetric: bool
-    key_per_channel: bool
-
-    @property
-    def format(self) -> str: ...
-    def group(self, shape: BlockShape) -> int: ...
-    def key_groups(self, shape: BlockShape) -> int: ...
-    def value_groups(self, shape: BlockShape) -> int: ...
-    def offsets(self, shape: BlockShape) -> dict[str, int]: ...
-    def bytes_per_block(self, shape: BlockShape) -> int: ...
-
-
 def kernel_source(file: str = KERNEL_FILE) -> str:
     """What NVRTC compiles for kernels/``file`` (:func:`kvtier._cuda.kernel_source`), by default
     the codecs' kernels."""
     return _cuda.kernel_source(file)
-
-
-def layout(codec: QuantFormat, shape: BlockShape) -> np.ndarray:
-    """The 10 int64s that describe a packed format to the kernels (``struct Layout``)."""
-    off = codec.offsets(shape)
-    return np.array(
-        [
-            codec.bits,
-            int(codec.asymmetric),
-            int(codec.key_per_channel),
-            codec.group(shape),
-            off["codes"],
-            off["k_scale"],
-            off.get("k_zero", 0),
-            off["v_scale"],
-            off.get("v_zero", 0),
-            codec.bytes_per_block(shape),
-        ],
-        dtype=np.int64,
-    )
 
 
 def shared_bytes(codec: QuantFormat, shape: BlockShape) -> int:

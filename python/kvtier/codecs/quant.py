@@ -8,8 +8,9 @@ block's tokens, as KIVI does (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 
 Quantization for KV Cache"): key outliers sit in fixed channels, so a per-channel group keeps
 them from blowing up every token's scale.
 
-The rounding rule (the CUDA kernels in kernels/kvtier_codecs.cu follow it operation by
-operation, so codes are bit-exact and scales equal):
+The rounding rule (the CUDA kernels in kernels/kvtier_codecs.cu and the native CPU code in
+crates/kvtier-attend/src/codec.rs follow it operation by operation, so codes are bit-exact and
+scales equal):
 
 - symmetric: ``s = fp16(amax * fp32(1/qmax))``, ``q = round(x / s')`` clamped to
   ``[-qmax, qmax]`` (``qmax`` 127, 7 or 1 for 8, 4 or 2 bits);
@@ -50,7 +51,7 @@ import numpy as np
 
 from .._torch import torch_module
 from ..errors import InvalidArgumentError
-from .base import BlockShape, Codec, CodecKernels, Section
+from .base import BlockShape, Codec, CodecKernels, NativeKernels, Section
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +80,7 @@ class QuantCodec(Codec):
     layer_major = True
 
     has_kernels = True
+    has_native = True
 
     def __init__(
         self,
@@ -106,9 +108,10 @@ class QuantCodec(Codec):
         self.group_size = group_size
         self.rotate = bool(rotate)
         if self.rotate:
-            # The kernels read codes of unrotated K/V; a rotated codec runs the torch reference
-            # (on any device) and attention stages its blocks decoded.
+            # The kernels (CUDA and native) read codes of unrotated K/V; a rotated codec runs the
+            # torch reference (on any device) and attention stages its blocks decoded.
             self.has_kernels = False
+            self.has_native = False
             # v1 rotated by H / sqrt(D): its bytes would decode sqrt(D) times too large here.
             self.version = 2
 
@@ -117,6 +120,13 @@ class QuantCodec(Codec):
         from . import cuda
 
         return cuda
+
+    def _native(self) -> NativeKernels:
+        """crates/kvtier-attend/src/codec.rs (:mod:`kvtier.codecs.native`), imported when first
+        asked for."""
+        from . import native
+
+        return native
 
     @property
     def format(self) -> str:
