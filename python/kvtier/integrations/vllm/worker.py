@@ -502,12 +502,13 @@ class KVTierWorker:
 
     def _save(self, save: SaveSpec) -> None:
         """Saves what the tiers lack of the request's complete blocks so far, in pieces of at
-        most half the host tier's level-0 pool: the blocks a piece writes stay at level 0
-        until written, and the next piece makes room by demoting them (a long prompt, or a
-        long prefill chunk, fits a level 0 kept small for capacity)."""
+        most the host tier's level-0 pool (this runs once the step's layer saves are done and
+        before its background step): the blocks a piece writes stay at level 0 until written,
+        and the next piece makes room by demoting them (a long prompt, or a long prefill
+        chunk, fits a level 0 kept small for capacity)."""
         bs = self.settings.block_size
         blocks = len(save.block_ids)
-        piece = max(1, int(self.tiers.manager.pools["device", 0].shape[0]) // 2)
+        piece = max(1, int(self.tiers.manager.pools["device", 0].shape[0]))
         if blocks <= piece:
             self._save_prefix(save)
             return
