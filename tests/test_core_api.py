@@ -72,7 +72,7 @@ def test_float_ids_are_refused_naming_the_dtype(core: kvtier.Core, ids: Any) -> 
 
 @pytest.mark.parametrize("ids", [np.array([0, -1], dtype=np.int64), [-3], [2**32]])
 def test_ids_out_of_the_u32_range_are_refused(core: kvtier.Core, ids: Any) -> None:
-    for call in (core.record_reads, core.pin, core.block_info):
+    for call in (core.record_reads, core.pin, core.block_info, core.block_places):
         msg = unchanged(core, kvtier.InvalidArgumentError, call, ids)
         assert "uint32" in msg
 
@@ -122,9 +122,17 @@ def test_signal_values_must_be_finite_and_non_negative(core: kvtier.Core, value:
         assert "finite non-negative" in msg
 
 
+def test_block_places_are_block_infos_first_columns(core: kvtier.Core) -> None:
+    blocks = np.array(sorted({b for s in core.sequences() for b in core.sequence_blocks(s)}), U32)
+    info = core.block_info(blocks)
+    tier, level, slot = core.block_places(blocks)
+    assert tier.tolist() == info["tier"].tolist() and level.tolist() == info["level"].tolist()
+    assert slot.tolist() == info["slot"].tolist() and len(slot) == len(blocks) > 1
+
+
 def test_unknown_blocks_raise_invalid_block_error(core: kvtier.Core) -> None:
     ids = np.array([0, 1, 99], dtype=U32)
-    for call in (core.record_reads, core.pin, core.unpin, core.block_info):
+    for call in (core.record_reads, core.pin, core.unpin, core.block_info, core.block_places):
         msg = unchanged(core, kvtier.InvalidBlockError, call, ids)
         assert "unknown block 99" in msg
     unchanged(

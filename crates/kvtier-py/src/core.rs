@@ -546,6 +546,38 @@ impl PyCore {
         .py_err()
     }
 
+    /// Where each of `blocks` is: `(tier, level, slot)` columns, [`Self::block_info`]'s first
+    /// three alone, for the hot paths (a save's or a load's blocks, a layer at a time).
+    #[allow(clippy::type_complexity)]
+    fn block_places<'py>(
+        &self,
+        py: Python<'py>,
+        blocks: &Bound<'py, PyAny>,
+    ) -> PyResult<(
+        Bound<'py, PyArray1<u8>>,
+        Bound<'py, PyArray1<u8>>,
+        Bound<'py, PyArray1<u32>>,
+    )> {
+        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
+        let ids = blocks.as_slice()?;
+        let (mut tier, mut level, mut slot) = (Vec::new(), Vec::new(), Vec::new());
+        self.with(py, |c| -> Result<(), Error> {
+            for &b in ids {
+                let loc = c.block_loc(b)?;
+                tier.push(loc.tier as u8);
+                level.push(loc.level);
+                slot.push(loc.slot);
+            }
+            Ok(())
+        })
+        .py_err()?;
+        Ok((
+            PyArray1::from_vec(py, tier),
+            PyArray1::from_vec(py, level),
+            PyArray1::from_vec(py, slot),
+        ))
+    }
+
     /// Columns describing blocks: tier, level, slot, refcount, pinned, position, hash (0 for
     /// a partial block), has_copy, score (the policy's primary ranking value), indexed (in the
     /// prefix index) and parent (in the prefix tree; -1 for a root, an unindexed block or a

@@ -420,19 +420,22 @@ class BlockManager:
         whole = written == 0
         if norms is None and not whole.all():
             norms = blocks.key_norms()
-        if whole.any():
-            slots = torch.from_numpy(self.core.block_info(ids[whole])["slot"].astype(np.int64))
+        every = norms is None or whole.all()  # (norms None: every block is whole)
+        if every or whole.any():
+            fresh = ids if every else ids[whole]
+            slots = self.core.block_places(fresh)[2].astype(np.int64)
             if isinstance(blocks, ExternalBlocks):
-                pick = None if whole.all() else whole
+                pick = None if every else whole
                 got = self._tiers.write_external(slots, layer, blocks, pick, measure=norms is None)
                 if norms is None:
                     norms = got
             else:
-                part = blocks if whole.all() else blocks[torch.from_numpy(whole).to(self.device)]
-                self._tiers.write_blocks(slots.to(self.device), layer, part)
+                part = blocks if every else blocks[torch.from_numpy(whole).to(self.device)]
+                self._tiers.write_blocks(torch.from_numpy(slots).to(self.device), layer, part)
             assert norms is not None
-            sums = norms.reshape(n, bs)[whole].sum(axis=1, dtype=np.float64)
-            self._finish(self.ledger.wrote_blocks(ids[whole], layer, sums))
+            per_block = norms.reshape(n, bs) if every else norms.reshape(n, bs)[whole]
+            sums = per_block.sum(axis=1, dtype=np.float64)
+            self._finish(self.ledger.wrote_blocks(fresh, layer, sums))
         partial = np.nonzero(~whole & (written < bs))[0]
         if len(partial) and isinstance(blocks, ExternalBlocks):
             blocks = blocks.read()

@@ -178,15 +178,15 @@ class Tiers:
         torch = torch_module()
         if not len(blocks):
             return
-        info = self.core.block_info(blocks)
-        key = info["tier"].astype(np.int64) * 256 + info["level"]
+        tiers, levels, slots = self.core.block_places(blocks)
+        key = tiers.astype(np.int64) * 256 + levels
         for k in np.unique(key):
             rows = np.nonzero(key == k)[0]
             tier = Plan.TIERS[int(k) // 256]
             yield (
                 (tier, int(k) % 256),
                 torch.from_numpy(rows).to(self.device),
-                info["slot"][rows],
+                slots[rows],
                 blocks[rows],
             )
 
@@ -244,7 +244,7 @@ class Tiers:
 
     def write_external(
         self,
-        slots: torch.Tensor,
+        slots: np.ndarray,
         layer: int,
         blocks: ExternalBlocks,
         pick: np.ndarray | None,
@@ -254,7 +254,7 @@ class Tiers:
         """Blocks ``pick`` of ``blocks`` (every one when None), one layer's, into level-0 CPU
         slots ``slots``: each copied straight from where it lies into its slot (with
         ``measure``, checked and measured on the way: :meth:`ExternalBlocks.copy_to`)."""
-        addresses = _row_addresses(self.pools["device", 0], slots.numpy(), layer)
+        addresses = _row_addresses(self.pools["device", 0], slots, layer)
         return blocks.copy_to(addresses, pick, measure=measure)
 
     def copy_level0(self, src: int, dst: int) -> None:
