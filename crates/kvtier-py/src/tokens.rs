@@ -3,6 +3,7 @@
 //! microsecond or more, that the same work costs from Python), or whole blocks checked in one
 //! pass (the vLLM connector's saves).
 
+use kvtier_attend::f16_to_f32;
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
@@ -15,23 +16,6 @@ pub(crate) fn element_bytes(dtype: u8) -> PyResult<usize> {
             "dtype: expected 0 (fp32), 1 (fp16) or 2 (bf16), got {dtype}"
         ))),
     }
-}
-
-fn f16_to_f32(h: u16) -> f32 {
-    let sign = u32::from(h & 0x8000) << 16;
-    let exp = u32::from((h >> 10) & 0x1f);
-    let man = u32::from(h & 0x3ff);
-    let bits = match (exp, man) {
-        (0, 0) => sign,
-        (0, _) => {
-            // subnormal: normalise the mantissa
-            let shift = man.leading_zeros() - 21;
-            sign | ((113 - shift) << 23) | ((man << shift) & 0x3ff) << 13
-        }
-        (0x1f, _) => sign | 0x7f80_0000 | (man << 13),
-        _ => sign | ((exp + 112) << 23) | (man << 13),
-    };
-    f32::from_bits(bits)
 }
 
 /// The values of one row of `n` elements at `ptr` as f32.
@@ -270,21 +254,4 @@ pub fn block_key_norms(
         Ok(norms) => (PyArray1::from_vec(py, norms), 0),
         Err(bad) => (PyArray1::from_vec(py, Vec::new()), bad),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::f16_to_f32;
-
-    #[test]
-    fn f16_conversion_covers_every_class() {
-        assert_eq!(f16_to_f32(0x3c00), 1.0);
-        assert_eq!(f16_to_f32(0xc000), -2.0);
-        assert_eq!(f16_to_f32(0x7bff), 65504.0);
-        assert_eq!(f16_to_f32(0x0001), 2.0f32.powi(-24));
-        assert_eq!(f16_to_f32(0x03ff), 1023.0 * 2.0f32.powi(-24));
-        assert!(f16_to_f32(0x7c00).is_infinite());
-        assert!(f16_to_f32(0x7e00).is_nan());
-        assert_eq!(f16_to_f32(0x8000).to_bits(), 0x8000_0000);
-    }
 }
