@@ -50,6 +50,19 @@ pub struct Geometry {
     pub token_stride: usize,
 }
 
+impl Geometry {
+    /// A block's `(heads, tokens, head_dim)` and the cache's `(head, token)` strides.
+    fn of((heads, tokens, dim): (usize, usize, usize), strides: (usize, usize)) -> Self {
+        Geometry {
+            heads,
+            tokens,
+            dim,
+            head_stride: strides.0,
+            token_stride: strides.1,
+        }
+    }
+}
+
 /// Copies one element or run between the cache and the block, towards the cache when
 /// `TO_CACHE`.
 ///
@@ -352,13 +365,7 @@ pub fn paged_copy(
             "paged_copy: expected one non-negative block id per block address",
         ));
     }
-    let g = Geometry {
-        heads,
-        tokens,
-        dim,
-        head_stride: strides.0,
-        token_stride: strides.1,
-    };
+    let g = Geometry::of(shape, strides);
     let work: Vec<(usize, usize)> = ids
         .iter()
         .zip(addrs)
@@ -589,13 +596,7 @@ pub fn paged_scan<'py>(
             "paged_scan: expected non-negative block ids (and one address a block to copy to)",
         ));
     }
-    let g = Geometry {
-        heads,
-        tokens,
-        dim,
-        head_stride: strides.0,
-        token_stride: strides.1,
-    };
+    let g = Geometry::of(shape, strides);
     let work: Vec<(usize, usize)> = ids
         .iter()
         .enumerate()
