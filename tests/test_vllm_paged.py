@@ -363,3 +363,25 @@ def test_a_layer_refused_after_the_first_leaves_nothing_it_could_be_read_as(kv: 
     bm.append_blocks(seq, 1, PagedBlocks.of(layout, caches[1], [6, 1, 4]))
     k, v = bm.gather(seq, 1)
     assert torch.equal(k, kvs[1][0]) and torch.equal(v, kvs[1][1])
+
+
+def test_a_layer_a_sharer_wrote_first_is_not_written_again_by_the_save() -> None:
+    """A save's later layers go straight to the slots its first layer filled, unless some layer
+    of those blocks is written already: a sequence sharing the blocks in flight wrote it
+    (the layer's owner, whose K/V stays), and its tokens are counted once."""
+    bm = manager()
+    layout, caches, kvs = caches_for("cpu-amx", 2, [0, 1], seed=21)
+    _, sharer_caches, sharer_kvs = caches_for("cpu-amx", 2, [2, 3], seed=50)
+    tokens = list(range(2 * N))
+    seq = bm.add_sequence(tokens)
+    bm.append_blocks(seq, 0, PagedBlocks.of(layout, caches[0], [0, 1]))
+    sharer = bm.add_sequence(tokens)
+    assert bm.core.sequence_blocks(sharer).tolist() == bm.core.sequence_blocks(seq).tolist()
+    bm.append_blocks(sharer, 1, PagedBlocks.of(layout, sharer_caches[1], [2, 3]))
+    bm.append_blocks(seq, 1, PagedBlocks.of(layout, caches[1], [0, 1]))
+    assert bm.num_tokens(seq, 1) == 2 * N
+    assert torch.equal(bm.gather(seq, 0)[0], kvs[0][0])
+    assert torch.equal(bm.gather(seq, 1)[0], sharer_kvs[1][0])
+    blocks = bm.core.sequence_blocks(seq)
+    assert bm.ledger.norm_count[blocks].tolist() == [LAYERS * N] * 2
+    assert not bm.ledger.pinned[blocks].any()  # complete: free to move

@@ -200,7 +200,8 @@ class AttentionTables:
             (len(blocks), 1, *self.shape.dims[1:]), dtype=tiers.dtype, device=tiers.device
         )
         for (tier, level), rows, where, ids in tiers.locations(blocks):
-            stage[rows, 0] = tiers.read_layer(tier, level, where, layer, ids)
+            at = slice(None) if rows is None else torch.from_numpy(rows).to(tiers.device)
+            stage[at, 0] = tiers.read_layer(tier, level, where, layer, ids)
         pools[staged] = len(self.views)
         slots[staged] = np.arange(len(blocks), dtype=np.int32)
         views = [*self.views, PoolView(stage, IdentityCodec(self.shape.dtype), 0)]

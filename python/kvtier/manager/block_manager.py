@@ -51,7 +51,7 @@ from .room import slots_after, why_full
 from .sharing import PrefixSharing
 from .sizing import make_core, size_pools
 from .stats import ManagerStats, collect
-from .tiers import BlocksLost, StoreRefused, Tiers
+from .tiers import BlocksLost, StoreRefused, Tiers, row_addresses
 
 if TYPE_CHECKING:
     import torch
@@ -66,12 +66,28 @@ __all__ = ["BlockManager"]
 
 
 @dataclass
+class _BlockRun:
+    """Whole blocks one layer of :meth:`BlockManager.append_blocks` allocated (tokens ``start``
+    to ``end``), each where every layer writes it: the other layers' calls find their slots
+    here. They hold while some layer has not written the blocks, which keeps them pinned."""
+
+    start: int
+    end: int
+    blocks: np.ndarray
+    #: per block, its level-0 CPU slot's address at layer 0, and a layer's bytes there
+    addresses: np.ndarray
+    layer_bytes: int
+
+
+@dataclass
 class _Seq:
     #: tokens written per layer
     lengths: np.ndarray
     #: the block being filled, where one-token appends write: ``(index in the sequence, block
     #: id, level-0 device slot)``; it is pinned, so it stays there until complete
     tail: tuple[int, int, int] | None = None
+    #: the whole blocks the last external append allocated (its other layers' path)
+    run: _BlockRun | None = None
 
 
 class BlockManager:
@@ -376,8 +392,10 @@ class BlockManager:
         manager checks them where they lie and copies each once, into the pool."""
         if isinstance(blocks, ExternalBlocks):
             check_external(blocks, self.shape, self.dtype)
-            if blocks.device != self.device or self.device.type != "cpu":
+            if self._pool0 == 0 or blocks.device.type != "cpu":  # (a CPU manager has _pool0)
                 blocks = blocks.read().to(self.device)
+            elif self._append_run(seq, layer, blocks):
+                return
         norms = None  # external blocks: measured on their way into the pool
         if not isinstance(blocks, ExternalBlocks):
             blocks = check_blocks(blocks, self.shape, self.dtype, self.device).detach()
@@ -402,17 +420,48 @@ class BlockManager:
                 if norms is None:  # checked before the sequence grows: a refusal changes nothing
                     norms = blocks.key_norms()
                 self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
-            self._write_blocks(seq, layer, start // bs, blocks, norms)
+            run = self._write_blocks(seq, layer, start // bs, blocks, norms)
             state.lengths[layer] = end
+            if run is not None:
+                state.run = run
+
+    def _append_run(self, seq: int, layer: Any, blocks: ExternalBlocks) -> bool:
+        """:meth:`append_blocks` of CPU external blocks at a layer after the one that
+        allocated them: straight into the slots of the sequence's :class:`_BlockRun`, checked
+        and measured on the way (a refusal leaves bytes only in slots no layer-owner wrote).
+        False, with nothing done, whenever the general path must run: not that run's blocks,
+        or some of them written at this layer already (shared, or complete and so free to
+        move)."""
+        if type(layer) is not int or not 0 <= layer < self._layers:
+            return False
+        with self._lock:
+            state = self._seqs.get(seq)
+            run = state.run if state is not None else None
+            if (
+                run is None
+                or int(state.lengths[layer]) != run.start  # type: ignore[union-attr]
+                or len(blocks) != len(run.blocks)
+                or self.ledger.written[run.blocks, layer].any()
+            ):
+                return False
+            addresses = run.addresses + layer * run.layer_bytes
+            norms = blocks.copy_to(addresses, measure=True)
+            assert norms is not None
+            sums = norms.reshape(len(run.blocks), -1).sum(axis=1, dtype=np.float64)
+            self._finish(self.ledger.wrote_blocks(run.blocks, layer, sums))
+            state.lengths[layer] = run.end  # type: ignore[union-attr]
+        return True
 
     def _write_blocks(
         self, seq: int, layer: int, first: int, blocks: Any, norms: np.ndarray | None
-    ) -> None:
+    ) -> _BlockRun | None:
         """:meth:`append_blocks`' write: ``blocks`` into the sequence's blocks from its block
         ``first`` (allocated), but for those some layer-owner already wrote (a shared
         prefix), whose tokens :meth:`_write` writes where they are partly written. ``norms``
         None: external blocks all unwritten at ``layer`` are checked and measured as they are
-        copied (a refusal leaves bytes in slots nothing reads, as no layer-owner wrote them)."""
+        copied (a refusal leaves bytes in slots nothing reads, as no layer-owner wrote them).
+        Returns the :class:`_BlockRun` of external blocks written whole into level-0 CPU
+        slots, all of them."""
         torch = torch_module()
         bs, n = self.block_size, len(blocks)
         ids = self.core.sequence_blocks(seq)[first : first + n]
@@ -424,11 +473,18 @@ class BlockManager:
         if every or whole.any():
             fresh = ids if every else ids[whole]
             slots = self.core.block_places(fresh)[2].astype(np.int64)
+            run = None
             if isinstance(blocks, ExternalBlocks):
                 pick = None if every else whole
                 got = self._tiers.write_external(slots, layer, blocks, pick, measure=norms is None)
                 if norms is None:
                     norms = got
+                if every:
+                    start, pool = first * bs, self._tiers.pools["device", 0]
+                    run = _BlockRun(
+                        start, start + n * bs, ids, row_addresses(pool, slots, 0),
+                        pool.stride(1) * pool.element_size(),
+                    )  # fmt: skip
             else:
                 part = blocks if every else blocks[torch.from_numpy(whole).to(self.device)]
                 self._tiers.write_blocks(torch.from_numpy(slots).to(self.device), layer, part)
@@ -436,6 +492,8 @@ class BlockManager:
             per_block = norms.reshape(n, bs) if every else norms.reshape(n, bs)[whole]
             sums = per_block.sum(axis=1, dtype=np.float64)
             self._finish(self.ledger.wrote_blocks(fresh, layer, sums))
+            if every:
+                return run
         partial = np.nonzero(~whole & (written < bs))[0]
         if len(partial) and isinstance(blocks, ExternalBlocks):
             blocks = blocks.read()
@@ -444,6 +502,7 @@ class BlockManager:
             k, v = blocks[i].transpose(1, 2)  # [N, H, D] each
             start = (first + int(i)) * bs
             self._write(seq, layer, start, start + bs, k, v, norms[i * bs : (i + 1) * bs])
+        return None
 
     def load_blocks(self, seq: int, layer: int, first: int, into: ExternalBlocks) -> None:
         """Writes blocks ``first : first + len(into)`` of ``seq`` at ``layer`` (whole and written,
@@ -465,13 +524,12 @@ class BlockManager:
             blocks = self.core.sequence_blocks(seq)[first : first + n]
             self.ledger.check_written(seq, layer, blocks, n * bs)
             self.ledger.check_not_lost(seq, blocks)
-            for (tier, level), rows, slots, ids in self._tiers.locations(blocks):
+            for (tier, level), pick, slots, ids in self._tiers.locations(blocks):
                 if self.drop_level is not None and level == self.drop_level:
                     raise InvalidArgumentError(
                         f"sequence {seq}: block {int(ids[0])} was dropped (level "
                         f"{self.ladder[level]!r}): its K/V is gone"
                     )
-                pick = rows.cpu().numpy()
                 try:
                     self._tiers.read_layer_into(tier, level, slots, layer, ids, into, pick)
                 except BlocksLost as exc:
@@ -615,14 +673,14 @@ class BlockManager:
                     self._mark_lost(exc.blocks.astype(np.uint32))
                     self.ledger.check_not_lost(seq, blocks)
                     raise
-                if len(ids) == len(blocks):  # one pool holds them all, in order
+                if rows is None:  # one pool holds them all, in order
                     out = part
                     break
                 if out is None:
                     out = torch.empty(
                         (len(blocks), *self.shape.dims[1:]), dtype=self.dtype, device=self.device
                     )
-                out.index_copy_(0, rows, part)
+                out.index_copy_(0, torch.from_numpy(rows).to(self.device), part)
             if out is None:
                 out = torch.empty((0, *self.shape.dims[1:]), dtype=self.dtype, device=self.device)
             if len(blocks):

@@ -136,8 +136,13 @@ class BlockLedger:
         self.written[blocks, layer] = bs
         self.norm_sum[blocks] += norm_sums
         self.norm_count[blocks] += bs
-        self.core.set_magnitude(blocks, self.magnitude(blocks))
-        return blocks[self.pinned[blocks] & (self.written[blocks] == bs).all(axis=1)]
+        complete = self.written[blocks].min(axis=1) == bs
+        # A block being written is pinned, so no plan ranks it: the core hears its magnitude
+        # once complete (and at the last layer, for a reader of the layers written so far).
+        told = blocks if layer == self.layers - 1 else blocks[complete]
+        if len(told):
+            self.core.set_magnitude(told, self.magnitude(told))
+        return blocks[complete & self.pinned[blocks]]
 
     def filled(self, blocks: np.ndarray, norm_sums: np.ndarray) -> None:
         """Blocks written whole at once (every layer, every token: fetched from another
@@ -180,8 +185,11 @@ class BlockLedger:
         """Raises unless ``layer`` has written the first ``tokens`` tokens of ``blocks`` (a
         shared block whose owner is behind has not)."""
         bs = self.block_size
+        written = self.written[blocks, layer]
+        if tokens >= bs * len(blocks) and (len(blocks) == 0 or written.min() == bs):
+            return  # whole blocks, all written (the usual case)
         need = np.minimum(bs, tokens - bs * np.arange(len(blocks)))
-        short = np.nonzero(self.written[blocks, layer] < need)[0]
+        short = np.nonzero(written < need)[0]
         if len(short):
             raise InvalidArgumentError(
                 f"sequence {seq} layer {layer}: block {int(blocks[short[0]])} (tokens from "

@@ -173,22 +173,20 @@ class Tiers:
 
     def locations(
         self, blocks: np.ndarray
-    ) -> Iterator[tuple[tuple[str, int], torch.Tensor, np.ndarray, np.ndarray]]:
-        """Blocks grouped by pool: ``((tier, level), rows in blocks, slots, block ids)``."""
-        torch = torch_module()
+    ) -> Iterator[tuple[tuple[str, int], np.ndarray | None, np.ndarray, np.ndarray]]:
+        """Blocks grouped by pool: ``((tier, level), rows in blocks, slots, block ids)``; rows
+        None when one pool holds them all."""
         if not len(blocks):
             return
         tiers, levels, slots = self.core.block_places(blocks)
         key = tiers.astype(np.int64) * 256 + levels
+        first = int(key[0])
+        if (key == first).all():  # the usual case: no grouping
+            yield (Plan.TIERS[first // 256], first % 256), None, slots, blocks
+            return
         for k in np.unique(key):
             rows = np.nonzero(key == k)[0]
-            tier = Plan.TIERS[int(k) // 256]
-            yield (
-                (tier, int(k) % 256),
-                torch.from_numpy(rows).to(self.device),
-                slots[rows],
-                blocks[rows],
-            )
+            yield (Plan.TIERS[int(k) // 256], int(k) % 256), rows, slots[rows], blocks[rows]
 
     def read_layer(
         self, tier: str, level: int, slots: np.ndarray, layer: int, blocks: np.ndarray
@@ -198,7 +196,7 @@ class Tiers:
         pool, idx = self._source((tier, level), slots, blocks)
         if level == 0 and pool.device.type == "cpu" == self.device.type:
             out = pool.new_empty((len(idx), *pool.shape[2:]))
-            copy_rows(_row_addresses(pool, idx.numpy(), layer), _rows_of(out), _row_bytes(out))
+            copy_rows(row_addresses(pool, idx.numpy(), layer), _rows_of(out), _row_bytes(out))
             return out
         idx = idx.to(pool.device)
         if level == 0:
@@ -215,12 +213,12 @@ class Tiers:
         layer: int,
         blocks: np.ndarray,
         into: ExternalBlocks,
-        pick: np.ndarray,
+        pick: np.ndarray | None,
     ) -> None:
         """:meth:`read_layer` into blocks ``pick`` of ``into``: a level-0 CPU pool's rows are
         copied straight there; raises :class:`BlocksLost` for blocks a store lost."""
         if (tier, level) == ("device", 0) and self.device.type == "cpu" == into.device.type:
-            into.copy_from(_row_addresses(self.pools[tier, 0], slots, layer), pick)
+            into.copy_from(row_addresses(self.pools[tier, 0], slots, layer), pick)
         else:
             into.write(self.read_layer(tier, level, slots, layer, blocks), pick)
 
@@ -240,7 +238,7 @@ class Tiers:
         if pool.device.type != "cpu":
             pool[slots, layer] = blocks
             return
-        copy_rows(_rows_of(blocks), _row_addresses(pool, slots.numpy(), layer), _row_bytes(blocks))
+        copy_rows(_rows_of(blocks), row_addresses(pool, slots.numpy(), layer), _row_bytes(blocks))
 
     def write_external(
         self,
@@ -254,7 +252,7 @@ class Tiers:
         """Blocks ``pick`` of ``blocks`` (every one when None), one layer's, into level-0 CPU
         slots ``slots``: each copied straight from where it lies into its slot (with
         ``measure``, checked and measured on the way: :meth:`ExternalBlocks.copy_to`)."""
-        addresses = _row_addresses(self.pools["device", 0], slots, layer)
+        addresses = row_addresses(self.pools["device", 0], slots, layer)
         return blocks.copy_to(addresses, pick, measure=measure)
 
     def copy_level0(self, src: int, dst: int) -> None:
@@ -382,8 +380,8 @@ def _rows_of(blocks: torch.Tensor) -> np.ndarray:
     return np.uint64(blocks.data_ptr()) + step * np.arange(blocks.shape[0], dtype=np.uint64)
 
 
-def _row_addresses(pool: torch.Tensor, slots: np.ndarray, layer: int) -> np.ndarray:
+def row_addresses(pool: torch.Tensor, slots: np.ndarray, layer: int) -> np.ndarray:
     """The address of layer ``layer`` of each slot of a level-0 pool (on the CPU)."""
     item = pool.element_size()
-    base = np.uint64(pool.data_ptr() + layer * pool.stride(1) * item)
-    return base + slots.astype(np.uint64) * np.uint64(pool.stride(0) * item)
+    slot, row = pool.stride()[:2]
+    return slots.astype(np.uint64) * (slot * item) + (pool.data_ptr() + layer * row * item)

@@ -33,6 +33,7 @@ rather than guessed. Nothing here needs vLLM.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -228,8 +229,8 @@ class PagedLayout:
         (on a refusal, some may have been)."""
         norms, bad = paged_scan(
             self.split, cache.data_ptr(), cache.stride(0), (cache.stride(1), cache.stride(2)),
-            ids, (self.num_kv_heads, self.block_size, self.head_dim),
-            FLOAT_CODES[dtype_name(cache.dtype)], copy_to,
+            ids, (self.num_kv_heads, self.block_size, self.head_dim), _float_code(cache.dtype),
+            copy_to,
         )  # fmt: skip
         if bad:
             raise InvalidArgumentError(
@@ -308,6 +309,12 @@ class PagedBlocks(ExternalBlocks):
         ids = self.block_ids if pick is None else self.block_ids[pick]
         tensor: torch.Tensor = torch_module().from_numpy(np.ascontiguousarray(ids))
         return tensor.to(self.cache.device)
+
+
+@functools.cache
+def _float_code(dtype: torch.dtype) -> int:
+    """The kernels' code of a cache dtype (asked for at every layer of every save)."""
+    return FLOAT_CODES[dtype_name(dtype)]
 
 
 def _heads_contiguous(cache: torch.Tensor) -> bool:

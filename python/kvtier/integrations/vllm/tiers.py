@@ -20,6 +20,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..._core import Plan
 from ..._torch import torch_module
 from ...errors import InvalidArgumentError, KvtierError
@@ -67,7 +69,7 @@ class WorkerTiers:
     def save(
         self,
         seq: int,
-        block_ids: Sequence[int],
+        block_ids: Sequence[int] | np.ndarray,
         on_keys: Callable[[int, torch.Tensor], None] | None = None,
     ) -> int:
         """Appends to manager sequence ``seq`` the K/V it lacks among whole paged blocks
@@ -75,15 +77,16 @@ class WorkerTiers:
         a layer at a time (:meth:`save_layer`). Returns the blocks written at the last layer
         (those a cached prefix already held are skipped)."""
         written = 0
+        ids = np.asarray(block_ids, dtype=np.int64)  # once, not at every layer
         for layer in range(len(self.caches)):
-            written = self.save_layer(layer, seq, block_ids, on_keys)
+            written = self.save_layer(layer, seq, ids, on_keys)
         return written
 
     def save_layer(
         self,
         layer: int,
         seq: int,
-        block_ids: Sequence[int],
+        block_ids: Sequence[int] | np.ndarray,
         on_keys: Callable[[int, torch.Tensor], None] | None = None,
     ) -> int:
         """One layer of :meth:`save`: the blocks of ``block_ids`` that manager sequence ``seq``
@@ -114,8 +117,9 @@ class WorkerTiers:
         recomputed. A block the tiers lost raises :class:`~kvtier.BlockLostError` (some layers
         may have been written: the caller recomputes them all)."""
         ok = self.loadable(seq, start, end, len(block_ids))
+        ids = np.asarray(block_ids[:ok], dtype=np.int64)  # once, not at every layer
         for layer in range(len(self.caches)):
-            self.load_layer(layer, seq, start, block_ids[:ok])
+            self.load_layer(layer, seq, start, ids)
         return ok
 
     def loadable(self, seq: int, start: int, end: int, num_block_ids: int) -> int:
@@ -129,11 +133,13 @@ class WorkerTiers:
         have = min(self.manager.num_tokens(seq, len(self.caches) - 1), end)
         return min(num_block_ids, max(0, (have - start) // bs))
 
-    def load_layer(self, layer: int, seq: int, start: int, block_ids: Sequence[int]) -> None:
+    def load_layer(
+        self, layer: int, seq: int, start: int, block_ids: Sequence[int] | np.ndarray
+    ) -> None:
         """One layer of :meth:`load`: the blocks of ``seq`` from token ``start`` (a block
         boundary), as many as ``block_ids``, into those blocks of layer ``layer``'s cache
         (:meth:`~kvtier.BlockManager.load_blocks`: on the CPU, a level-0 block in one copy)."""
-        if not block_ids:
+        if not len(block_ids):
             return
         into = PagedBlocks.of(self.layout, self.caches[layer], block_ids)
         self.manager.load_blocks(seq, layer, start // self.layout.block_size, into)
@@ -155,7 +161,9 @@ class LayerLoads:
     def _run(self, tiers: WorkerTiers, loads: Sequence[LoadSpec]) -> None:
         torch = torch_module()
         manager, caches = tiers.manager, tiers.caches
-        work: list[tuple[LoadSpec, int | None, list[int]]] = []  # load, sequence, blocks to write
+        # load, sequence, blocks to write (an array: the layers take it as it is)
+        work: list[tuple[LoadSpec, int | None, np.ndarray]] = []
+        nothing = np.empty(0, dtype=np.int64)
         start = time.perf_counter()
         cuda = caches[0].device.type == "cuda"
         try:
@@ -164,21 +172,21 @@ class LayerLoads:
                     seq = manager.add_sequence(load.tokens, salt=load.salt)
                     n = len(load.block_ids)
                     ok = tiers.loadable(seq, load.start, len(load.tokens), n)
-                    work.append((load, seq, load.block_ids[:ok]))
+                    work.append((load, seq, np.asarray(load.block_ids[:ok], dtype=np.int64)))
                 except KvtierError as exc:
                     log.warning("kvtier: load of request %s failed (%s)", load.req_id, exc)
-                    work.append((load, None, []))
+                    work.append((load, None, nothing))
             stream = torch.cuda.Stream(caches[0].device) if cuda else None
             for layer in range(len(caches)):
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     for i, (load, held, ids) in enumerate(work):
-                        if held is None or not ids:
+                        if held is None or not len(ids):
                             continue
                         try:
                             tiers.load_layer(layer, held, load.start, ids)
                         except Exception as exc:  # a block lost in the tiers: all recomputed
                             log.warning("kvtier: load of request %s failed (%s)", load.req_id, exc)
-                            work[i] = (load, held, [])
+                            work[i] = (load, held, nothing)
                     if stream is not None:
                         self.events[layer] = stream.record_event()
                 self.ready[layer].set()

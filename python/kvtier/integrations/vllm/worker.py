@@ -31,6 +31,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ...errors import ConfigError, KvtierError
@@ -74,6 +75,11 @@ class _LayerSave:
     #: blocks written at the last layer (0 until it is written)
     written: int = 0
     failed: bool = False
+    #: the spec's vLLM block ids, as the layers' copies take them (converted once)
+    block_ids: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_ids = np.asarray(self.spec.block_ids, dtype=np.int64)
 
 
 class KVTierWorker:
@@ -433,7 +439,7 @@ class KVTierWorker:
                 save.scores.append(self._score(save.spec.req_id, layer, keys))
 
         try:
-            written = self.tiers.save_layer(layer, save.seq, save.spec.block_ids, on_keys)
+            written = self.tiers.save_layer(layer, save.seq, save.block_ids, on_keys)
         except KvtierError as exc:
             log.warning("kvtier: save of request %s failed (%s)", save.spec.req_id, exc)
             self.counters.save_failures += 1
