@@ -92,58 +92,74 @@ unsafe fn move_block<const TO_CACHE: bool>(
     cache: *mut u8,
     block: *mut u8,
 ) {
+    for h in 0..g.heads {
+        move_head::<TO_CACHE>(layout, g, elem, cache, block, h);
+    }
+}
+
+/// Head `h` of [`move_block`], and a prefetch of the next head's runs.
+///
+/// # Safety
+/// As [`move_block`]'s.
+#[inline(always)]
+unsafe fn move_head<const TO_CACHE: bool>(
+    layout: Layout,
+    g: Geometry,
+    elem: usize,
+    cache: *mut u8,
+    block: *mut u8,
+    h: usize,
+) {
     let (h_n, n, d) = (g.heads, g.tokens, g.dim);
     let plane = n * d * elem; // bytes of one head's K (or V) in either form
-    for h in 0..h_n {
-        if layout != Layout::Channels {
-            // the next head's source and destination runs
-            let more = h + 1 < h_n;
-            let (next_k, next_v) = (block.add((h + 1) * plane), block.add((h_n + h + 1) * plane));
-            prefetch(cache.add((h + 1) * 2 * plane), 2 * plane, more);
-            prefetch(next_k, plane, more);
-            prefetch(next_v, plane, more);
+    if layout != Layout::Channels {
+        // the next head's source and destination runs
+        let more = h + 1 < h_n;
+        let (next_k, next_v) = (block.add((h + 1) * plane), block.add((h_n + h + 1) * plane));
+        prefetch(cache.add((h + 1) * 2 * plane), 2 * plane, more);
+        prefetch(next_k, plane, more);
+        prefetch(next_v, plane, more);
+    }
+    let k_block = block.add(h * plane);
+    let v_block = block.add((h_n + h) * plane);
+    match layout {
+        Layout::Channels => {
+            for t in 0..n {
+                let at = cache.add((h * g.head_stride + t * g.token_stride) * elem);
+                run::<u8, TO_CACHE>(at, k_block.add(t * d * elem), d * elem);
+                run::<u8, TO_CACHE>(at.add(d * elem), v_block.add(t * d * elem), d * elem);
+            }
         }
-        let k_block = block.add(h * plane);
-        let v_block = block.add((h_n + h) * plane);
-        match layout {
-            Layout::Channels => {
-                for t in 0..n {
-                    let at = cache.add((h * g.head_stride + t * g.token_stride) * elem);
-                    run::<u8, TO_CACHE>(at, k_block.add(t * d * elem), d * elem);
-                    run::<u8, TO_CACHE>(at.add(d * elem), v_block.add(t * d * elem), d * elem);
-                }
+        Layout::CpuVec => {
+            let k_cache = cache.add(h * 2 * plane);
+            run::<u8, TO_CACHE>(k_cache.add(plane), v_block, plane);
+            if elem == 2 {
+                transpose::<u16, TO_CACHE>(k_cache.cast(), k_block.cast(), d, n);
+            } else {
+                transpose::<u32, TO_CACHE>(k_cache.cast(), k_block.cast(), d, n);
             }
-            Layout::CpuVec => {
-                let k_cache = cache.add(h * 2 * plane);
-                run::<u8, TO_CACHE>(k_cache.add(plane), v_block, plane);
-                if elem == 2 {
-                    transpose::<u16, TO_CACHE>(k_cache.cast(), k_block.cast(), d, n);
-                } else {
-                    transpose::<u32, TO_CACHE>(k_cache.cast(), k_block.cast(), d, n);
-                }
+        }
+        Layout::CpuAmx => {
+            let k_cache = cache.add(h * 2 * plane);
+            // K: per tile of 16 tokens, [D/2, 16] words of two channels -> [16, D/2].
+            let words = d / 2;
+            for tile in 0..n / 16 {
+                let at = tile * 16 * words;
+                transpose::<u32, TO_CACHE>(
+                    k_cache.cast::<u32>().add(at),
+                    k_block.cast::<u32>().add(at),
+                    words,
+                    16,
+                );
             }
-            Layout::CpuAmx => {
-                let k_cache = cache.add(h * 2 * plane);
-                // K: per tile of 16 tokens, [D/2, 16] words of two channels -> [16, D/2].
-                let words = d / 2;
-                for tile in 0..n / 16 {
-                    let at = tile * 16 * words;
-                    transpose::<u32, TO_CACHE>(
-                        k_cache.cast::<u32>().add(at),
-                        k_block.cast::<u32>().add(at),
-                        words,
-                        16,
-                    );
-                }
-                // V: per tile of 16 channels and pair of tokens, 16 words of (token 2p, token
-                // 2p + 1) of one channel each: the low halves are row 2p's 16 channels.
-                let (v_cache, v_block) = (k_cache.add(plane).cast::<u32>(), v_block.cast::<u16>());
-                for tile in 0..d / 16 {
-                    for pair in 0..n / 2 {
-                        let words = v_cache.add((tile * n / 2 + pair) * 16);
-                        let even = v_block.add(2 * pair * d + tile * 16);
-                        deinterleave::<TO_CACHE>(words, even, even.add(d));
-                    }
+            // V: per tile of 16 channels and pair of tokens, 16 words of (token 2p, token
+            // 2p + 1) of one channel each: the low halves are row 2p's 16 channels.
+            let (v_cache, v_block) = (k_cache.add(plane).cast::<u32>(), v_block.cast::<u16>());
+            for tile in 0..d / 16 {
+                for pair in 0..n / 2 {
+                    let words = v_cache.add((tile * n / 2 + pair) * 16);
+                    let even = v_block.add(2 * pair * d + tile * 16);
+                    deinterleave::<TO_CACHE>(words, even, even.add(d));
                 }
             }
         }
@@ -393,22 +409,26 @@ pub fn paged_copy(
 /// Each token's key norm, averaged over heads, of one cache block of `layout` (`cache`: its
 /// first element), into `norms` (`N` values), read where the layout keeps K (the sums run
 /// along the memory, across tokens, wherever it can); Err(1) / Err(2) when K / V holds a NaN
-/// or an infinity. A norm past f32's range is f32's largest value.
+/// or an infinity. A norm past f32's range is f32's largest value. With `copy_to` not null,
+/// each head is also copied there (as [`move_block`] copies it) once checked, while it is in
+/// L1: on an error, the heads before it may have been.
 ///
 /// # Safety
-/// `cache` valid for reading the block's elements under `g`.
+/// `cache` valid for reading the block's elements under `g`; `copy_to` null or as
+/// [`move_block`]'s `block`.
 #[inline(always)]
 unsafe fn scan_block<T: Bits>(
     layout: Layout,
     g: Geometry,
     cache: *const T,
     norms: &mut [f32],
+    copy_to: *mut u8,
 ) -> Result<(), u8> {
     let (n, d) = (g.tokens, g.dim);
     let mut squares = vec![0.0f32; n];
     norms.fill(0.0);
     for h in 0..g.heads {
-        if layout != Layout::Channels {
+        if layout != Layout::Channels && copy_to.is_null() {
             let region = 2 * n * d;
             let next = cache.add((h + 1) * region).cast::<u8>();
             prefetch(next, region * std::mem::size_of::<T>(), h + 1 < g.heads);
@@ -477,6 +497,10 @@ unsafe fn scan_block<T: Bits>(
         if !k_finite {
             return Err(1);
         }
+        if !copy_to.is_null() {
+            let elem = std::mem::size_of::<T>();
+            move_head::<false>(layout, g, elem, cache as *mut u8, copy_to, h);
+        }
         for (norm, sq) in norms.iter_mut().zip(&squares) {
             *norm += sq.sqrt();
         }
@@ -500,8 +524,9 @@ mod avx2 {
         g: Geometry,
         cache: *const T,
         norms: &mut [f32],
+        copy_to: *mut u8,
     ) -> Result<(), u8> {
-        super::scan_block(layout, g, cache, norms)
+        super::scan_block(layout, g, cache, norms, copy_to)
     }
 
     #[target_feature(enable = "avx2")]
@@ -534,12 +559,13 @@ unsafe fn scan_any<T: Bits>(
     g: Geometry,
     cache: *const T,
     norms: &mut [f32],
+    copy_to: *mut u8,
 ) -> Result<(), u8> {
     #[cfg(target_arch = "x86_64")]
     if wide {
-        return avx2::scan_block(layout, g, cache, norms);
+        return avx2::scan_block(layout, g, cache, norms, copy_to);
     }
-    scan_block(layout, g, cache, norms)
+    scan_block(layout, g, cache, norms, copy_to)
 }
 
 /// [`move_block`], as wide as the CPU allows.
@@ -615,12 +641,8 @@ pub fn paged_scan<'py>(
             each_dtype!(
                 dtype,
                 T,
-                scan_any::<T>(wide, layout, g, at as *const T, out)
-            )?;
-            if to != 0 {
-                move_any::<false>(wide, layout, g, elem, at as *mut u8, to as *mut u8);
-            }
-            Ok(())
+                scan_any::<T>(wide, layout, g, at as *const T, out, to as *mut u8)
+            )
         })
         .map(|()| norms)
     });
