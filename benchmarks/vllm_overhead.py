@@ -3,9 +3,11 @@ workload through an engine with kvtier's connector (a bf16 host tier too small f
 conversation's prefix, so every prompt is saved and none is hit) against the same engine without
 a connector (the baseline), in interleaved pairs so that the machine's drift hits both alike.
 Also, with ``--consumer``, the connector as ``kv_consumer`` (it looks up and loads, never saves):
-what vLLM's connector path and kvtier's lookups cost without the saves.
+what vLLM's connector path and kvtier's lookups cost without the saves; and, with ``--null``, a
+connector that does nothing (``kvtier.bench._null_connector``): what vLLM's connector path
+alone costs, which no connector avoids.
 
-    python benchmarks/vllm_overhead.py [--pairs 5] [--step-tokens 4096] [--consumer]
+    python benchmarks/vllm_overhead.py [--pairs 5] [--step-tokens 4096] [--consumer] [--null]
 
 Prints each pass's tokens/s, each pair's ratio to the baseline, their median and the ratio of
 the medians, then the JSON. Issue 44's target: the median ratio >= 0.97.
@@ -40,11 +42,22 @@ def transfer(role: str, budget: int) -> object:
     )
 
 
+def null_transfer() -> object:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="NullConnector",
+        kv_connector_module_path="kvtier.bench._null_connector",
+        kv_role="kv_both",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--step-tokens", type=int, default=4096, help="max_num_batched_tokens")
     ap.add_argument("--consumer", action="store_true", help="also the connector as kv_consumer")
+    ap.add_argument("--null", action="store_true", help="also a connector that does nothing")
     args = ap.parse_args()
     settings = dataclasses.replace(FULL, step_tokens=args.step_tokens)
     work = make_workload(settings)
@@ -55,6 +68,8 @@ def main() -> None:
     }
     if args.consumer:
         configs["kvtier kv_consumer (no saves)"] = lambda: transfer("kv_consumer", budget)
+    if args.null:
+        configs["null connector (vLLM's path alone)"] = null_transfer
     tokens_per_s: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(args.pairs):
         for name, make in configs.items():
