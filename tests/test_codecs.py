@@ -1493,3 +1493,33 @@ def test_decode_layer_reads_one_layer_of_chosen_rows_exactly_as_decode(name: str
         assert torch.equal(got, codec.decode(enc, dtype=torch.float32)[slots, layer])
     with pytest.raises(InvalidArgumentError, match="layer"):
         codec.decode_layer(enc.data, enc.shape, 3)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int4-g64", "int2-rot", "int2-rot-g64"])
+def test_one_layer_of_packed_rows_is_the_packed_row_of_a_one_layer_block(name: str) -> None:
+    """A layer-major codec's bytes of one layer, section by section, are the packed row of a
+    one-layer block: what decode_layer copies to a GPU in one piece and the kernels decode."""
+    codec = get_codec(name)
+    x = torch.randn(4, 3, 2, 2, 32, 64).half()
+    enc = codec.encode(x)
+    one = dataclasses.replace(enc.shape, layers=1)
+    for layer in range(3):
+        rows = codec._layer_rows(enc.data, slice(None), enc.shape, layer)
+        assert rows.shape == (4, codec.bytes_per_block(one))
+        got = codec.decode(Encoded(codec.format, codec.version, one, rows))
+        assert torch.equal(got[:, 0], codec.decode(enc)[:, layer])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "int2-rot"])
+def test_host_rows_decoded_onto_a_gpu_equal_the_host_decode(torch_cuda: Any, name: str) -> None:
+    """Host rows decoded onto a GPU (the layer's bytes copied there encoded, decoded by the
+    kernels) give the host decode's values."""
+    codec = get_codec(name)
+    x = torch.randn(6, 3, 2, 2, 32, 64).half()
+    enc = codec.encode(x)
+    slots = torch.tensor([5, 1, 3])
+    for layer in range(3):
+        host = codec.decode_layer(enc.data, enc.shape, layer, slots=slots)
+        gpu = codec.decode_layer(enc.data, enc.shape, layer, slots=slots, device="cuda")
+        assert gpu.is_cuda and torch.equal(gpu.cpu(), host)

@@ -432,7 +432,9 @@ class Codec(ABC):
         model dtype) on ``device`` (default: the rows' device).
 
         Attention reads one layer at a time: a layer-major codec reads, and moves to ``device``,
-        only that layer's bytes of each section; any other codec decodes whole blocks."""
+        only that layer's bytes of each section; any other codec decodes whole blocks. Host
+        rows decoded onto a GPU cross the bus encoded, in one copy from pinned memory, and
+        decode there (with the CUDA kernels where the codec has them)."""
         rows = as_tensor(rows, "rows")
         check_pool(rows, "rows", self.bytes_per_block(shape))
         if not 0 <= layer < shape.layers:
@@ -445,19 +447,38 @@ class Codec(ABC):
             out = torch.empty((len(native), *shape.dims[1:]), dtype=out_dtype)
             self._native().dequantize_layer(self, rows, native, out, shape, layer)
             return out
+        torch = torch_module()
         pick = slice(None) if slots is None else slots.to(rows.device)
         if not self.layer_major:
             whole = self.unpack(rows[pick].to(device), shape)
             return saturate_to(self._decode(whole, shape)[:, layer], out_dtype)
         one = BlockShape(1, shape.kv_heads, shape.block_size, shape.head_dim, shape.dtype)
-        parts, at = {}, 0
+        layer_rows = self._layer_rows(rows, pick, shape, layer)
+        device = torch.device(device)
+        if device.type == "cuda" and layer_rows.device.type == "cpu":
+            layer_rows = layer_rows.pin_memory().to(device, non_blocking=True)
+        else:
+            layer_rows = layer_rows.to(device)
+        if layer_rows.is_cuda:  # the CUDA kernels, where the codec has them
+            out = torch.empty((len(layer_rows), *one.dims), dtype=out_dtype, device=device)
+            every = torch.arange(len(out))
+            self.decode_into(layer_rows, every, out, every)
+            return out[:, 0]
+        return saturate_to(self._decode(self.unpack(layer_rows, one), one)[:, 0], out_dtype)
+
+    def _layer_rows(
+        self, rows: torch.Tensor, pick: Any, shape: BlockShape, layer: int
+    ) -> torch.Tensor:
+        """Rows ``pick`` of a layer-major codec's packed ``rows``, cut to layer ``layer``: each
+        section's bytes of that layer, in order, which is the packed row of a one-layer block
+        (``uint8 [n, bytes_per_block(one layer)]``, contiguous, on the rows' device)."""
+        torch = torch_module()
+        cols, at = [], 0
         for s in self.sections(shape):
             per_layer = s.nbytes // shape.layers
-            cols = slice(at + layer * per_layer, at + (layer + 1) * per_layer)
-            chunk = rows[pick, cols].to(device).contiguous()
-            parts[s.name] = chunk.view(torch_dtype(s.dtype)).reshape(-1, 1, *s.shape[1:])
+            cols.append(rows[pick, at + layer * per_layer : at + (layer + 1) * per_layer])
             at += s.nbytes
-        return saturate_to(self._decode(parts, one)[:, 0], out_dtype)
+        return torch.cat(cols, dim=1)
 
     def _native_rows(
         self, rows: torch.Tensor, slots: torch.Tensor | None, out_dtype: Any, device: Any

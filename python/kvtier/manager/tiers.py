@@ -189,20 +189,28 @@ class Tiers:
             yield (Plan.TIERS[int(k) // 256], int(k) % 256), rows, slots[rows], blocks[rows]
 
     def read_layer(
-        self, tier: str, level: int, slots: np.ndarray, layer: int, blocks: np.ndarray
+        self,
+        tier: str,
+        level: int,
+        slots: np.ndarray,
+        layer: int,
+        blocks: np.ndarray,
+        device: Any = None,
     ) -> torch.Tensor:
         """``[n, 2, kv_heads, block_size, head_dim]`` of one layer of blocks, decoded to the
-        model dtype, on the device; raises :class:`BlocksLost` for blocks a store lost."""
+        model dtype, on the device (or on ``device``: a packed level's bytes go there encoded,
+        to be decoded there); raises :class:`BlocksLost` for blocks a store lost."""
         pool, idx = self._source((tier, level), slots, blocks)
         if level == 0 and pool.device.type == "cpu" == self.device.type:
             out = pool.new_empty((len(idx), *pool.shape[2:]))
             copy_rows(row_addresses(pool, idx.numpy(), layer), _rows_of(out), _row_bytes(out))
             return out
         idx = idx.to(pool.device)
+        device = self.device if device is None else device
         if level == 0:
-            return pool[:, layer].index_select(0, idx).to(self.device, non_blocking=True)
+            return pool[:, layer].index_select(0, idx).to(device, non_blocking=True)
         return self.codecs[level].decode_layer(
-            pool, self.shape, layer, slots=idx, dtype=self.dtype, device=self.device
+            pool, self.shape, layer, slots=idx, dtype=self.dtype, device=device
         )
 
     def read_layer_into(
@@ -216,11 +224,12 @@ class Tiers:
         pick: np.ndarray | None,
     ) -> None:
         """:meth:`read_layer` into blocks ``pick`` of ``into``: a level-0 CPU pool's rows are
-        copied straight there; raises :class:`BlocksLost` for blocks a store lost."""
+        copied straight there; packed rows are decoded where ``into`` is (on a GPU, they cross
+        encoded); raises :class:`BlocksLost` for blocks a store lost."""
         if (tier, level) == ("device", 0) and self.device.type == "cpu" == into.device.type:
             into.copy_from(row_addresses(self.pools[tier, 0], slots, layer), pick)
         else:
-            into.write(self.read_layer(tier, level, slots, layer, blocks), pick)
+            into.write(self.read_layer(tier, level, slots, layer, blocks, into.device), pick)
 
     def write_tokens(
         self, slots: torch.Tensor, layer: int, offsets: torch.Tensor, k: Any, v: Any
