@@ -1,10 +1,10 @@
 //! The cache index of each pool ([`PoolCache`]): its cached blocks in three queues in key order
-//! (the cached blocks but sinks; the cached sinks; the cached leaves), how many, and how many
-//! are reclaimable; with the
-//! functions that keep it over the block table's parts, taken apart from `Core` so that a loop
-//! over many blocks holds them at once: entering a block ([`enqueue_if_cached`]), leaving
-//! ([`BlockRow::leave_cache`]), settling the reclaimable flags up the prefix tree
-//! ([`settle_reclaimable`]) and a plain core's eviction pass ([`pop_evictable`]).
+//! (the cached blocks but the sinks; the cached sinks; the cached leaves), how many, and how
+//! many are reclaimable; with the functions that keep it over the block table's parts, taken
+//! apart from `Core` so that a loop over many blocks holds them at once: entering a block
+//! ([`enqueue_if_cached`]), leaving ([`BlockRow::leave_cache`]), settling the reclaimable flags
+//! up the prefix tree ([`settle_reclaimable`]) and a plain core's eviction pass
+//! ([`pop_evictable`]).
 
 use crate::config::PolicyKind;
 use crate::evict::{EvictionQueue, Ticket};
