@@ -667,7 +667,7 @@ def test_a_block_at_fp16s_largest_values_decodes_finite(name: str) -> None:
 @pytest.mark.parametrize("kind", ["constant", "fp16-max", "random"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("name", ["int2-rot", "int2-rot-g64"])
+@pytest.mark.parametrize("name", ["int2-rot", "int2-rot-g64", "int4-rot"])
 def test_rotated_int2_keeps_the_unrotated_error_bound_for_every_input_in_its_range(
     name: str, head_dim: int, dtype: str, kind: str
 ) -> None:

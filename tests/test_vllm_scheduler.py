@@ -564,7 +564,8 @@ def test_a_learned_scorer_decides_which_saved_blocks_keep_full_precision(
 ) -> None:
     """With ``"scorer"`` (and the importance weights on the learned signal only), the blocks
     the host tier demotes to make room are those the scorer ranks lowest: within each prompt,
-    every block still at bf16 scored above every block at int8."""
+    every block still at bf16 scored above every block at int8 (no sink kept above the rest:
+    the scorer alone decides)."""
     engine = engine_factory(
         num_blocks=64,
         host_budget="80KiB",  # 4 blocks at bf16, 14 at int8: the 16 blocks saved all stay
@@ -572,6 +573,7 @@ def test_a_learned_scorer_decides_which_saved_blocks_keep_full_precision(
         pool_shares="0.3,0.7",
         policy="importance",
         weights="0,1,0",
+        sink_blocks=0,
         scorer="test_vllm_scheduler:first_channel_scorer",
     )
     prompts = [prompt(20 + i, 4) for i in range(4)]
@@ -599,6 +601,41 @@ def test_a_learned_scorer_decides_which_saved_blocks_keep_full_precision(
             mixed += 1
             assert min(kept) > max(demoted), (levels, scores)
     assert mixed > 0
+
+
+@pytest.mark.parametrize("sink_blocks", [1, 0])
+def test_a_saved_prefix_keeps_its_sink_block_at_bf16_longest(
+    engine_factory: Callable[..., Engine], sink_blocks: int
+) -> None:
+    """Saved prompts (their manager sequences freed) are cached blocks, demoted least recently
+    used first to make room at bf16; the first block of each (``sink_blocks`` 1, the default)
+    after every other, so that each prompt keeps its sink at bf16 while its other blocks go to
+    int8. Without the rule (``sink_blocks`` 0) the oldest prompts' sinks go down first. A block
+    a step, so that a save never needs more room at bf16 than the step before left (room for a
+    whole prompt there would demote every block, sinks too: the rule never refuses room)."""
+    engine = engine_factory(
+        num_blocks=64,
+        max_tokens_per_step=BLOCK,
+        host_budget="80KiB",  # 4 blocks at bf16 (3 kept: 10 % headroom), 14 at int8
+        ladder="bf16,int8",
+        pool_shares="0.3,0.7",
+        policy="lru",
+        sink_blocks=sink_blocks,
+    )
+    prompts = [prompt(40 + i, 4) for i in range(3)]
+    for i, p in enumerate(prompts):
+        engine.add(f"p{i}", p)
+    engine.run()
+    engine.tiers.manager.step()  # the step after the last save
+    assert stats(engine)["saved_blocks"] == 12
+    core = engine.tiers.manager.core
+    levels = [core.block_info(core.lookup_tokens(p))["level"].tolist() for p in prompts]
+    assert all(len(held) == 4 for held in levels), "demoted, every block still held"
+    sinks_kept = [held[0] == 0 for held in levels]
+    if sink_blocks:
+        assert levels == [[0, 1, 1, 1]] * 3
+    else:
+        assert not all(sinks_kept), levels
 
 
 def test_a_scorer_that_is_not_importable_is_refused(vllm_model_dir: Any) -> None:

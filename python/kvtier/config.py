@@ -228,7 +228,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var("policy", "str", "scheduling policy: " + ", ".join(POLICIES)),
     _var("block_size", "int", "tokens per block"),
     _var("recent_window", "int", "most recent tokens of each sequence kept at level 0"),
-    _var("sink_blocks", "int", "first blocks of each sequence (attention sink) kept at level 0"),
+    _var(
+        "sink_blocks",
+        "int",
+        "first blocks of each sequence (attention sink) kept at level 0; in a cached prefix, "
+        "demoted last",
+    ),
     _var("weights", "weights", "importance weights `magnitude,learned,attention`"),
     _var(
         "device_budget",

@@ -20,8 +20,9 @@
 //!    cannot give back precision: a promotion restores from a write-through copy when one
 //!    exists, otherwise it is counted as a no-op.
 //! 3. pressure, tier by tier: above `budget * (1 - headroom)` the lowest-ranked blocks are
-//!    demoted one level or offloaded to the next tier; above the budget itself, cached blocks
-//!    are evicted and, if the ladder has a `drop` level, live ones dropped.
+//!    demoted one level or offloaded to the next tier (a cached prefix's sink blocks after
+//!    every other cached block); above the budget itself, cached blocks are evicted and, if
+//!    the ladder has a `drop` level, live ones dropped.
 
 use crate::config::{Config, Tier};
 use crate::core::{Cached, Core};

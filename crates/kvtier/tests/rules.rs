@@ -147,8 +147,9 @@ fn a_device_budget_demotes_lowest_first_then_offloads() {
     c.set_budget(Tier::Device, Some(3 * 64)).unwrap();
     let plan = commit(&mut c);
     assert!(c.tier_bytes()[0] <= 3 * 64);
-    // The oldest blocks move first; each block moves at most once per plan.
-    assert_eq!(plan.moves[0].block, blocks[0]);
+    // The oldest blocks move first, but the sink (block 0) after the others; each block
+    // moves at most once per plan.
+    assert_eq!(plan.moves[0].block, blocks[1]);
     assert_eq!(plan.moves[0].kind, MoveKind::Demote);
     // Keep squeezing: blocks at the last level go to the host instead of being dropped.
     c.set_budget(Tier::Device, Some(64)).unwrap();
@@ -575,9 +576,9 @@ fn pool_headroom_demotes_then_offloads_out_of_a_full_explicit_pool() {
     c.free_sequence(s).unwrap(); // all cached now
     let plan = commit(&mut c);
     let kinds: Vec<MoveKind> = plan.moves.iter().map(|m| m.kind).collect();
-    // The two least recently used go down a level (level 1 has 2 free slots of 2).
+    // The two least recently used but the sink go down a level (level 1 has 2 free slots of 2).
     assert_eq!(kinds, vec![MoveKind::Demote, MoveKind::Demote]);
-    assert_eq!(plan.moves[0].block, blocks[0]);
+    assert_eq!(plan.moves[0].block, blocks[1]);
     let used = |c: &Core, tier: Tier, level: u8| {
         c.usage()
             .into_iter()
@@ -637,15 +638,16 @@ fn a_plan_with_room_offloads_cached_blocks_so_that_new_ones_evict_nothing() {
         commit(&mut c).moves.is_empty(),
         "within budget: nothing to do"
     );
-    // Room for two new blocks: the two least recently used go to the host, nothing else.
+    // Room for two new blocks: the two least recently used but the sink go to the host,
+    // nothing else.
     let plan = c.plan_with_room(2 * 100).unwrap().clone();
     c.commit(plan.id).unwrap();
     let moved: Vec<(u32, MoveKind)> = plan.moves.iter().map(|m| (m.block, m.kind)).collect();
     assert_eq!(
         moved,
         vec![
-            (blocks[0], MoveKind::Offload),
-            (blocks[1], MoveKind::Offload)
+            (blocks[1], MoveKind::Offload),
+            (blocks[2], MoveKind::Offload)
         ]
     );
     let (_, new) = seq_with(&mut c, 10, 2);
@@ -664,8 +666,8 @@ fn a_plan_with_room_offloads_cached_blocks_so_that_new_ones_evict_nothing() {
     assert_eq!(
         moved,
         vec![
-            (blocks[2], MoveKind::Offload),
             (blocks[3], MoveKind::Offload),
+            (blocks[0], MoveKind::Offload), // the sink, after the other cached block
             (new[0], MoveKind::Offload),
             (new[1], MoveKind::Offload),
         ]
@@ -894,5 +896,50 @@ fn room_is_made_by_moving_a_block_into_the_slot_of_a_leaf_below_it_evicts() {
             assert_eq!(used(&c), [2, 0, 1]);
         }
         assert_eq!(c.counters().evictions, u64::from(commits));
+    }
+}
+
+/// A freed sequence's blocks are cached; room asked for at level 0 demotes them lowest key
+/// first, but its sink (block 0, with `sink_blocks` 1) after every other cached block, and
+/// still when nothing else is left: the rule orders demotions, it never refuses one.
+#[test]
+fn a_cached_prefix_keeps_its_sink_at_level_0_longest() {
+    for sink_blocks in [1, 0] {
+        let mut c = core(Config {
+            recent_window: 0,
+            sink_blocks,
+            compression_ratio: 0.0,
+            headroom: 0.0,
+            pool_slots: vec![
+                (Tier::Device, 0, 4),
+                (Tier::Device, 1, 0),
+                (Tier::Device, 2, 8),
+            ],
+            pool_headroom: true,
+            policy: kvtier::PolicyKind::Lru, // block 0 is the least recently used
+            ..cfg()
+        });
+        let (s, blocks) = seq_with(&mut c, 1, 4);
+        c.free_sequence(s).unwrap();
+        let at_level_0 = |c: &Core| -> Vec<u32> {
+            blocks
+                .iter()
+                .copied()
+                .filter(|&b| c.block_loc(b).unwrap().level == 0)
+                .collect()
+        };
+        let mut kept = Vec::new();
+        for room_blocks in 2..=4 {
+            let plan = c.plan_with_room(room_blocks * 64).unwrap().clone();
+            c.commit(plan.id).unwrap();
+            kept.push(at_level_0(&c));
+        }
+        let b = &blocks;
+        if sink_blocks == 1 {
+            assert_eq!(kept, [vec![b[0], b[3]], vec![b[0]], vec![]]);
+        } else {
+            assert_eq!(kept, [vec![b[2], b[3]], vec![b[3]], vec![]]);
+        }
+        assert_eq!(c.lookup(&[1, 2, 3, 4]), blocks, "demoted, all still held");
     }
 }

@@ -369,10 +369,16 @@ class Int4Codec(QuantCodec):
         group_size: int | None = INT4_GROUP_SIZE,
         key_per_channel: bool = True,
         asymmetric: bool = True,
+        rotate: bool = False,
         name: str = "int4",
     ) -> None:
         super().__init__(
-            name, 4, asymmetric=asymmetric, key_per_channel=key_per_channel, group_size=group_size
+            name,
+            4,
+            asymmetric=asymmetric,
+            key_per_channel=key_per_channel,
+            group_size=group_size,
+            rotate=rotate,
         )
 
 

@@ -36,6 +36,9 @@ _BUILTINS: dict[str, CodecFactory] = {
     # values grouped by 64 instead of 32: half the value scales (4.5 bits a value with 32-token
     # blocks), for heads of 64 or more
     "int4-g64": lambda: Int4Codec(group_size=64, name="int4-g64"),
+    # int4 of rotated head vectors, as int2-rot: whether the rotation pays at 4 bits too
+    # (kvtier eval vllm)
+    "int4-rot": lambda: Int4Codec(rotate=True, name="int4-rot"),
     "int2": Int2Codec,
     # values grouped by 64: the leaner int2 (0.203 of fp16 with 16-token blocks and head_dim
     # 128, against int2's 0.219), for heads of 64 or more

@@ -11,8 +11,12 @@ complete blocks. Then the whole window is scored through vLLM's ``prompt_logprob
 - ``recompute``: no connector and no prefix cache (the whole window computed): how far vLLM's
   own kernels for a cached prefix already move the figures on this CPU (other kernels, other
   rounding), for scale;
-- each kvtier configuration (a ladder): vLLM's prefix cache is reset after the saves, so the
-  prefix loads from kvtier's host tier at the levels its scheduler left the blocks in.
+- each kvtier configuration (a ladder, and connector keys beside it): vLLM's prefix cache is
+  reset after the saves, so the prefix loads from kvtier's host tier at the levels its
+  scheduler left the blocks in. The connector's own pool shares stage a step's saves at the
+  levels above the bottom and leave the rest to it; the ``-room`` configurations give level 0
+  room for every window's first block, with the sink rule (a cached prefix's sink blocks
+  demoted last) on, or off (``sink_blocks`` 0: the same room goes to other blocks).
 
 Scored: the continuation's tokens from its second on (the first one's logits come from the
 prefix's last position, which a loaded prefix never computes: vLLM gives no logprob there),
@@ -33,29 +37,54 @@ import argparse
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..cli import CommandParser, positive_int
 from ..errors import ConfigError
 
-__all__ = ["CONFIGS", "FULL", "QUICK", "Settings", "main", "run", "table"]
+__all__ = ["CONFIGS", "FULL", "QUICK", "Connector", "Settings", "main", "run", "table"]
 
-#: The configurations: name -> the connector's ladder (None: no connector).
-CONFIGS: dict[str, str | None] = {
-    "reference": None,
-    "recompute": None,
-    "bf16": "bf16",
-    "int8": "bf16,int8",
-    "int4": "bf16,int4",
-    "default": "bf16,int8,int4",
-    "2bit": "bf16,int2-rot,int2-rot-g64",
-}
+
+@dataclass(frozen=True)
+class Connector:
+    """A kvtier configuration: the connector's ladder and its other keys."""
+
+    ladder: str
+    #: more ``kv_connector_extra_config`` keys
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return " ".join([self.ladder, *(f"{k}={v}" for k, v in self.extra.items())])
+
+
 #: The connector's host budget in every kvtier configuration: room for every window's prefix at
 #: bf16, so that nothing is evicted and each level holds what the scheduler put there.
 HOST_BUDGET = "512MiB"
+#: Pool shares of HOST_BUDGET where level 0 has room for every window's sink: 18 of
+#: SmolLM2's 32-token bf16 blocks (0.70 MiB each; 16 kept, the rest headroom) for 12 windows
+#: and a step's saves, 2 at int8 (a step's), the rest at the bottom level.
+SINK_ROOM = "0.025,0.002,0.973"
+DEFAULT_LADDER = "bf16,int8,int4"
+TWO_BIT_LADDER = "bf16,int2-rot,int2-rot-g64"
+#: The configurations: name -> the connector's (None: no connector).
+CONFIGS: dict[str, Connector | None] = {
+    "reference": None,
+    "recompute": None,
+    "bf16": Connector("bf16"),
+    "int8": Connector("bf16,int8"),
+    "int4": Connector("bf16,int4"),
+    "int4-rot": Connector("bf16,int4-rot"),
+    "default": Connector(DEFAULT_LADDER),
+    "default-room": Connector(DEFAULT_LADDER, {"pool_shares": SINK_ROOM}),
+    "default-room-nosink": Connector(DEFAULT_LADDER, {"pool_shares": SINK_ROOM, "sink_blocks": 0}),
+    "2bit": Connector(TWO_BIT_LADDER),
+    "2bit-unrot": Connector("bf16,int2,int2-g64"),
+    "2bit-room": Connector(TWO_BIT_LADDER, {"pool_shares": SINK_ROOM}),
+    "2bit-room-nosink": Connector(TWO_BIT_LADDER, {"pool_shares": SINK_ROOM, "sink_blocks": 0}),
+}
 BLOCK = 32
 #: vLLM's max_num_batched_tokens in every engine (see :func:`_engine`).
 STEP_TOKENS = 2 * BLOCK
@@ -98,19 +127,24 @@ def _windows(model_dir: Path, settings: Settings, text: Path | None) -> list[lis
     return [ids[i * length : (i + 1) * length] for i in range(settings.windows)]
 
 
-def _engine(model_dir: Path, settings: Settings, ladder: str | None, prefix_caching: bool) -> Any:
+def _engine(
+    model_dir: Path, settings: Settings, connector: Connector | None, prefix_caching: bool
+) -> Any:
     from ..integrations.vllm.engines import connector_transfer, engine
 
-    # Every block saved (shed_saves off): this measures the levels' quality, not whether the
-    # tiers' step keeps up with vLLM's two-block steps (it does not on this CPU: kvtier bench
-    # vllm counts the blocks shed at the default).
-    extra = {"host_budget": HOST_BUDGET, "ladder": ladder, "shed_saves": False}
+    transfer = None
+    if connector is not None:
+        # Every block saved (shed_saves off): this measures the levels' quality, not whether
+        # the tiers' step keeps up with vLLM's two-block steps (it does not on this CPU: kvtier
+        # bench vllm counts the blocks shed at the default).
+        extra = {"host_budget": HOST_BUDGET, "ladder": connector.ladder, "shed_saves": False}
+        transfer = connector_transfer({**extra, **connector.extra})
     context = -(-(settings.prefix + settings.continuation + settings.generated) // BLOCK) * BLOCK
     return engine(
         model_dir,
         context,
         BLOCK,
-        connector_transfer(extra) if ladder else None,
+        transfer,
         enable_prefix_caching=prefix_caching,
         # Two blocks a step: the connector's levels above the bottom stage one step's saves, so
         # the blocks of every earlier step move down the ladder, as in a server whose host
@@ -155,9 +189,10 @@ def _run_config(
 
     from ..integrations.vllm.engines import close_engine, scheduler_connector
 
-    ladder = CONFIGS[name]
+    connector = CONFIGS[name]
+    ladder = connector is not None
     t0 = time.perf_counter()
-    llm = _engine(model_dir, settings, ladder, prefix_caching=name != "recompute")
+    llm = _engine(model_dir, settings, connector, prefix_caching=name != "recompute")
     try:
         prefixes = [{"prompt_token_ids": w[: settings.prefix]} for w in windows]
         llm.generate(prefixes, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
@@ -178,7 +213,7 @@ def _run_config(
     finally:
         close_engine(llm)
     return {
-        "ladder": ladder,
+        "ladder": connector.describe() if connector else None,
         "scored": scored,
         "prefix_tokens_not_computed": cached,
         "loaded_tokens_by_level": levels,
@@ -226,7 +261,10 @@ def run(
     names = ["reference", *(c for c in settings.configs if c != "reference")]
     raw: dict[str, dict[str, Any]] = {}
     for name in names:
-        log(f"{name}: an engine of its own ({CONFIGS[name] or 'no connector'})")
+        connector = CONFIGS[name]
+        log(
+            f"{name}: an engine of its own ({connector.describe() if connector else 'no connector'})"
+        )
         raw[name] = _run_config(name, model_dir, windows, settings)
     rows = {}
     for name, r in raw.items():
@@ -255,13 +293,13 @@ def table(result: dict[str, Any]) -> str:
         f"windows of {result['text']}: prefix {s['prefix']} tokens (saved, then loaded), "
         f"continuation {s['continuation']} (scored from its second token); {s['generated']} "
         "greedy tokens after the prefix",
-        f"{'configuration':11s} {'ladder':28s} {'perplexity':>10s} {'vs ref':>8s} "
+        f"{'configuration':19s} {'ladder':56s} {'perplexity':>10s} {'vs ref':>8s} "
         f"{'mean |dlp|':>10s} {'prefix not computed':>19s} {'greedy equal':>12s}  loaded by level",
     ]
     for name, r in result["rows"].items():
         levels = r["loaded_tokens_by_level"]
         lines.append(
-            f"{name:11s} {r['ladder'] or '-':28s} {r['perplexity']:10.4f} "
+            f"{name:19s} {r['ladder'] or '-':56s} {r['perplexity']:10.4f} "
             f"{r['ppl_change'] * 100:+7.2f}% {r['mean_abs_logprob_change']:10.4f} "
             f"{r['prefix_tokens_not_computed']:19,d} {r['greedy_equal_fraction']:12.1%}  "
             + (", ".join(f"{k} {v}" for k, v in levels.items() if v) if levels else "-")

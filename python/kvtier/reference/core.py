@@ -130,7 +130,8 @@ class ModelCore:
     f32 rounding; all five policies' ranking keys; ``pin``/``unpin``; ``plan``/``commit``/
     ``abort`` — the live rank split with sinks, recent window, ``compression_ratio`` and
     hysteresis, no-op promotions, the move cap, and budget pressure (demote one level lowest key
-    first, drop live blocks above the budget, then evict cached blocks until within it);
+    first, a prefix-aware core's cached sinks after every other cached block, drop live blocks
+    above the budget, then evict cached blocks until within it);
     ``set_budget``; the event counters; ``reclaimable``.
 
     Prefix trees (``prefix_aware``, the default, as in the core): each indexed block links to its
@@ -468,6 +469,11 @@ class ModelCore:
         ):
             self._release(b)
 
+    def _is_sink(self, b: int) -> bool:
+        """A block at a sink position of a prefix-aware core, which demotion takes after every
+        other cached block."""
+        return self.prefix_aware and self.position[b] < self.sink_blocks
+
     def _lowest(self, levels: Iterable[int], key: Callable[[int], Key]) -> int | None:
         """The cached block of ``levels`` lowest by ``key``, if any."""
         allowed = set(levels)
@@ -687,11 +693,14 @@ class ModelCore:
     def _evict_level0_slot(self) -> None:
         """Evicts one block towards a free level-0 slot: the lowest level-0 leaf by eviction
         key, else the first leaf down (first children) from the lowest-ranked reclaimable
-        level-0 block (its subtree sits at lower levels; there is one: room was checked)."""
+        level-0 block, sinks after the others (its subtree sits at lower levels; there is one:
+        room was checked)."""
         leaf = self._lowest_evictable([0])
         if leaf is None:
             reclaimable = self._reclaimable()
-            top = min((self._key(b), b) for b in reclaimable if self.level[b] == 0)[1]
+            top = min(
+                (self._is_sink(b), self._key(b), b) for b in reclaimable if self.level[b] == 0
+            )[2]
             leaf = top
             while self.children[leaf]:
                 leaf = self.children[leaf][0]
@@ -1218,12 +1227,14 @@ class ModelCore:
             live.sort(reverse=True)
 
         while p.projected > (budget if hard else soft):
-            cached: tuple[Key, int] | None = None
+            # A sink goes after every other cached block; against live blocks, by key alone.
+            ranked: tuple[bool, Key, int] | None = None
             for b in self.cached:
                 if level[b] in demote_from and b not in aside:
-                    c = (key(b), b)
-                    if cached is None or c < cached:
-                        cached = c
+                    c = (self._is_sink(b), key(b), b)
+                    if ranked is None or c < ranked:
+                        ranked = c
+            cached = None if ranked is None else ranked[1:]
             if cached is not None and (not live or cached < live[-1]):
                 b, is_live = cached[1], False
             elif live:

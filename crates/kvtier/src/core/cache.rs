@@ -1,9 +1,10 @@
-//! The cache index of each pool ([`PoolCache`]): its cached blocks in two queues in key order
-//! (every cached block; the cached leaves), how many, and how many are reclaimable; with the
-//! functions that keep it over the block table's parts, taken apart from `Core` so that a loop
-//! over many blocks holds them at once: entering a block ([`enqueue_if_cached`]), leaving
-//! ([`BlockRow::leave_cache`]), settling the reclaimable flags up the prefix tree
-//! ([`settle_reclaimable`]) and a plain core's eviction pass ([`pop_evictable`]).
+//! The cache index of each pool ([`PoolCache`]): its cached blocks in three queues in key order
+//! (the cached blocks but the sinks; the cached sinks; the cached leaves), how many, and how
+//! many are reclaimable; with the functions that keep it over the block table's parts, taken
+//! apart from `Core` so that a loop over many blocks holds them at once: entering a block
+//! ([`enqueue_if_cached`]), leaving ([`BlockRow::leave_cache`]), settling the reclaimable flags
+//! up the prefix tree ([`settle_reclaimable`]) and a plain core's eviction pass
+//! ([`pop_evictable`]).
 
 use crate::config::PolicyKind;
 use crate::evict::{EvictionQueue, Ticket};
@@ -13,12 +14,17 @@ use crate::types::NO_BLOCK;
 use super::blocks::{BlockRow, Link, NOT_CACHED};
 use super::ranking::{with_policy_key, PoolMap, Ranking};
 
-/// The cached blocks of one pool: how many, and two queues in key order (which may also hold
-/// stale entries): every cached block, what demotion and offload take; and the cached leaves,
-/// what eviction takes (prefix-aware cores; a plain core evicts from the first).
+/// The cached blocks of one pool: how many, and three queues in key order (which may also hold
+/// stale entries): every cached block but the sinks, and the cached sinks, what demotion and
+/// offload take (the sinks after all the others, see [`Ranking::is_sink`]); and the cached
+/// leaves, what eviction takes (prefix-aware cores; a plain core evicts from the first, and
+/// has no sinks).
 #[derive(Debug, Clone)]
 pub(crate) struct PoolCache {
     pub(super) cached: EvictionQueue,
+    /// Apart from `cached`, not ranked above it by a term of the key: each queue's fast path
+    /// wants keys that arrive in order, which a sink arriving first in each sequence breaks.
+    pub(super) sinks: EvictionQueue,
     pub(super) leaves: EvictionQueue,
     pub(super) count: u64,
     /// Of them, those evicting leaf after leaf can free (see `BlockRow::reclaimable`).
@@ -28,10 +34,12 @@ pub(crate) struct PoolCache {
     pushes_to_check: u64,
 }
 
-/// Which queue of a pool: every cached block, or the cached leaves.
+/// Which queue of a pool: every cached block (the sinks after the others), the cached sinks
+/// alone, or the cached leaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Cached {
     Any,
+    Sinks,
     Leaves,
 }
 
@@ -39,6 +47,7 @@ impl PoolCache {
     pub(super) fn new(slot_bytes: u64) -> PoolCache {
         PoolCache {
             cached: EvictionQueue::default(),
+            sinks: EvictionQueue::default(),
             leaves: EvictionQueue::default(),
             count: 0,
             reclaimable: 0,
@@ -50,6 +59,7 @@ impl PoolCache {
     pub(super) fn queue(&mut self, which: Cached) -> &mut EvictionQueue {
         match which {
             Cached::Any => &mut self.cached,
+            Cached::Sinks => &mut self.sinks,
             Cached::Leaves => &mut self.leaves,
         }
     }
@@ -69,16 +79,33 @@ impl PoolCache {
     #[inline(never)]
     fn drop_stale_entries(&mut self, rows: &[BlockRow], links: &[Link], p: usize) {
         let bound = 2 * self.count + 1024;
-        if self.cached.len() as u64 > bound {
-            self.cached.retain(|e| entry_valid(rows, p, e));
+        for queue in [&mut self.cached, &mut self.sinks] {
+            if queue.len() as u64 > bound {
+                queue.retain(|e| entry_valid(rows, p, e));
+            }
         }
         if self.leaves.len() as u64 > bound {
             self.leaves.retain(|e| leaf_valid(rows, links, p, e));
         }
         // A push adds at most one entry to each queue: neither passes the bound sooner than
         // this (give or take the live count shrinking meanwhile, which the next check catches).
-        let longest = self.cached.len().max(self.leaves.len()) as u64;
+        let longest = self
+            .cached
+            .len()
+            .max(self.sinks.len())
+            .max(self.leaves.len()) as u64;
         self.pushes_to_check = (bound + 1).saturating_sub(longest).max(1);
+    }
+
+    /// The queue of a cached block that demotion and offload take from: the sinks' or the
+    /// others'.
+    #[inline(always)]
+    pub(super) fn ranked(&mut self, sink: bool) -> &mut EvictionQueue {
+        if sink {
+            &mut self.sinks
+        } else {
+            &mut self.cached
+        }
     }
 
     /// Bytes of the reclaimable blocks (derived: every block moving in or out would pay for a
@@ -174,7 +201,7 @@ pub(super) fn enqueue_if_cached(
     };
     let q = &mut queues[p];
     q.reclaimable += u64::from(row.reclaimable);
-    q.cached.push(key, ticket);
+    q.ranked(ranking.is_sink(row)).push(key, ticket);
     if leaves && links[i].is_leaf() {
         q.leaves.push(evict_key, ticket);
     }

@@ -90,7 +90,8 @@ impl Core {
         }
     }
 
-    /// The lowest-ranked block of a pool's queue `which`, left in place.
+    /// The lowest-ranked block of a pool's queue `which` (for `Any`, of the blocks but the
+    /// sinks), left in place.
     #[inline]
     pub(crate) fn peek_cached(&mut self, pool: usize, which: Cached) -> Option<(Key, u32)> {
         let ranking = Ranking {
@@ -101,7 +102,7 @@ impl Core {
         let (rows, links) = (&self.blocks.rows, &self.blocks.links);
         let queue = self.caches[pool].queue(which);
         let top = match which {
-            Cached::Any => queue.peek_valid(
+            Cached::Any | Cached::Sinks => queue.peek_valid(
                 |t| entry_valid(rows, pool, t),
                 |b| ranking.key(b as usize, &rows[b as usize]),
             ),
@@ -113,8 +114,8 @@ impl Core {
         top.map(|e| (e.key, e.ticket.block))
     }
 
-    /// Takes the lowest-ranked entry of a pool's queue of every cached block out of it (the
-    /// block stays cached: the caller puts the entry back).
+    /// Takes the lowest-ranked entry of a pool's cached blocks out of its queue, the sinks
+    /// after the others (the block stays cached: the caller puts the entry back).
     pub(crate) fn pop_cached(&mut self, pool: usize) -> Option<(Key, Ticket)> {
         let ranking = Ranking {
             cfg: &self.cfg,
@@ -123,22 +124,40 @@ impl Core {
         };
         let rows = &self.blocks.rows;
         let key_of = |b: u32| ranking.key(b as usize, &rows[b as usize]);
-        let t = self.caches[pool]
-            .cached
-            .pop_valid(|t| entry_valid(rows, pool, t), key_of)?;
+        let cache = &mut self.caches[pool];
+        let t = [&mut cache.cached, &mut cache.sinks]
+            .into_iter()
+            .find_map(|queue| queue.pop_valid(|t| entry_valid(rows, pool, t), key_of))?;
         Some((key_of(t.block), t))
     }
 
     /// Puts an entry taken by [`Core::pop_cached`] back, if it still stands for its block.
     pub(crate) fn restore_cached(&mut self, pool: usize, key: Key, ticket: Ticket) {
+        let row = &self.blocks.rows[ticket.block as usize];
         if entry_valid(&self.blocks.rows, pool, &ticket) {
-            self.caches[pool].cached.push(key, ticket);
+            let sink = self.ranking().is_sink(row);
+            self.caches[pool].ranked(sink).push(key, ticket);
+        }
+    }
+
+    /// The lowest-ranked block of queue `which` among `pools`; for `Any`, a sink only where
+    /// none of the pools holds another cached block.
+    #[inline]
+    pub(crate) fn lowest_cached(
+        &mut self,
+        pools: impl IntoIterator<Item = usize> + Clone,
+        which: Cached,
+    ) -> Option<(Key, u32)> {
+        let lowest = self.lowest_in(pools.clone(), which);
+        match which {
+            Cached::Any if lowest.is_none() => self.lowest_in(pools, Cached::Sinks),
+            _ => lowest,
         }
     }
 
     /// The lowest-ranked block of queue `which` among `pools`.
     #[inline]
-    pub(crate) fn lowest_cached(
+    fn lowest_in(
         &mut self,
         pools: impl IntoIterator<Item = usize>,
         which: Cached,
@@ -158,7 +177,7 @@ impl Core {
     #[inline]
     pub(crate) fn lowest_evictable(
         &mut self,
-        pools: impl IntoIterator<Item = usize>,
+        pools: impl IntoIterator<Item = usize> + Clone,
     ) -> Option<(Key, u32)> {
         let which = self.victims();
         self.lowest_cached(pools, which)
@@ -371,7 +390,7 @@ impl Core {
             }
         };
         for (key, ticket) in aside {
-            self.caches[pool].cached.push(key, ticket);
+            self.restore_cached(pool, key, ticket);
         }
         let Some(top) = found else {
             return false;

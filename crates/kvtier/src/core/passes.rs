@@ -141,7 +141,12 @@ pub(super) fn drop_refs(
     let mut elsewhere = Vec::new();
     let mut pushed = 0;
     with_policy_key!(ranking, |key| {
-        let PoolCache { cached, leaves, .. } = &mut queues[p0];
+        let PoolCache {
+            cached,
+            sinks,
+            leaves,
+            ..
+        } = &mut queues[p0];
         let mut pusher = cached.pusher(blocks.len());
         let mut leaf_pusher = prefix_aware.then(|| leaves.pusher(blocks.len()));
         for &b in blocks {
@@ -168,7 +173,11 @@ pub(super) fn drop_refs(
                 block: b,
                 version: row.version,
             };
-            pusher.push(k, ticket);
+            if ranking.is_sink(row) {
+                sinks.push(k, ticket); // a few a sequence: one pusher each is cheap
+            } else {
+                pusher.push(k, ticket);
+            }
             if let Some(leaves) = leaf_pusher.as_mut().filter(|_| links[b as usize].is_leaf()) {
                 leaves.push(ranking.evict_key(b as usize, row), ticket);
             }

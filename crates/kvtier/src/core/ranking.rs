@@ -47,6 +47,16 @@ impl Ranking<'_> {
         }
     }
 
+    /// Whether a cached block is a sink: one of the first `sink_blocks` of its prefix, which
+    /// demotion and offload take after every other cached block of its pool (a saved prefix
+    /// keeps its attention sink at the higher precision longest, as a live sequence keeps it
+    /// at level 0). Eviction ranks it as any other leaf. Prefix-aware cores only: a plain core
+    /// ranks its cached blocks as independent ones, in one queue for every move.
+    #[inline(always)]
+    pub(crate) fn is_sink(&self, row: &BlockRow) -> bool {
+        self.cfg.prefix_aware && row.position < self.cfg.sink_blocks
+    }
+
     /// The key eviction ranks a cached leaf by (prefix-aware cores): [`Ranking::key`], but
     /// under `importance`, reuse first, then importance. Eviction decides whether a block will
     /// be loaded again, which its decayed accesses tell (its write counting as one, so that a
