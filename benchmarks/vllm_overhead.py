@@ -1,7 +1,8 @@
 """What the vLLM connector costs when it has nothing to load: tokens/s of ``kvtier bench vllm``'s
 workload through an engine with kvtier's connector (a bf16 host tier too small for any
 conversation's prefix, so every prompt is saved and none is hit) against the same engine without
-a connector (the baseline), in interleaved pairs so that the machine's drift hits both alike.
+a connector (the baseline), in interleaved rounds (each starting with another configuration) so
+that the machine's drift hits all alike.
 Also, with ``--consumer``, the connector as ``kv_consumer`` (it looks up and loads, never saves):
 what vLLM's connector path and kvtier's lookups cost without the saves; and, with ``--null``, a
 connector that does nothing (``kvtier.bench._null_connector``): what vLLM's connector path
@@ -71,8 +72,10 @@ def main() -> None:
     if args.null:
         configs["null connector (vLLM's path alone)"] = null_transfer
     tokens_per_s: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(args.pairs):
-        for name, make in configs.items():
+    order = list(configs.items())
+    for i in range(args.pairs):
+        # Each round starts with another configuration: no place in the round favours one.
+        for name, make in order[i % len(order) :] + order[: i % len(order)]:
             context = max_model_len(settings)
             with driver._running(
                 work.model_dir, context, settings.vllm_blocks, make(), args.step_tokens
