@@ -67,9 +67,10 @@ __all__ = ["BlockManager"]
 
 @dataclass
 class _BlockRun:
-    """Whole blocks one layer of :meth:`BlockManager.append_blocks` allocated (tokens ``start``
-    to ``end``), each where every layer writes it: the other layers' calls find their slots
-    here. They hold while some layer has not written the blocks, which keeps them pinned."""
+    """Whole fresh blocks (tokens ``start`` to ``end``) that one layer's call of
+    :meth:`BlockManager.append_blocks` wrote into level-0 CPU slots: the other layers' calls
+    find the slots here. They hold while some layer has not written the blocks, which keeps
+    them pinned (unmoved)."""
 
     start: int
     end: int
@@ -86,7 +87,7 @@ class _Seq:
     #: the block being filled, where one-token appends write: ``(index in the sequence, block
     #: id, level-0 device slot)``; it is pinned, so it stays there until complete
     tail: tuple[int, int, int] | None = None
-    #: the whole blocks the last external append allocated (its other layers' path)
+    #: the whole blocks the last external append wrote fresh (its other layers' path)
     run: _BlockRun | None = None
 
 
@@ -427,7 +428,7 @@ class BlockManager:
 
     def _append_run(self, seq: int, layer: Any, blocks: ExternalBlocks) -> bool:
         """:meth:`append_blocks` of CPU external blocks at a layer after the one that
-        allocated them: straight into the slots of the sequence's :class:`_BlockRun`, checked
+        wrote them first: straight into the slots of the sequence's :class:`_BlockRun`, checked
         and measured on the way (a refusal leaves bytes only in slots no layer-owner wrote).
         False, with nothing done, whenever the general path must run: not that run's blocks,
         or some of them written at this layer already (shared, or complete and so free to
@@ -436,10 +437,11 @@ class BlockManager:
             return False
         with self._lock:
             state = self._seqs.get(seq)
-            run = state.run if state is not None else None
+            run = None if state is None else state.run
             if (
-                run is None
-                or int(state.lengths[layer]) != run.start  # type: ignore[union-attr]
+                state is None
+                or run is None
+                or int(state.lengths[layer]) != run.start
                 or len(blocks) != len(run.blocks)
                 or self.ledger.written[run.blocks, layer].any()
             ):
@@ -449,7 +451,7 @@ class BlockManager:
             assert norms is not None
             sums = norms.reshape(len(run.blocks), -1).sum(axis=1, dtype=np.float64)
             self._finish(self.ledger.wrote_blocks(run.blocks, layer, sums))
-            state.lengths[layer] = run.end  # type: ignore[union-attr]
+            state.lengths[layer] = run.end
         return True
 
     def _write_blocks(
