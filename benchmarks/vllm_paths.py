@@ -3,8 +3,14 @@ paged caches, beside a plain copy of the same bytes between the device and host 
 baseline: what moving the blocks costs with nothing else done).
 
     python benchmarks/vllm_paths.py [--device cuda] [--layout channels|cpu-vec|cpu-amx] [--blocks 64]
+        [--ladder bf16,int8] [--encode | --no-encode]
 
-Shape: Llama-3-8B's KV (32 layers, 8 KV heads, head_dim 128, bf16), vLLM block size 16.
+Shape: Llama-3-8B's KV (32 layers, 8 KV heads, head_dim 128, bf16), vLLM block size 16. With a
+ladder below bf16, saves are encoded where the caches are (the worker's way on a GPU, the default
+there: ``--encode``) and land at its level 1, or land at bf16 (``--no-encode``, the worker's way
+on the CPU: its tiers' step encodes them later); loads decode them into the paged caches. GB/s
+are always of the bf16 bytes the blocks hold in vLLM's cache, so that a path moving fewer bytes
+can beat the copy.
 """
 
 from __future__ import annotations
@@ -49,6 +55,13 @@ def main() -> None:
         help="channels (CUDA backends), cpu-vec or cpu-amx (vLLM's CPU backend by ISA)",
     )
     ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--ladder", default="bf16", help="the tiers' ladder, e.g. bf16,int8")
+    ap.add_argument(
+        "--encode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="encode saves where the caches are (default: on a GPU)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     split = args.layout or ("channels" if args.device.startswith("cuda") else "cpu-amx")
@@ -61,10 +74,20 @@ def main() -> None:
     ids = list(range(0, 2 * nb, 2))
     dst = list(range(1, 2 * nb, 2))
     nbytes = nb * L * H * N * 2 * D * 2
-    cfg = KvtierConfig(block_size=N, device_budget=4 * nbytes, ladder=("bf16",), recent_window=0)
+    ladder = tuple(args.ladder.split(","))
+    encode = args.device.startswith("cuda") if args.encode is None else args.encode
+    cfg = KvtierConfig(
+        block_size=N,
+        device_budget=4 * nbytes,
+        ladder=ladder,
+        # level 0 takes a save's blocks as they are allocated, level 1 all of them encoded
+        pool_shares=(0.3, 0.7, *[0.0] * (len(ladder) - 2)) if len(ladder) > 1 else None,
+        recent_window=0,
+        sink_blocks=0,
+    )
     bm = BlockManager(cfg, L, H, D, dtype="bf16", device="cpu")
     tokens = list(range(nb * N))
-    tiers = WorkerTiers(bm, layout, caches)
+    tiers = WorkerTiers(bm, layout, caches, encode=encode)
 
     def save() -> None:
         seq = bm.add_sequence(tokens)
@@ -84,6 +107,9 @@ def main() -> None:
     res = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "layout": split,
+        "ladder": args.ladder,
+        "encode": encode,
+        "saved_level": int(bm.core.block_info(bm.core.sequence_blocks(seq))["level"].max()),
         "blocks": nb,
         "bytes": nbytes,
         "save_gb_s": gb / save_s,
@@ -94,7 +120,8 @@ def main() -> None:
     res["save_x_copy"] = res["save_gb_s"] / res["copy_to_host_gb_s"]
     res["load_x_copy"] = res["load_gb_s"] / res["copy_from_host_gb_s"]
     print(
-        f"{res['device']} {split}: {nb} blocks, {nbytes / 1e6:.0f} MB: save {res['save_gb_s']:.2f} GB/s "
+        f"{res['device']} {split} {args.ladder}{' encoded' if encode else ''}: {nb} blocks, "
+        f"{nbytes / 1e6:.0f} MB of bf16: save {res['save_gb_s']:.2f} GB/s "
         f"({res['save_x_copy']:.2f}x a plain copy to host at {res['copy_to_host_gb_s']:.2f}), "
         f"load {res['load_gb_s']:.2f} GB/s ({res['load_x_copy']:.2f}x a plain copy from host at "
         f"{res['copy_from_host_gb_s']:.2f})"

@@ -1504,7 +1504,7 @@ def test_one_layer_of_packed_rows_is_the_packed_row_of_a_one_layer_block(name: s
     enc = codec.encode(x)
     one = dataclasses.replace(enc.shape, layers=1)
     for layer in range(3):
-        rows = codec._layer_rows(enc.data, slice(None), enc.shape, layer)
+        rows = codec.layer_rows(enc.data, slice(None), enc.shape, layer)
         assert rows.shape == (4, codec.bytes_per_block(one))
         got = codec.decode(Encoded(codec.format, codec.version, one, rows))
         assert torch.equal(got[:, 0], codec.decode(enc)[:, layer])

@@ -29,6 +29,7 @@ from kvtier import (  # noqa: E402
     OutOfCapacityError,
 )
 from kvtier._core import Plan  # noqa: E402
+from kvtier.codecs import BlockShape, get_codec  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 3, 2, 32, 16
 
@@ -1278,8 +1279,11 @@ def test_whole_blocks_into_a_block_another_sequence_is_writing_keep_its_tokens()
     assert torch.equal(k, x[0, 0]) and torch.equal(v, x[0, 1])
 
 
-def test_bad_whole_blocks_are_refused_saying_what_was_expected_and_store_nothing() -> None:
-    bm = manager()
+@pytest.mark.parametrize("encode", [False, True])
+def test_bad_whole_blocks_are_refused_saying_what_was_expected_and_store_nothing(
+    encode: bool,
+) -> None:
+    bm = manager(ladder=("fp16", "int8", "int4"))
     seq = bm.add_sequence(np.arange(3 * BS))
     x = kv(3 * BS, seed=42)
     good = as_blocks(x, 0, 0, 2)
@@ -1293,12 +1297,64 @@ def test_bad_whole_blocks_are_refused_saying_what_was_expected_and_store_nothing
         (good.float(), "expected dtype torch.float16"),
     ]
     before = snapshot(bm)
+    levels = bm.core.block_info(bm.core.sequence_blocks(seq))["level"]
     for blocks, message in cases:
         with pytest.raises(InvalidArgumentError, match=message):
-            bm.append_blocks(seq, 0, blocks)
+            bm.append_blocks(seq, 0, blocks, encode=encode)
         assert_same(before, snapshot(bm))
+        assert (bm.core.block_info(bm.core.sequence_blocks(seq))["level"] == levels).all()
     bm.append(seq, 1, x[1, 0, :3], x[1, 1, :3])
     with pytest.raises(InvalidArgumentError, match="holds 3 tokens, not whole blocks of 16"):
-        bm.append_blocks(seq, 1, as_blocks(x, 1, 0, 1))
-    bm.append_blocks(seq, 0, good)  # the retry with good blocks stores them
+        bm.append_blocks(seq, 1, as_blocks(x, 1, 0, 1), encode=encode)
+    bm.append_blocks(seq, 0, good, encode=encode)  # the retry with good blocks stores them
     assert bm.num_tokens(seq, 0) == 2 * BS
+    placed = bm.core.block_info(bm.core.sequence_blocks(seq))["level"]
+    assert placed.tolist() == ([0, 1, 0] if encode else [0, 0, 0])  # the sink stays at 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_encoded_whole_blocks_land_below_level_0_as_their_codec_encodes_them(
+    request: Any, device: str
+) -> None:
+    """A save's blocks (``append_blocks`` with ``encode``) go where a cached block settles:
+    the sink at level 0, the next two at int8 (its two slots), the last at int4; each layer is
+    encoded where the K/V lies (on CUDA, by the kernels; only encoded bytes cross) and gathers
+    as the codec decodes it, with the key-norm signal of a plain append. Freed, the prompt is
+    cached whole; a prompt that shares it appends its next block encoded too."""
+    if device == "cuda":
+        request.getfixturevalue("torch_cuda")
+    shape = BlockShape(LAYERS, HEADS, BS, DIM, "bf16")
+    int8 = 2.5 * get_codec("int8").bytes_per_block(shape) / (64 * shape.fp16_bytes)
+    shares = (0.4, int8, 0.6 - int8)  # int8: 2 slots
+    x = kv(4 * BS, seed=43, device=device, dtype=torch.bfloat16)
+    tokens = np.arange(4 * BS)
+    bm = manager(dtype=torch.bfloat16, ladder=("bf16", "int8", "int4"), pool_shares=shares)
+    plain = manager(dtype=torch.bfloat16, ladder=("bf16", "int8", "int4"), pool_shares=shares)
+    seq, ref = bm.add_sequence(tokens), plain.add_sequence(tokens)
+    for layer in range(LAYERS):
+        bm.append_blocks(seq, layer, as_blocks(x, layer, 0, 4), encode=True)
+        plain.append_blocks(ref, layer, as_blocks(x, layer, 0, 4).cpu())
+    blocks = bm.core.sequence_blocks(seq)
+    levels = bm.core.block_info(blocks)["level"].tolist()
+    assert levels == [0, 1, 1, 2]
+    for layer in range(LAYERS):
+        got = bm.gather_blocks(seq, layer)
+        for i, level in enumerate(levels):
+            codec = get_codec(bm.ladder[level])
+            whole = as_blocks(x, layer, i, 1).cpu()[:, None]
+            want = codec.decode(codec.encode(whole))[:, 0]
+            assert torch.equal(got[i : i + 1], want), (layer, i)
+    np.testing.assert_allclose(
+        bm.ledger.magnitude(blocks),
+        plain.ledger.magnitude(plain.core.sequence_blocks(ref)),
+        rtol=1e-4,
+    )
+    bm.free(seq)
+    assert bm.lookup(tokens) == 4 * BS
+    longer = bm.add_sequence(np.arange(5 * BS))
+    y = kv(5 * BS, seed=44, device=device, dtype=torch.bfloat16)
+    for layer in range(LAYERS):
+        bm.append_blocks(longer, layer, as_blocks(y, layer, 4, 1), encode=True)
+    assert bm.num_tokens(longer, LAYERS - 1) == 5 * BS
+    new = bm.core.sequence_blocks(longer)[4:]
+    assert bm.core.block_info(new)["level"].tolist() == [2]  # int8 is full

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvtier import BlockManager, ConfigError, KvtierConfig
+from kvtier.codecs import BlockShape, get_codec
 from kvtier.integrations.vllm.paged import PagedBlocks, PagedLayout, layout_for_backend
 from kvtier.integrations.vllm.tiers import LayerLoads, WorkerTiers
 
@@ -200,13 +201,15 @@ def test_gather_blocks_is_gather_in_the_stored_form() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["flash-nhd", "flash-hnd"])
 @pytest.mark.parametrize("ladder", ["bf16", "bf16,int8,int4"])
+@pytest.mark.parametrize("encode", [False, True])
 def test_gpu_save_and_load_equal_the_cpu_path_byte_for_byte(
-    torch_cuda: Any, case: str, ladder: str
+    torch_cuda: Any, case: str, ladder: str, encode: bool
 ) -> None:
     """The worker's path on CUDA caches laid out as vLLM's CUDA backends lay them: what it
     loads back (after the manager demoted the blocks down the ladder) equals the same path on
-    CPU caches, byte for byte."""
-    out = {}
+    CPU caches, byte for byte; with ``encode`` (the worker's saves on a GPU), the blocks were
+    encoded on the GPU by the CUDA kernels, on the CPU by the native code."""
+    out, pools = {}, {}
     cfg = KvtierConfig(
         block_size=N,
         device_budget=1 << 20,
@@ -218,14 +221,55 @@ def test_gpu_save_and_load_equal_the_cpu_path_byte_for_byte(
         bm = BlockManager(cfg, LAYERS, H, D, dtype="bf16", device="cpu")
         layout, caches, _ = caches_for(case, 4, [3, 0, 6, 2], seed=20, device=device)
         seq = bm.add_sequence(list(range(4 * N)))
-        WorkerTiers(bm, layout, caches).save(seq, [3, 0, 6, 2])
+        WorkerTiers(bm, layout, caches, encode=encode).save(seq, [3, 0, 6, 2])
+        pools[device] = {key: pool.clone() for key, pool in bm.pools.items()}
         moves = bm.step()
-        assert moves.get("demote", 0) == (4 if "int4" in ladder else 0)
+        if not encode:
+            assert moves.get("demote", 0) == (4 if "int4" in ladder else 0)
         _, fresh, _ = caches_for(case, 1, [7], seed=5, device=device)
         assert WorkerTiers(bm, layout, fresh).load(seq, 0, 4 * N, [1, 4, 5, 7]) == 4
         out[device] = [c.cpu() for c in fresh]
     for a, b in zip(out["cpu"], out["cuda"], strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for key, pool in pools["cpu"].items():  # the saved bytes, before any move
+        assert torch.equal(pool.view(torch.uint8), pools["cuda"][key].view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("case", ["cpu-amx", "flash-nhd"])
+def test_encoded_saves_land_where_cached_blocks_settle_and_load_back_decoded(case: str) -> None:
+    """The worker's saves as it runs them on a GPU (``encode``), here on CPU caches: the core
+    places each block before it is written (the sink at bf16, the others at int8 while it has
+    slots, then int4), each layer is encoded where the cache is, and a load gives back what
+    each level's codec decodes of the block vLLM wrote."""
+    shape = BlockShape(LAYERS, H, N, D, "bf16")
+    budget = 1 << 20
+    int8 = 2.5 * get_codec("int8").bytes_per_block(shape) / budget  # two slots
+    cfg = KvtierConfig(
+        block_size=N,
+        device_budget=budget,
+        ladder=("bf16", "int8", "int4"),
+        pool_shares=(0.3, int8, 0.7 - int8),
+    )
+    bm = BlockManager(cfg, LAYERS, H, D, dtype="bf16", device="cpu")
+    tokens = list(range(500, 500 + 4 * N))
+    layout, caches, kvs = caches_for(case, 4, [3, 0, 6, 2], seed=50)
+    seq = bm.add_sequence(tokens)
+    assert WorkerTiers(bm, layout, caches, encode=True).save(seq, [3, 0, 6, 2]) == 4
+    levels = bm.core.block_info(bm.core.sequence_blocks(seq))["level"].tolist()
+    assert levels == [0, 1, 1, 2]
+    bm.free(seq)
+    pin = bm.add_sequence(tokens)
+    assert bm.num_tokens(pin) == 4 * N
+    _, fresh, _ = caches_for(case, 1, [7], seed=51)
+    assert WorkerTiers(bm, layout, fresh).load(pin, 0, 4 * N, [1, 4, 5, 0]) == 4
+    for layer in range(LAYERS):
+        got = layout.read(fresh[layer], torch.tensor([1, 4, 5, 0]))
+        for i, level in enumerate(levels):
+            block = kvs[layer][:, i * N : (i + 1) * N]  # [2, N, H, D]
+            codec = get_codec(bm.ladder[level])
+            whole = block.permute(0, 2, 1, 3)[None, None].contiguous()  # [1, 1, 2, H, N, D]
+            want = codec.decode(codec.encode(whole))[0, 0].permute(0, 2, 1, 3)
+            assert torch.equal(got[:, i * N : (i + 1) * N], want), (layer, i)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

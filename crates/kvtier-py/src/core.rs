@@ -514,6 +514,20 @@ impl PyCore {
         self.with(py, |c| c.unpin(b)).py_err()
     }
 
+    /// Places new blocks of a save (pinned, unwritten, held by one sequence) where a cached
+    /// block settles: each at the most precise level below 0 with a free device slot, but the
+    /// sinks and those no slot is left for, which stay at level 0. Returns each one's level.
+    fn place_saved<'py>(
+        &self,
+        py: Python<'py>,
+        blocks: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<u8>>> {
+        let blocks = array::<u32>(blocks, "blocks", "uint32")?;
+        let b = blocks.as_slice()?;
+        let levels = self.with(py, |c| c.place_saved(b)).py_err()?;
+        Ok(PyArray1::from_vec(py, levels))
+    }
+
     /// Plans moves and holds them pending until `commit(plan.id)` or `abort(plan.id)`.
     /// `room_bytes`: also free that much of the device budget for blocks about to be allocated
     /// (demoting and offloading before anything is evicted).

@@ -943,3 +943,53 @@ fn a_cached_prefix_keeps_its_sink_at_level_0_longest() {
         assert_eq!(c.lookup(&[1, 2, 3, 4]), blocks, "demoted, all still held");
     }
 }
+
+/// A save's new blocks, placed before any byte is written: the sink stays at level 0, the
+/// others go to the most precise lower level with a free slot (level 1 while it has one,
+/// then level 2), and those no slot is left for stay at level 0. Bytes follow the slots. A
+/// block that is not new (shared, unpinned, already placed) is refused, and nothing moves.
+#[test]
+fn a_saved_block_is_placed_where_a_cached_one_settles_before_it_is_written() {
+    let mut c = core(Config {
+        pool_slots: vec![
+            (Tier::Device, 0, 8),
+            (Tier::Device, 1, 2),
+            (Tier::Device, 2, 2),
+        ],
+        ..cfg()
+    });
+    let (s, blocks) = seq_with(&mut c, 1, 6);
+    c.pin(&blocks).unwrap();
+    let before = c.tier_bytes()[0];
+    assert_eq!(c.place_saved(&blocks).unwrap(), [0, 1, 1, 2, 2, 0]);
+    for (&b, level) in blocks.iter().zip([0, 1, 1, 2, 2, 0]) {
+        assert_eq!(c.block_loc(b).unwrap().level, level);
+    }
+    assert_eq!(c.tier_bytes()[0], before - 2 * (64 - 32) - 2 * (64 - 16));
+    let used: Vec<u32> = c.usage().iter().map(|u| u.used_slots).collect();
+    assert_eq!(used, [2, 2, 2]);
+    // Placed blocks, an unpinned one, a shared one: refused, nothing changed.
+    let err = c.place_saved(&[blocks[1]]).unwrap_err();
+    assert!(
+        format!("{err}").contains("not a new level-0 device block"),
+        "{err}"
+    );
+    let (_, more) = seq_with(&mut c, 100, 2);
+    let shared = c.add_sequence();
+    c.append_blocks(shared, &[100]).unwrap();
+    c.pin(&more[1..]).unwrap();
+    assert!(c.place_saved(&[more[1], more[0]]).is_err());
+    c.pin(&more[..1]).unwrap();
+    assert!(
+        c.place_saved(&[more[1], more[0]]).is_err(),
+        "block 0 is shared"
+    );
+    assert_eq!(
+        c.usage().iter().map(|u| u.used_slots).collect::<Vec<_>>(),
+        [4, 2, 2]
+    );
+    // Freed and unpinned, placed blocks are cached where they lie.
+    c.unpin(&blocks).unwrap();
+    c.free_sequence(s).unwrap();
+    assert_eq!(c.lookup(&[1, 2, 3, 4, 5, 6]), blocks);
+}

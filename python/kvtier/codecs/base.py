@@ -38,6 +38,8 @@ from .._torch import DTYPES, as_tensor, cupy_available, dtype_name, torch_dtype,
 from ..errors import InvalidArgumentError, PayloadError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import torch
 
 #: How a call picks its implementation: ``auto`` takes the CUDA kernels for CUDA tensors and the
@@ -453,7 +455,7 @@ class Codec(ABC):
             whole = self.unpack(rows[pick].to(device), shape)
             return saturate_to(self._decode(whole, shape)[:, layer], out_dtype)
         one = BlockShape(1, shape.kv_heads, shape.block_size, shape.head_dim, shape.dtype)
-        layer_rows = self._layer_rows(rows, pick, shape, layer)
+        layer_rows = self.layer_rows(rows, pick, shape, layer)
         device = torch.device(device)
         if device.type == "cuda" and layer_rows.device.type == "cpu":
             layer_rows = layer_rows.pin_memory().to(device, non_blocking=True)
@@ -466,19 +468,43 @@ class Codec(ABC):
             return out[:, 0]
         return saturate_to(self._decode(self.unpack(layer_rows, one), one)[:, 0], out_dtype)
 
-    def _layer_rows(
+    def layer_rows(
         self, rows: torch.Tensor, pick: Any, shape: BlockShape, layer: int
     ) -> torch.Tensor:
         """Rows ``pick`` of a layer-major codec's packed ``rows``, cut to layer ``layer``: each
         section's bytes of that layer, in order, which is the packed row of a one-layer block
         (``uint8 [n, bytes_per_block(one layer)]``, contiguous, on the rows' device)."""
         torch = torch_module()
-        cols, at = [], 0
+        return torch.cat([rows[pick, cols] for cols, _ in self.layer_columns(shape, layer)], 1)
+
+    def write_layer_rows(
+        self,
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+        shape: BlockShape,
+        layer: int,
+        rows: torch.Tensor,
+    ) -> None:
+        """The inverse of :meth:`layer_rows`: ``rows``, packed rows of one-layer blocks (what
+        :meth:`encode` of ``blocks[:, None]`` gives for one layer of ``blocks``), written at
+        layer ``layer`` of rows ``slots`` of a layer-major codec's packed ``pool`` (the other
+        layers' bytes untouched)."""
+        for cols, at in self.layer_columns(shape, layer):
+            pool[slots, cols] = rows[:, at : at + cols.stop - cols.start]
+
+    def layer_columns(self, shape: BlockShape, layer: int) -> Iterator[tuple[slice, int]]:
+        """Per section of a layer-major codec's packed row: the columns of layer ``layer``'s
+        bytes, and where they start in the packed row of a one-layer block."""
+        if not self.layer_major:
+            raise InvalidArgumentError(
+                f"codec {self.name!r} is not layer-major: a layer of its blocks has no bytes of "
+                "its own"
+            )
+        at = one = 0
         for s in self.sections(shape):
             per_layer = s.nbytes // shape.layers
-            cols.append(rows[pick, at + layer * per_layer : at + (layer + 1) * per_layer])
-            at += s.nbytes
-        return torch.cat(cols, dim=1)
+            yield slice(at + layer * per_layer, at + (layer + 1) * per_layer), one
+            at, one = at + s.nbytes, one + per_layer
 
     def _native_rows(
         self, rows: torch.Tensor, slots: torch.Tensor | None, out_dtype: Any, device: Any

@@ -13,7 +13,11 @@ the core keeps ``headroom`` free in each pool, demoting or offloading out of a f
 Lifecycle of a block as the manager sees it: allocated at level 0 on the device when a sequence
 grows, *pinned* (never moved) until every layer has written all its tokens, then free to be
 demoted, offloaded, promoted by :meth:`BlockManager.step`. A block is shared between sequences by
-prefix hash only once complete; a sequence that reuses a cached prefix skips writing it.
+prefix hash only once complete; a sequence that reuses a cached prefix skips writing it. Blocks
+saved into a prefix cache may skip level 0: :meth:`BlockManager.append_blocks` with ``encode``
+has the core place them, before anything is written, where a cached block settles (the most
+precise level below 0 with a free slot; the sinks stay at level 0), and encodes each layer where
+the K/V lies (a vLLM worker's saves on a GPU: only encoded bytes cross to host memory).
 
 Tiers: ``device`` and ``host`` pools are tensors; ``disk`` and ``remote`` are
 :mod:`kvtier.stores` (a directory, a Redis server), whose values are keyed by this manager's

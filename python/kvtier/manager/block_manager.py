@@ -189,6 +189,8 @@ class BlockManager:
         self._token_type = type(pool0)
         self._token_shape = torch.Size((1, self.shape.kv_heads, self.shape.head_dim))
         self._dtype_code = FLOAT_CODES[self.shape.dtype]
+        # Encoded appends place blocks below level 0 only where a layer's bytes are its own.
+        self._encodable = all(c.layer_major for c in self.codecs[1:])
 
     def close(self) -> None:
         """Deletes this manager's blocks from its disk and remote tiers and closes them. The
@@ -379,7 +381,7 @@ class BlockManager:
             self._write(seq, layer, start, end, k, v, norms)
             state.lengths[layer] = end
 
-    def append_blocks(self, seq: int, layer: int, blocks: Any) -> None:
+    def append_blocks(self, seq: int, layer: int, blocks: Any, *, encode: bool = False) -> None:
         """Appends whole blocks of K/V to one layer of ``seq``, ``[num_blocks, 2, kv_heads,
         block_size, head_dim]`` (K then V: the form :meth:`gather_blocks` returns), from the
         layer's first token not yet written, which must start a block. What :meth:`append`
@@ -390,7 +392,20 @@ class BlockManager:
 
         ``blocks`` may also be :class:`~kvtier.manager.ExternalBlocks` (blocks of an engine's
         paged cache, :class:`~kvtier.integrations.vllm.paged.PagedBlocks`): on the CPU the
-        manager checks them where they lie and copies each once, into the pool."""
+        manager checks them where they lie and copies each once, into the pool.
+
+        ``encode``: for blocks saved into a prefix cache (the sequence is freed once they are
+        written, so no recent window keeps them at level 0), such as a connector's saves. The
+        core places the blocks no layer has written yet where a cached block settles
+        (:meth:`~kvtier._core.Core.place_saved`: the most precise level below 0 with a free
+        slot, but the sinks and those no slot is left for, which stay at level 0) and each
+        layer's blocks are encoded where ``blocks`` lie, by their level's codec (on a GPU, with
+        its CUDA kernels), so only encoded bytes cross to the pools. ``blocks`` may be on any
+        device. Under a ladder whose lower levels are not all layer-major codecs, the blocks
+        stay at level 0."""
+        if encode:
+            self._append_encoded(seq, layer, blocks)
+            return
         if isinstance(blocks, ExternalBlocks):
             check_external(blocks, self.shape, self.dtype)
             if self._pool0 == 0 or blocks.device.type != "cpu":  # (a CPU manager has _pool0)
@@ -425,6 +440,73 @@ class BlockManager:
             state.lengths[layer] = end
             if run is not None:
                 state.run = run
+
+    def _append_encoded(self, seq: int, layer: int, blocks: Any) -> None:
+        """:meth:`append_blocks` with ``encode``: checked and measured where they lie, then
+        under the lock the sequence's blocks for them placed (those no layer wrote) and written
+        where each lies, encoded below level 0. A call that raises leaves the blocks unwritten
+        (a placement stays: the blocks hold no bytes either way)."""
+        if isinstance(blocks, ExternalBlocks):
+            check_external(blocks, self.shape, self.dtype)
+            blocks = blocks.read()  # where they lie (on a GPU, gathered there)
+        blocks = as_tensor(blocks, "blocks")
+        blocks = check_blocks(blocks, self.shape, self.dtype, blocks.device).detach()
+        norms = block_key_norms_of(blocks, self._dtype_code)  # refuses NaN and inf
+        layer = self._layer(layer)
+        n, bs = len(blocks), self.block_size
+        with self._lock:
+            state = self._seq(seq)
+            start = int(state.lengths[layer])
+            if start % bs:
+                raise InvalidArgumentError(
+                    f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of "
+                    f"{bs}: append the rest of its last block with append()"
+                )
+            if n == 0:
+                return
+            end = start + n * bs
+            have = self.core.sequence_tokens(seq)
+            first = start // bs
+            held = self.ledger.written[self.core.sequence_blocks(seq)[first : first + n], layer]
+            if ((held > 0) & (held < bs)).any():
+                raise InvalidArgumentError(
+                    f"sequence {seq} layer {layer}: a block of tokens {start}:{end} is partly "
+                    "written: encoded appends write whole blocks"
+                )
+            if start < have:
+                self.ledger.check_writable(seq, layer, start, min(end, have))
+            if end > have:
+                self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
+            ids = self.core.sequence_blocks(seq)[first : first + n]
+            written = self.ledger.written[ids]
+            todo = np.nonzero(written[:, layer] == 0)[0]
+            unplaced = todo[(written[todo].max(axis=1) == 0) & self.ledger.pinned[ids[todo]]]
+            if len(unplaced) and self._encodable:
+                self.core.place_saved(ids[unplaced])
+                self.attention_tables.invalidate()  # blocks moved: attention tables are stale
+            self._write_encoded(ids[todo], todo, layer, blocks)
+            sums = norms.reshape(n, bs)[todo].sum(axis=1, dtype=np.float64)
+            self._finish(self.ledger.wrote_blocks(ids[todo], layer, sums))
+            state.lengths[layer] = end
+
+    def _write_encoded(
+        self, ids: np.ndarray, rows: np.ndarray, layer: int, blocks: torch.Tensor
+    ) -> None:
+        """Rows ``rows`` of ``blocks`` (one layer's, on any device) into blocks ``ids`` where
+        each lies: a level-0 slot takes the K/V as it is, a lower level's its codec's bytes."""
+        torch = torch_module()
+        for (_, level), pick, slots, _ in self._tiers.locations(ids):
+            which = rows if pick is None else rows[pick]
+            part = (
+                blocks
+                if len(which) == len(blocks)
+                else blocks[torch.from_numpy(which).to(blocks.device)]
+            )
+            if level == 0:
+                index = torch.from_numpy(slots.astype(np.int64)).to(self.device)
+                self._tiers.write_blocks(index, layer, part.to(self.device).contiguous())
+            else:
+                self._tiers.write_encoded(level, slots, layer, part)
 
     def _append_run(self, seq: int, layer: Any, blocks: ExternalBlocks) -> bool:
         """:meth:`append_blocks` of CPU external blocks at a layer after the one that

@@ -74,6 +74,9 @@ class Tiers:
     ``pools``: the tensor pools by ``(tier, level)``; ``stores``: the store pools likewise.
     Neither is ever replaced: a pool's tensor lives as long as the manager."""
 
+    #: pinned host bytes that encoded rows from a GPU cross through (:meth:`_staged`)
+    _staging: torch.Tensor | None
+
     def __init__(
         self,
         core: Core,
@@ -111,6 +114,7 @@ class Tiers:
                 ) from None
         self.stores = self._open_stores(config, ladder)
         self._suspended: dict[str, float] = {}
+        self._staging = None
 
     def _open_stores(
         self, config: KvtierConfig, ladder: Sequence[str]
@@ -263,6 +267,43 @@ class Tiers:
         ``measure``, checked and measured on the way: :meth:`ExternalBlocks.copy_to`)."""
         addresses = row_addresses(self.pools["device", 0], slots, layer)
         return blocks.copy_to(addresses, pick, measure=measure)
+
+    def write_encoded(
+        self, level: int, slots: np.ndarray, layer: int, blocks: torch.Tensor
+    ) -> None:
+        """Whole blocks of one layer, ``[n, 2, H, N, D]`` on any device, encoded there by
+        level ``level``'s codec (its CUDA kernels on a GPU, its native code on the CPU) and
+        written at that layer of device-tier slots ``slots`` of the level: only the encoded
+        bytes cross to the pool (from a GPU, through pinned memory)."""
+        torch = torch_module()
+        codec, pool = self.codecs[level], self.pools["device", level]
+        rows = codec.encode(blocks[:, None]).data  # one-layer blocks: that layer's bytes
+        if pool.device.type != "cpu":
+            idx = torch.from_numpy(slots.astype(np.int64)).to(pool.device)
+            codec.write_layer_rows(pool, idx, self.shape, layer, rows.to(pool.device))
+            return
+        rows = self._staged(rows) if rows.device.type == "cuda" else rows.contiguous()
+        # Each section's bytes of the layer, a native copy per block (torch's indexed
+        # writes run several times slower on the CPU).
+        src = np.uint64(rows.data_ptr()) + np.uint64(rows.stride(0)) * np.arange(
+            len(rows), dtype=np.uint64
+        )
+        dst = np.uint64(pool.data_ptr()) + np.uint64(pool.stride(0)) * slots.astype(np.uint64)
+        for cols, at in codec.layer_columns(self.shape, layer):
+            copy_rows(src + np.uint64(at), dst + np.uint64(cols.start), cols.stop - cols.start)
+
+    def _staged(self, rows: torch.Tensor) -> torch.Tensor:
+        """GPU ``rows`` copied into this manager's pinned staging buffer (grown as needed,
+        kept: pinning memory costs far more than a copy), once the copy is done."""
+        torch = torch_module()
+        need = rows.numel()
+        if self._staging is None or self._staging.numel() < need:
+            have = 0 if self._staging is None else self._staging.numel()
+            self._staging = torch.empty(max(need, 2 * have), dtype=torch.uint8, pin_memory=True)
+        host = self._staging[:need].view(rows.shape)
+        host.copy_(rows, non_blocking=True)
+        torch.cuda.current_stream(rows.device).synchronize()
+        return host
 
     def copy_level0(self, src: int, dst: int) -> None:
         """Level-0 device slot ``src``'s bytes into slot ``dst``."""

@@ -1,7 +1,9 @@
 //! Appends: full blocks by their hashes (a trace's), token ids (hashed here), or tokens without
 //! ids (`extend`). Indexed blocks are shared, the rest are new level-0 device blocks, room made
-//! first; a failed append changes nothing.
+//! first; a failed append changes nothing. New blocks about to be saved encoded may then be
+//! placed below level 0 before anything is written (`place_saved`).
 
+use crate::config::Tier;
 use crate::error::{Error, Result};
 use crate::prefix::chain_hash;
 
@@ -244,5 +246,51 @@ impl Core {
         s.tokens += n;
         self.seqs.insert(seq, s);
         Ok(out)
+    }
+
+    /// Places new blocks that are about to be written straight into a prefix cache (a
+    /// connector's save: its sequence lets go of them at once, so no recent window keeps them)
+    /// where a cached block of theirs would settle, before any byte of them is written: each
+    /// goes to the most precise level below 0 whose device pool has a free slot, but the sinks
+    /// (see [`super::ranking::Ranking::is_sink`]), which stay at level 0, and blocks no such
+    /// slot is left for. Each must be a level-0 device block just allocated: live, pinned,
+    /// held by one sequence, not moving, with no lower-tier copy. Returns the level of each
+    /// block; a call that fails changes nothing.
+    pub fn place_saved(&mut self, ids: &[u32]) -> Result<Vec<u8>> {
+        self.check_blocks(ids)?;
+        for &b in ids {
+            let row = &self.blocks.rows[b as usize];
+            let fresh = row.loc.tier == Tier::Device
+                && row.loc.level == 0
+                && row.loc.slot != crate::types::NO_SLOT
+                && row.pins > 0
+                && row.refcount == 1
+                && !row.moving
+                && self.blocks.copy[b as usize].is_none();
+            if !fresh {
+                return Err(Error::InvalidArgument {
+                    what: "place_saved",
+                    reason: format!(
+                        "block {b} is not a new level-0 device block (pinned, held by one \
+                         sequence, no copy): only those have no bytes yet"
+                    ),
+                });
+            }
+        }
+        let last = self.cfg.last_kept_level();
+        let mut levels = Vec::with_capacity(ids.len());
+        for &b in ids {
+            let row = self.blocks.rows[b as usize];
+            let mut at = row.loc;
+            if !self.ranking().is_sink(&row) {
+                if let Some(loc) = (1..=last).find_map(|l| self.take_slot(Tier::Device, l)) {
+                    self.give_slot(row.loc);
+                    at = loc;
+                }
+            }
+            self.blocks.rows[b as usize].loc = at;
+            levels.push(at.level);
+        }
+        Ok(levels)
     }
 }

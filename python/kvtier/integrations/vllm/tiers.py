@@ -48,6 +48,9 @@ class WorkerTiers:
     manager: BlockManager
     layout: PagedLayout
     caches: list[torch.Tensor]
+    #: saves encode where the caches are, below level 0 (:meth:`~kvtier.BlockManager.
+    #: append_blocks` with ``encode``), rather than copying them whole into level 0
+    encode: bool = False
 
     def lookup(self, tokens: list[int], salt: str | None = None) -> Held:
         """The leading tokens of ``tokens`` (a request of cache salt ``salt``) the tiers can load
@@ -92,9 +95,10 @@ class WorkerTiers:
         """One layer of :meth:`save`: the blocks of ``block_ids`` that manager sequence ``seq``
         lacks at ``layer``, appended whole where they lie in its cache
         (:meth:`~kvtier.BlockManager.append_blocks` of :class:`~.paged.PagedBlocks`: on the
-        CPU, checked in place and copied once, into the pool). Returns how many.
-        ``on_keys(layer, keys)`` sees their keys, ``[blocks, block_size, kv_heads,
-        head_dim]``."""
+        CPU, checked in place and copied once, into the pool; with :attr:`encode`, gathered
+        and encoded where the cache is, on a GPU by the CUDA kernels, and only the encoded
+        bytes copied). Returns how many. ``on_keys(layer, keys)`` sees their keys, ``[blocks,
+        block_size, kv_heads, head_dim]``."""
         manager, layout, cache = self.manager, self.layout, self.caches[layer]
         bs = layout.block_size
         start = manager.num_tokens(seq, layer)
@@ -105,9 +109,13 @@ class WorkerTiers:
                 f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of {bs}"
             )
         source = PagedBlocks.of(layout, cache, block_ids[start // bs :])
-        manager.append_blocks(seq, layer, source)
+        if self.encode:
+            blocks = source.read()
+            manager.append_blocks(seq, layer, blocks, encode=True)
+        else:
+            manager.append_blocks(seq, layer, source)
         if on_keys is not None:
-            on_keys(layer, source.read()[:, 0].transpose(1, 2))
+            on_keys(layer, (blocks if self.encode else source.read())[:, 0].transpose(1, 2))
         return len(source)
 
     def load(self, seq: int, start: int, end: int, block_ids: Sequence[int]) -> int:

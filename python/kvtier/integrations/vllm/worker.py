@@ -6,9 +6,10 @@ as :class:`~.tiers.WorkerTiers` with the caches) and serves them to the schedule
 :mod:`.link`. Each step it runs the loads of :class:`~.metadata.KVTierMetadata`: those of blocks
 in host memory a layer at a time beside the forward pass (:class:`~.tiers.LayerLoads`, each attention
 layer waiting for its own), the others in the background while their requests wait. It saves the
-step's complete blocks a layer at a time as the forward pass finishes each layer (one native pass
-out of vLLM's cache into the host tier's level 0), scoring them with the user's scorer if there
-is one; a save longer than half of level 0 waits for the end of the forward pass and goes in
+step's complete blocks a layer at a time as the forward pass finishes each layer (on the CPU, one
+native pass out of vLLM's cache into the host tier's level 0; on a GPU, encoded there to the level
+the core places them at and copied encoded, on a stream and thread of their own that the forward
+pass does not wait for), scoring them with the user's scorer if there is one; a save longer than half of level 0 waits for the end of the forward pass and goes in
 pieces there. The scheduler's step that moves the saved blocks down the ladder (their encoding) runs
 on a thread of its own after vLLM's step; a save that finds level 0 full while it runs is shed
 (counted), never waited for. A block it cannot load is handed to vLLM as a load error (vLLM
@@ -107,6 +108,10 @@ class KVTierWorker:
         self._layer_thread: Executor | None = None  # this step's loads, a layer at a time
         self._layer_loads: LayerLoads | None = None
         self._layer_saves: list[_LayerSave] | None = None  # this step's, a layer at a time
+        #: on a GPU: the stream and thread the layer saves run on, and this step's jobs there
+        self._save_stream: torch.cuda.Stream | None = None
+        self._save_thread: Executor | None = None
+        self._save_jobs: list[Future[float]] = []
         #: this step's saves left for the end of the forward pass (None: no layer saved yet,
         #: so all of them)
         self._deferred: list[SaveSpec] | None = None
@@ -182,7 +187,12 @@ class KVTierWorker:
             dtype=caches[0].dtype,
             device="cpu",
         )
-        self._tiers = WorkerTiers(manager, layout, caches)
+        # On a GPU, saves encode there and move encoded bytes, on a thread and stream of
+        # their own; on the CPU, one native copy into level 0 (the tiers' step encodes).
+        cuda = caches[0].device.type == "cuda"
+        self._tiers = WorkerTiers(manager, layout, caches, encode=cuda)
+        if cuda:
+            self._save_stream = torch.cuda.Stream(caches[0].device)  # type: ignore[no-untyped-call]
         kv_events = self._vllm_config.kv_events_config
         if kv_events is not None and kv_events.enable_kv_cache_events and self.rank == 0:
             self.events = TierEvents(manager.core, settings.block_size)
@@ -228,9 +238,12 @@ class KVTierWorker:
 
     def save_kv_layer(self, layer_name: str, meta: KVTierMetadata) -> None:
         """Saves layer ``layer_name`` of the step's complete blocks, which the forward pass has
-        just computed, while it goes on with the next layer: one native read of their blocks
-        out of vLLM's cache each, appended whole to the host tier's level 0. The first layer
-        starts the step's saves (:meth:`_begin_layer_saves`), the last one ends them."""
+        just computed, while it goes on with the next layer: on the CPU, one native read of
+        their blocks out of vLLM's cache each, appended whole to the host tier's level 0; on a
+        GPU, queued on the save thread, where the save stream waits for this layer and encodes
+        its blocks there (:meth:`~.tiers.WorkerTiers.save_layer`). The first layer starts the
+        step's saves (:meth:`_begin_layer_saves`), the last one (on a GPU,
+        :meth:`wait_for_save`) ends them."""
         layer = self._layer_index.get(layer_name)
         if layer is None or not meta.saves:
             return
@@ -239,12 +252,33 @@ class KVTierWorker:
             self._end_layer_saves()  # a forward pass that never reached its last layer
             self._layer_saves = self._begin_layer_saves(meta.saves)
         last = layer == len(self._layer_index) - 1
-        for save in self._layer_saves or ():
-            if not save.failed:
-                self._save_layer(save, layer, last)
-        if last:
+        saves = self._layer_saves or []
+        if self._save_stream is None:
+            self._save_layers(saves, layer, last)
+        else:  # after what the forward pass queued so far, beside what it queues next
+            event = torch.cuda.current_stream().record_event()
+            self._save_thread = self._save_thread or ThreadPoolExecutor(1, "kvtier-save")
+            self._save_jobs.append(
+                self._save_thread.submit(self._save_layers, saves, layer, last, event)
+            )
+        if last and self._save_stream is None:
             self._end_layer_saves()
         self.counters.save_seconds += time.perf_counter() - start
+
+    def _save_layers(
+        self, saves: list[_LayerSave], layer: int, last: bool, after: Any = None
+    ) -> float:
+        """One layer of the step's layer saves; on a GPU (``after``: the forward pass's event
+        for it), on the save stream, on the save thread. Returns the seconds it took."""
+        start = time.perf_counter()
+        stream = self._save_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is not None:
+                stream.wait_event(after)
+            for save in saves:
+                if not save.failed:
+                    self._save_layer(save, layer, last)
+        return time.perf_counter() - start
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         """Runs the saves the layers did not (all of them if no layer saved: a forward pass
@@ -325,10 +359,10 @@ class KVTierWorker:
         if self._tiers is not None:
             self._end_layer_saves()
         self._settle()
-        for pool in (self.loader, self._layer_thread, self._stepper):
+        for pool in (self.loader, self._layer_thread, self._stepper, self._save_thread):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self.loader = self._layer_thread = self._stepper = None
+        self.loader = self._layer_thread = self._stepper = self._save_thread = None
         if self._tiers is not None:
             forget(self.settings.engine_id, self, self._listener, self.rank)
             self._listener = None
@@ -449,8 +483,15 @@ class KVTierWorker:
             save.written = written
 
     def _end_layer_saves(self) -> None:
-        """Counts the layer saves whose last layer is written, gives them the user's scores,
-        and frees their sequences (blocks some layer never finished are forgotten)."""
+        """Waits for the layer saves still running (on a GPU), counts those whose last layer
+        is written, gives them the user's scores, and frees their sequences (blocks some layer
+        never finished are forgotten)."""
+        jobs, self._save_jobs = self._save_jobs, []
+        for job in jobs:
+            try:
+                self.counters.save_seconds += job.result()
+            except Exception:  # _save_layer ends a failing save itself: not expected
+                log.exception("kvtier: a layer save failed")
         saves, self._layer_saves = self._layer_saves, None
         if not saves:
             return
