@@ -1510,6 +1510,36 @@ def test_one_layer_of_packed_rows_is_the_packed_row_of_a_one_layer_block(name: s
         assert torch.equal(got[:, 0], codec.decode(enc)[:, layer])
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "int2-rot-g64"])
+def test_a_layer_of_packed_rows_goes_into_and_out_of_a_pool_by_native_copies(name: str) -> None:
+    """A layer's bytes written into rows of a packed pool (an encoded save's) and read back
+    out of it (an encoded load's), by the native copies the manager runs on the CPU, are what
+    :meth:`Codec.write_layer_rows` and :meth:`Codec.layer_rows` make: the other layers' bytes
+    and the other rows untouched."""
+    from kvtier.manager.tiers import copy_layer_rows
+
+    codec = get_codec(name)
+    x = torch.randn(3, 3, 2, 2, 32, 64).half()
+    shape = BlockShape.of(x)
+    one = dataclasses.replace(shape, layers=1)
+    pool = torch.randint(0, 256, (6, codec.bytes_per_block(shape)), dtype=torch.uint8)
+    by_torch, natively = pool.clone(), pool.clone()
+    slots = np.array([4, 0, 2])
+    for layer in range(3):
+        rows = codec.encode(x[:, layer : layer + 1].contiguous()).data
+        assert rows.shape == (3, codec.bytes_per_block(one))
+        codec.write_layer_rows(by_torch, torch.from_numpy(slots), shape, layer, rows)
+        copy_layer_rows(codec, shape, layer, rows, natively, slots, into_pool=True)
+        assert torch.equal(natively, by_torch)
+        out = torch.zeros_like(rows)
+        copy_layer_rows(codec, shape, layer, out, natively, slots, into_pool=False)
+        assert torch.equal(out, codec.layer_rows(natively, torch.from_numpy(slots), shape, layer))
+        assert torch.equal(out, rows)
+    assert torch.equal(natively[[1, 3, 5]], pool[[1, 3, 5]])
+    got = codec.decode(Encoded(codec.format, codec.version, shape, natively[slots]))
+    assert torch.equal(got, codec.decode(codec.encode(x)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["int8", "int4", "int2", "int2-rot"])
 def test_host_rows_decoded_onto_a_gpu_equal_the_host_decode(torch_cuda: Any, name: str) -> None:

@@ -74,9 +74,6 @@ class Tiers:
     ``pools``: the tensor pools by ``(tier, level)``; ``stores``: the store pools likewise.
     Neither is ever replaced: a pool's tensor lives as long as the manager."""
 
-    #: pinned host bytes that encoded rows from a GPU cross through (:meth:`_staged`)
-    _staging: torch.Tensor | None
-
     def __init__(
         self,
         core: Core,
@@ -114,7 +111,8 @@ class Tiers:
                 ) from None
         self.stores = self._open_stores(config, ladder)
         self._suspended: dict[str, float] = {}
-        self._staging = None
+        #: pinned host memory that packed rows cross the bus through, one buffer a way
+        self._to_host, self._to_device = PinnedStaging(), PinnedStaging()
 
     def _open_stores(
         self, config: KvtierConfig, ladder: Sequence[str]
@@ -210,12 +208,32 @@ class Tiers:
             copy_rows(row_addresses(pool, idx.numpy(), layer), _rows_of(out), _row_bytes(out))
             return out
         idx = idx.to(pool.device)
-        device = self.device if device is None else device
+        device = torch_module().device(self.device if device is None else device)
         if level == 0:
             return pool[:, layer].index_select(0, idx).to(device, non_blocking=True)
-        return self.codecs[level].decode_layer(
+        codec = self.codecs[level]
+        if device.type == "cuda" and pool.device.type == "cpu" and codec.layer_major:
+            return self._decode_on_gpu(codec, pool, idx.numpy(), layer, device)
+        return codec.decode_layer(
             pool, self.shape, layer, slots=idx, dtype=self.dtype, device=device
         )
+
+    def _decode_on_gpu(
+        self, codec: Codec, pool: torch.Tensor, slots: np.ndarray, layer: int, device: Any
+    ) -> torch.Tensor:
+        """One layer of host-pool rows ``slots`` decoded on a GPU: the layer's bytes gathered
+        natively into pinned memory (the packed rows of one-layer blocks), copied there
+        encoded without waiting, and decoded there (the CUDA kernels, where the codec has
+        them)."""
+        torch = torch_module()
+        one = BlockShape(
+            1, self.shape.kv_heads, self.shape.block_size, self.shape.head_dim, self.shape.dtype
+        )
+        host = self._to_device.take((len(slots), codec.bytes_per_block(one)))
+        copy_layer_rows(codec, self.shape, layer, host, pool, slots, into_pool=False)
+        rows = host.to(device, non_blocking=True)
+        self._to_device.used(torch.cuda.current_stream(device).record_event())
+        return codec.decode_layer(rows, one, 0, dtype=self.dtype)
 
     def read_layer_into(
         self,
@@ -282,28 +300,12 @@ class Tiers:
             idx = torch.from_numpy(slots.astype(np.int64)).to(pool.device)
             codec.write_layer_rows(pool, idx, self.shape, layer, rows.to(pool.device))
             return
-        rows = self._staged(rows) if rows.device.type == "cuda" else rows.contiguous()
-        # Each section's bytes of the layer, a native copy per block (torch's indexed
-        # writes run several times slower on the CPU).
-        src = np.uint64(rows.data_ptr()) + np.uint64(rows.stride(0)) * np.arange(
-            len(rows), dtype=np.uint64
-        )
-        dst = np.uint64(pool.data_ptr()) + np.uint64(pool.stride(0)) * slots.astype(np.uint64)
-        for cols, at in codec.layer_columns(self.shape, layer):
-            copy_rows(src + np.uint64(at), dst + np.uint64(cols.start), cols.stop - cols.start)
-
-    def _staged(self, rows: torch.Tensor) -> torch.Tensor:
-        """GPU ``rows`` copied into this manager's pinned staging buffer (grown as needed,
-        kept: pinning memory costs far more than a copy), once the copy is done."""
-        torch = torch_module()
-        need = rows.numel()
-        if self._staging is None or self._staging.numel() < need:
-            have = 0 if self._staging is None else self._staging.numel()
-            self._staging = torch.empty(max(need, 2 * have), dtype=torch.uint8, pin_memory=True)
-        host = self._staging[:need].view(rows.shape)
-        host.copy_(rows, non_blocking=True)
-        torch.cuda.current_stream(rows.device).synchronize()
-        return host
+        if rows.device.type == "cuda":
+            host = self._to_host.take(rows.shape)
+            host.copy_(rows, non_blocking=True)
+            torch.cuda.current_stream(rows.device).synchronize()
+            rows = host
+        copy_layer_rows(codec, self.shape, layer, rows.contiguous(), pool, slots, into_pool=True)
 
     def copy_level0(self, src: int, dst: int) -> None:
         """Level-0 device slot ``src``'s bytes into slot ``dst``."""
@@ -435,3 +437,55 @@ def row_addresses(pool: torch.Tensor, slots: np.ndarray, layer: int) -> np.ndarr
     item = pool.element_size()
     slot, row = pool.stride()[:2]
     return slots.astype(np.uint64) * (slot * item) + (pool.data_ptr() + layer * row * item)
+
+
+class PinnedStaging:
+    """A pinned host buffer that packed rows cross the bus through: grown as needed and kept
+    (pinning memory costs far more than a copy), and taken again only once the copy that last
+    read it (:meth:`used`) is done."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._busy: Any = None  # the CUDA event of the copy reading it
+
+    def take(self, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+        """``uint8`` rows of ``shape`` in the buffer, free to write."""
+        torch = torch_module()
+        if self._busy is not None:
+            self._busy.synchronize()
+            self._busy = None
+        need = int(np.prod(shape))
+        if self._buffer is None or self._buffer.numel() < need:
+            have = 0 if self._buffer is None else self._buffer.numel()
+            self._buffer = torch.empty(max(need, 2 * have), dtype=torch.uint8, pin_memory=True)
+        return self._buffer[:need].view(*shape)
+
+    def used(self, event: Any) -> None:
+        """A copy out of the buffer is queued; ``event`` ends it."""
+        self._busy = event
+
+
+def copy_layer_rows(
+    codec: Codec,
+    shape: BlockShape,
+    layer: int,
+    rows: torch.Tensor,
+    pool: torch.Tensor,
+    slots: np.ndarray,
+    *,
+    into_pool: bool,
+) -> None:
+    """Between layer ``layer`` of a layer-major codec's packed CPU ``pool`` (rows ``slots``)
+    and ``rows``, the packed rows of one-layer blocks (``uint8 [len(slots), bytes]``,
+    contiguous, on the CPU): each section's bytes of the layer, a native copy per block
+    (torch's indexed copies run several times slower on the CPU). ``into_pool``: from
+    ``rows`` into the pool (:meth:`Codec.write_layer_rows`), else out of it
+    (:meth:`Codec.layer_rows`)."""
+    at_rows = np.uint64(rows.data_ptr()) + np.uint64(rows.stride(0)) * np.arange(
+        len(slots), dtype=np.uint64
+    )
+    at_pool = np.uint64(pool.data_ptr()) + np.uint64(pool.stride(0)) * slots.astype(np.uint64)
+    for cols, at in codec.layer_columns(shape, layer):
+        ours, theirs = at_rows + np.uint64(at), at_pool + np.uint64(cols.start)
+        src, dst = (ours, theirs) if into_pool else (theirs, ours)
+        copy_rows(src, dst, cols.stop - cols.start)
