@@ -157,6 +157,11 @@ def test_saved_blocks_load_back_exactly_into_other_blocks(case: str) -> None:
     layout, caches, kvs = caches_for(case, 3, [6, 1, 4], seed=10)
     seq = bm.add_sequence(tokens)
     assert WorkerTiers(bm, layout, caches).save(seq, [6, 1, 4]) == 3
+    # The key-norm signal the scheduler ranks by: per block, the mean over its layers and
+    # tokens of each token's key norm averaged over heads.
+    norms = torch.stack([kv[0].float().norm(dim=-1).mean(dim=-1) for kv in kvs])  # [L, T]
+    want = norms.reshape(LAYERS, 3, N).mean(dim=(0, 2)).numpy()
+    np.testing.assert_allclose(bm.ledger.magnitude(bm.core.sequence_blocks(seq)), want, rtol=1e-4)
     bm.free(seq)
     # A second request with the same first two blocks: vLLM gave it blocks 0 and 2.
     pin = bm.add_sequence(tokens[: 2 * N])

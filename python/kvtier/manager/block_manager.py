@@ -70,7 +70,8 @@ class _BlockRun:
     """Whole fresh blocks (tokens ``start`` to ``end``) that one layer's call of
     :meth:`BlockManager.append_blocks` wrote into level-0 CPU slots: the other layers' calls
     find the slots here. They hold while some layer has not written the blocks, which keeps
-    them pinned (unmoved)."""
+    them pinned (unmoved). The layers written through the run tell the ledger their key norms
+    together, once the last of them is written (or before any other write to the sequence)."""
 
     start: int
     end: int
@@ -78,6 +79,12 @@ class _BlockRun:
     #: per block, its level-0 CPU slot's address at layer 0, and a layer's bytes there
     addresses: np.ndarray
     layer_bytes: int
+    #: layers none of the blocks is written at yet
+    left: int
+    #: per token of the blocks, the sum of its key norms over the layers written through the
+    #: run and not yet told (:meth:`BlockManager._settle_run`), and how many layers those are
+    norms: np.ndarray
+    layers: int = 0
 
 
 @dataclass
@@ -378,6 +385,7 @@ class BlockManager:
                 self.ledger.check_writable(seq, layer, start, min(end, have))
             if end > have:
                 self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
+            self._settle_run(state)
             self._write(seq, layer, start, end, k, v, norms)
             state.lengths[layer] = end
 
@@ -436,6 +444,7 @@ class BlockManager:
                 if norms is None:  # checked before the sequence grows: a refusal changes nothing
                     norms = blocks.key_norms()
                 self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
+            self._settle_run(state)
             run = self._write_blocks(seq, layer, start // bs, blocks, norms)
             state.lengths[layer] = end
             if run is not None:
@@ -477,6 +486,7 @@ class BlockManager:
                 self.ledger.check_writable(seq, layer, start, min(end, have))
             if end > have:
                 self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
+            self._settle_run(state)
             ids = self.core.sequence_blocks(seq)[first : first + n]
             written = self.ledger.written[ids]
             todo = np.nonzero(written[:, layer] == 0)[0]
@@ -531,10 +541,26 @@ class BlockManager:
             addresses = run.addresses + layer * run.layer_bytes
             norms = blocks.copy_to(addresses, measure=True)
             assert norms is not None
-            sums = norms.reshape(len(run.blocks), -1).sum(axis=1, dtype=np.float64)
-            self._finish(self.ledger.wrote_blocks(run.blocks, layer, sums))
+            self.ledger.wrote_layer(run.blocks, layer)
+            np.add(run.norms, norms, out=run.norms)
+            run.layers += 1
+            run.left -= 1
             state.lengths[layer] = run.end
+            if run.left == 0:
+                self._settle_run(state)
         return True
+
+    def _settle_run(self, state: _Seq) -> None:
+        """Tells the ledger the key norms of the layers written through the sequence's
+        :class:`_BlockRun` (and finishes its blocks complete by now); called before any other
+        write to the sequence, so that no write completes a block whose norms are untold."""
+        run = state.run
+        if run is None or not run.layers:
+            return
+        sums = run.norms.reshape(len(run.blocks), -1).sum(axis=1)
+        self._finish(self.ledger.measured(run.blocks, sums, run.layers))
+        run.norms[:] = 0.0
+        run.layers = 0
 
     def _write_blocks(
         self, seq: int, layer: int, first: int, blocks: Any, norms: np.ndarray | None
@@ -565,9 +591,10 @@ class BlockManager:
                     norms = got
                 if every:
                     start, pool = first * bs, self._tiers.pools["device", 0]
+                    left = int((self.ledger.written[ids] == 0).all(axis=0).sum()) - 1
                     run = _BlockRun(
                         start, start + n * bs, ids, row_addresses(pool, slots, 0),
-                        pool.stride(1) * pool.element_size(),
+                        pool.stride(1) * pool.element_size(), left, np.zeros(n * bs),
                     )  # fmt: skip
             else:
                 part = blocks if every else blocks[torch.from_numpy(whole).to(self.device)]

@@ -132,14 +132,26 @@ class BlockLedger:
         sums of their tokens' key norms ``norm_sums``: what :meth:`wrote` does for all their
         tokens, without a per-token pass. Returns those now complete in every layer and still
         pinned."""
+        self.wrote_layer(blocks, layer)
+        return self.measured(blocks, norm_sums, 1, tell_all=layer == self.layers - 1)
+
+    def wrote_layer(self, blocks: np.ndarray, layer: int) -> None:
+        """Whole blocks written in ``layer``, their key norms told later (:meth:`measured`)."""
+        self.written[blocks, layer] = self.block_size
+
+    def measured(
+        self, blocks: np.ndarray, norm_sums: np.ndarray, layers: int, *, tell_all: bool = False
+    ) -> np.ndarray:
+        """The sums of the key norms of ``layers`` written layers of whole blocks
+        (:meth:`wrote_layer`). Returns the blocks now complete in every layer and still
+        pinned."""
         bs = self.block_size
-        self.written[blocks, layer] = bs
         self.norm_sum[blocks] += norm_sums
-        self.norm_count[blocks] += bs
+        self.norm_count[blocks] += layers * bs
         complete = self.written[blocks].min(axis=1) == bs
         # A block being written is pinned, so no plan ranks it: the core hears its magnitude
         # once complete (and at the last layer, for a reader of the layers written so far).
-        told = blocks if layer == self.layers - 1 else blocks[complete]
+        told = blocks if tell_all else blocks[complete]
         if len(told):
             self.core.set_magnitude(told, self.magnitude(told))
         return blocks[complete & self.pinned[blocks]]
