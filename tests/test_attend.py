@@ -82,6 +82,20 @@ MIXES: dict[str, tuple[str, list[str | Codec]]] = {
         "fp32",
         ["fp32", "fp16", "bf16", "int8", "int4", "int2", *CUSTOM, *CUSTOM_INT2],
     ),
+    # rotated codecs, read in place: the queries rotated, the values summed apart and turned
+    # back once (with plain ones in the same call, and the aggressive ladder's levels)
+    "int2-rot": ("fp32", ["int2-rot"]),
+    "int4-rot": ("fp16", ["int4-rot"]),
+    "2bit-ladder": ("fp16", ["fp16", "int2-rot", "int2-rot-g64"]),
+    "rotated-and-plain": ("bf16", ["bf16", "int8", "int4-rot", "int2", "int2-rot-g64"]),
+    "rotated-custom": (
+        "fp32",
+        [
+            Int2Codec(
+                group_size=None, key_per_channel=False, rotate=True, name="int2-rot-ktok-ghead"
+            )
+        ],
+    ),
 }
 
 
@@ -109,14 +123,33 @@ def test_gqa_ratios_head_sizes_and_block_sizes_match_the_reference(
     )
 
 
-@pytest.mark.parametrize("low", PACKED)
+@pytest.mark.parametrize("low", ["int2-rot"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 32), (256, 16)])
+def test_rotated_blocks_at_gqa_ratios_head_sizes_and_block_sizes_match_the_reference(
+    low: str, group: int, head_dim: int, block_size: int
+) -> None:
+    """A rotated codec needs a power-of-two head_dim (its Hadamard rotation): 80 is refused
+    when the codec is made (test_codecs.py)."""
+    _check(
+        codecs=["fp32", "int8", low],
+        q_heads=2 * group,
+        head_dim=head_dim,
+        block_size=block_size,
+        queries=2,
+        lengths=(3 * block_size + 5, 9),
+        seed=group * head_dim + block_size,
+    )
+
+
+@pytest.mark.parametrize("low", [*PACKED, "int2-rot"])
 @pytest.mark.parametrize("queries", [1, 2, 16, 33])
 def test_many_sequences_of_odd_lengths_and_chunked_prefill(low: str, queries: int) -> None:
     lengths = (33, 1 + queries, 70, 256, 17 + queries)
     _check(codecs=["fp16", "int8", low], q_dtype="fp16", queries=queries, lengths=lengths)
 
 
-@pytest.mark.parametrize("low", PACKED)
+@pytest.mark.parametrize("low", [*PACKED, "int2-rot"])
 def test_long_sequences_split_over_the_pool_match_the_reference(low: str) -> None:
     # large enough to leave the calling thread, with sequences cut into runs of blocks
     _check(

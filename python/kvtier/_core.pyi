@@ -307,6 +307,7 @@ def attend(
     layer: int,
     scale: float,
     threads: int = 0,
+    rotation: npt.NDArray[np.float32] | None = None,
 ) -> None:
     """The CPU attention kernel over pools given by address (kvtier.attend.attend_cpu wraps it):
     reads q and the pools, writes out and mass; the GIL is released meanwhile."""

@@ -292,6 +292,7 @@ fn main() {
                 block_pool: &block_pool,
                 block_slot: &block_slot,
                 pools: &pools,
+                rotation: &[],
             };
             let problem = sh.decode_step(sh.seqs, blocks, 0);
             let mut out = vec![0u8; q.len()];
@@ -412,6 +413,7 @@ fn cold(shapes: &[Shape], filter: &[String], isa: Isa) {
                 block_pool: &block_pool,
                 block_slot: &block_slot,
                 pools: &pools,
+                rotation: &[],
             };
             let problem = sh.decode_step(1, blocks, 15);
             let mut out = vec![0u8; q.len()];

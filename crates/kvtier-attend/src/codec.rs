@@ -103,6 +103,7 @@ impl PackedFormat {
                 bits,
                 asymmetric,
                 key_per_channel,
+                rotated: false, // the native codecs do not rotate (rotated codecs run in torch)
                 group: size(3, "group")?,
                 codes: size(4, "codes offset")?,
                 k_scale: size(5, "k_scale offset")?,

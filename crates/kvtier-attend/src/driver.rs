@@ -44,6 +44,9 @@ pub(crate) struct Ctx<'a> {
     pools: Vec<(Blocks, &'a [u8])>,
     /// a pool's per-token keys take a zero point per token: scores need each row's sum of q
     needs_q_sum: bool,
+    /// the rotation's signs when some pool is rotated: the queries are rotated once and the
+    /// rotated pools' values accumulate apart (see the crate's docs)
+    rotation: Option<&'a [f32]>,
 }
 
 fn product(what: &'static str, factors: &[usize]) -> Result<usize> {
@@ -193,6 +196,22 @@ impl<'a> Ctx<'a> {
             Format::Quant(f) => f.asymmetric && !f.key_per_channel && f.group == d,
             Format::Float(_) => false,
         });
+        let rotation = if pools.iter().any(|(blocks, _)| blocks.rotated()) {
+            let signs = inputs.rotation;
+            if signs.len() != d || signs.iter().any(|&x| x != 1.0 && x != -1.0) {
+                return Err(invalid(
+                    "rotation",
+                    format!(
+                        "a rotated pool needs the rotation's {d} signs, each 1 or -1; got {} \
+                         values",
+                        signs.len()
+                    ),
+                ));
+            }
+            Some(signs)
+        } else {
+            None
+        };
         Ok(Self {
             p: *p,
             dtype: inputs.dtype,
@@ -205,6 +224,7 @@ impl<'a> Ctx<'a> {
             block_slot: inputs.block_slot,
             pools,
             needs_q_sum,
+            rotation,
         })
     }
 }
@@ -286,6 +306,15 @@ struct Scratch {
     kz: Vec<f32>,
     vs: Vec<f32>,
     vz: Vec<f32>,
+    /// with rotated pools: the rotated queries and their sums, the rotated values' zero terms,
+    /// and per row the rescaling each accumulator still owes (the online softmax rescales the
+    /// one a block adds to; the other catches up when next added to, or at the item's end)
+    q_rot: Vec<f32>,
+    q_sum_rot: Vec<f32>,
+    z_rot: Vec<f32>,
+    owed: Vec<f32>,
+    owed_rot: Vec<f32>,
+    alpha_owed: Vec<f32>,
 }
 
 impl Scratch {
@@ -299,6 +328,7 @@ impl Scratch {
             .max()
             .unwrap_or(0);
         let quant = groups > 0;
+        let rot = c.rotation.is_some();
         Self {
             q: vec![0.0; c.p.kv_heads * r * d],
             q_scaled: vec![0.0; if quant { r * d } else { 0 }],
@@ -315,11 +345,18 @@ impl Scratch {
             kz: vec![0.0; groups],
             vs: vec![0.0; groups],
             vz: vec![0.0; groups],
+            q_rot: vec![0.0; if rot { c.p.kv_heads * r * d } else { 0 }],
+            q_sum_rot: vec![0.0; if rot { c.p.kv_heads * r } else { 0 }],
+            z_rot: vec![0.0; if rot { c.p.kv_heads * r } else { 0 }],
+            owed: vec![1.0; if rot { c.p.kv_heads * r } else { 0 }],
+            owed_rot: vec![1.0; if rot { c.p.kv_heads * r } else { 0 }],
+            alpha_owed: vec![0.0; if rot { r } else { 0 }],
         }
     }
 }
 
-/// Runs the item: leaves `part` = `[m: rows][l: rows][acc: rows * D]` and `stats` = per block
+/// Runs the item: leaves `part` = `[m: rows][l: rows][acc: rows * D]` (and, with rotated pools,
+/// `[acc_rot: rows * D]`, their values' sum in the rotated basis) and `stats` = per block
 /// (`j - j0`) per row, the running maximum after it and the block's sum relative to it.
 #[inline(always)] // into `Kernels::enter`'s frame: compiled for the kernels' instruction set
 fn run_item<K: Kernels>(
@@ -341,10 +378,12 @@ fn run_item<K: Kernels>(
     let all = hkv * rows; // rows of every K/V head: head g's are g * rows..
     let n = c.seq_lens[it.s];
     let (m_all, rest) = part.split_at_mut(all);
-    let (l_all, acc_all) = rest.split_at_mut(all);
+    let (l_all, rest) = rest.split_at_mut(all);
+    let (acc_all, acc_rot_all) = rest.split_at_mut(all * d);
     m_all.fill(f32::NEG_INFINITY);
     l_all.fill(0.0);
     acc_all.fill(0.0);
+    acc_rot_all.fill(0.0);
     for st in stats.chunks_exact_mut(2) {
         st[0] = f32::NEG_INFINITY;
         st[1] = 0.0;
@@ -365,8 +404,17 @@ fn run_item<K: Kernels>(
         kz,
         vs,
         vz,
+        q_rot: q_rot_all,
+        q_sum_rot: q_sum_rot_all,
+        z_rot: z_rot_all,
+        owed: owed_all,
+        owed_rot: owed_rot_all,
+        alpha_owed,
     } = sc;
     z_acc_all.fill(0.0);
+    z_rot_all.fill(0.0);
+    owed_all.fill(1.0);
+    owed_rot_all.fill(1.0);
     // row g * rows + i * group + hh: query i at query head g * group + hh
     for g in 0..hkv {
         for i in 0..q_n {
@@ -382,8 +430,17 @@ fn run_item<K: Kernels>(
         }
     }
     k.scale(&mut q_all[..all * d], c.p.scale);
+    if let Some(signs) = c.rotation {
+        q_rot_all.copy_from_slice(&q_all[..all * d]);
+        for row in q_rot_all.chunks_exact_mut(d) {
+            rotate(row, signs);
+        }
+    }
     if c.needs_q_sum {
         for (sum, qrow) in q_sum_all.iter_mut().zip(q_all.chunks_exact(d)) {
+            *sum = qrow.iter().sum();
+        }
+        for (sum, qrow) in q_sum_rot_all.iter_mut().zip(q_rot_all.chunks_exact(d)) {
             *sum = qrow.iter().sum();
         }
     }
@@ -404,13 +461,19 @@ fn run_item<K: Kernels>(
         // rows of queries that see none of this block: the first rows (earlier queries)
         let r0 = (base + q_n).saturating_sub(n) * group;
         let nr = rows - r0;
+        // a rotated block: the rotated queries score it, its values go to the rotated sum
+        let rot = blocks.rotated();
+        let (q_for, q_sum_for) = if rot {
+            (&*q_rot_all, &*q_sum_rot_all)
+        } else {
+            (&*q_all, &*q_sum_all)
+        };
         for g in 0..hkv {
             c.prefetch_head(it.s, j + PREFETCH_AHEAD, g);
-            let q = &q_all[g * rows * d..(g + 1) * rows * d];
-            let q_sum = &q_sum_all[g * rows..(g + 1) * rows];
+            let q = &q_for[g * rows * d..(g + 1) * rows * d];
+            let q_sum = &q_sum_for[g * rows..(g + 1) * rows];
             let m = &mut m_all[g * rows..(g + 1) * rows];
             let l = &mut l_all[g * rows..(g + 1) * rows];
-            let acc = &mut acc_all[g * rows * d..(g + 1) * rows * d];
             let qr = &q[r0 * d..rows * d];
             let s = &mut probs[..nr * nv];
             let dims = TileDims { d, rows: nr, n: nv };
@@ -516,11 +579,37 @@ fn run_item<K: Kernels>(
                     st[2 * (r0 + ri) + 1] = sum;
                 }
             }
-            let alpha = &*alpha;
-            let z_acc = &mut z_acc_all[g * rows..(g + 1) * rows];
-            for (z, &a) in z_acc[r0..].iter_mut().zip(alpha) {
-                *z *= a;
+            let heads = g * rows..(g + 1) * rows;
+            for z_all in [&mut *z_acc_all, &mut *z_rot_all] {
+                if let Some(z) = z_all.get_mut(g * rows + r0..(g + 1) * rows) {
+                    for (z, &a) in z.iter_mut().zip(&*alpha) {
+                        *z *= a;
+                    }
+                }
             }
+            let (acc_all_for, z_acc) = if rot {
+                (&mut *acc_rot_all, &mut z_rot_all[heads.clone()])
+            } else {
+                (&mut *acc_all, &mut z_acc_all[heads.clone()])
+            };
+            let acc = &mut acc_all_for[g * rows * d..(g + 1) * rows * d];
+            // with rotated pools, the accumulator added to pays what it owes of the rescaling
+            // with this block's; the other owes this block's too
+            let alpha: &[f32] = if c.rotation.is_some() {
+                let (mine, other) = if rot {
+                    (&mut owed_rot_all[heads.clone()], &mut owed_all[heads])
+                } else {
+                    (&mut owed_all[heads.clone()], &mut owed_rot_all[heads])
+                };
+                for (ri, &a) in alpha.iter().enumerate() {
+                    alpha_owed[ri] = mine[r0 + ri] * a;
+                    mine[r0 + ri] = 1.0;
+                    other[r0 + ri] *= a;
+                }
+                &alpha_owed[..nr]
+            } else {
+                &*alpha
+            };
 
             // values
             let acc_rows = &mut acc[r0 * d..rows * d];
@@ -573,11 +662,59 @@ fn run_item<K: Kernels>(
             }
         }
     }
-    // the values' zero points' terms
-    for (arow, &z) in acc_all.chunks_exact_mut(d).zip(&*z_acc_all) {
-        if z != 0.0 {
-            arow.iter_mut().for_each(|a| *a += z);
+    // the rescaling still owed, then the values' zero points' terms
+    if c.rotation.is_some() {
+        for (acc, owed) in [
+            (&mut *acc_all, &*owed_all),
+            (&mut *acc_rot_all, &*owed_rot_all),
+        ] {
+            for (arow, &f) in acc.chunks_exact_mut(d).zip(owed) {
+                if f != 1.0 {
+                    k.scale(arow, f);
+                }
+            }
         }
+    }
+    for (acc, z_all) in [(acc_all, &*z_acc_all), (acc_rot_all, &*z_rot_all)] {
+        for (arow, &z) in acc.chunks_exact_mut(d).zip(z_all) {
+            if z != 0.0 {
+                arow.iter_mut().for_each(|a| *a += z);
+            }
+        }
+    }
+}
+
+/// `x @ H` for the rotation `H = S diag(signs)` (a query row into the rotated basis): Sylvester's
+/// transform, then the signs.
+fn rotate(x: &mut [f32], signs: &[f32]) {
+    walsh_hadamard(x);
+    for (v, &s) in x.iter_mut().zip(signs) {
+        *v *= s;
+    }
+}
+
+/// `x @ H^T`, the inverse of the stored rotation `x @ H / D` (a rotated sum of values back):
+/// the signs, then Sylvester's transform.
+fn unrotate(x: &mut [f32], signs: &[f32]) {
+    for (v, &s) in x.iter_mut().zip(signs) {
+        *v *= s;
+    }
+    walsh_hadamard(x);
+}
+
+/// `x` times Sylvester's Hadamard matrix of its length (a power of two; the matrix is
+/// symmetric), in place: `log2(n)` passes of butterflies.
+fn walsh_hadamard(x: &mut [f32]) {
+    let n = x.len();
+    let mut h = 1;
+    while h < n {
+        for pair in x.chunks_exact_mut(2 * h) {
+            let (a, b) = pair.split_at_mut(h);
+            for (a, b) in a.iter_mut().zip(b) {
+                (*a, *b) = (*a + *b, *a - *b);
+            }
+        }
+        h *= 2;
     }
 }
 
@@ -603,6 +740,7 @@ fn finish<K: Kernels>(
     let (rows, group) = (c.rows, c.group);
     let all = hkv * rows;
     let mut rows_out = vec![0.0f32; q_n * hq * d];
+    let mut o_rot = vec![0.0f32; if c.rotation.is_some() { d } else { 0 }];
     mass.fill(0.0);
     for gr in 0..all {
         let mx = parts
@@ -616,6 +754,7 @@ fn finish<K: Kernels>(
         let (i, hh) = (r / group, r % group);
         let o = &mut rows_out[(i * hq + g * group + hh) * d..][..d];
         let mut total = 0.0;
+        o_rot.fill(0.0);
         for part in parts {
             let (pm, pl) = (part[gr], part[all + gr]);
             if pl == 0.0 {
@@ -626,6 +765,18 @@ fn finish<K: Kernels>(
             let pa = &part[2 * all + gr * d..][..d];
             for (o, &a) in o.iter_mut().zip(pa) {
                 *o += a * f;
+            }
+            if let Some(pa) = part.get(2 * all + all * d + gr * d..2 * all + all * d + (gr + 1) * d)
+            {
+                for (o, &a) in o_rot.iter_mut().zip(pa) {
+                    *o += a * f;
+                }
+            }
+        }
+        if let Some(signs) = c.rotation {
+            unrotate(&mut o_rot, signs);
+            for (o, &x) in o.iter_mut().zip(&o_rot) {
+                *o += x;
             }
         }
         let inv = 1.0 / total;
@@ -737,7 +888,7 @@ pub(crate) fn run<K: Kernels>(k: K, c: &Ctx<'_>, outputs: Outputs<'_>, threads: 
     let items = plan(c, chunk);
     let rows = c.rows;
     let all = hkv * rows;
-    let part_len = all * (d + 2);
+    let part_len = all * (d + 2) + if c.rotation.is_some() { all * d } else { 0 };
     let mut parts = vec![0.0f32; items.len() * part_len];
     let stat_lens = || items.iter().map(|it| (it.j1 - it.j0) * all * 2);
     let mut stats = vec![0.0f32; stat_lens().sum()];

@@ -10,7 +10,9 @@
 //!   (4-bit: even `d` in the low nibble; 2-bit: `d = 4i + j` in bits `2j..2j + 2` of byte `i`;
 //!   a token's codes start on a whole byte), `k_scale`/`k_zero` fp16 `[layers, Hkv, Gk]` (`Gk =
 //!   D` per channel, else `B * D / group` per token), `v_scale`/`v_zero` `[layers, Hkv, B * D /
-//!   group]`; zero points only when asymmetric. Sections need no alignment.
+//!   group]`; zero points only when asymmetric. Sections need no alignment. A rotated format
+//!   (flags bit 2) holds each K and V head vector `x` as `x @ H / D` quantized, `H` the call's
+//!   Hadamard rotation (`Inputs::rotation`): the kernel scores and accumulates in that basis.
 
 use crate::error::{Error, Result};
 
@@ -56,6 +58,8 @@ pub struct QuantFormat {
     pub asymmetric: bool,
     /// keys grouped per channel along the block's tokens (else per token, like values)
     pub key_per_channel: bool,
+    /// keys and values stored rotated (`x @ H / D`, `H` the call's rotation)
+    pub rotated: bool,
     /// values per group along D (per-token groups)
     pub group: usize,
     pub codes: usize,
@@ -85,6 +89,11 @@ impl QuantFormat {
             return Err(format!(
                 "group {}: expected a divisor of head_dim {dim}",
                 self.group
+            ));
+        }
+        if self.rotated && !dim.is_power_of_two() {
+            return Err(format!(
+                "head_dim {dim}: a rotated format needs a power of two (its Hadamard rotation)"
             ));
         }
         Ok(())
@@ -147,8 +156,8 @@ impl PoolDesc {
                     8 => 8,
                     b => return Err(format!("bits: expected 2, 4 or 8, got {b}")),
                 };
-                if f[2] & !3 != 0 {
-                    return Err(format!("flags: expected bits 0 and 1 only, got {}", f[2]));
+                if f[2] & !7 != 0 {
+                    return Err(format!("flags: expected bits 0 to 2 only, got {}", f[2]));
                 }
                 let asymmetric = f[2] & 1 != 0;
                 let zero = |i: usize, name: &str| {
@@ -162,6 +171,7 @@ impl PoolDesc {
                     bits,
                     asymmetric,
                     key_per_channel: f[2] & 2 != 0,
+                    rotated: f[2] & 4 != 0,
                     group: nonneg(f, 8, "group")?,
                     codes: nonneg(f, 9, "codes offset")?,
                     k_scale: nonneg(f, 10, "k_scale offset")?,
@@ -316,6 +326,12 @@ pub(crate) struct Blocks {
 }
 
 impl Blocks {
+    /// Whether the pool's K and V are stored rotated.
+    #[inline]
+    pub fn rotated(&self) -> bool {
+        matches!(self.format, Format::Quant(q) if q.rotated)
+    }
+
     /// The row of `slot` (checked by the caller: `slot < slots`).
     #[inline]
     pub fn row<'a>(&self, bytes: &'a [u8], slot: usize) -> &'a [u8] {

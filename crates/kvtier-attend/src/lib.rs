@@ -19,6 +19,11 @@
 //! [`transcode`] of packed rows; `codec.rs`), which write the formats attention reads, byte for
 //! byte what the torch reference (python/kvtier/codecs/quant.py) writes.
 //!
+//! Rotated pools (int2-rot and the like: each head vector stored as `x @ H / D`) are read in
+//! place too: the queries are rotated once per call (`q @ H`, a fast Walsh-Hadamard transform
+//! with the rotation's signs) and score the stored codes directly, and the values accumulate
+//! in the rotated basis, apart, and are turned back once per output row (`acc @ H^T`).
+//!
 //! SIMD: AVX2 + FMA + F16C, detected at run time ([`Isa::Auto`]), else portable loops.
 //! Threads: rayon; a call whose work is small runs on the calling thread (waking a pool costs
 //! microseconds, more than a decode step of a short sequence takes).
@@ -79,6 +84,9 @@ pub struct Inputs<'a> {
     /// `[S, M]`: the slot of each block in its pool
     pub block_slot: &'a [i32],
     pub pools: &'a [Pool<'a>],
+    /// the signs of the rotated pools' Hadamard rotation `H = S * diag(signs)` (`S` Sylvester's
+    /// `D x D` matrix of ±1): `D` values of ±1; empty when no pool is rotated
+    pub rotation: &'a [f32],
 }
 
 /// What one call writes.

@@ -559,6 +559,7 @@ fn run(case: &Case, b: &Built, scale: f32, exec: Exec) -> Result<(Vec<f32>, Vec<
         block_pool: &b.block_pool,
         block_slot: &b.block_slot,
         pools: &pools,
+        rotation: &[],
     };
     let mut out = vec![0xAAu8; b.q.len()];
     let mut mass = vec![f32::NAN; case.seqs * case.max_blocks];
@@ -879,6 +880,7 @@ fn fp32_pool_not_four_aligned_is_widened() {
                 block_pool: &b.block_pool,
                 block_slot: &b.block_slot,
                 pools: &pools,
+                rotation: &[],
             },
             Outputs {
                 out: &mut out,
@@ -958,6 +960,7 @@ fn refuses_what_it_cannot_read() {
                 block_pool: &b.block_pool,
                 block_slot: &b.block_slot,
                 pools: &pools,
+                rotation: &[],
             },
             Outputs {
                 out: &mut out,

@@ -58,12 +58,14 @@ fn overlap(a: (usize, usize), b: (usize, usize)) -> bool {
 /// from `q` (the same shape and dtype at `q_ptr`), `seq_lens` (int32 `[seqs]`), `block_pool` and
 /// `block_slot` (int32 `[seqs, max_blocks]`, or flat), `pools` (int64 `[P, 16]` descriptors,
 /// each with its `ptr` and `slots * row_bytes` bytes there). `threads`: 0 rayon's pool, 1 this
-/// thread only, n a pool of n.
+/// thread only, n a pool of n. `rotation` (float32 `[head_dim]`, ±1): the signs of the rotated
+/// pools' Hadamard rotation, when a pool is rotated.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (
     q_ptr, q_dtype, out_ptr, mass_ptr, seq_lens, block_pool, block_slot, pools, seqs, queries,
-    q_heads, kv_heads, block_size, head_dim, max_blocks, layer, scale, threads = 0
+    q_heads, kv_heads, block_size, head_dim, max_blocks, layer, scale, threads = 0,
+    rotation = None
 ))]
 pub fn attend(
     py: Python<'_>,
@@ -85,6 +87,7 @@ pub fn attend(
     layer: usize,
     scale: f64,
     threads: usize,
+    rotation: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let dtype = FloatDtype::from_code(q_dtype).ok_or_else(|| {
         invalid(format!(
@@ -95,6 +98,13 @@ pub fn attend(
     let block_pool = borrow::<i32>(block_pool, "block_pool", "int32")?;
     let block_slot = borrow::<i32>(block_slot, "block_slot", "int32")?;
     let descs = borrow::<i64>(pools, "pools", "int64")?;
+    let rotation = rotation
+        .map(|r| borrow::<f32>(r, "rotation", "float32"))
+        .transpose()?;
+    let signs: &[f32] = match &rotation {
+        Some(r) => values(r, "rotation")?,
+        None => &[],
+    };
     let descs_v = values(&descs, "pools")?;
     let shape = descs.shape();
     if !(shape.len() == 2 && shape[1] == DESC_LEN || shape.len() == 1 && shape[0] == 0) {
@@ -181,6 +191,7 @@ pub fn attend(
         block_pool: values(&block_pool, "block_pool")?,
         block_slot: values(&block_slot, "block_slot")?,
         pools: &pool_list,
+        rotation: signs,
     };
     let exec = Exec {
         threads,

@@ -36,12 +36,14 @@ from .call import (
     FLOAT_CODES,
     KEY_PER_CHANNEL,
     QUANT,
+    ROTATED,
     AttentionCall,
     PoolView,
     Problem,
     check_problem,
     describe,
     readable,
+    rotation_of,
 )
 from .cpu import attend_cpu
 from .cuda import attend_cuda
@@ -57,6 +59,7 @@ __all__ = [
     "FLOAT_CODES",
     "KEY_PER_CHANNEL",
     "QUANT",
+    "ROTATED",
     "AttentionCall",
     "PoolView",
     "Problem",
@@ -66,6 +69,7 @@ __all__ = [
     "describe",
     "readable",
     "reference",
+    "rotation_of",
     "run_attention",
 ]
 
@@ -117,6 +121,7 @@ def run_attention(
             layer,
             scale,
             0,
+            rotation=rotation_of(views, D),
         )
         return
     call = AttentionCall(q, seq_lens, block_pool, block_slot, views, shape, layer, scale)

@@ -35,7 +35,10 @@ Pools, as the kernels read them: one row per slot, described by :data:`DESC_FIEL
   ``i``; two's complement when symmetric, unsigned when asymmetric),
   ``k_scale`` fp16 ``[layers, Hkv, Gk]`` (``Gk = D`` per channel: one group per channel along the
   block's tokens; else ``B * D / group`` per token), ``k_zero`` (asymmetric only), ``v_scale``
-  ``[layers, Hkv, B * D / group]``, ``v_zero``. A value decodes as ``q * s (+ z)`` in fp32.
+  ``[layers, Hkv, B * D / group]``, ``v_zero``. A value decodes as ``q * s (+ z)`` in fp32. A
+  rotated codec's (``flags`` bit 2; the CPU kernel only) decodes so in the rotated basis: the
+  kernel takes the rotation's signs (:func:`kvtier.codecs.quant.hadamard_signs`) and rotates
+  the queries and un-rotates the output instead of each block.
 
 ``layer`` picks the layer; a pool whose ``layer_override`` is not -1 is read at that layer instead
 (a staging pool holds one layer).
@@ -53,7 +56,7 @@ import numpy as np
 from .._torch import all_finite, dtype_name, torch_module
 from ..codecs.base import BlockShape, Codec
 from ..codecs.identity import IdentityCodec
-from ..codecs.quant import QuantCodec
+from ..codecs.quant import QuantCodec, hadamard_signs
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -63,7 +66,7 @@ if TYPE_CHECKING:
 DESC_FIELDS = (
     "kind",  # 0 float, 1 quant
     "dtype_or_bits",  # float: 0 fp32, 1 fp16, 2 bf16; quant: 2, 4 or 8
-    "flags",  # quant: bit 0 asymmetric, bit 1 keys per channel
+    "flags",  # quant: bit 0 asymmetric, bit 1 keys per channel, bit 2 rotated
     "ptr",  # address of slot 0
     "slots",
     "row_bytes",  # bytes from one slot to the next
@@ -79,16 +82,19 @@ DESC_FIELDS = (
     "reserved1",
 )
 FLOAT, QUANT = 0, 1
-ASYMMETRIC, KEY_PER_CHANNEL = 1, 2
+ASYMMETRIC, KEY_PER_CHANNEL, ROTATED = 1, 2, 4
 FLOAT_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
 
 
-def readable(codec: Codec) -> bool:
-    """Whether the kernels read this codec's blocks where they lie (else they are decoded to a
-    staging pool first)."""
+def readable(codec: Codec, device: str = "cpu") -> bool:
+    """Whether the kernel of ``device`` (``"cpu"`` or ``"cuda"``) reads this codec's blocks
+    where they lie (else they are decoded to a staging pool first): rotated codecs only on the
+    CPU, whose kernel rotates the queries and un-rotates the output instead."""
     if isinstance(codec, IdentityCodec):
         return True
-    return isinstance(codec, QuantCodec) and codec.bits in (2, 4, 8) and not codec.rotate
+    if not isinstance(codec, QuantCodec) or codec.bits not in (2, 4, 8):
+        return False
+    return not codec.rotate or device == "cpu"
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,11 @@ class PoolView:
         elif isinstance(codec, QuantCodec):
             off = codec.offsets(shape)
             d["kind"], d["dtype_or_bits"], d["layers"] = QUANT, codec.bits, shape.layers
-            d["flags"] = ASYMMETRIC * codec.asymmetric + KEY_PER_CHANNEL * codec.key_per_channel
+            d["flags"] = (
+                ASYMMETRIC * codec.asymmetric
+                + KEY_PER_CHANNEL * codec.key_per_channel
+                + ROTATED * codec.rotate
+            )
             d["group"] = codec.group(shape)
             for name in ("codes", "k_scale", "k_zero", "v_scale", "v_zero"):
                 d[name] = off.get(name, -1)
@@ -234,6 +244,14 @@ class _DtypeCodes(dict[Any, int]):
 
 #: torch dtype -> the kernels' float code (:data:`FLOAT_CODES`), a dict lookup a call
 DTYPE_CODES: dict[Any, int] = _DtypeCodes()
+
+
+def rotation_of(views: Sequence[PoolView], head_dim: int) -> np.ndarray | None:
+    """The rotation signs the CPU kernel takes for ``views`` (``rotation``): those of
+    :func:`~kvtier.codecs.quant.hadamard_signs` when a pool is rotated, else None."""
+    if any(isinstance(v.codec, QuantCodec) and v.codec.rotate for v in views):
+        return hadamard_signs(head_dim)
+    return None
 
 
 def describe(views: Sequence[PoolView], shape: BlockShape) -> np.ndarray:

@@ -16,7 +16,7 @@ from ..codecs.base import BlockShape
 from ..codecs.identity import IdentityCodec
 from ..codecs.quant import QuantCodec
 from ..errors import InvalidArgumentError
-from .call import FLOAT_CODES, AttentionCall, PoolView, Problem, describe
+from .call import FLOAT_CODES, AttentionCall, PoolView, Problem, describe, rotation_of
 
 if TYPE_CHECKING:
     import torch
@@ -152,4 +152,5 @@ def attend_cpu(
         layer,
         float(scale),
         threads,
+        rotation=rotation_of(pools, D),
     )

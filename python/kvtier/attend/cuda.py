@@ -152,7 +152,7 @@ def check_shapes(call: AttentionCall) -> None:
         t, codec = pool.tensor, pool.codec
         if t.device != q.device:
             raise InvalidArgumentError(f"pool {i}: on {t.device}, q on {q.device}")
-        if not readable(codec):
+        if not readable(codec, "cuda"):
             raise InvalidArgumentError(
                 f"pool {i}: codec {codec.name!r} is not read in place (decode it to a staging "
                 "pool first)"

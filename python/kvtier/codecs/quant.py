@@ -333,6 +333,16 @@ def _hadamard(dim: int, device: Any) -> torch.Tensor:
 
 
 @functools.cache
+def hadamard_signs(dim: int) -> np.ndarray:
+    """The column signs of the ``dim``-wide rotation (the first row of :func:`_hadamard`, since
+    Sylvester's first row is all ones), float32: what the CPU attention kernel takes to rotate
+    queries and un-rotate outputs itself (read-only)."""
+    signs = _hadamard_cpu(dim)[0].numpy().astype(np.float32)
+    signs.flags.writeable = False
+    return signs
+
+
+@functools.cache
 def _hadamard_cpu(dim: int) -> torch.Tensor:
     torch = torch_module()
     h = torch.ones(1, 1)

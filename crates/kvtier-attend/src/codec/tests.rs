@@ -43,6 +43,7 @@ fn packed(
             bits,
             asymmetric,
             key_per_channel,
+            rotated: false,
             group,
             codes: 0,
             k_scale,

@@ -212,6 +212,14 @@ def methods() -> dict[str, Method]:
             recent_window=16,
         ),
         _kvtier(
+            "kvtier-2bit-attend",
+            "kvtier-2bit, attention over the blocks (kvtier attention: rotated codes read in "
+            "place, the queries rotated once)",
+            "kvtier",
+            ladder=("fp32", "int2-rot", "int2-rot-g64"),
+            recent_window=16,
+        ),
+        _kvtier(
             "kvtier-2bit-drop",
             "ladder fp32,int2,drop, drop ratio 0.1, h2o, recent window 32 (<= 0.25 of fp16 bytes)",
             ladder=("fp32", "int2", "drop"),
@@ -278,6 +286,7 @@ DEFAULT_METHODS = (
     "kvtier-int2-rot",
     "kvtier-int2-rot-g64",
     "kvtier-2bit",
+    "kvtier-2bit-attend",
     "kvtier-2bit-drop",
     "kvtier-drop",
 )
