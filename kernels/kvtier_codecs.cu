@@ -37,7 +37,8 @@ __device__ __forceinline__ float fp16_round(float x) {
 
 // ---- a packed format ---------------------------------------------------------------------
 
-// The host passes a format as 10 int64s (python/kvtier/codecs/cuda.py, `layout`).
+// The host passes a format as int64s (python/kvtier/codecs/layout.py, `layout`): the first 10
+// (the 11th, `rotated`, is the CPU code's: a rotated codec has no CUDA kernels).
 struct Layout {
     int bits, asym, key_per_channel, group;
     i64 codes, k_scale, k_zero, v_scale, v_zero, row_bytes;

@@ -24,6 +24,16 @@ CODECS: dict[str, Callable[[], QuantCodec]] = {
     "int2-sym": lambda: Int2Codec(asymmetric=False),
     "int2-ktok": lambda: Int2Codec(key_per_channel=False),
 }
+#: Rotated codecs: the torch reference and the native code write them (no CUDA kernels yet).
+ROTATED: dict[str, Callable[[], QuantCodec]] = {
+    "int2-rot": lambda: Int2Codec(rotate=True),
+    "int2-rot-g64": lambda: Int2Codec(group_size=64, rotate=True),
+    "int2-rot-ktok": lambda: Int2Codec(key_per_channel=False, rotate=True),
+    "int4-rot": lambda: Int4Codec(rotate=True),
+    "int8-rot": lambda: QuantCodec(
+        "int8-rot", 8, asymmetric=False, key_per_channel=False, rotate=True
+    ),
+}
 SHAPE = BlockShape(2, 4, 16, 64)
 STEP = 2.0**-24  # the smallest fp16 subnormal
 

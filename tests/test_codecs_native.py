@@ -20,6 +20,7 @@ from codec_cases import (
     CODECS,
     DATA,
     DTYPES,
+    ROTATED,
     SHAPE,
     SHAPES,
     TRANSCODES,
@@ -50,11 +51,11 @@ from kvtier.errors import InvalidArgumentError  # noqa: E402
 
 @pytest.mark.parametrize("data", list(DATA))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("which", list(CODECS))
+@pytest.mark.parametrize("which", [*CODECS, *ROTATED])
 def test_native_encode_and_decode_equal_the_torch_reference(
     which: str, dtype: str, data: str
 ) -> None:
-    codec = CODECS[which]()
+    codec = {**CODECS, **ROTATED}[which]()
     x = DATA[data](torch, 3, SHAPE, dtype, seed=1)
     want = codec.encode(x, backend="torch")
     got = codec.encode(x, backend="native")
@@ -180,20 +181,28 @@ def test_native_transcode_equals_the_torch_reference(src: str, dst: str, data: s
 
 
 def test_transcode_to_a_codec_without_native_code_runs_the_reference() -> None:
-    int8, fp16, rot = Int8Codec(), get_codec("fp16"), Int2Codec(rotate=True)
+    int8, fp16 = Int8Codec(), get_codec("fp16")
     enc = int8.encode(edge_blocks(torch, 2, SHAPE, "fp16", seed=3))
-    for to in (fp16, rot):
-        assert int8._implementation("auto", enc.data, enc.data, to) == "torch"
-        assert_same(
-            int8.transcode(enc, to).data, int8.transcode(enc, to, backend="torch").data, to.name
-        )
+    out = torch.empty((2, fp16.bytes_per_block(SHAPE)), dtype=torch.uint8)
+    assert int8._implementation("auto", enc.data, out, fp16) == "torch"
+    assert_same(
+        int8.transcode(enc, fp16).data, int8.transcode(enc, fp16, backend="torch").data, "fp16"
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("which", ["int8", "int4", "int4-sym", "int2", "int2-sym"])
+@pytest.mark.parametrize(
+    "which", ["int8", "int4", "int4-sym", "int2", "int2-sym", "int2-rot", "int4-rot"]
+)
 def test_native_pool_calls_match_the_torch_path_slot_for_slot(which: str, dtype: str) -> None:
-    codec = CODECS[which]()
-    to = Int4Codec(group_size=64) if which == "int8" else Int8Codec(asymmetric=True)
+    """Encode, decode and transcode between pools, slot for slot (a rotated codec transcodes
+    to another rotated one, and int8 to a rotated one)."""
+    codec = {**CODECS, **ROTATED}[which]()
+    to = {
+        "int8": Int4Codec(group_size=64),
+        "int2-rot": Int2Codec(group_size=64, rotate=True),
+        "int4-rot": Int8Codec(asymmetric=True),
+    }.get(which, Int8Codec(asymmetric=True))
     row, to_row = codec.bytes_per_block(SHAPE), to.bytes_per_block(SHAPE)
     g = torch.Generator().manual_seed(4)
     src = edge_blocks(torch, 7, SHAPE, dtype, seed=5)
@@ -286,13 +295,15 @@ def test_auto_runs_native_code_on_the_cpu_and_torch_forces_the_reference(monkeyp
     assert calls == []
 
 
-def test_rotated_codecs_have_no_native_code_and_run_the_reference() -> None:
+def test_rotated_codecs_run_natively_on_the_cpu_and_have_no_cuda_kernels() -> None:
     rot = Int2Codec(rotate=True)
-    assert not rot.has_native and Int2Codec().has_native
+    assert rot.has_native and not rot.has_kernels
     x = random_blocks(torch, 1, SHAPE, "fp16", seed=14)
+    out = torch.empty((1, rot.bytes_per_block(SHAPE)), dtype=torch.uint8)
+    assert rot._implementation("auto", x, out) == "native"
     assert_same(rot.encode(x).data, rot.encode(x, backend="torch").data, "rotated rows")
-    with pytest.raises(InvalidArgumentError, match="has_native=False"):
-        rot.encode(x, backend="native")
+    with pytest.raises(InvalidArgumentError, match="has_kernels=False"):
+        rot.encode(x, backend="cuda")
     with pytest.raises(InvalidArgumentError, match="has_native=False"):
         get_codec("fp16").encode(x, backend="native")
 
@@ -380,8 +391,10 @@ def test_the_extension_checks_addresses_formats_and_overlaps() -> None:
         ("src and dst rows overlap", {"src": dst}),
         ("expected as many", {"dst": dst[:1]}),
         ("bits: expected 2, 4 or 8", {"layout": np.r_[3, lay[1:]]}),
-        ("expected 10 int64s", {"layout": lay[:9]}),
-        ("lie past the row", {"layout": np.r_[lay[:9], lay[9] - 2]}),
+        ("expected 11 int64s", {"layout": lay[:9]}),
+        ("lie past the row", {"layout": np.r_[lay[:9], lay[9] - 2, lay[10]]}),
+        ("rotated: expected 0 or 1", {"layout": np.r_[lay[:10], 2]}),
+        ("the rotation's 4 signs", {"layout": np.r_[lay[:10], 1]}),
         ("head_dim 4", {"layout": np.r_[lay[:3], 3, lay[4:]]}),
         ("dtype: expected 0", {"dtype": 5}),
         ("heads: expected a positive", {"dims": (1, 0, 2, 4)}),

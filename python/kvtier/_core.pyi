@@ -428,6 +428,7 @@ def quantize_rows(
     dims: tuple[int, int, int, int],
     dtype: int,
     threads: int = 0,
+    rotation: npt.NDArray[np.float32] | None = None,
 ) -> None: ...
 def dequantize_rows(
     src: npt.ArrayLike,
@@ -437,6 +438,7 @@ def dequantize_rows(
     dtype: int,
     layers: tuple[int, int],
     threads: int = 0,
+    rotation: npt.NDArray[np.float32] | None = None,
 ) -> None: ...
 def transcode_rows(
     src: npt.ArrayLike,
@@ -445,4 +447,5 @@ def transcode_rows(
     dst_layout: npt.ArrayLike,
     dims: tuple[int, int, int, int],
     threads: int = 0,
+    rotation: npt.NDArray[np.float32] | None = None,
 ) -> None: ...

@@ -40,11 +40,12 @@ use crate::driver::on_pool;
 use crate::error::{invalid, Result};
 use crate::kernels::{Encoding, Kernels, Scalar};
 use crate::layout::{FloatDtype, QuantFormat};
+use crate::rotation::{check_signs, rotate_scaled, unrotate};
 use crate::{Exec, Isa};
 
 /// The int64s of a packed format: `bits, asymmetric, key_per_channel, group, codes, k_scale,
-/// k_zero, v_scale, v_zero, row_bytes` (python/kvtier/codecs/layout.py, `layout`).
-pub const LAYOUT_LEN: usize = 10;
+/// k_zero, v_scale, v_zero, row_bytes, rotated` (python/kvtier/codecs/layout.py, `layout`).
+pub const LAYOUT_LEN: usize = 11;
 
 /// Below this many values a call runs on the calling thread: waking a pool costs more.
 const PARALLEL_MIN_VALUES: usize = 1 << 16;
@@ -93,6 +94,7 @@ impl PackedFormat {
         };
         let asymmetric = flag(1, "asymmetric")?;
         let key_per_channel = flag(2, "key_per_channel")?;
+        let rotated = flag(10, "rotated")?;
         let size = |i: usize, name: &str| {
             usize::try_from(fields[i])
                 .map_err(|_| bad(format!("{name}: expected >= 0, got {}", fields[i])))
@@ -103,7 +105,7 @@ impl PackedFormat {
                 bits,
                 asymmetric,
                 key_per_channel,
-                rotated: false, // the native codecs do not rotate (rotated codecs run in torch)
+                rotated,
                 group: size(3, "group")?,
                 codes: size(4, "codes offset")?,
                 k_scale: size(5, "k_scale offset")?,
@@ -150,9 +152,10 @@ pub fn quantize(
     to: &PackedFormat,
     src: &[&[u8]],
     dst: &mut [&mut [u8]],
+    rotation: &[f32],
     exec: Exec,
 ) -> Result<()> {
-    let g = Geometry::new(dims, to, "dst")?;
+    let g = Geometry::new(dims, to, rotation, "dst")?;
     let layer_bytes = g.layer_values() * dtype.size();
     check_lens(
         "src",
@@ -181,9 +184,10 @@ pub fn dequantize(
     src: &[&[u8]],
     dtype: FloatDtype,
     dst: &mut [&mut [u8]],
+    rotation: &[f32],
     exec: Exec,
 ) -> Result<()> {
-    let g = Geometry::new(dims, from, "src")?;
+    let g = Geometry::new(dims, from, rotation, "src")?;
     if layers.start > layers.end || layers.end > dims.layers {
         return Err(invalid(
             "layers",
@@ -218,10 +222,11 @@ pub fn transcode(
     to: &PackedFormat,
     src: &[&[u8]],
     dst: &mut [&mut [u8]],
+    rotation: &[f32],
     exec: Exec,
 ) -> Result<()> {
-    let a = Geometry::new(dims, from, "src")?;
-    let b = Geometry::new(dims, to, "dst")?;
+    let a = Geometry::new(dims, from, rotation, "src")?;
+    let b = Geometry::new(dims, to, rotation, "dst")?;
     check_lens("src", src.iter().map(|s| s.len()), a.row_bytes)?;
     check_rows("dst", src.len(), dst, b.row_bytes)?;
     let mut items = Vec::with_capacity(src.len() * dims.layers);
@@ -234,6 +239,7 @@ pub fn transcode(
         for t in 0..2 * dims.heads {
             let x = &mut sc.x;
             dequantize_tile(k, &a, &src, t, x, &mut sc.w);
+            b.rotate(x);
             quantize_tile(k, &b, t, x, &mut out, &mut sc.w);
         }
     }))
@@ -265,8 +271,10 @@ fn check_rows(what: &'static str, n: usize, rows: &[&mut [u8]], want: usize) -> 
 
 /// A packed format checked against block dimensions: the byte range of every section's layer.
 #[derive(Clone, Copy, Debug)]
-struct Geometry {
+struct Geometry<'r> {
     f: QuantFormat,
+    /// a rotated format's signs (see [`crate::rotation`])
+    signs: Option<&'r [f32]>,
     row_bytes: usize,
     heads: usize,
     dim: usize,
@@ -287,8 +295,13 @@ const SCALE: [usize; 2] = [1, 3];
 const ZERO: [usize; 2] = [2, 4];
 const NAMES: [&str; 5] = ["codes", "k_scale", "k_zero", "v_scale", "v_zero"];
 
-impl Geometry {
-    fn new(dims: BlockDims, p: &PackedFormat, what: &'static str) -> Result<Self> {
+impl<'r> Geometry<'r> {
+    fn new(
+        dims: BlockDims,
+        p: &PackedFormat,
+        rotation: &'r [f32],
+        what: &'static str,
+    ) -> Result<Self> {
         let BlockDims {
             layers,
             heads,
@@ -351,8 +364,15 @@ impl Geometry {
                 ));
             }
         }
+        let signs = if f.rotated {
+            check_signs(rotation, dim).map_err(|r| invalid("rotation", r))?;
+            Some(rotation)
+        } else {
+            None
+        };
         Ok(Self {
             f,
+            signs,
             row_bytes: p.row_bytes,
             heads,
             dim,
@@ -362,6 +382,29 @@ impl Geometry {
             groups: [k_groups, v_groups],
             sections,
         })
+    }
+
+    /// A tile's values as a rotated format stores them (each row `x @ H / D`), if it is one.
+    fn rotate(&self, x: &mut [f32]) {
+        if let Some(signs) = self.signs {
+            let over_d = 1.0 / self.dim as f32;
+            for row in x.chunks_exact_mut(self.dim) {
+                rotate_scaled(row, signs, over_d);
+            }
+        }
+    }
+
+    /// A rotated format's decoded tile turned back (each row `y @ H^T`), clamped to fp16's
+    /// range as the reference's decode clamps it and its zeros +0 (as the rotation leaves
+    /// them: a transcode's groups then have one minimum), if it is one.
+    fn unrotate(&self, x: &mut [f32]) {
+        if let Some(signs) = self.signs {
+            for row in x.chunks_exact_mut(self.dim) {
+                unrotate(row, signs);
+            }
+            x.iter_mut()
+                .for_each(|v| *v = v.clamp(-FP16_MAX, FP16_MAX) + 0.0);
+        }
     }
 
     /// Values of one layer of a block: `2 * heads * block * dim`.
@@ -462,7 +505,7 @@ struct Work {
 }
 
 impl Scratch {
-    fn new(a: &Geometry, b: &Geometry) -> Self {
+    fn new(a: &Geometry<'_>, b: &Geometry) -> Self {
         let groups = a.groups.into_iter().chain(b.groups).max().unwrap_or(0);
         Self {
             x: vec![0.0; a.tile],
@@ -482,8 +525,8 @@ impl Scratch {
 fn run<K: Kernels, T: Send>(
     k: K,
     threads: usize,
-    a: &Geometry,
-    b: &Geometry,
+    a: &Geometry<'_>,
+    b: &Geometry<'_>,
     items: Vec<T>,
     f: impl Fn(K, &mut Scratch, T) + Sync + Send,
 ) {
@@ -513,7 +556,7 @@ fn run<K: Kernels, T: Send>(
 
 fn quantize_layer<K: Kernels>(
     k: K,
-    g: &Geometry,
+    g: &Geometry<'_>,
     dtype: FloatDtype,
     src: &[u8],
     out: &mut Sections<&mut [u8]>,
@@ -523,13 +566,14 @@ fn quantize_layer<K: Kernels>(
     let tile_bytes = g.tile * dtype.size();
     for (t, tile) in src.chunks_exact(tile_bytes).enumerate() {
         k.widen(tile, enc, &mut sc.x);
+        g.rotate(&mut sc.x);
         quantize_tile(k, g, t, &sc.x, out, &mut sc.w);
     }
 }
 
 fn dequantize_layer<K: Kernels>(
     k: K,
-    g: &Geometry,
+    g: &Geometry<'_>,
     src: &Sections<&[u8]>,
     dtype: FloatDtype,
     out: &mut [u8],
@@ -577,7 +621,7 @@ const fn code_range(bits: u8, asymmetric: bool) -> (f32, f32, f32) {
 /// Quantizes tile `t` (`kv * heads + head`) of a layer, values `x`, into `out`.
 fn quantize_tile<K: Kernels>(
     k: K,
-    g: &Geometry,
+    g: &Geometry<'_>,
     t: usize,
     x: &[f32],
     out: &mut Sections<&mut [u8]>,
@@ -720,7 +764,7 @@ fn pack(bits: u8, q: &[u8], out: &mut [u8]) {
 /// Dequantizes tile `t` (`kv * heads + head`) of layer sections `src` into `x` (fp32).
 fn dequantize_tile<K: Kernels>(
     k: K,
-    g: &Geometry,
+    g: &Geometry<'_>,
     src: &Sections<&[u8]>,
     t: usize,
     x: &mut [f32],
@@ -744,6 +788,7 @@ fn dequantize_tile<K: Kernels>(
         (false, true) => affine_groups::<true>(x, f.group, s, z),
         (false, false) => affine_groups::<false>(x, f.group, s, z),
     }
+    g.unrotate(x);
 }
 
 /// `x = x * s[d] (+ z[d])` for value `d` of every row (a multiply, then an add: never fused).

@@ -19,6 +19,7 @@ use rayon::prelude::*;
 use crate::error::{invalid, Error, Result};
 use crate::kernels::{prefetch, Encoding, Kernels, TileDims};
 use crate::layout::{Blocks, Dims, FloatDtype, Format, PoolDesc};
+use crate::rotation::{check_signs, rotate, unrotate};
 use crate::{Inputs, Outputs, Problem};
 
 /// Below this many multiply-adds of scores (tokens x queries x query heads x head_dim), a call
@@ -198,16 +199,7 @@ impl<'a> Ctx<'a> {
         });
         let rotation = if pools.iter().any(|(blocks, _)| blocks.rotated()) {
             let signs = inputs.rotation;
-            if signs.len() != d || signs.iter().any(|&x| x != 1.0 && x != -1.0) {
-                return Err(invalid(
-                    "rotation",
-                    format!(
-                        "a rotated pool needs the rotation's {d} signs, each 1 or -1; got {} \
-                         values",
-                        signs.len()
-                    ),
-                ));
-            }
+            check_signs(signs, d).map_err(|reason| invalid("rotation", reason))?;
             Some(signs)
         } else {
             None
@@ -681,40 +673,6 @@ fn run_item<K: Kernels>(
                 arow.iter_mut().for_each(|a| *a += z);
             }
         }
-    }
-}
-
-/// `x @ H` for the rotation `H = S diag(signs)` (a query row into the rotated basis): Sylvester's
-/// transform, then the signs.
-fn rotate(x: &mut [f32], signs: &[f32]) {
-    walsh_hadamard(x);
-    for (v, &s) in x.iter_mut().zip(signs) {
-        *v *= s;
-    }
-}
-
-/// `x @ H^T`, the inverse of the stored rotation `x @ H / D` (a rotated sum of values back):
-/// the signs, then Sylvester's transform.
-fn unrotate(x: &mut [f32], signs: &[f32]) {
-    for (v, &s) in x.iter_mut().zip(signs) {
-        *v *= s;
-    }
-    walsh_hadamard(x);
-}
-
-/// `x` times Sylvester's Hadamard matrix of its length (a power of two; the matrix is
-/// symmetric), in place: `log2(n)` passes of butterflies.
-fn walsh_hadamard(x: &mut [f32]) {
-    let n = x.len();
-    let mut h = 1;
-    while h < n {
-        for pair in x.chunks_exact_mut(2 * h) {
-            let (a, b) = pair.split_at_mut(h);
-            for (a, b) in a.iter_mut().zip(b) {
-                (*a, *b) = (*a + *b, *a - *b);
-            }
-        }
-        h *= 2;
     }
 }
 

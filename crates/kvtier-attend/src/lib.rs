@@ -34,6 +34,7 @@ mod error;
 mod half;
 mod kernels;
 mod layout;
+mod rotation;
 
 pub use crate::codec::{dequantize, quantize, transcode, BlockDims, PackedFormat, LAYOUT_LEN};
 pub use crate::error::{Error, Result};

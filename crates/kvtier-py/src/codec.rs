@@ -124,6 +124,20 @@ unsafe fn writes<'a>(rows: &[Range<usize>]) -> Vec<&'a mut [u8]> {
         .collect()
 }
 
+/// A rotated format's signs, copied (float32 `[D]`), or None.
+fn signs_of(rotation: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<f32>>> {
+    rotation
+        .map(|r| {
+            let a = r
+                .extract::<numpy::PyReadonlyArray1<'_, f32>>()
+                .map_err(|_| invalid("rotation: expected a 1-D float32 array".into()))?;
+            Ok(a.as_slice()
+                .map_err(|_| invalid("rotation: expected a contiguous array".into()))?
+                .to_vec())
+        })
+        .transpose()
+}
+
 fn exec(threads: usize) -> Exec {
     Exec {
         threads,
@@ -134,8 +148,10 @@ fn exec(threads: usize) -> Exec {
 /// Quantizes float blocks into packed rows: block at address `src[i]` (`[L, 2, H, B, D]` of
 /// `dtype`: 0 fp32, 1 fp16, 2 bf16; `dims` is `(L, H, B, D)`) into the row at `dst[i]`, in the
 /// packed format `layout`. `threads`: 0 rayon's pool, 1 this thread only, n a pool of n.
+/// `rotation` (float32 `[D]`, ±1): a rotated format's signs.
 #[pyfunction]
-#[pyo3(signature = (src, dst, layout, dims, dtype, threads = 0))]
+#[pyo3(signature = (src, dst, layout, dims, dtype, threads = 0, rotation = None))]
+#[allow(clippy::too_many_arguments)]
 pub fn quantize_rows(
     py: Python<'_>,
     src: &Bound<'_, PyAny>,
@@ -144,9 +160,11 @@ pub fn quantize_rows(
     dims: Dims,
     dtype: i64,
     threads: usize,
+    rotation: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
     let to = format_of(layout, "layout")?;
+    let signs = signs_of(rotation)?;
     let src = ranges(src, "src", block_bytes(dims, dims.0, dtype)?)?;
     let dst = ranges(dst, "dst", to.row_bytes)?;
     check_disjoint(&src, &dst)?;
@@ -154,7 +172,15 @@ pub fn quantize_rows(
     // destinations overlap nothing else (checked above).
     let (src, mut dst) = unsafe { (reads(&src), writes(&dst)) };
     py.detach(|| {
-        kvtier_attend::quantize(block_dims(dims), dtype, &to, &src, &mut dst, exec(threads))
+        kvtier_attend::quantize(
+            block_dims(dims),
+            dtype,
+            &to,
+            &src,
+            &mut dst,
+            signs.as_deref().unwrap_or(&[]),
+            exec(threads),
+        )
     })
     .map_err(attend_to_py)
 }
@@ -162,7 +188,7 @@ pub fn quantize_rows(
 /// Dequantizes `layers = (first, count)` layers of the packed rows at `src` (format `layout`)
 /// into float blocks of those layers (`[count, 2, H, B, D]` of `dtype`) at `dst`.
 #[pyfunction]
-#[pyo3(signature = (src, dst, layout, dims, dtype, layers, threads = 0))]
+#[pyo3(signature = (src, dst, layout, dims, dtype, layers, threads = 0, rotation = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn dequantize_rows(
     py: Python<'_>,
@@ -173,9 +199,11 @@ pub fn dequantize_rows(
     dtype: i64,
     layers: (usize, usize),
     threads: usize,
+    rotation: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let dtype = dtype_of(dtype)?;
     let from = format_of(layout, "layout")?;
+    let signs = signs_of(rotation)?;
     let (first, count) = layers;
     let end = first
         .checked_add(count)
@@ -193,6 +221,7 @@ pub fn dequantize_rows(
             &src,
             dtype,
             &mut dst,
+            signs.as_deref().unwrap_or(&[]),
             exec(threads),
         )
     })
@@ -202,7 +231,8 @@ pub fn dequantize_rows(
 /// Repacks the rows at `src` (format `src_layout`) as rows of `dst_layout` at `dst`, the values
 /// between the two kept in fp32.
 #[pyfunction]
-#[pyo3(signature = (src, src_layout, dst, dst_layout, dims, threads = 0))]
+#[pyo3(signature = (src, src_layout, dst, dst_layout, dims, threads = 0, rotation = None))]
+#[allow(clippy::too_many_arguments)]
 pub fn transcode_rows(
     py: Python<'_>,
     src: &Bound<'_, PyAny>,
@@ -211,16 +241,26 @@ pub fn transcode_rows(
     dst_layout: &Bound<'_, PyAny>,
     dims: Dims,
     threads: usize,
+    rotation: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let from = format_of(src_layout, "src_layout")?;
     let to = format_of(dst_layout, "dst_layout")?;
+    let signs = signs_of(rotation)?;
     let src = ranges(src, "src", from.row_bytes)?;
     let dst = ranges(dst, "dst", to.row_bytes)?;
     check_disjoint(&src, &dst)?;
     // SAFETY: as in `quantize_rows`.
     let (src, mut dst) = unsafe { (reads(&src), writes(&dst)) };
     py.detach(|| {
-        kvtier_attend::transcode(block_dims(dims), &from, &to, &src, &mut dst, exec(threads))
+        kvtier_attend::transcode(
+            block_dims(dims),
+            &from,
+            &to,
+            &src,
+            &mut dst,
+            signs.as_deref().unwrap_or(&[]),
+            exec(threads),
+        )
     })
     .map_err(attend_to_py)
 }

@@ -22,6 +22,7 @@ class QuantFormat(Protocol):
     bits: int
     asymmetric: bool
     key_per_channel: bool
+    rotate: bool
 
     @property
     def format(self) -> str: ...
@@ -33,9 +34,10 @@ class QuantFormat(Protocol):
 
 
 def layout(codec: QuantFormat, shape: BlockShape) -> np.ndarray:
-    """The 10 int64s that describe a packed format to the kernels: ``bits, asymmetric,
-    key_per_channel, group, codes, k_scale, k_zero, v_scale, v_zero, row_bytes`` (offsets in
-    bytes from the row's start; the zero points' are 0 when symmetric)."""
+    """The 11 int64s that describe a packed format to the kernels: ``bits, asymmetric,
+    key_per_channel, group, codes, k_scale, k_zero, v_scale, v_zero, row_bytes, rotated``
+    (offsets in bytes from the row's start; the zero points' are 0 when symmetric; the CUDA
+    kernels read the first 10: a rotated codec has none)."""
     off = codec.offsets(shape)
     return np.array(
         [
@@ -49,6 +51,7 @@ def layout(codec: QuantFormat, shape: BlockShape) -> np.ndarray:
             off["v_scale"],
             off.get("v_zero", 0),
             codec.bytes_per_block(shape),
+            int(codec.rotate),
         ],
         dtype=np.int64,
     )

@@ -25,6 +25,7 @@ from .._torch import torch_module
 from ..errors import InvalidArgumentError
 from .base import BlockShape, Codec
 from .layout import QuantFormat, layout
+from .quant import hadamard_signs
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,11 @@ def _layout(codec: QuantFormat, shape: BlockShape) -> np.ndarray:
     if key not in _layouts:
         _layouts[key] = layout(codec, shape)
     return _layouts[key]
+
+
+def _rotation(shape: BlockShape, *codecs: QuantFormat) -> np.ndarray | None:
+    """The rotation's signs when one of ``codecs`` is rotated (:func:`.quant.hadamard_signs`)."""
+    return hadamard_signs(shape.head_dim) if any(c.rotate for c in codecs) else None
 
 
 def _dims(shape: BlockShape) -> tuple[int, int, int, int]:
@@ -99,6 +105,7 @@ def quantize_into(
         _layout(q, shape),
         _dims(shape),
         _dtype_code(src, "src"),
+        rotation=_rotation(shape, q),
     )
 
 
@@ -120,6 +127,7 @@ def dequantize_into(
         _dims(shape),
         _dtype_code(dst, "dst"),
         (0, shape.layers),
+        rotation=_rotation(shape, q),
     )
 
 
@@ -147,6 +155,7 @@ def dequantize_layer(
         _dims(shape),
         _dtype_code(dst, "dst"),
         (layer, 1),
+        rotation=_rotation(shape, q),
     )
 
 
@@ -167,4 +176,5 @@ def transcode_into(
         _rows(dst, dst_slots, "dst"),
         _layout(b, shape),
         _dims(shape),
+        rotation=_rotation(shape, a, b),
     )

@@ -23,9 +23,13 @@ where ``s' = s`` if ``s > 0`` else 1, ``fp16()`` rounds to nearest even after cl
 can take an fp16-max input's codes just past it, which fp16 would hold as inf). Inputs beyond
 the fp16 range saturate.
 
-Rotated codecs (``rotate=True``, torch reference only) quantize ``y = x @ H / D`` instead of the
-head vectors ``x``, with ``H`` the ``[D, D]`` Hadamard matrix of :func:`_hadamard` (entries ±1,
-``H @ H.T == D * I``), and decode ``x = y @ H.T``, clamped to ±65504. Dividing by ``D`` rather
+Rotated codecs (``rotate=True``: the torch reference and the native code, no CUDA kernels yet)
+quantize ``y = x @ H / D`` instead of the head vectors ``x``, with ``H`` the ``[D, D]`` Hadamard
+matrix of :func:`_hadamard` (entries ±1, ``H @ H.T == D * I``), and decode ``x = y @ H.T``,
+clamped to ±65504. Both products run as Sylvester's transform (``log2(D)`` passes of
+butterflies ``(a, b) -> (a + b, a - b)``, :func:`_walsh_hadamard`) and one multiply by the
+signs (over ``D``), in the order the native code (``crates/kvtier-attend/src/rotation.rs``)
+takes, so the two round alike and write the same bytes. Dividing by ``D`` rather
 than ``sqrt(D)`` (the orthogonal rotation) bounds every ``|y|`` by ``max |x|``: a rotated
 vector never leaves the range an unrotated one may hold (the orthogonal rotation takes a
 coherent vector, such as a constant, ``sqrt(D)`` times past it, where fp16 scales saturate), so
@@ -108,10 +112,9 @@ class QuantCodec(Codec):
         self.group_size = group_size
         self.rotate = bool(rotate)
         if self.rotate:
-            # The kernels (CUDA and native) read codes of unrotated K/V; a rotated codec runs the
-            # torch reference (on any device) and attention stages its blocks decoded.
+            # The CUDA kernels read codes of unrotated K/V: a rotated codec runs the torch
+            # reference on a GPU (its native code rotates; so does the CPU attention kernel).
             self.has_kernels = False
-            self.has_native = False
             # v1 rotated by H / sqrt(D): its bytes would decode sqrt(D) times too large here.
             self.version = 2
 
@@ -236,8 +239,7 @@ class QuantCodec(Codec):
         torch = torch_module()
         x = blocks.float()
         if self.rotate:
-            D = x.shape[-1]
-            x = (x @ _hadamard(D, x.device)).mul_(1.0 / D)  # |x| stays within max |blocks|
+            x = _rotated(x)  # |x| stays within max |blocks|
         n, L, _, H, B, D = x.shape
         parts = {}
         if not self.key_per_channel:
@@ -264,7 +266,8 @@ class QuantCodec(Codec):
         x = self._dequantize(parts, shape)
         if not self.rotate:
             return x
-        return (x @ _hadamard(shape.head_dim, x.device).T).clamp_(-_FP16_MAX, _FP16_MAX)
+        # +0: zeros come out +0, as the rotation leaves them (a group then has one minimum)
+        return _unrotated(x).clamp_(-_FP16_MAX, _FP16_MAX).add_(0.0)
 
     def _dequantize(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
         torch = torch_module()
@@ -334,12 +337,46 @@ def _hadamard(dim: int, device: Any) -> torch.Tensor:
 
 @functools.cache
 def hadamard_signs(dim: int) -> np.ndarray:
-    """The column signs of the ``dim``-wide rotation (the first row of :func:`_hadamard`, since
-    Sylvester's first row is all ones), float32: what the CPU attention kernel takes to rotate
-    queries and un-rotate outputs itself (read-only)."""
+    """The column signs of the ``dim``-wide rotation (``H = S diag(signs)``, ``S`` Sylvester's
+    matrix; the first row of :func:`_hadamard`), float32 ±1: what the native code and the CPU
+    attention kernel take to rotate (read-only)."""
     signs = _hadamard_cpu(dim)[0].numpy().astype(np.float32)
     signs.flags.writeable = False
     return signs
+
+
+def _rotated(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H / D`` along the last axis, as the native code computes it: Sylvester's
+    transform, then one multiply by ``signs / D`` (exact: ±2^-k), then ``+ 0`` (a zero comes
+    out +0: a group holding both zeros has no one minimum, and torch's reduction picks
+    either)."""
+    torch = torch_module()
+    D = x.shape[-1]
+    scale = torch.from_numpy(hadamard_signs(D) / np.float32(D)).to(x.device)
+    return _walsh_hadamard(x).mul_(scale).add_(0.0)
+
+
+def _unrotated(y: torch.Tensor) -> torch.Tensor:
+    """``y @ H.T`` along the last axis, as the native code computes it: the signs, then
+    Sylvester's transform."""
+    torch = torch_module()
+    signs = torch.from_numpy(hadamard_signs(y.shape[-1]).copy()).to(y.device)
+    return _walsh_hadamard(y * signs)
+
+
+def _walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
+    """``x @ S`` along the last axis (``S`` Sylvester's symmetric ±1 matrix of its length, a
+    power of two): pass ``h`` = 1, 2, 4 ... turns each pair of entries ``h`` apart within a run
+    of ``2h`` into their sum and difference, each one fp32 operation."""
+    torch = torch_module()
+    *lead, D = x.shape
+    h = 1
+    while h < D:
+        pairs = x.reshape(*lead, D // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, D)
+        h *= 2
+    return x
 
 
 @functools.cache

@@ -251,7 +251,7 @@ fn encode(p: &PackedFormat, dtype: FloatDtype, blocks: &[u8], exec: Exec) -> Vec
     let mut rows = vec![0xa5u8; n * p.row_bytes];
     let src: Vec<&[u8]> = blocks.chunks_exact(blocks.len() / n).collect();
     let mut dst: Vec<&mut [u8]> = rows.chunks_exact_mut(p.row_bytes).collect();
-    quantize(DIMS, dtype, p, &src, &mut dst, exec).unwrap();
+    quantize(DIMS, dtype, p, &src, &mut dst, &[], exec).unwrap();
     rows
 }
 
@@ -270,7 +270,7 @@ fn decode(
     let mut out = vec![0x5au8; n * per];
     let src: Vec<&[u8]> = rows.chunks_exact(p.row_bytes).collect();
     let mut dst: Vec<&mut [u8]> = out.chunks_exact_mut(per).collect();
-    dequantize(DIMS, p, layers, &src, dtype, &mut dst, exec).unwrap();
+    dequantize(DIMS, p, layers, &src, dtype, &mut dst, &[], exec).unwrap();
     out
 }
 
@@ -424,7 +424,7 @@ fn threads_and_instruction_sets_write_the_same_bytes() {
         let mut rows = vec![0u8; n * p.row_bytes];
         let src: Vec<&[u8]> = blocks.chunks_exact(blocks.len() / n).collect();
         let mut dst: Vec<&mut [u8]> = rows.chunks_exact_mut(p.row_bytes).collect();
-        quantize(dims, FloatDtype::F16, &p, &src, &mut dst, exec).unwrap();
+        quantize(dims, FloatDtype::F16, &p, &src, &mut dst, &[], exec).unwrap();
         rows
     };
     let one = run(Exec {
@@ -464,7 +464,7 @@ fn transcode_is_encoding_the_fp32_decode() {
             let mut got = vec![0u8; 2 * b.row_bytes];
             let src: Vec<&[u8]> = rows.chunks_exact(a.row_bytes).collect();
             let mut dst: Vec<&mut [u8]> = got.chunks_exact_mut(b.row_bytes).collect();
-            transcode(DIMS, a, b, &src, &mut dst, Exec { threads: 1, isa }).unwrap();
+            transcode(DIMS, a, b, &src, &mut dst, &[], Exec { threads: 1, isa }).unwrap();
             assert!(got == want, "{:?} -> {:?} {isa:?}", a.format, b.format);
         }
     }
@@ -503,6 +503,7 @@ fn zeros_order_minus_zero_below_plus_zero() {
         &p,
         &[&f32_bytes(&x)],
         &mut [&mut row],
+        &[],
         Exec::default(),
     )
     .unwrap();
@@ -520,7 +521,7 @@ fn bad_input_is_refused_before_anything_is_written() {
     let exec = Exec::default();
     let q = |dims: BlockDims, p: &PackedFormat, src: &[&[u8]], row: &mut Vec<u8>| {
         let mut dst: Vec<&mut [u8]> = row.chunks_mut(p.row_bytes.max(1)).collect();
-        quantize(dims, FloatDtype::F32, p, src, &mut dst, exec)
+        quantize(dims, FloatDtype::F32, p, src, &mut dst, &[], exec)
     };
     let err = |r: Result<()>| r.unwrap_err().to_string();
     assert!(err(q(DIMS, &p, &[&blocks[4..]], &mut row)).contains("src"));
@@ -550,16 +551,18 @@ fn bad_input_is_refused_before_anything_is_written() {
         &[&row],
         FloatDtype::F32,
         &mut [&mut out],
+        &[],
         exec,
     );
     assert!(err(r).contains("layers"));
-    let layout = [4, 1, 1, 8, 0, 10, 20, 30, 40, 50];
+    let layout = [4, 1, 1, 8, 0, 10, 20, 30, 40, 50, 0];
     assert_eq!(
         PackedFormat::from_layout(&layout).unwrap().format.v_zero,
         40
     );
-    assert!(PackedFormat::from_layout(&[3, 1, 1, 8, 0, 10, 20, 30, 40, 50]).is_err());
-    assert!(PackedFormat::from_layout(&layout[..9]).is_err());
-    assert!(PackedFormat::from_layout(&[4, 2, 1, 8, 0, 10, 20, 30, 40, 50]).is_err());
-    assert!(PackedFormat::from_layout(&[4, 1, 1, -8, 0, 10, 20, 30, 40, 50]).is_err());
+    assert!(PackedFormat::from_layout(&[3, 1, 1, 8, 0, 10, 20, 30, 40, 50, 0]).is_err());
+    assert!(PackedFormat::from_layout(&layout[..10]).is_err());
+    assert!(PackedFormat::from_layout(&[4, 1, 1, 8, 0, 10, 20, 30, 40, 50, 2]).is_err());
+    assert!(PackedFormat::from_layout(&[4, 2, 1, 8, 0, 10, 20, 30, 40, 50, 0]).is_err());
+    assert!(PackedFormat::from_layout(&[4, 1, 1, -8, 0, 10, 20, 30, 40, 50, 0]).is_err());
 }
