@@ -177,6 +177,7 @@ pub fn quantize(
 /// Dequantizes layers `layers` of packed rows into float blocks: `src[i]` a row of `from`,
 /// `dst[i]` the block of those layers (`[layers.len(), 2, heads, block, dim]` values of
 /// `dtype`).
+#[allow(clippy::too_many_arguments)]
 pub fn dequantize(
     dims: BlockDims,
     from: &PackedFormat,
