@@ -1,7 +1,8 @@
 // kvtier's attention kernel: the attention output of the newest queries of S sequences at one
 // layer, computed straight over their K/V blocks where they lie in the pools (float pools read
-// as they are, int8/int4/int2 pools dequantized in registers a tile at a time), without gathering
-// the cache or decoding it to a full-precision copy. The contract, the pool layouts, the 16
+// as they are, int8/int4/int2 pools dequantized in registers a tile at a time, rotated ones
+// turned back in shared memory by kvtier_common.cuh's unrotate_rows), without gathering the cache or decoding it to a full-precision
+// copy. The contract, the pool layouts, the 16
 // int64s that describe a pool and the torch reference it must match are in
 // python/kvtier/attend/call.py; the launches are in python/kvtier/attend/cuda.py.
 //
@@ -63,6 +64,7 @@ typedef unsigned long long u64;
 #define KIND_FLOAT 0
 #define FLAG_ASYMMETRIC 1
 #define FLAG_KEY_PER_CHANNEL 2
+#define FLAG_ROTATED 4
 
 // ---- small helpers (the conversions are in kernels/kvtier_common.cuh) ---------------------
 
@@ -196,14 +198,16 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 // Arguments: q/out [S, Q, Hq, D]; part_out [S, Hkv, splits, R, D] fp32 (splits > 1 only);
 // part_lse [S, Hkv, splits, R]; blse [S, M, Hkv, R]; seq_lens [S], block_pool/block_slot
-// [S, M] int32; descs [pools, 16] int64. R = (Hq / Hkv) * Q rows per K/V head; RT rows per
+// [S, M] int32; descs [pools, 16] int64; rotation [D] fp32 (±1: the rotated pools' signs, null
+// when no pool is rotated). R = (Hq / Hkv) * Q rows per K/V head; RT rows per
 // CTA (<= MAX_ROWS); T tokens per tile (a multiple of B, T / B <= MAX_TILE_BLOCKS, B divides
 // 32); bps blocks per split. scale_log2 = scale * log2(e): scores live in the log2 domain.
 template <class IO>
 __device__ void attend_tiles(const typename IO::T* q, typename IO::T* out, float* part_out,
                              float* part_lse, float* blse, const int* seq_lens,
                              const int* block_pool, const int* block_slot, const i64* descs,
-                             int Q, int Hq, int Hkv, int B, int D, int M, int layer,
+                             const float* rotation, int Q, int Hq, int Hkv, int B, int D, int M,
+                             int layer,
                              float scale_log2, int RT, int T, int bps, int splits) {
     extern __shared__ Word4 smem_words[];
     __shared__ BlockRef refs[MAX_TILE_BLOCKS];
@@ -278,6 +282,12 @@ __device__ void attend_tiles(const typename IO::T* q, typename IO::T* out, float
             load_tile(refs[bi], 1, hk, Hkv, B, D, vs + bi * B * D, D);
         }
         __syncthreads();
+        for (int bi = 0; bi < nb; ++bi) {  // uniform too: rotated blocks turned back
+            const BlockRef& r = refs[bi];
+            if (r.row == nullptr || r.kind == KIND_FLOAT || !(r.flags & FLAG_ROTATED)) continue;
+            unrotate_rows(ks + bi * B * (D + 1), B, D + 1, D, rotation);
+            unrotate_rows(vs + bi * B * D, B, D, D, rotation);
+        }
 
         // Scores: one (row, token) pair per thread step; a warp's lanes take consecutive
         // tokens of one row (q broadcast, K rows padded to D + 1: no bank conflicts).
@@ -452,10 +462,11 @@ __device__ void attend_combine(typename IO::T* out, const float* part_out, const
     extern "C" __global__ void kvtier_attend_##SUFFIX(                                         \
         const IO::T* q, IO::T* out, float* part_out, float* part_lse, float* blse,             \
         const int* seq_lens, const int* block_pool, const int* block_slot, const i64* descs,   \
-        int Q, int Hq, int Hkv, int B, int D, int M, int layer, float scale_log2, int RT,      \
-        int T, int bps, int splits) {                                                          \
+        const float* rotation, int Q, int Hq, int Hkv, int B, int D, int M, int layer,         \
+        float scale_log2, int RT, int T, int bps, int splits) {                                \
         attend_tiles<IO>(q, out, part_out, part_lse, blse, seq_lens, block_pool, block_slot,   \
-                         descs, Q, Hq, Hkv, B, D, M, layer, scale_log2, RT, T, bps, splits);   \
+                         descs, rotation, Q, Hq, Hkv, B, D, M, layer, scale_log2, RT, T, bps,  \
+                         splits);                                                              \
     }                                                                                          \
     extern "C" __global__ void kvtier_attend_combine_##SUFFIX(                                 \
         IO::T* out, const float* part_out, const float* part_lse, const float* blse,           \

@@ -37,10 +37,10 @@ __device__ __forceinline__ float fp16_round(float x) {
 
 // ---- a packed format ---------------------------------------------------------------------
 
-// The host passes a format as int64s (python/kvtier/codecs/layout.py, `layout`): the first 10
-// (the 11th, `rotated`, is the CPU code's: a rotated codec has no CUDA kernels).
+// The host passes a format as 11 int64s (python/kvtier/codecs/layout.py, `layout`); a rotated
+// one's signs come with the launch (`rotation`, D floats of ±1).
 struct Layout {
-    int bits, asym, key_per_channel, group;
+    int bits, asym, key_per_channel, group, rotated;
     i64 codes, k_scale, k_zero, v_scale, v_zero, row_bytes;
 };
 
@@ -56,6 +56,7 @@ __device__ __forceinline__ Layout read_layout(const i64* p) {
     f.v_scale = p[7];
     f.v_zero = p[8];
     f.row_bytes = p[9];
+    f.rotated = (int)p[10];
     return f;
 }
 
@@ -187,8 +188,8 @@ __device__ __forceinline__ void tile_coords(i64 tile, int L, int H, i64* i, int*
 // Float pool -> packed pool. Grid: n * L * 2 * H blocks; dynamic shared memory from the host.
 template <class In>
 __device__ void quantize_blocks(const typename In::T* src, const i64* src_slots, u8* dst,
-                                const i64* dst_slots, const i64* layout, int L, int H, int B,
-                                int D) {
+                                const i64* dst_slots, const i64* layout, const float* rotation,
+                                int L, int H, int B, int D) {
     extern __shared__ float smem[];
     const Layout f = read_layout(layout);
     i64 i;
@@ -198,6 +199,7 @@ __device__ void quantize_blocks(const typename In::T* src, const i64* src_slots,
     const typename In::T* in = src + src_slots[i] * block_elems + (i64)((l * 2 + kv) * H + h) * B * D;
     for (int e = threadIdx.x; e < B * D; e += blockDim.x) smem[(e / D) * (D + 1) + e % D] = In::load(in[e]);
     __syncthreads();
+    if (f.rotated) rotate_rows(smem, B, D + 1, D, rotation);
     quantize_tile(smem, f, dst + dst_slots[i] * f.row_bytes, l, kv, h, H, B, D);
 }
 
@@ -231,28 +233,55 @@ __device__ void dequantize_blocks(const u8* src, const i64* src_slots, typename 
     }
 }
 
+// A tile of a packed row -> fp32 in shared memory (rows padded to D + 1).
+__device__ void dequantize_tile(const u8* row, const Layout& f, int l, int kv, int h, int H,
+                                int B, int D, float* smem) {
+    const u16* row16 = (const u16*)row;
+    const int tile = (l * 2 + kv) * H + h;
+    const u8* codes = row + f.codes + (i64)tile * B * D / (8 / f.bits);
+    const int groups = tile_groups(f, kv, B, D);
+    const i64 si = scale_index(f, kv, l, h, H, groups), zi = zero_index(f, kv, l, h, H, groups);
+    for (int e = threadIdx.x; e < B * D; e += blockDim.x) {
+        const int b = e / D, d = e % D, g = group_of(f, kv, b, d, D);
+        const float s = half_to_float(row16[si + g]);
+        const float z = f.asym ? half_to_float(row16[zi + g]) : 0.0f;
+        smem[b * (D + 1) + d] = dequantize(read_code(codes, f, b, d, D), s, z, f.asym);
+    }
+    __syncthreads();
+}
+
+// Packed pool of a rotated format -> float pool: a CUDA block per (slot, layer, kv, head) tile,
+// decoded and turned back in shared memory. Grid: n * L * 2 * H blocks.
+template <class Out>
+__device__ void dequantize_rotated_blocks(const u8* src, const i64* src_slots,
+                                          typename Out::T* dst, const i64* dst_slots,
+                                          const i64* layout, const float* rotation, int L, int H,
+                                          int B, int D) {
+    extern __shared__ float smem[];
+    const Layout f = read_layout(layout);
+    i64 i;
+    int l, kv, h;
+    tile_coords(blockIdx.x, L, H, &i, &l, &kv, &h);
+    dequantize_tile(src + src_slots[i] * f.row_bytes, f, l, kv, h, H, B, D, smem);
+    unrotate_rows(smem, B, D + 1, D, rotation);
+    const i64 block_elems = (i64)L * 2 * H * B * D;
+    typename Out::T* out = dst + dst_slots[i] * block_elems + (i64)((l * 2 + kv) * H + h) * B * D;
+    for (int e = threadIdx.x; e < B * D; e += blockDim.x)
+        out[e] = Out::store_finite(smem[(e / D) * (D + 1) + e % D]);
+}
+
 // Packed pool (one format) -> packed pool (another), dequantized in shared memory only.
 __device__ void transcode_blocks(const u8* src, const i64* src_slots, const i64* src_layout,
-                                 u8* dst, const i64* dst_slots, const i64* dst_layout, int L,
-                                 int H, int B, int D) {
+                                 u8* dst, const i64* dst_slots, const i64* dst_layout,
+                                 const float* rotation, int L, int H, int B, int D) {
     extern __shared__ float smem[];
     const Layout from = read_layout(src_layout), to = read_layout(dst_layout);
     i64 i;
     int l, kv, h;
     tile_coords(blockIdx.x, L, H, &i, &l, &kv, &h);
-    const u8* row = src + src_slots[i] * from.row_bytes;
-    const u16* row16 = (const u16*)row;
-    const int tile = (l * 2 + kv) * H + h;
-    const u8* codes = row + from.codes + (i64)tile * B * D / (8 / from.bits);
-    const int groups = tile_groups(from, kv, B, D);
-    const i64 si = scale_index(from, kv, l, h, H, groups), zi = zero_index(from, kv, l, h, H, groups);
-    for (int e = threadIdx.x; e < B * D; e += blockDim.x) {
-        const int b = e / D, d = e % D, g = group_of(from, kv, b, d, D);
-        const float s = half_to_float(row16[si + g]);
-        const float z = from.asym ? half_to_float(row16[zi + g]) : 0.0f;
-        smem[b * (D + 1) + d] = dequantize(read_code(codes, from, b, d, D), s, z, from.asym);
-    }
-    __syncthreads();
+    dequantize_tile(src + src_slots[i] * from.row_bytes, from, l, kv, h, H, B, D, smem);
+    if (from.rotated) unrotate_rows(smem, B, D + 1, D, rotation);
+    if (to.rotated) rotate_rows(smem, B, D + 1, D, rotation);
     quantize_tile(smem, to, dst + dst_slots[i] * to.row_bytes, l, kv, h, H, B, D);
 }
 
@@ -261,13 +290,19 @@ __device__ void transcode_blocks(const u8* src, const i64* src_slots, const i64*
 #define KVTIER_FLOAT_KERNELS(SUFFIX, TYPE)                                                      \
     extern "C" __global__ void kvtier_quantize_##SUFFIX(                                        \
         const TYPE::T* src, const i64* src_slots, u8* dst, const i64* dst_slots,                \
-        const i64* layout, int L, int H, int B, int D) {                                        \
-        quantize_blocks<TYPE>(src, src_slots, dst, dst_slots, layout, L, H, B, D);              \
+        const i64* layout, const float* rotation, int L, int H, int B, int D) {                 \
+        quantize_blocks<TYPE>(src, src_slots, dst, dst_slots, layout, rotation, L, H, B, D);    \
     }                                                                                           \
     extern "C" __global__ void kvtier_dequantize_##SUFFIX(                                      \
         const u8* src, const i64* src_slots, TYPE::T* dst, const i64* dst_slots,                \
         const i64* layout, i64 n, int L, int H, int B, int D) {                                 \
         dequantize_blocks<TYPE>(src, src_slots, dst, dst_slots, layout, n, L, H, B, D);         \
+    }                                                                                           \
+    extern "C" __global__ void kvtier_dequantize_rotated_##SUFFIX(                              \
+        const u8* src, const i64* src_slots, TYPE::T* dst, const i64* dst_slots,                \
+        const i64* layout, const float* rotation, int L, int H, int B, int D) {                 \
+        dequantize_rotated_blocks<TYPE>(src, src_slots, dst, dst_slots, layout, rotation, L, H, \
+                                        B, D);                                                  \
     }
 
 KVTIER_FLOAT_KERNELS(f16, F16)
@@ -276,6 +311,8 @@ KVTIER_FLOAT_KERNELS(f32, F32)
 
 extern "C" __global__ void kvtier_transcode(const u8* src, const i64* src_slots,
                                             const i64* src_layout, u8* dst, const i64* dst_slots,
-                                            const i64* dst_layout, int L, int H, int B, int D) {
-    transcode_blocks(src, src_slots, src_layout, dst, dst_slots, dst_layout, L, H, B, D);
+                                            const i64* dst_layout, const float* rotation, int L,
+                                            int H, int B, int D) {
+    transcode_blocks(src, src_slots, src_layout, dst, dst_slots, dst_layout, rotation, L, H, B,
+                     D);
 }

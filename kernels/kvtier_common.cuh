@@ -53,3 +53,51 @@ struct F32 {
     static __device__ __forceinline__ T store(float f) { return f; }
     static __device__ __forceinline__ T store_finite(float f) { return f; }
 };
+
+// ---- the rotation of rotated formats -----------------------------------------------------
+// H = S diag(signs), S Sylvester's D x D matrix (D a power of two): a rotated format stores each
+// head vector x as x @ H / D and decodes y @ H^T, in the order python/kvtier/codecs/quant.py and
+// crates/kvtier-attend/src/rotation.rs take (butterflies h = 1, 2, 4 ... apart, then the signs;
+// zeros +0), each step one IEEE fp32 operation. Rows of shared memory, every thread of the CTA
+// calling.
+
+// Sylvester's transform of `rows` rows of D floats, `stride` floats apart.
+__device__ void walsh_hadamard_rows(float* x, int rows, int stride, int D) {
+    const int half = D >> 1;
+    for (int h = 1; h < D; h <<= 1) {
+        for (int e = threadIdx.x; e < rows * half; e += blockDim.x) {
+            const int t = e / half, p = e % half;
+            float* pair = x + t * stride + (p / h) * 2 * h + p % h;
+            const float a = pair[0], b = pair[h];
+            pair[0] = __fadd_rn(a, b);
+            pair[h] = __fsub_rn(a, b);
+        }
+        __syncthreads();
+    }
+}
+
+// x <- x @ H / D: a value as a rotated format stores it.
+__device__ void rotate_rows(float* x, int rows, int stride, int D, const float* signs) {
+    walsh_hadamard_rows(x, rows, stride, D);
+    const float over_d = 1.0f / (float)D;  // exact: D is a power of two
+    for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
+        float* v = x + (e / D) * stride + e % D;
+        *v = __fadd_rn(__fmul_rn(*v, __fmul_rn(signs[e % D], over_d)), 0.0f);
+    }
+    __syncthreads();
+}
+
+// x <- x @ H^T, clamped to fp16's range: a stored value back, as the codecs decode it.
+__device__ void unrotate_rows(float* x, int rows, int stride, int D, const float* signs) {
+    for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
+        float* v = x + (e / D) * stride + e % D;
+        *v = __fmul_rn(*v, signs[e % D]);
+    }
+    __syncthreads();
+    walsh_hadamard_rows(x, rows, stride, D);
+    for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
+        float* v = x + (e / D) * stride + e % D;
+        *v = __fadd_rn(fminf(fmaxf(*v, -65504.0f), 65504.0f), 0.0f);
+    }
+    __syncthreads();
+}

@@ -24,7 +24,7 @@ CODECS: dict[str, Callable[[], QuantCodec]] = {
     "int2-sym": lambda: Int2Codec(asymmetric=False),
     "int2-ktok": lambda: Int2Codec(key_per_channel=False),
 }
-#: Rotated codecs: the torch reference and the native code write them (no CUDA kernels yet).
+#: Rotated codecs: the torch reference, the native code and the CUDA kernels write them alike.
 ROTATED: dict[str, Callable[[], QuantCodec]] = {
     "int2-rot": lambda: Int2Codec(rotate=True),
     "int2-rot-g64": lambda: Int2Codec(group_size=64, rotate=True),

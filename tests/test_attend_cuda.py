@@ -259,6 +259,11 @@ MIXES: dict[str, tuple[str, list[str | Codec]]] = {
     "int2-ladder": ("fp16", ["fp16", "int8", "int4", "int2"]),
     "bf16-ladder": ("bf16", ["bf16", "int8", "int4", CUSTOM]),
     "bf16-int2-ladder": ("bf16", ["bf16", "int8", "int2", CUSTOM_INT2]),
+    # rotated codecs: each tile turned back in shared memory
+    "int2-rot": ("fp32", ["int2-rot"]),
+    "int4-rot": ("fp16", ["int4-rot"]),
+    "2bit-ladder": ("fp16", ["fp16", "int2-rot", "int2-rot-g64"]),
+    "rotated-and-plain": ("bf16", ["bf16", "int8", "int4-rot", "int2", "int2-rot-g64"]),
 }
 
 
@@ -305,7 +310,7 @@ def test_odd_lengths_and_many_sequences_match_the_reference(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("low", PACKED)
+@pytest.mark.parametrize("low", [*PACKED, "int2-rot"])
 def test_long_contexts_split_the_block_table_and_still_match(torch_cuda: Any, low: str) -> None:
     lp = _check(
         torch_cuda,

@@ -17,6 +17,7 @@ from codec_cases import (
     CODECS,
     DATA,
     DTYPES,
+    ROTATED,
     SHAPE,
     SHAPES,
     TRANSCODES,
@@ -29,7 +30,7 @@ from kernel_ptx import entry_points
 from kernel_ptx import ptx as compile_ptx
 
 from kvtier import _core
-from kvtier.codecs import BlockShape, Int4Codec, Int8Codec, get_codec
+from kvtier.codecs import BlockShape, Int2Codec, Int4Codec, Int8Codec, get_codec
 from kvtier.codecs.cuda import kernel_source
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
@@ -40,6 +41,9 @@ ENTRY_POINTS = [
     "kvtier_dequantize_f16",
     "kvtier_dequantize_bf16",
     "kvtier_dequantize_f32",
+    "kvtier_dequantize_rotated_f16",
+    "kvtier_dequantize_rotated_bf16",
+    "kvtier_dequantize_rotated_f32",
     "kvtier_transcode",
 ]
 
@@ -111,11 +115,11 @@ def on_gpu(enc: Any) -> Any:
 @pytest.mark.gpu
 @pytest.mark.parametrize("data", list(DATA))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("which", list(CODECS))
+@pytest.mark.parametrize("which", [*CODECS, *ROTATED])
 def test_gpu_encode_and_decode_equal_the_cpu_reference(
     torch_cuda: Any, which: str, dtype: str, data: str
 ) -> None:
-    torch, codec = torch_cuda, CODECS[which]()
+    torch, codec = torch_cuda, {**CODECS, **ROTATED}[which]()
     x = DATA[data](torch, 3, SHAPE, dtype, seed=1)
     cpu = codec.encode(x, backend="torch")
     gpu = codec.encode(x.cuda(), backend="cuda")
@@ -166,12 +170,19 @@ def test_gpu_transcode_to_a_codec_without_kernels_falls_back(torch_cuda: Any) ->
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("which", ["int8", "int4", "int4-sym", "int2", "int2-sym"])
+@pytest.mark.parametrize(
+    "which", ["int8", "int4", "int4-sym", "int2", "int2-sym", "int2-rot", "int4-rot"]
+)
 def test_gpu_pool_calls_match_the_cpu_path_slot_for_slot(
     torch_cuda: Any, which: str, dtype: str
 ) -> None:
-    torch, codec = torch_cuda, CODECS[which]()
-    to = Int4Codec(group_size=64) if which == "int8" else Int8Codec(asymmetric=True)
+    """Encode, decode and transcode between pools, slot for slot (a rotated codec transcodes
+    to another rotated one and to a plain one)."""
+    torch, codec = torch_cuda, {**CODECS, **ROTATED}[which]()
+    to = {
+        "int8": Int4Codec(group_size=64),
+        "int2-rot": Int2Codec(group_size=64, rotate=True),
+    }.get(which, Int8Codec(asymmetric=True))
     row, to_row = codec.bytes_per_block(SHAPE), to.bytes_per_block(SHAPE)
     g = torch.Generator().manual_seed(4)
     src = edge_blocks(torch, 7, SHAPE, dtype, seed=5)

@@ -36,9 +36,11 @@ Pools, as the kernels read them: one row per slot, described by :data:`DESC_FIEL
   ``k_scale`` fp16 ``[layers, Hkv, Gk]`` (``Gk = D`` per channel: one group per channel along the
   block's tokens; else ``B * D / group`` per token), ``k_zero`` (asymmetric only), ``v_scale``
   ``[layers, Hkv, B * D / group]``, ``v_zero``. A value decodes as ``q * s (+ z)`` in fp32. A
-  rotated codec's (``flags`` bit 2; the CPU kernel only) decodes so in the rotated basis: the
-  kernel takes the rotation's signs (:func:`kvtier.codecs.quant.hadamard_signs`) and rotates
-  the queries and un-rotates the output instead of each block.
+  rotated codec's (``flags`` bit 2) decodes so in the rotated basis, then turns back
+  (:mod:`kvtier.codecs.quant`): the kernels take the rotation's signs
+  (:func:`kvtier.codecs.quant.hadamard_signs`, :func:`rotation_of`); the CPU one rotates the
+  queries and turns the output back rather than each block, the CUDA one turns each tile back
+  in shared memory.
 
 ``layer`` picks the layer; a pool whose ``layer_override`` is not -1 is read at that layer instead
 (a staging pool holds one layer).
@@ -86,15 +88,13 @@ ASYMMETRIC, KEY_PER_CHANNEL, ROTATED = 1, 2, 4
 FLOAT_CODES = {"fp32": 0, "fp16": 1, "bf16": 2}
 
 
-def readable(codec: Codec, device: str = "cpu") -> bool:
-    """Whether the kernel of ``device`` (``"cpu"`` or ``"cuda"``) reads this codec's blocks
-    where they lie (else they are decoded to a staging pool first): rotated codecs only on the
-    CPU, whose kernel rotates the queries and un-rotates the output instead."""
+def readable(codec: Codec) -> bool:
+    """Whether the kernels read this codec's blocks where they lie (else they are decoded to a
+    staging pool first). Rotated codecs are: the CPU kernel rotates the queries and turns the
+    output back, the CUDA kernel turns each tile back in shared memory."""
     if isinstance(codec, IdentityCodec):
         return True
-    if not isinstance(codec, QuantCodec) or codec.bits not in (2, 4, 8):
-        return False
-    return not codec.rotate or device == "cpu"
+    return isinstance(codec, QuantCodec) and codec.bits in (2, 4, 8)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from ..codecs.base import BlockShape
 from ..codecs.identity import IdentityCodec
 from ..codecs.quant import QuantCodec
 from ..errors import InvalidArgumentError
-from .call import AttentionCall, PoolView, Problem, readable
+from .call import AttentionCall, PoolView, Problem, readable, rotation_of
 
 if TYPE_CHECKING:
     import torch
@@ -152,7 +152,7 @@ def check_shapes(call: AttentionCall) -> None:
         t, codec = pool.tensor, pool.codec
         if t.device != q.device:
             raise InvalidArgumentError(f"pool {i}: on {t.device}, q on {q.device}")
-        if not readable(codec, "cuda"):
+        if not readable(codec):
             raise InvalidArgumentError(
                 f"pool {i}: codec {codec.name!r} is not read in place (decode it to a staging "
                 "pool first)"
@@ -210,6 +210,24 @@ def _device_descriptors(pools: Sequence[PoolView], shape: BlockShape, device: An
         # kept for launches on any stream: make sure the copy has landed first
         torch.cuda.current_stream(device).synchronize()
     return found
+
+
+_rotations: dict[tuple[int, str], Any] = {}
+
+
+def _device_rotation(pools: Sequence[PoolView], head_dim: int, device: Any) -> int:
+    """The address of the rotation's signs on ``device`` (kept, as the descriptors are) when a
+    pool is rotated, else 0."""
+    signs = rotation_of(pools, head_dim)
+    if signs is None:
+        return 0
+    key = (head_dim, str(device))
+    found = _rotations.get(key)
+    if found is None:
+        torch = torch_module()
+        found = _rotations[key] = torch.from_numpy(signs.copy()).to(device)
+        torch.cuda.current_stream(device).synchronize()
+    return int(found.data_ptr())
 
 
 def _table(x: Any, name: str, device: Any) -> Any:
@@ -346,6 +364,7 @@ def run(
             (ATTEND_THREADS,),
             (
                 *ptr[:9],
+                np.uint64(_device_rotation(call.pools, p.head_dim, device)),
                 *dims,
                 i32(layer),
                 np.float32(scale * math.log2(math.e)),

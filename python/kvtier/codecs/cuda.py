@@ -17,6 +17,7 @@ from .. import _cuda
 from .._torch import torch_module
 from .base import BlockShape, Codec
 from .layout import QuantFormat, layout
+from .quant import hadamard_signs
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +86,23 @@ def _device_layout(codec: QuantFormat, shape: BlockShape, device: torch.device) 
     return _layouts[key]
 
 
+_rotations: dict[tuple[int, str], Any] = {}
+
+
+def _rotation(shape: BlockShape, device: torch.device, *codecs: QuantFormat) -> np.uint64:
+    """The address of the rotation's signs on ``device`` (kept) when one of ``codecs`` is
+    rotated, else 0."""
+    if not any(c.rotate for c in codecs):
+        return np.uint64(0)
+    key = (shape.head_dim, str(device))
+    if key not in _rotations:
+        torch = torch_module()
+        signs = torch.from_numpy(hadamard_signs(shape.head_dim).copy()).to(device)
+        torch.cuda.current_stream(device).synchronize()  # kept for launches on any stream
+        _rotations[key] = signs
+    return np.uint64(_rotations[key].data_ptr())
+
+
 def _pools(
     src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor
 ) -> tuple[Any, ...]:
@@ -102,7 +120,11 @@ def quantize_into(
     """Float pool rows -> packed pool rows: one CUDA block per (slot, layer, K/V, head)."""
     q = _quant(codec)
     n = int(src_slots.numel())
-    args = (*_pools(src, src_slots, dst, dst_slots), _device_layout(q, shape, src.device))
+    args = (
+        *_pools(src, src_slots, dst, dst_slots),
+        _device_layout(q, shape, src.device),
+        _rotation(shape, src.device, q),
+    )
     grid = n * shape.layers * 2 * shape.kv_heads
     _launch(
         f"kvtier_quantize_{_SUFFIX[shape.dtype]}",
@@ -121,9 +143,21 @@ def dequantize_into(
     dst_slots: torch.Tensor,
     shape: BlockShape,
 ) -> None:
-    """Packed pool rows -> float pool rows (dtype of ``dst``): one thread per code byte."""
+    """Packed pool rows -> float pool rows (dtype of ``dst``): one thread per code byte; a
+    rotated format's, one CUDA block per tile (turned back in shared memory)."""
     q = _quant(codec)
     n = int(src_slots.numel())
+    if q.rotate:
+        args = (
+            *_pools(src, src_slots, dst, dst_slots),
+            _device_layout(q, shape, src.device),
+            _rotation(shape, src.device, q),
+            *_dims(shape),
+        )
+        grid = n * shape.layers * 2 * shape.kv_heads
+        smem = 4 * shape.block_size * (shape.head_dim + 1)
+        _launch(f"kvtier_dequantize_rotated_{_SUFFIX[shape.dtype]}", src.device, grid, args, smem)
+        return
     code_bytes = n * shape.elements * q.bits // 8
     grid = min(-(-code_bytes // THREADS), 65535 * 32)
     args = (
@@ -153,6 +187,7 @@ def transcode_into(
         _as_cupy(dst),
         _as_cupy(dst_slots),
         _device_layout(b, shape, src.device),
+        _rotation(shape, src.device, a, b),
         *_dims(shape),
     )
     grid = n * shape.layers * 2 * shape.kv_heads

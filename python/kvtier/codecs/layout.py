@@ -36,8 +36,8 @@ class QuantFormat(Protocol):
 def layout(codec: QuantFormat, shape: BlockShape) -> np.ndarray:
     """The 11 int64s that describe a packed format to the kernels: ``bits, asymmetric,
     key_per_channel, group, codes, k_scale, k_zero, v_scale, v_zero, row_bytes, rotated``
-    (offsets in bytes from the row's start; the zero points' are 0 when symmetric; the CUDA
-    kernels read the first 10: a rotated codec has none)."""
+    (offsets in bytes from the row's start; the zero points' are 0 when symmetric; a rotated
+    format's signs go with each call)."""
     off = codec.offsets(shape)
     return np.array(
         [

@@ -23,13 +23,13 @@ where ``s' = s`` if ``s > 0`` else 1, ``fp16()`` rounds to nearest even after cl
 can take an fp16-max input's codes just past it, which fp16 would hold as inf). Inputs beyond
 the fp16 range saturate.
 
-Rotated codecs (``rotate=True``: the torch reference and the native code, no CUDA kernels yet)
-quantize ``y = x @ H / D`` instead of the head vectors ``x``, with ``H`` the ``[D, D]`` Hadamard
+Rotated codecs (``rotate=True``) quantize ``y = x @ H / D`` instead of the head vectors ``x``, with ``H`` the ``[D, D]`` Hadamard
 matrix of :func:`_hadamard` (entries ±1, ``H @ H.T == D * I``), and decode ``x = y @ H.T``,
 clamped to ±65504. Both products run as Sylvester's transform (``log2(D)`` passes of
 butterflies ``(a, b) -> (a + b, a - b)``, :func:`_walsh_hadamard`) and one multiply by the
-signs (over ``D``), in the order the native code (``crates/kvtier-attend/src/rotation.rs``)
-takes, so the two round alike and write the same bytes. Dividing by ``D`` rather
+signs (over ``D``), in the order the native code (``crates/kvtier-attend/src/rotation.rs``) and
+the CUDA kernels (``kernels/kvtier_common.cuh``) take, so all three round alike and write the
+same bytes. Dividing by ``D`` rather
 than ``sqrt(D)`` (the orthogonal rotation) bounds every ``|y|`` by ``max |x|``: a rotated
 vector never leaves the range an unrotated one may hold (the orthogonal rotation takes a
 coherent vector, such as a constant, ``sqrt(D)`` times past it, where fp16 scales saturate), so
@@ -112,9 +112,6 @@ class QuantCodec(Codec):
         self.group_size = group_size
         self.rotate = bool(rotate)
         if self.rotate:
-            # The CUDA kernels read codes of unrotated K/V: a rotated codec runs the torch
-            # reference on a GPU (its native code rotates; so does the CPU attention kernel).
-            self.has_kernels = False
             # v1 rotated by H / sqrt(D): its bytes would decode sqrt(D) times too large here.
             self.version = 2
 

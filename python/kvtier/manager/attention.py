@@ -129,7 +129,7 @@ class AttentionTables:
         #: index of its pool in :attr:`views`; -2: staged, -1: out of attention (a drop level)
         self.lut = np.full((len(Plan.TIERS), levels), -2, dtype=np.int32)
         for (tier, level), pool in tiers.pools.items():
-            if tier in readable_tiers and readable(codecs[level], tiers.device.type):
+            if tier in readable_tiers and readable(codecs[level]):
                 self.lut[Plan.TIERS.index(tier), level] = len(self.views)
                 self.views.append(PoolView(pool, codecs[level]))
         if drop_level is not None:
