@@ -1,7 +1,8 @@
 //! Time per call of the kernel at the decode shapes of benchmarks/attend_cpu.py (SmolLM2 at 512
 //! and 4096 tokens, and 1024 and 2048 between them where splitting a call over threads starts
 //! to pay; Llama-3-8B 4 x 528), over blocks all at level 0, all int8 (symmetric, per
-//! token), all int4 and all int2 (asymmetric, keys per channel), with no Python in the way:
+//! token), all int4, all int2 and all rotated int2 (asymmetric, keys per channel, values in
+//! groups of 32 as the shipped codecs group them), with no Python in the way:
 //! `cargo bench -p kvtier-attend [-- FILTER]`. Prints figures (best mean of several batches),
 //! never passes or fails. `KVTIER_BENCH_ISA=scalar` runs the portable loops;
 //! `KVTIER_BENCH_CALLS=N` makes N calls of each case on one thread and times nothing (for
@@ -31,6 +32,17 @@ enum Mix {
     Int8,
     Int4,
     Int2,
+    Int2Rot,
+}
+
+/// Values a group of the shipped int4 and int2 codecs (python/kvtier/codecs/quant.py).
+const VALUE_GROUP: usize = 32;
+
+/// The rotation's signs for rotated pools of head size `d` (any ±1 will do for timing).
+fn signs(d: usize) -> Vec<f32> {
+    (0..d)
+        .map(|i| if i % 3 == 1 { -1.0 } else { 1.0 })
+        .collect()
 }
 
 struct Shape {
@@ -118,16 +130,16 @@ fn pool(
                 bytes,
             )
         }
-        Mix::Int8 | Mix::Int4 | Mix::Int2 => {
-            let (bits, asym, per_channel) = match mix {
-                Mix::Int8 => (8usize, false, false),
-                Mix::Int4 => (4, true, true),
-                _ => (2, true, true),
+        Mix::Int8 | Mix::Int4 | Mix::Int2 | Mix::Int2Rot => {
+            let (bits, asym, per_channel, group) = match mix {
+                Mix::Int8 => (8usize, false, false, d),
+                Mix::Int4 => (4, true, true, VALUE_GROUP),
+                _ => (2, true, true, VALUE_GROUP),
             };
             // per layer: codes, then K's and V's scales (and zero points)
             let codes = values * bits / 8;
-            let gk = if per_channel { d } else { B };
-            let (ks, vs) = (h * gk * 2, h * B * 2);
+            let gk = if per_channel { d } else { B * d / group };
+            let (ks, vs) = (h * gk * 2, h * B * (d / group) * 2);
             let z = usize::from(asym);
             let (k_scale, k_zero) = (layers * codes, layers * (codes + ks));
             let v_scale = k_zero + z * layers * ks;
@@ -154,13 +166,13 @@ fn pool(
             let desc = vec![
                 1,
                 bits as i64,
-                i64::from(asym) + 2 * i64::from(per_channel),
+                i64::from(asym) + 2 * i64::from(per_channel) + 4 * i64::from(mix == Mix::Int2Rot),
                 0,
                 slots as i64,
                 row as i64,
                 layers as i64,
                 -1,
-                d as i64,
+                group as i64,
                 0,
                 k_scale as i64,
                 zf(k_zero),
@@ -260,6 +272,7 @@ fn main() {
             (Mix::Int8, "int8"),
             (Mix::Int4, "int4"),
             (Mix::Int2, "int2"),
+            (Mix::Int2Rot, "int2-rot"),
         ] {
             let label = format!("{} {mix_name}", sh.name);
             if !filter.is_empty() && !filter.iter().any(|f| label.contains(f.as_str())) {
@@ -283,6 +296,11 @@ fn main() {
                 })
                 .collect();
             let seq_lens = vec![sh.tokens as i32; sh.seqs];
+            let rotation = if mix == Mix::Int2Rot {
+                signs(sh.d)
+            } else {
+                vec![]
+            };
             let block_pool = vec![0i32; slots];
             let block_slot: Vec<i32> = (0..slots as i32).collect();
             let inputs = Inputs {
@@ -292,7 +310,7 @@ fn main() {
                 block_pool: &block_pool,
                 block_slot: &block_slot,
                 pools: &pools,
-                rotation: &[],
+                rotation: &rotation,
             };
             let problem = sh.decode_step(sh.seqs, blocks, 0);
             let mut out = vec![0u8; q.len()];
@@ -354,7 +372,7 @@ fn cold(shapes: &[Shape], filter: &[String], isa: Isa) {
         .iter()
         .filter(|sh| matches!(sh.name, "smollm2-512" | "smollm2-4096"))
     {
-        for mix_name in ["level0", "int8", "int4", "int2", "ladder"] {
+        for mix_name in ["level0", "int8", "int4", "int2", "int2-rot", "ladder"] {
             let label = format!("cold {} {mix_name}", sh.name);
             if !filter.is_empty() && !filter.iter().any(|f| label.contains(f.as_str())) {
                 continue;
@@ -368,6 +386,7 @@ fn cold(shapes: &[Shape], filter: &[String], isa: Isa) {
                 "int8" => vec![Mix::Int8],
                 "int4" => vec![Mix::Int4],
                 "int2" => vec![Mix::Int2],
+                "int2-rot" => vec![Mix::Int2Rot],
                 _ => vec![Mix::Level0, Mix::Int8, Mix::Int4],
             };
             let block_pool: Vec<i32> = (0..blocks)
@@ -406,6 +425,11 @@ fn cold(shapes: &[Shape], filter: &[String], isa: Isa) {
                 .flat_map(|_| (rng.unit() * 2.0 - 1.0).to_le_bytes())
                 .collect();
             let seq_lens = [sh.tokens as i32];
+            let rotation = if levels.contains(&Mix::Int2Rot) {
+                signs(sh.d)
+            } else {
+                vec![]
+            };
             let inputs = Inputs {
                 q: &q,
                 dtype: FloatDtype::F32,
@@ -413,7 +437,7 @@ fn cold(shapes: &[Shape], filter: &[String], isa: Isa) {
                 block_pool: &block_pool,
                 block_slot: &block_slot,
                 pools: &pools,
-                rotation: &[],
+                rotation: &rotation,
             };
             let problem = sh.decode_step(1, blocks, 15);
             let mut out = vec![0u8; q.len()];

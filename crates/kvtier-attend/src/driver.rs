@@ -307,6 +307,8 @@ struct Scratch {
     owed: Vec<f32>,
     owed_rot: Vec<f32>,
     alpha_owed: Vec<f32>,
+    /// per value group of a token, the block's weights `p * s` (`[groups][rows][B]`)
+    w_groups: Vec<f32>,
 }
 
 impl Scratch {
@@ -321,6 +323,16 @@ impl Scratch {
             .unwrap_or(0);
         let quant = groups > 0;
         let rot = c.rotation.is_some();
+        // value groups a token, in formats that group values along the head
+        let value_groups = c
+            .pools
+            .iter()
+            .filter_map(|(blocks, _)| match blocks.format {
+                Format::Quant(f) if f.group > 0 => Some(d / f.group),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
         Self {
             q: vec![0.0; c.p.kv_heads * r * d],
             q_scaled: vec![0.0; if quant { r * d } else { 0 }],
@@ -343,6 +355,7 @@ impl Scratch {
             owed: vec![1.0; if rot { c.p.kv_heads * r } else { 0 }],
             owed_rot: vec![1.0; if rot { c.p.kv_heads * r } else { 0 }],
             alpha_owed: vec![0.0; if rot { r } else { 0 }],
+            w_groups: vec![0.0; value_groups * r * b],
         }
     }
 }
@@ -402,6 +415,7 @@ fn run_item<K: Kernels>(
         owed: owed_all,
         owed_rot: owed_rot_all,
         alpha_owed,
+        w_groups,
     } = sc;
     z_acc_all.fill(0.0);
     z_rot_all.fill(0.0);
@@ -645,10 +659,33 @@ fn run_item<K: Kernels>(
                             k.add_dots(s, z, &mut z_acc[r0..]);
                         }
                     } else {
-                        let vt = &mut v_tile[..nv * d];
-                        k.widen(codes, enc, vt);
-                        k.affine_tokens(vt, d, fmt.group, &vs[..ng], zero);
-                        k.accumulate(s, vt, dims, alpha, acc_rows);
+                        // sum_t p_t (code_t * s_tg + z_tg) over group g's values: the weights
+                        // p_t s_tg, a set per group, read the codes as they lie; sum_t p_t z_tg
+                        // added to the group's values after
+                        let wg = &mut w_groups[..per_token * nr * nv];
+                        for (g, wg) in wg.chunks_exact_mut(nr * nv).enumerate() {
+                            for (wrow, srow) in wg.chunks_exact_mut(nv).zip(s.chunks_exact(nv)) {
+                                for (t, (o, &pt)) in wrow.iter_mut().zip(srow).enumerate() {
+                                    *o = pt * vs[t * per_token + g];
+                                }
+                            }
+                        }
+                        k.accumulate_groups_enc(
+                            wg, codes, enc, dims, fmt.group, alpha, v_tile, acc_rows,
+                        );
+                        if let Some(z) = zero {
+                            for (arow, srow) in acc_rows.chunks_exact_mut(d).zip(s.chunks_exact(nv))
+                            {
+                                for (g, cols) in arow.chunks_exact_mut(fmt.group).enumerate() {
+                                    let zs: f32 = srow
+                                        .iter()
+                                        .enumerate()
+                                        .map(|(t, &pt)| pt * z[t * per_token + g])
+                                        .sum();
+                                    cols.iter_mut().for_each(|x| *x += zs);
+                                }
+                            }
+                        }
                     }
                 }
             }

@@ -135,6 +135,31 @@ impl Kernels for Avx2 {
         unsafe { by_encoding!(enc, accumulate(w, v, dims, alpha, acc)) }
     }
 
+    fn accumulate_groups_enc(
+        self,
+        w: &[f32],
+        v: &[u8],
+        enc: Encoding,
+        dims: TileDims,
+        group: usize,
+        alpha: &[f32],
+        tile: &mut [f32],
+        acc: &mut [f32],
+    ) {
+        let TileDims { d, rows, n } = dims;
+        if !d.is_multiple_of(8)
+            || group == 0
+            || !group.is_multiple_of(8)
+            || !d.is_multiple_of(group)
+        {
+            return Scalar.accumulate_groups_enc(w, v, enc, dims, group, alpha, tile, acc);
+        }
+        assert!(w.len() >= (d / group) * rows * n && v.len() >= enc.bytes(n * d));
+        assert!(acc.len() >= rows * d && alpha.len() >= rows);
+        let (w, v, alpha, acc) = (w.as_ptr(), v.as_ptr(), alpha.as_ptr(), acc.as_mut_ptr());
+        unsafe { by_encoding!(enc, accumulate_groups(w, v, dims, group, alpha, acc)) }
+    }
+
     fn softmax(
         self,
         s: &mut [f32],
@@ -425,6 +450,48 @@ unsafe fn accumulate<const E: u8>(
                     a += *w.add(rr * n + t) * load1::<E>(v, t * d + e);
                 }
                 *acc.add(rr * d + e) = a;
+            }
+        }
+        r += nr;
+    }
+}
+
+/// [`Kernels::accumulate_groups_enc`]: [`accumulate`]'s tiles, a group's columns at a time,
+/// each with its group's weights (`group` a multiple of 8 dividing `d`).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn accumulate_groups<const E: u8>(
+    w: *const f32,
+    v: *const u8,
+    dims: TileDims,
+    group: usize,
+    alpha: *const f32,
+    acc: *mut f32,
+) {
+    let TileDims { d, rows, n } = dims;
+    let mut r = 0;
+    while r < rows {
+        let nr = (rows - r).min(4);
+        let (alpha, acc) = (alpha.add(r), acc.add(r * d));
+        for g in 0..d / group {
+            let w = w.add((g * rows + r) * n);
+            let (mut i, end) = (g * group, (g + 1) * group);
+            macro_rules! columns {
+                ($nr:literal, $nd:literal) => {{
+                    while i + 8 * $nd <= end {
+                        value_tile::<E, $nr, $nd>(w, v, i, d, n, alpha, acc.add(i));
+                        i += 8 * $nd;
+                    }
+                    while i + 8 <= end {
+                        value_tile::<E, $nr, 1>(w, v, i, d, n, alpha, acc.add(i));
+                        i += 8;
+                    }
+                }};
+            }
+            match nr {
+                1 => columns!(1, 4),
+                2 => columns!(2, 4),
+                3 => columns!(3, 2),
+                _ => columns!(4, 2),
             }
         }
         r += nr;

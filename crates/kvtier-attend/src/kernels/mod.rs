@@ -172,6 +172,42 @@ pub(crate) trait Kernels: Copy + Send + Sync {
         self.accumulate(w, v, dims, alpha, acc);
     }
 
+    /// [`Kernels::accumulate_enc`] of values grouped per token along `d` (`group` values a
+    /// group, `d / group` groups a token), each group with weights of its own:
+    /// `acc[r][cols of g] = alpha[r] * acc[r][cols of g] + sum over t of w[(g * rows + r) * n +
+    /// t] * v[t][cols of g]` (the group's scale folded into `w`, so no pass rescales the codes).
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate_groups_enc(
+        self,
+        w: &[f32],
+        src: &[u8],
+        enc: Encoding,
+        dims: TileDims,
+        group: usize,
+        alpha: &[f32],
+        tile: &mut [f32],
+        acc: &mut [f32],
+    ) {
+        let TileDims { d, rows, n } = dims;
+        let v = widened(self, src, enc, &mut tile[..n * d]);
+        for (r, (acc, &a)) in acc[..rows * d]
+            .chunks_exact_mut(d)
+            .zip(&alpha[..rows])
+            .enumerate()
+        {
+            if a != 1.0 {
+                acc.iter_mut().for_each(|x| *x *= a);
+            }
+            for (g, cols) in acc.chunks_exact_mut(group).enumerate() {
+                for (t, &p) in w[(g * rows + r) * n..][..n].iter().enumerate() {
+                    for (x, y) in cols.iter_mut().zip(&v[t * d + g * group..][..group]) {
+                        *x += p * y;
+                    }
+                }
+            }
+        }
+    }
+
     /// One block of the online softmax for each row of `s` (`n` scores each): with `mb` the
     /// row's maximum, `m[r]` becomes `max(m[r], mb)`, the row `exp(s - m[r])` (0 below -87),
     /// `lb[r]` its sum, `alpha[r]` = `exp(m_old - m[r])` (0 from -inf), `l[r] = l[r] * alpha[r]
