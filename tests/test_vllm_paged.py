@@ -240,6 +240,32 @@ def test_gpu_save_and_load_equal_the_cpu_path_byte_for_byte(
         assert torch.equal(pool.view(torch.uint8), pools["cuda"][key].view(torch.uint8)), key
 
 
+def test_a_run_of_whole_blocks_ends_complete_whatever_wrote_its_middle_layer() -> None:
+    """Three layers: the first from vLLM's cache (which starts a run of fresh blocks), the
+    second as a tensor (the general path), the last from the cache again (through the run):
+    once the last layer is written the blocks are complete, unpinned, measured and cached."""
+    layers = 3
+    bm = BlockManager(
+        KvtierConfig(block_size=N, device_budget=1 << 20, recent_window=0),
+        layers, H, D, dtype="bf16", device="cpu",
+    )  # fmt: skip
+    tokens = list(range(700, 700 + 2 * N))
+    kvs = [per_token_kv(2, seed=60 + layer) for layer in range(layers)]
+    caches = [CASES["cpu-amx"][1](4, kv, [1, 3]) for kv in kvs]
+    layout = layout_for_backend("CPU_ATTN:amx", caches[0], num_kv_heads=H, block_size=N, head_dim=D)
+    seq = bm.add_sequence(tokens)
+    bm.append_blocks(seq, 0, PagedBlocks.of(layout, caches[0], [1, 3]))
+    bm.append_blocks(seq, 1, layout.read_blocks(caches[1], torch.tensor([1, 3])))
+    bm.append_blocks(seq, 2, PagedBlocks.of(layout, caches[2], [1, 3]))
+    blocks = bm.core.sequence_blocks(seq)
+    assert not bm.ledger.pinned[blocks].any()
+    norms = torch.stack([kv[0].float().norm(dim=-1).mean(dim=-1) for kv in kvs])  # [L, T]
+    want = norms.reshape(layers, 2, N).mean(dim=(0, 2)).numpy()
+    np.testing.assert_allclose(bm.ledger.magnitude(blocks), want, rtol=1e-4)
+    bm.free(seq)
+    assert bm.lookup(tokens) == 2 * N
+
+
 @pytest.mark.parametrize("case", ["cpu-amx", "flash-nhd"])
 def test_encoded_saves_land_where_cached_blocks_settle_and_load_back_decoded(case: str) -> None:
     """The worker's saves as it runs them on a GPU (``encode``), here on CPU caches: the core

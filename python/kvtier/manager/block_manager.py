@@ -546,7 +546,10 @@ class BlockManager:
             run.layers += 1
             run.left -= 1
             state.lengths[layer] = run.end
-            if run.left == 0:
+            # Settled once no layer is left to the run, and at the model's last layer whatever
+            # the count says (layers written out of order, some by the general path): a block
+            # complete by then is never left pinned.
+            if run.left <= 0 or layer == self._layers - 1:
                 self._settle_run(state)
         return True
 
