@@ -573,7 +573,7 @@ def test_kivi_groups_keys_per_channel_so_an_outlier_channel_stays_contained(
 
 
 def test_rotated_int2_is_int2_of_the_hadamard_rotated_vectors_and_holds_outliers_better() -> None:
-    from kvtier.codecs.quant import _hadamard
+    from kvtier.codecs.rotation import hadamard as _hadamard
 
     shape = BlockShape(2, 2, 16, 64)
     x = blocks(2, shape, torch.float32, seed=6)
@@ -675,7 +675,7 @@ def test_rotated_int2_keeps_the_unrotated_error_bound_for_every_input_in_its_ran
     blocks to ~87 % error or inf: the Hadamard rotation took a coherent vector sqrt(D) times
     past fp16, where the scales saturate. The rotated codec must quantize vectors no larger
     than its inputs, so that the unrotated codec's bound holds on them, rotated back."""
-    from kvtier.codecs.quant import _hadamard
+    from kvtier.codecs.rotation import hadamard as _hadamard
 
     codec = get_codec(name)
     assert isinstance(codec, QuantCodec)

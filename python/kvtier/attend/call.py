@@ -38,7 +38,7 @@ Pools, as the kernels read them: one row per slot, described by :data:`DESC_FIEL
   ``[layers, Hkv, B * D / group]``, ``v_zero``. A value decodes as ``q * s (+ z)`` in fp32. A
   rotated codec's (``flags`` bit 2) decodes so in the rotated basis, then turns back
   (:mod:`kvtier.codecs.quant`): the kernels take the rotation's signs
-  (:func:`kvtier.codecs.quant.hadamard_signs`, :func:`rotation_of`); the CPU one rotates the
+  (:func:`kvtier.codecs.rotation.hadamard_signs`, :func:`rotation_of`); the CPU one rotates the
   queries and turns the output back rather than each block, the CUDA one turns each tile back
   in shared memory.
 
@@ -58,7 +58,8 @@ import numpy as np
 from .._torch import all_finite, dtype_name, torch_module
 from ..codecs.base import BlockShape, Codec
 from ..codecs.identity import IdentityCodec
-from ..codecs.quant import QuantCodec, hadamard_signs
+from ..codecs.quant import QuantCodec
+from ..codecs.rotation import hadamard_signs
 from ..errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -248,7 +249,7 @@ DTYPE_CODES: dict[Any, int] = _DtypeCodes()
 
 def rotation_of(views: Sequence[PoolView], head_dim: int) -> np.ndarray | None:
     """The rotation signs the CPU kernel takes for ``views`` (``rotation``): those of
-    :func:`~kvtier.codecs.quant.hadamard_signs` when a pool is rotated, else None."""
+    :func:`~kvtier.codecs.rotation.hadamard_signs` when a pool is rotated, else None."""
     if any(isinstance(v.codec, QuantCodec) and v.codec.rotate for v in views):
         return hadamard_signs(head_dim)
     return None

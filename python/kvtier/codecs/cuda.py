@@ -17,7 +17,7 @@ from .. import _cuda
 from .._torch import torch_module
 from .base import BlockShape, Codec
 from .layout import QuantFormat, layout
-from .quant import hadamard_signs
+from .rotation import hadamard_signs
 
 if TYPE_CHECKING:
     import torch

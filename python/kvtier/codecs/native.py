@@ -25,7 +25,7 @@ from .._torch import torch_module
 from ..errors import InvalidArgumentError
 from .base import BlockShape, Codec
 from .layout import QuantFormat, layout
-from .quant import hadamard_signs
+from .rotation import hadamard_signs
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +50,7 @@ def _layout(codec: QuantFormat, shape: BlockShape) -> np.ndarray:
 
 
 def _rotation(shape: BlockShape, *codecs: QuantFormat) -> np.ndarray | None:
-    """The rotation's signs when one of ``codecs`` is rotated (:func:`.quant.hadamard_signs`)."""
+    """The rotation's signs when one of ``codecs`` is rotated (:func:`.rotation.hadamard_signs`)."""
     return hadamard_signs(shape.head_dim) if any(c.rotate for c in codecs) else None
 
 

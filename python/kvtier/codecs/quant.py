@@ -24,9 +24,9 @@ can take an fp16-max input's codes just past it, which fp16 would hold as inf). 
 the fp16 range saturate.
 
 Rotated codecs (``rotate=True``) quantize ``y = x @ H / D`` instead of the head vectors ``x``, with ``H`` the ``[D, D]`` Hadamard
-matrix of :func:`_hadamard` (entries ±1, ``H @ H.T == D * I``), and decode ``x = y @ H.T``,
+matrix of :func:`.rotation.hadamard` (entries ±1, ``H @ H.T == D * I``), and decode ``x = y @ H.T``,
 clamped to ±65504. Both products run as Sylvester's transform (``log2(D)`` passes of
-butterflies ``(a, b) -> (a + b, a - b)``, :func:`_walsh_hadamard`) and one multiply by the
+butterflies ``(a, b) -> (a + b, a - b)``, :mod:`.rotation`) and one multiply by the
 signs (over ``D``), in the order the native code (``crates/kvtier-attend/src/rotation.rs``) and
 the CUDA kernels (``kernels/kvtier_common.cuh``) take, so all three round alike and write the
 same bytes. Dividing by ``D`` rather
@@ -48,14 +48,14 @@ Symmetric codes are two's complement in their ``bits`` (sign-extended when unpac
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .._torch import torch_module
 from ..errors import InvalidArgumentError
 from .base import BlockShape, Codec, CodecKernels, NativeKernels, Section
+from .rotation import rotated, unrotated
 
 if TYPE_CHECKING:
     import torch
@@ -236,7 +236,7 @@ class QuantCodec(Codec):
         torch = torch_module()
         x = blocks.float()
         if self.rotate:
-            x = _rotated(x)  # |x| stays within max |blocks|
+            x = rotated(x)  # |x| stays within max |blocks|
         n, L, _, H, B, D = x.shape
         parts = {}
         if not self.key_per_channel:
@@ -264,7 +264,7 @@ class QuantCodec(Codec):
         if not self.rotate:
             return x
         # +0: zeros come out +0, as the rotation leaves them (a group then has one minimum)
-        return _unrotated(x).clamp_(-_FP16_MAX, _FP16_MAX).add_(0.0)
+        return unrotated(x).clamp_(-_FP16_MAX, _FP16_MAX).add_(0.0)
 
     def _dequantize(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
         torch = torch_module()
@@ -321,70 +321,6 @@ class QuantCodec(Codec):
             sign = 1 << (bits - 1)
             return small.view(torch.int8).bitwise_xor_(sign).float().sub_(sign)
         return small.float()
-
-
-def _hadamard(dim: int, device: Any) -> torch.Tensor:
-    """The ``[dim, dim]`` rotation of rotated codecs: a Sylvester Hadamard matrix with fixed
-    random column signs (QuaRot's choice, Ashkboos et al., 2024), entries ±1, so
-    ``H @ H.T == dim * I``. Rotating a head vector spreads its outlier channels over all of them,
-    which is what 2-bit groups cannot hold. Encoding divides by ``dim`` (exact, a power of two),
-    decoding multiplies by the transpose: the products are exact, the sums fp32."""
-    return _hadamard_cpu(dim).to(device)
-
-
-@functools.cache
-def hadamard_signs(dim: int) -> np.ndarray:
-    """The column signs of the ``dim``-wide rotation (``H = S diag(signs)``, ``S`` Sylvester's
-    matrix; the first row of :func:`_hadamard`), float32 ±1: what the native code and the CPU
-    attention kernel take to rotate (read-only)."""
-    signs = _hadamard_cpu(dim)[0].numpy().astype(np.float32)
-    signs.flags.writeable = False
-    return signs
-
-
-def _rotated(x: torch.Tensor) -> torch.Tensor:
-    """``x @ H / D`` along the last axis, as the native code computes it: Sylvester's
-    transform, then one multiply by ``signs / D`` (exact: ±2^-k), then ``+ 0`` (a zero comes
-    out +0: a group holding both zeros has no one minimum, and torch's reduction picks
-    either)."""
-    torch = torch_module()
-    D = x.shape[-1]
-    scale = torch.from_numpy(hadamard_signs(D) / np.float32(D)).to(x.device)
-    return _walsh_hadamard(x).mul_(scale).add_(0.0)
-
-
-def _unrotated(y: torch.Tensor) -> torch.Tensor:
-    """``y @ H.T`` along the last axis, as the native code computes it: the signs, then
-    Sylvester's transform."""
-    torch = torch_module()
-    signs = torch.from_numpy(hadamard_signs(y.shape[-1]).copy()).to(y.device)
-    return _walsh_hadamard(y * signs)
-
-
-def _walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
-    """``x @ S`` along the last axis (``S`` Sylvester's symmetric ±1 matrix of its length, a
-    power of two): pass ``h`` = 1, 2, 4 ... turns each pair of entries ``h`` apart within a run
-    of ``2h`` into their sum and difference, each one fp32 operation."""
-    torch = torch_module()
-    *lead, D = x.shape
-    h = 1
-    while h < D:
-        pairs = x.reshape(*lead, D // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, D)
-        h *= 2
-    return x
-
-
-@functools.cache
-def _hadamard_cpu(dim: int) -> torch.Tensor:
-    torch = torch_module()
-    h = torch.ones(1, 1)
-    while h.shape[0] < dim:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    # fixed signs (a seeded generator: the same matrix on every machine, so stored rows decode)
-    signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(0)) * 2 - 1
-    return h * signs.float()[None, :]
 
 
 class Int8Codec(QuantCodec):
