@@ -428,12 +428,7 @@ class BlockManager:
         n, bs = len(blocks), self.block_size
         with self._lock:
             state = self._seq(seq)
-            start = int(state.lengths[layer])
-            if start % bs:
-                raise InvalidArgumentError(
-                    f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of "
-                    f"{bs}: append the rest of its last block with append()"
-                )
+            start = self._block_start(seq, state, layer)
             if n == 0:
                 return
             end = start + n * bs
@@ -465,12 +460,7 @@ class BlockManager:
         n, bs = len(blocks), self.block_size
         with self._lock:
             state = self._seq(seq)
-            start = int(state.lengths[layer])
-            if start % bs:
-                raise InvalidArgumentError(
-                    f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of "
-                    f"{bs}: append the rest of its last block with append()"
-                )
+            start = self._block_start(seq, state, layer)
             if n == 0:
                 return
             end = start + n * bs
@@ -517,6 +507,17 @@ class BlockManager:
                 self._tiers.write_blocks(index, layer, part.to(self.device).contiguous())
             else:
                 self._tiers.write_encoded(level, slots, layer, part)
+
+    def _block_start(self, seq: int, state: _Seq, layer: int) -> int:
+        """The token a whole-block append to ``layer`` of ``seq`` starts at, which must start a
+        block."""
+        start = int(state.lengths[layer])
+        if start % self.block_size:
+            raise InvalidArgumentError(
+                f"sequence {seq} layer {layer}: holds {start} tokens, not whole blocks of "
+                f"{self.block_size}: append the rest of its last block with append()"
+            )
+        return start
 
     def _append_run(self, seq: int, layer: Any, blocks: ExternalBlocks) -> bool:
         """:meth:`append_blocks` of CPU external blocks at a layer after the one that

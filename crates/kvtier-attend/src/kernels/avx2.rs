@@ -423,26 +423,7 @@ unsafe fn accumulate<const E: u8>(
     while r < rows {
         let nr = (rows - r).min(4);
         let (w, alpha, acc) = (w.add(r * n), alpha.add(r), acc.add(r * d));
-        // columns: as many 8-float registers per row as keep 8 chains of FMAs in flight
-        let mut i = 0;
-        macro_rules! columns {
-            ($nr:literal, $nd:literal) => {{
-                while i + 8 * $nd <= d {
-                    value_tile::<E, $nr, $nd>(w, v, i, d, n, alpha, acc.add(i));
-                    i += 8 * $nd;
-                }
-                while i + 8 <= d {
-                    value_tile::<E, $nr, 1>(w, v, i, d, n, alpha, acc.add(i));
-                    i += 8;
-                }
-            }};
-        }
-        match nr {
-            1 => columns!(1, 4),
-            2 => columns!(2, 4),
-            3 => columns!(3, 2),
-            _ => columns!(4, 2),
-        }
+        let i = value_columns::<E>(nr, w, v, 0..d, d, n, alpha, acc);
         for e in i..d {
             for rr in 0..nr {
                 let mut a = *acc.add(rr * d + e) * *alpha.add(rr);
@@ -474,28 +455,48 @@ unsafe fn accumulate_groups<const E: u8>(
         let (alpha, acc) = (alpha.add(r), acc.add(r * d));
         for g in 0..d / group {
             let w = w.add((g * rows + r) * n);
-            let (mut i, end) = (g * group, (g + 1) * group);
-            macro_rules! columns {
-                ($nr:literal, $nd:literal) => {{
-                    while i + 8 * $nd <= end {
-                        value_tile::<E, $nr, $nd>(w, v, i, d, n, alpha, acc.add(i));
-                        i += 8 * $nd;
-                    }
-                    while i + 8 <= end {
-                        value_tile::<E, $nr, 1>(w, v, i, d, n, alpha, acc.add(i));
-                        i += 8;
-                    }
-                }};
-            }
-            match nr {
-                1 => columns!(1, 4),
-                2 => columns!(2, 4),
-                3 => columns!(3, 2),
-                _ => columns!(4, 2),
-            }
+            value_columns::<E>(nr, w, v, g * group..(g + 1) * group, d, n, alpha, acc);
         }
         r += nr;
     }
+}
+
+/// [`value_tile`] over columns `cols` of `nr` (1 to 4) rows, 8 at a time: as many 8-float
+/// registers per row as keep 8 chains of FMAs in flight. Returns the first column left (fewer
+/// than 8 remain).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn value_columns<const E: u8>(
+    nr: usize,
+    w: *const f32,
+    v: *const u8,
+    cols: std::ops::Range<usize>,
+    d: usize,
+    n: usize,
+    alpha: *const f32,
+    acc: *mut f32,
+) -> usize {
+    let (mut i, end) = (cols.start, cols.end);
+    macro_rules! columns {
+        ($nr:literal, $nd:literal) => {{
+            while i + 8 * $nd <= end {
+                value_tile::<E, $nr, $nd>(w, v, i, d, n, alpha, acc.add(i));
+                i += 8 * $nd;
+            }
+            while i + 8 <= end {
+                value_tile::<E, $nr, 1>(w, v, i, d, n, alpha, acc.add(i));
+                i += 8;
+            }
+        }};
+    }
+    match nr {
+        1 => columns!(1, 4),
+        2 => columns!(2, 4),
+        3 => columns!(3, 2),
+        _ => columns!(4, 2),
+    }
+    i
 }
 
 /// `acc[r][0..8*ND] = alpha[r] * acc[r][..] + sum over t of w[r][t] * v[t][col..col + 8*ND]`
