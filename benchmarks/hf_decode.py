@@ -1,14 +1,17 @@
-"""Decode tokens/s of transformers caches on SmolLM2-135M, the methods interleaved: each round
-prefills a WikiText-2 prompt of 512 and of 4,096 tokens with every method in turn (a round starting
-with the next method each time: the machine may be shared) and times ``--steps`` single-token
-forward passes after it. Prints each method's median tokens/s over the rounds and its ratio to
-the first method's (the named baseline, measured in the same run), and each round's ratio.
-Figures only: it passes or fails nothing.
+"""Decode tokens/s of transformers caches on SmolLM2-135M, the methods interleaved step by step:
+each round prefills a WikiText-2 prompt of 512 and of 4,096 tokens into a fresh cache of every
+method, then times ``--steps`` single-token forward passes of each, one step of every method in
+turn (the order rotating), so that a slow spell of a shared machine falls on all of them alike.
+Prints each method's median tokens/s over all its steps and its ratio to the first method's (the
+named baseline, measured in the same run): the ratio of the medians, and the median and quartiles
+of the per-turn ratios (each step against the baseline's step of the same turn). Figures only: it
+passes or fails nothing.
 
     OMP_NUM_THREADS=1 RAYON_NUM_THREADS=1 python benchmarks/hf_decode.py \\
         [--methods dynamic-sdpa,kvtier-2bit-attend,kvtier-default-attend] [--rounds 3] [--steps 30]
 
-Methods are ``kvtier eval cache``'s (``kvtier.eval.cache.methods``).
+Methods are ``kvtier eval cache``'s (``kvtier.eval.cache.methods``). Each attention
+implementation gets a model of its own (a step never switches one).
 """
 
 from __future__ import annotations
@@ -28,18 +31,27 @@ from kvtier.eval.model import smollm2_f32_dir, wikitext_ids
 PROMPTS = (512, 4096)
 
 
-def decode_rate(model: Any, cache: Any, prompt: Any, steps: int) -> float:
-    """Tokens/s of greedy single-token steps after prefilling ``prompt`` into ``cache``: one over
-    the median step (the first two left out)."""
-    with torch.no_grad():
-        logits = model(prompt, past_key_values=cache, use_cache=True).logits
-        token = logits[:, -1:].argmax(-1)
-        times = []
-        for _ in range(steps):
+class Decoder:
+    """One method's cache after a prompt, stepped greedily one token at a time."""
+
+    def __init__(self, model: Any, make: Any, prompt: torch.Tensor) -> None:
+        self.model, self.cache = model, make(model)
+        with torch.no_grad():
+            logits = model(prompt, past_key_values=self.cache, use_cache=True).logits
+        self.token = logits[:, -1:].argmax(-1)
+
+    def step(self) -> float:
+        """Seconds of one single-token forward pass."""
+        with torch.no_grad():
             start = time.perf_counter()
-            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            times.append(time.perf_counter() - start)
-    return 1.0 / statistics.median(times[2:])
+            logits = self.model(self.token, past_key_values=self.cache, use_cache=True).logits
+            self.token = logits[:, -1:].argmax(-1)
+            return time.perf_counter() - start
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(xs, n=4)
+    return q1, q2, q3
 
 
 def main() -> None:
@@ -53,28 +65,43 @@ def main() -> None:
     path = smollm2_f32_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = wikitext_ids(tokenizer, max(PROMPTS))[None]
-    model = AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="sdpa", dtype=torch.float32
-    )
-    rates: dict[tuple[str, int], list[float]] = {(n, p): [] for n in names for p in PROMPTS}
+    models: dict[str, Any] = {}
+    for name in names:
+        attn = known[name].attn
+        if attn not in models:
+            models[attn] = AutoModelForCausalLM.from_pretrained(
+                path, attn_implementation=attn, dtype=torch.float32
+            )
+    # per (method, prompt): seconds of each timed step, in turn order
+    times: dict[tuple[str, int], list[float]] = {(n, p): [] for n in names for p in PROMPTS}
     for r in range(args.rounds):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]
-            method = known[name]
-            model.set_attn_implementation(method.attn)
-            for p in PROMPTS:
-                rate = decode_rate(model, method.make(model), ids[:, :p], args.steps)
-                rates[name, p].append(rate)
-                print(f"round {r}: {name} after {p} tokens: {rate:.2f} tokens/s", flush=True)
-    print(f"median over {args.rounds} rounds; x: against {names[0]}, median and per round")
+        for p in PROMPTS:
+            decoders = {n: Decoder(models[known[n].attn], known[n].make, ids[:, :p]) for n in names}
+            for d in decoders.values():  # a first step each, untimed: warm
+                d.step()
+            for s in range(args.steps):
+                for k in range(len(names)):
+                    name = names[(r + s + k) % len(names)]
+                    times[name, p].append(decoders[name].step())
+            rates = "  ".join(
+                f"{n} {1 / statistics.median(times[n, p][-args.steps :]):.2f}" for n in names
+            )
+            print(f"round {r} after {p} tokens (tokens/s): {rates}", flush=True)
+            del decoders
+    print(
+        f"{args.rounds} rounds x {args.steps} steps; x: against {names[0]}: the ratio of the "
+        "median rates (per-turn ratios: median [quartiles])"
+    )
     for p in PROMPTS:
-        base = rates[names[0], p]
+        base = times[names[0], p]
         for name in names:
-            got = rates[name, p]
-            per_round = " ".join(f"{a / b:.2f}" for a, b in zip(got, base, strict=True))
-            ratio = statistics.median(got) / statistics.median(base)
+            got = times[name, p]
+            per_turn = [b / g for g, b in zip(got, base, strict=True)]
+            q1, q2, q3 = quartiles(per_turn)
+            ratio = statistics.median(base) / statistics.median(got)
             print(
-                f"@{p:<5} {name:24s} {statistics.median(got):6.2f} tokens/s  x {ratio:.2f}  ({per_round})"
+                f"@{p:<5} {name:24s} {1 / statistics.median(got):6.2f} tokens/s  x {ratio:.2f}  "
+                f"(per turn {q2:.2f} [{q1:.2f}, {q3:.2f}])"
             )
 
 

@@ -249,14 +249,22 @@ def test_bad_arguments_raise_invalid_argument_before_anything_is_read() -> None:
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_query_is_refused_not_answered_with_zeros(bad: float) -> None:
     """The kernel's softmax drops a NaN score, so a NaN query would come back as a row of
-    zeros with zero mass (SDPA gives NaN): the kernel and the reference refuse it instead."""
+    zeros with zero mass (SDPA gives NaN): the kernel and the reference refuse it instead, the
+    Rust kernel itself too (unchecked, as the manager calls it), in every query dtype."""
     args = problem(codecs=["fp32", "int8"], lengths=(40, 20))
     q = args[0].clone()
     q[1, 0, 1, 5] = bad
-    out, mass = torch.zeros_like(q), torch.full(args[2].shape, -1.0)
-    with pytest.raises(InvalidArgumentError, match="q: expected finite values, got NaN or inf"):
-        attend_cpu(q, out, mass, *args[1:])
-    assert not out.any() and (mass == -1).all(), "nothing written"
+    for checked in (True, False):
+        out, mass = torch.zeros_like(q), torch.full(args[2].shape, -1.0)
+        with pytest.raises(InvalidArgumentError, match="q: expected finite values, got NaN or"):
+            attend_cpu(q, out, mass, *args[1:], checked=checked)
+        assert not out.any() and (mass == -1).all(), "nothing written"
+    for dtype in (torch.float16, torch.bfloat16):
+        half = q.to(dtype)
+        out = torch.zeros_like(half)
+        with pytest.raises(InvalidArgumentError, match="q: expected finite values"):
+            attend_cpu(half, out, mass, *args[1:], checked=False)
+        assert not out.any()
     with pytest.raises(InvalidArgumentError, match="q: expected finite values"):
         reference(q, *args[1:])
 
@@ -273,14 +281,32 @@ def test_the_binding_checks_what_it_is_given() -> None:
     mass = np.empty(block_pool.shape, np.float32)
     desc = describe(pools, shape)
 
-    def call(desc: Any = desc, slots: Any = block_slot, layer: int = layer) -> None:
+    def call(
+        desc: Any = desc, slots: Any = block_slot, layer: int = layer, mass: Any = mass
+    ) -> None:
         S, Q, Hq, D = q.shape
         _core.attend(
-            q.data_ptr(), 0, out.data_ptr(), mass.ctypes.data, lens, block_pool, slots, desc,
+            q.data_ptr(), 0, out.data_ptr(), mass, lens, block_pool, slots, desc,
             S, Q, Hq, shape.kv_heads, shape.block_size, D, block_pool.shape[1], layer, scale, 1,
         )  # fmt: skip
 
     call()
+    by_address = np.full_like(mass, np.nan)
+    call(mass=by_address.ctypes.data)  # the masses by address: the same figures
+    np.testing.assert_array_equal(by_address, mass)
+    wide = np.empty((1, block_pool.shape[1] + 1), np.float32)
+    for bad, message in [
+        (wide, rf"mass: expected {mass.size} float32s \(\[1, {mass.size}\]\), got {wide.size}"),
+        (mass.astype(np.float64), "mass: expected a writable numpy array of float32"),
+        (np.empty((3, 2), np.float32).T, "mass: expected a C-contiguous"),
+        ("mass", "mass: expected a writable numpy array of float32 or an address, got str"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=message):
+            call(mass=bad)
+    readonly = mass.copy()
+    readonly.flags.writeable = False
+    with pytest.raises(InvalidArgumentError, match="mass: expected a writable"):
+        call(mass=readonly)
     past = block_slot.copy()
     past[0, 0] = 24
     with pytest.raises(InvalidArgumentError, match="slot 24 out of range"):

@@ -292,7 +292,7 @@ def attend(
     q_ptr: int,
     q_dtype: int,
     out_ptr: int,
-    mass_ptr: int,
+    mass: int | npt.NDArray[np.float32],
     seq_lens: npt.NDArray[np.int32],
     block_pool: npt.NDArray[np.int32],
     block_slot: npt.NDArray[np.int32],
@@ -310,7 +310,8 @@ def attend(
     rotation: npt.NDArray[np.float32] | None = None,
 ) -> None:
     """The CPU attention kernel over pools given by address (kvtier.attend.attend_cpu wraps it):
-    reads q and the pools, writes out and mass; the GIL is released meanwhile."""
+    reads q and the pools, writes out and ``mass`` (an address, or a float32 numpy array of
+    ``seqs * max_blocks`` values); the GIL is released meanwhile."""
 
 def prefix_hashes(
     tokens: _Ids, block_size: int, namespace: str = "default", salt: str | None = None

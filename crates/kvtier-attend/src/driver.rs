@@ -101,6 +101,14 @@ impl<'a> Ctx<'a> {
                 ),
             ));
         }
+        // The softmax drops a NaN score: a NaN query would come back as a row of zeros with
+        // zero mass, an answer that looks right. Checked here, where q is read anyway.
+        if !inputs.dtype.all_finite(inputs.q) {
+            return Err(invalid(
+                "q",
+                "expected finite values, got NaN or inf; nothing was computed or recorded",
+            ));
+        }
         if outputs.out.len() != q_len {
             return Err(invalid(
                 "out",
@@ -298,6 +306,9 @@ struct Scratch {
     kz: Vec<f32>,
     vs: Vec<f32>,
     vz: Vec<f32>,
+    /// values grouped along the head: `vs` and `vz` group-major, `[groups of a token, B]`
+    vs_t: Vec<f32>,
+    vz_t: Vec<f32>,
     /// with rotated pools: the rotated queries and their sums, the rotated values' zero terms,
     /// and per row the rescaling each accumulator still owes (the online softmax rescales the
     /// one a block adds to; the other catches up when next added to, or at the item's end)
@@ -349,6 +360,8 @@ impl Scratch {
             kz: vec![0.0; groups],
             vs: vec![0.0; groups],
             vz: vec![0.0; groups],
+            vs_t: vec![0.0; value_groups * b],
+            vz_t: vec![0.0; value_groups * b],
             q_rot: vec![0.0; if rot { c.p.kv_heads * r * d } else { 0 }],
             q_sum_rot: vec![0.0; if rot { c.p.kv_heads * r } else { 0 }],
             z_rot: vec![0.0; if rot { c.p.kv_heads * r } else { 0 }],
@@ -409,6 +422,8 @@ fn run_item<K: Kernels>(
         kz,
         vs,
         vz,
+        vs_t,
+        vz_t,
         q_rot: q_rot_all,
         q_sum_rot: q_sum_rot_all,
         z_rot: z_rot_all,
@@ -661,12 +676,14 @@ fn run_item<K: Kernels>(
                     } else {
                         // sum_t p_t (code_t * s_tg + z_tg) over group g's values: the weights
                         // p_t s_tg, a set per group, read the codes as they lie; sum_t p_t z_tg
-                        // added to the group's values after
+                        // added to the group's values after. The scales and zero points are
+                        // turned group-major first, so that both are loops along the tokens.
+                        let vs_g = by_group(&vs[..ng], per_token, &mut vs_t[..ng]);
                         let wg = &mut w_groups[..per_token * nr * nv];
-                        for (g, wg) in wg.chunks_exact_mut(nr * nv).enumerate() {
+                        for (wg, sg) in wg.chunks_exact_mut(nr * nv).zip(vs_g.chunks_exact(nv)) {
                             for (wrow, srow) in wg.chunks_exact_mut(nv).zip(s.chunks_exact(nv)) {
-                                for (t, (o, &pt)) in wrow.iter_mut().zip(srow).enumerate() {
-                                    *o = pt * vs[t * per_token + g];
+                                for ((o, &pt), &st) in wrow.iter_mut().zip(srow).zip(sg) {
+                                    *o = pt * st;
                                 }
                             }
                         }
@@ -674,14 +691,13 @@ fn run_item<K: Kernels>(
                             wg, codes, enc, dims, fmt.group, alpha, v_tile, acc_rows,
                         );
                         if let Some(z) = zero {
+                            let vz_g = by_group(z, per_token, &mut vz_t[..ng]);
                             for (arow, srow) in acc_rows.chunks_exact_mut(d).zip(s.chunks_exact(nv))
                             {
-                                for (g, cols) in arow.chunks_exact_mut(fmt.group).enumerate() {
-                                    let zs: f32 = srow
-                                        .iter()
-                                        .enumerate()
-                                        .map(|(t, &pt)| pt * z[t * per_token + g])
-                                        .sum();
+                                let groups = arow.chunks_exact_mut(fmt.group);
+                                for (cols, zg) in groups.zip(vz_g.chunks_exact(nv)) {
+                                    let zs: f32 =
+                                        srow.iter().zip(zg).map(|(&pt, &zt)| pt * zt).sum();
                                     cols.iter_mut().for_each(|x| *x += zs);
                                 }
                             }
@@ -711,6 +727,18 @@ fn run_item<K: Kernels>(
             }
         }
     }
+}
+
+/// `x`, token-major `[tokens, groups]`, group-major into `out` (`[groups, tokens]`), returned.
+#[inline(always)]
+fn by_group<'o>(x: &[f32], groups: usize, out: &'o mut [f32]) -> &'o [f32] {
+    let tokens = x.len() / groups;
+    for (t, row) in x.chunks_exact(groups).enumerate() {
+        for (g, &v) in row.iter().enumerate() {
+            out[g * tokens + t] = v;
+        }
+    }
+    out
 }
 
 /// Merges a sequence's items into its output rows (`out`, `[Q, Hq, D]` of the dtype) and its

@@ -47,6 +47,22 @@ impl FloatDtype {
             Self::F16 | Self::Bf16 => 2,
         }
     }
+
+    /// Whether `bytes`, values of this dtype in native order, hold no NaN nor infinity (a
+    /// value with every exponent bit set).
+    pub fn all_finite(self, bytes: &[u8]) -> bool {
+        match self {
+            Self::F32 => bytes
+                .chunks_exact(4)
+                .all(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 != 0x7f80_0000),
+            Self::F16 => bytes
+                .chunks_exact(2)
+                .all(|b| u16::from_ne_bytes([b[0], b[1]]) & 0x7c00 != 0x7c00),
+            Self::Bf16 => bytes
+                .chunks_exact(2)
+                .all(|b| u16::from_ne_bytes([b[0], b[1]]) & 0x7f80 != 0x7f80),
+        }
+    }
 }
 
 /// Where the sections of a quantized row lie, and how its values are grouped.

@@ -1056,4 +1056,56 @@ fn refuses_what_it_cannot_read() {
         try_with(&nan_scale),
         Err(Error::InvalidArgument { .. })
     ));
+    // A NaN or infinite query, anywhere in q (here in the last sequence's last value).
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let non_finite_q = move |b: &mut Built, _: &mut Problem| {
+            let n = b.q.len();
+            b.q[n - 4..].copy_from_slice(&bad.to_le_bytes());
+        };
+        assert!(matches!(
+            try_with(&non_finite_q),
+            Err(Error::InvalidArgument { what: "q", .. })
+        ));
+    }
+}
+
+#[test]
+fn float_dtypes_tell_finite_values_from_nan_and_infinity() {
+    // per dtype: finite values (one, minus zero, the largest, a subnormal, the most negative),
+    // then NaN, infinity and minus infinity, as their bits
+    let f32_bits = |xs: &[f32]| xs.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let cases: [(FloatDtype, Vec<u32>, Vec<u32>); 3] = [
+        (
+            FloatDtype::F32,
+            f32_bits(&[1.0, -0.0, f32::MAX, f32::MIN_POSITIVE / 2.0, f32::MIN]),
+            f32_bits(&[f32::NAN, f32::INFINITY, f32::NEG_INFINITY]),
+        ),
+        (
+            FloatDtype::F16,
+            vec![0x3c00, 0x8000, 0x7bff, 0x0001, 0xfbff],
+            vec![0x7e00, 0x7c00, 0xfc00],
+        ),
+        (
+            FloatDtype::Bf16,
+            vec![0x3f80, 0x8000, 0x7f7f, 0x0001, 0xff7f],
+            vec![0x7fc0, 0x7f80, 0xff80],
+        ),
+    ];
+    for (dtype, finite, bad) in cases {
+        let bytes = |values: &[u32]| -> Vec<u8> {
+            values
+                .iter()
+                .flat_map(|&v| match dtype {
+                    FloatDtype::F32 => v.to_ne_bytes().to_vec(),
+                    _ => (v as u16).to_ne_bytes().to_vec(),
+                })
+                .collect()
+        };
+        assert!(dtype.all_finite(&bytes(&finite)), "{dtype:?}");
+        for b in bad {
+            let mut values = finite.clone();
+            values.insert(2, b);
+            assert!(!dtype.all_finite(&bytes(&values)), "{dtype:?} {b:#x}");
+        }
+    }
 }

@@ -1,13 +1,13 @@
 //! `_core.attend`: the CPU attention kernel (crates/kvtier-attend) over pools given by address.
-//! The queries, the output, the masses and each pool arrive as raw addresses (torch's
-//! `data_ptr()`, numpy's `ctypes.data`) with the extents the sizes imply; the block tables and
-//! the pool descriptors as numpy arrays, borrowed without a copy. Everything the kernel follows
+//! The queries, the output and each pool arrive as raw addresses (torch's `data_ptr()`) with
+//! the extents the sizes imply; the masses as an address too or as a numpy array; the block
+//! tables and the pool descriptors as numpy arrays, borrowed without a copy. Everything the kernel follows
 //! is checked against those extents in the core before a byte is read; what cannot be checked
 //! here is that an address holds what the caller says (kvtier.attend.attend_cpu checks the
 //! tensors and keeps them alive for the call). The compute runs without the GIL.
 
 use kvtier_attend::{Exec, FloatDtype, Inputs, Outputs, Pool, PoolDesc, Problem, DESC_LEN};
-use numpy::{PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::errors::{attend_to_py as to_py, invalid};
@@ -63,7 +63,7 @@ fn overlap(a: (usize, usize), b: (usize, usize)) -> bool {
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (
-    q_ptr, q_dtype, out_ptr, mass_ptr, seq_lens, block_pool, block_slot, pools, seqs, queries,
+    q_ptr, q_dtype, out_ptr, mass, seq_lens, block_pool, block_slot, pools, seqs, queries,
     q_heads, kv_heads, block_size, head_dim, max_blocks, layer, scale, threads = 0,
     rotation = None
 ))]
@@ -72,7 +72,7 @@ pub fn attend(
     q_ptr: usize,
     q_dtype: i64,
     out_ptr: usize,
-    mass_ptr: usize,
+    mass: &Bound<'_, PyAny>,
     seq_lens: &Bound<'_, PyAny>,
     block_pool: &Bound<'_, PyAny>,
     block_slot: &Bound<'_, PyAny>,
@@ -119,6 +119,35 @@ pub fn attend(
     let mass_len = seqs
         .checked_mul(max_blocks)
         .ok_or_else(|| invalid("mass: its size overflows".into()))?;
+    // A numpy array is borrowed for writing (held to the end of the call); an int is an address.
+    let mut mass_array = mass.extract::<PyReadwriteArrayDyn<'_, f32>>().ok();
+    let mass_ptr = match &mut mass_array {
+        Some(array) => {
+            let c_order = array.is_c_contiguous();
+            let values = array
+                .as_slice_mut()
+                .ok()
+                .filter(|_| c_order)
+                .ok_or_else(|| {
+                    invalid("mass: expected a C-contiguous numpy array of float32".into())
+                })?;
+            if values.len() != mass_len {
+                return Err(invalid(format!(
+                    "mass: expected {mass_len} float32s ([{seqs}, {max_blocks}]), got {}",
+                    values.len()
+                )));
+            }
+            values.as_mut_ptr() as usize
+        }
+        None => mass.extract::<usize>().map_err(|_| {
+            invalid(format!(
+                "mass: expected a writable numpy array of float32 or an address, got {}",
+                mass.get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        })?,
+    };
     for (name, at, len) in [("q_ptr", q_ptr, q_len), ("out_ptr", out_ptr, q_len)] {
         if at == 0 && len > 0 {
             return Err(invalid(format!("{name}: a null address for {len} bytes")));

@@ -86,12 +86,15 @@ def run_attention(
     layer: int,
     scale: float,
     desc: np.ndarray | None = None,
+    rotation: np.ndarray | None = None,
 ) -> None:
     """Fills ``out`` (like ``q``) and ``mass`` (numpy fp32 ``[S, M]``) with the fastest kernel
     for ``q``'s device: the Rust kernel on the CPU, the CUDA kernel on a GPU with CuPy, else the
     reference. The caller has checked the arguments (:meth:`AttentionCall.check` says what
-    holds); ``q`` and ``out`` are contiguous, ``[S, Q, Hq, D]`` or, for one sequence,
-    ``[Q, Hq, D]``; ``desc``: :func:`describe` of ``views``, when the caller keeps it.
+    holds) but for ``q``'s values, which the kernels check are finite; ``q`` and ``out`` are
+    contiguous, ``[S, Q, Hq, D]`` or, for one sequence, ``[Q, Hq, D]``. ``desc`` and
+    ``rotation``: :func:`describe` and :func:`rotation_of` of ``views``, for a caller that keeps
+    them (given ``desc``, ``rotation`` is taken as given; else both are worked out here).
 
     The manager calls this once per layer per decode step: on the CPU it goes straight to the
     kernel with the arrays it was given (no :class:`AttentionCall` is built, nothing checked)."""
@@ -99,18 +102,19 @@ def run_attention(
     if q.dim() == 3:
         q, out = q[None], out[None]
     if q.is_cpu:
-        d = describe(views, shape) if desc is None else desc
         S, Q, Hq, D = q.shape
+        if desc is None:
+            desc, rotation = describe(views, shape), rotation_of(views, D)
         # The kernel trusts these: contiguous int32 and int64, alive for the call.
         _core.attend(
             q.data_ptr(),
             DTYPE_CODES[q.dtype],
             out.data_ptr(),
-            mass.ctypes.data,
+            mass,
             seq_lens,
             block_pool,
             block_slot,
-            d,
+            desc,
             S,
             Q,
             Hq,
@@ -121,7 +125,7 @@ def run_attention(
             layer,
             scale,
             0,
-            rotation=rotation_of(views, D),
+            rotation=rotation,
         )
         return
     call = AttentionCall(q, seq_lens, block_pool, block_slot, views, shape, layer, scale)

@@ -131,13 +131,13 @@ def attend_cpu(
     # Unchecked, nothing is built: the kernel gets the arrays it was given.
     S, Q, Hq, D = q.shape
     M = block_pool.shape[1] if block_pool.ndim == 2 else block_pool.size // max(S, 1)
-    mass_ptr = mass.data_ptr() if hasattr(mass, "data_ptr") else mass.ctypes.data
+    mass_at = mass.data_ptr() if hasattr(mass, "data_ptr") else mass  # numpy: as it is
     # q, out, mass and the pools' tensors stay referenced here until the kernel returns
     _core.attend(
         q.data_ptr(),
         FLOAT_CODES[dtype_name(q.dtype)],
         out.data_ptr(),
-        mass_ptr,
+        mass_at,
         seq_lens,
         block_pool,
         block_slot,

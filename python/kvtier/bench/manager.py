@@ -310,7 +310,7 @@ def _attend_overhead(
         for _ in range(calls):
             run_attention(
                 q, out, mass, lengths, batch.pools, batch.slots, tables.views, bm.shape, 1,
-                HEAD_DIM**-0.5, tables.descriptors,
+                HEAD_DIM**-0.5, tables.descriptors, tables.rotation,
             )  # fmt: skip
         sync()
 

@@ -282,18 +282,19 @@ class TieredCache(Cache):
                 f"layer {layer}: expected key and value states [batch, {want[0]} kv_heads, "
                 f"tokens, {want[1]} head_dim], got {list(keys.shape)} and {list(values.shape)}"
             )
-        if self.manager is None:
-            self.manager = self._new_manager(keys.dtype, keys.device)
-        bm = self.manager
+        rows = self._rows
+        if rows.manager is None:
+            rows.manager = self._new_manager(keys.dtype, keys.device)
+        bm = rows.manager
         batch = keys.shape[0]
-        if not self.sequences:
-            self.sequences = [bm.add_sequence() for _ in range(batch)]
-        elif batch != len(self.sequences):
+        if not rows.sequences:
+            rows.sequences = [bm.add_sequence() for _ in range(batch)]
+        elif batch != len(rows.sequences):
             raise InvalidArgumentError(
-                f"layer {layer}: batch of {batch} rows, but this cache holds {len(self.sequences)} "
+                f"layer {layer}: batch of {batch} rows, but this cache holds {len(rows.sequences)} "
                 "sequences; reset() it (or use a new cache) for another batch"
             )
-        for row, seq in enumerate(self.sequences):
+        for row, seq in enumerate(rows.sequences):
             bm.append(seq, layer, keys[row].transpose(0, 1), values[row].transpose(0, 1))
         if self.attend:
             # Attention (kvtier_attention) reads the blocks: hand it only the new K/V, and
@@ -326,9 +327,10 @@ class TieredCache(Cache):
     def _attend(self, layer: int, query: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Attention output ``[batch, queries, heads, head_dim]`` of ``query`` ``[batch, heads,
         queries, head_dim]`` over the rows' blocks (their masses go to the scheduler)."""
-        assert self.manager is not None
-        out: torch.Tensor = self.manager.attend(
-            self.sequences, layer, query.transpose(1, 2), scale=scale
+        rows = self._rows
+        assert rows.manager is not None
+        out: torch.Tensor = rows.manager.attend(
+            rows.sequences, layer, query.transpose(1, 2), scale=scale
         )
         return out
 

@@ -10,7 +10,10 @@
 - a few :class:`AttentionBatch` tables (per batch of sequence ids: each block's pool and slot),
   kept while the *epoch* stands. Anything that moves blocks or gives a sequence new blocks calls
   :meth:`~AttentionTables.invalidate`, so a decode step builds a batch's table once and reads it
-  for every layer.
+  for every layer;
+- the :class:`AttentionStep` of the latest call: what every layer's call of one decode step
+  shares (the batch at those lengths, checked, and where its masses go), built by its first
+  layer.
 
 It reads the core, the block ledger and the pools; it changes none of them.
 """
@@ -25,13 +28,13 @@ import numpy as np
 
 from .._core import Core, Plan
 from .._torch import torch_module
-from ..attend import PoolView, describe, readable
+from ..attend import PoolView, describe, readable, rotation_of
 from ..codecs import BlockShape, Codec, IdentityCodec
 from ..errors import InvalidArgumentError
 from .ledger import BlockLedger
 from .tiers import Tiers
 
-__all__ = ["AttentionBatch", "AttentionTables", "per_block"]
+__all__ = ["AttentionBatch", "AttentionStep", "AttentionTables", "per_block"]
 
 #: Batch tables kept at once (a decode step's batch, a prefill's, a few more).
 _BATCHES = 8
@@ -57,29 +60,29 @@ class AttentionBatch:
     #: per sequence, the index of its first block still in attention (not dropped)
     first_kept: np.ndarray
 
-    def check(
-        self,
-        ledger: BlockLedger,
-        ids: tuple[int, ...],
-        tokens: list[int],
-        layer: int,
-        queries: int,
+    def check_sighted(
+        self, ids: tuple[int, ...], tokens: tuple[int, ...], queries: int, block_size: int
     ) -> None:
-        """Raises for a query that would see no key (every block up to its own dropped: a
-        chunk longer than the recent window) and for a block of the first ``tokens`` tokens
-        that ``layer`` has not written (a shared block whose owner is behind; usually one block
-        a sequence: the one being filled)."""
-        bs, written = ledger.block_size, ledger.written
+        """Raises for a query that would see no key: every block up to its own dropped (a
+        chunk longer than the recent window)."""
         first = np.asarray(tokens) - queries  # each sequence's first query's position
-        blind = np.nonzero(self.first_kept * bs > first)[0]
+        blind = np.nonzero(self.first_kept * block_size > first)[0]
         if len(blind):
             row = int(blind[0])
             raise InvalidArgumentError(
                 f"q: the query at token {first[row]} of sequence {ids[row]} would see no key: "
-                f"its blocks before token {self.first_kept[row] * bs} have left attention (the "
-                f"drop level); a chunk of {queries} queries needs a recent_window of at least "
-                f"{queries} tokens"
+                f"its blocks before token {self.first_kept[row] * block_size} have left "
+                f"attention (the drop level); a chunk of {queries} queries needs a "
+                f"recent_window of at least {queries} tokens"
             )
+
+    def check_written(
+        self, ledger: BlockLedger, ids: tuple[int, ...], tokens: tuple[int, ...], layer: int
+    ) -> None:
+        """Raises for a block of the first ``tokens`` tokens that ``layer`` has not written (a
+        shared block whose owner is behind; usually one block a sequence: the one being
+        filled)."""
+        bs, written = ledger.block_size, ledger.written
         for row, col, block in self.unsure:
             need = min(bs, tokens[row] - bs * col)
             if need > 0 and written[block, layer] < need:
@@ -88,15 +91,27 @@ class AttentionBatch:
                     "has not written this layer yet; append the owner's layer first"
                 )
 
-    def attended(
-        self, counts: list[int], mass: np.ndarray, single: bool
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The first ``counts`` blocks of each sequence, flat, and the ``mass`` each received."""
-        if single:
-            return self.blocks[0][: counts[0]], mass[0, : counts[0]]
-        blocks = np.concatenate([b[:n] for b, n in zip(self.blocks, counts, strict=True)])
-        width = self.pools.shape[1]
-        return blocks, mass[np.arange(width)[None, :] < np.array(counts)[:, None]]
+
+@dataclass
+class AttentionStep:
+    """What the attention calls of one decode step share (every layer's, for one batch of
+    sequences at the same lengths and queries): built and checked by the first, read by the
+    rest."""
+
+    #: ``(epoch, ids, tokens, queries)``: the calls it serves
+    key: tuple[int, tuple[int, ...], tuple[int, ...], int]
+    batch: AttentionBatch
+    #: int32 ``[sequences]``: each sequence's tokens (the kernels' ``seq_lens``)
+    lengths: np.ndarray
+    #: the blocks attention reads, flat: each sequence's first ``ceil(tokens / block_size)``
+    blocks: np.ndarray
+    #: which entries of a call's ``[sequences, max blocks]`` masses are those blocks': all of
+    #: them (None), else a mask
+    select: np.ndarray | None
+
+    def masses(self, mass: np.ndarray) -> np.ndarray:
+        """A call's masses of :attr:`blocks`, in their order."""
+        return mass.reshape(-1) if self.select is None else mass[self.select]
 
 
 class AttentionTables:
@@ -136,7 +151,10 @@ class AttentionTables:
             self.lut[:, drop_level] = -1  # out of attention: the kernels skip it
         #: :attr:`views` as the kernels take them (:func:`kvtier.attend.describe`)
         self.descriptors = describe(self.views, shape)
+        #: :func:`kvtier.attend.rotation_of` :attr:`views` (the signs the CPU kernel takes)
+        self.rotation = rotation_of(self.views, shape.head_dim)
         self._batches: dict[tuple[int, ...], AttentionBatch] = {}
+        self._step: AttentionStep | None = None
         #: bumped whenever blocks move or sequences grow: the batch tables' validity
         self.epoch = 0
 
@@ -160,6 +178,31 @@ class AttentionTables:
             batch = self._build(ids)
             self._batches[ids] = batch
         return batch
+
+    def step(self, ids: tuple[int, ...], tokens: tuple[int, ...], queries: int) -> AttentionStep:
+        """The :class:`AttentionStep` of a call of ``queries`` queries over sequences ``ids``
+        of ``tokens`` tokens each: the latest call's when it serves this one too (the layers of
+        a decode step), else built and checked (raises for queries that would see no
+        key, :class:`BlockLostError` for a lost block).
+        ``tokens`` are at least ``queries`` (the caller checks)."""
+        key = (self.epoch, ids, tokens, queries)
+        step = self._step
+        if step is not None and step.key == key:
+            return step
+        bs = self.shape.block_size
+        counts = [-(-n // bs) for n in tokens]
+        batch = self.batch(ids, counts)
+        batch.check_sighted(ids, tokens, queries, bs)
+        width = batch.pools.shape[1]
+        if all(n == width for n in counts):
+            blocks = np.concatenate(batch.blocks) if len(ids) > 1 else batch.blocks[0]
+            select = None
+        else:
+            blocks = np.concatenate([b[:n] for b, n in zip(batch.blocks, counts, strict=True)])
+            select = np.arange(width)[None, :] < np.array(counts)[:, None]
+        lengths = np.array(tokens, dtype=np.int32)
+        self._step = step = AttentionStep(key, batch, lengths, blocks, select)
+        return step
 
     def _build(self, ids: tuple[int, ...]) -> AttentionBatch:
         core, ledger = self.core, self.ledger

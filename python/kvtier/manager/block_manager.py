@@ -36,7 +36,6 @@ from .attention import AttentionTables, per_block
 from .checks import (
     block_key_norms_of,
     check_blocks,
-    check_finite_query,
     check_kv,
     check_layer,
     check_query,
@@ -833,24 +832,24 @@ class BlockManager:
         q = as_tensor(q, "q")
         dims = check_query(q, single, len(ids), self.shape, self.dtype, self.device)
         sm_scale = self.shape.head_dim**-0.5 if scale is None else softmax_scale(scale)
-        check_finite_query(q)
         layer = self._layer(layer)
-        queries, bs = dims[1], self.block_size
-        q = q.detach()
+        queries = dims[1]
+        if q.requires_grad:
+            q = q.detach()
         if not q.is_contiguous():
             q = q.contiguous()
         tables = self.attention_tables
         with self._lock:
-            tokens = [int(self._seq(s).lengths[layer]) for s in ids]
+            tokens = tuple([int(self._seq(s).lengths[layer]) for s in ids])
             if tokens and min(tokens) < max(queries, 1):
                 raise InvalidArgumentError(
                     f"q: {queries} queries, but a sequence holds {min(tokens)} tokens at layer "
                     f"{layer}: append the queries' K/V first"
                 )
-            counts = [-(-n // bs) for n in tokens]
-            lengths = np.array(tokens, dtype=np.int32)
-            batch = tables.batch(ids, counts)
-            batch.check(self.ledger, ids, tokens, layer, queries)
+            # Every layer of a decode step reads the same tables: the first builds them.
+            step = tables.step(ids, tokens, queries)
+            batch = step.batch
+            batch.check_written(self.ledger, ids, tokens, layer)
             if batch.staged:
                 try:
                     pools, slots, views, desc = tables.stage(batch, layer)
@@ -864,13 +863,14 @@ class BlockManager:
                 views, desc = tables.views, tables.descriptors
             out = torch.empty_like(q)
             mass = np.zeros(pools.shape, dtype=np.float32)
+            # The kernels refuse a NaN or inf query before they write or this records anything.
             run_attention(
-                q, out, mass, lengths, pools, slots, views, self.shape, layer, sm_scale, desc
-            )
-            if record and pools.shape[1]:
-                blocks, masses = batch.attended(counts, mass, single)
-                self.core.record_attention(blocks, masses)
-                self.core.record_reads(blocks)
+                q, out, mass, step.lengths, pools, slots, views, self.shape, layer, sm_scale,
+                desc, tables.rotation,
+            )  # fmt: skip
+            if record and len(step.blocks):
+                self.core.record_attention(step.blocks, step.masses(mass))
+                self.core.record_reads(step.blocks)
         return (out, mass) if return_mass else out
 
     # -- signals --------------------------------------------------------------------------------

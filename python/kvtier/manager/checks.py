@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "check_finite_query",
     "check_kv",
     "check_layer",
     "check_query",
@@ -102,8 +101,8 @@ def check_query(
     q: torch.Tensor, single: bool, sequences: int, shape: BlockShape, dtype: Any, device: Any
 ) -> tuple[int, ...]:
     """The ``[sequences, queries, q_heads, head_dim]`` dims of attend's ``q``: one sequence
-    takes ``[queries, q_heads, head_dim]`` too. Its values are checked by
-    :func:`check_finite_query`, once the cheaper checks have passed."""
+    takes ``[queries, q_heads, head_dim]`` too. Its values are checked by the kernels (NaN and
+    inf are refused)."""
     D = shape.head_dim
     # One sequence takes [Q, Hq, D] (or [1, Q, Hq, D]); the kernels read either alike.
     dims = tuple(q.shape) if q.dim() == 4 or not single else (1, *q.shape)
@@ -119,15 +118,6 @@ def check_query(
     if q.dtype is not dtype or q.device != device:
         raise InvalidArgumentError(f"q: expected {dtype} on {device}, got {q.dtype} on {q.device}")
     return dims
-
-
-def check_finite_query(q: torch.Tensor) -> None:
-    """A NaN or inf query would leave the kernels a row of zeros that looks like an answer (and
-    zero mass for the scheduler): refused, as appends refuse non-finite K/V."""
-    if not all_finite(q):
-        raise InvalidArgumentError(
-            "q: expected finite values, got NaN or inf; nothing was computed or recorded"
-        )
 
 
 def key_norms(k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
@@ -149,6 +139,8 @@ def key_norms(k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
 
 def sequence_ids(seqs: Any) -> tuple[bool, tuple[int, ...]]:
     """``(single, ids)`` of attend's ``seqs``: one sequence id, or a sequence of them."""
+    if type(seqs) is list and all(type(s) is int for s in seqs):  # a decode step's, at once
+        return False, tuple(seqs)
     if isinstance(seqs, (int, np.integer)) and not isinstance(seqs, bool):
         return True, (int(seqs),)
     if (
