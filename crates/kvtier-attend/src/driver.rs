@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use rayon::prelude::*;
 
 use crate::error::{invalid, Error, Result};
-use crate::kernels::{prefetch, Encoding, Kernels, TileDims};
+use crate::kernels::{prefetch, prefetch_into, Encoding, Kernels, TileDims, TO_L2};
 use crate::layout::{Blocks, Dims, FloatDtype, Format, PoolDesc};
 use crate::rotation::{check_signs, rotate, unrotate};
 use crate::{Inputs, Outputs, Problem};
@@ -243,11 +243,13 @@ impl Ctx<'_> {
     }
 
     /// Prefetches what head `g` of block `j` of sequence `s` reads at the call's layer, if the
-    /// block exists and is quantized: its K and V codes, scales and zero points (a few small
+    /// block exists: a quantized block's K and V codes, scales and zero points (a few small
     /// runs that a cold call otherwise waits on one by one: cold SmolLM2 int8/int4 calls ~20-30%
-    /// faster). Float blocks are left to the hardware: their 8 KB tiles (fp32) prefetched a head
-    /// ahead made cold calls no faster and hot 4096-token calls up to 3x slower here (AMD
-    /// EPYC), the prefetched lines crowding the current tile out of L1.
+    /// faster), into L1; a float block's K and V tiles into L2 only. Into L1, those (8 KB in
+    /// fp32) crowded the current tile out: hot 4096-token calls up to 3x slower (AMD EPYC).
+    /// Into L2, cold SmolLM2 calls (a decode step's, behind the model's weights) took 10-20%
+    /// less at 512 and 4,096 tokens, hot 4,096-token fp32 ones up to ~15% more (Intel Xeon,
+    /// `cargo bench -p kvtier-attend -- cold`).
     #[inline(always)]
     fn prefetch_head(&self, s: usize, j: usize, g: usize) {
         if j >= self.blocks[s] {
@@ -257,6 +259,8 @@ impl Ctx<'_> {
             return;
         };
         let Format::Quant(fmt) = blocks.format else {
+            prefetch_into::<TO_L2>(&row[blocks.k + g * blocks.head..][..blocks.head]);
+            prefetch_into::<TO_L2>(&row[blocks.v + g * blocks.head..][..blocks.head]);
             return;
         };
         prefetch(&row[blocks.k + g * blocks.head..][..blocks.head]);

@@ -276,25 +276,19 @@ class TieredCache(Cache):
     def _update(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        want = (self.num_kv_heads, self.head_dim)
-        if keys.dim() != 4 or keys.shape != values.shape or tuple(keys.shape[1::2]) != want:
-            raise InvalidArgumentError(
-                f"layer {layer}: expected key and value states [batch, {want[0]} kv_heads, "
-                f"tokens, {want[1]} head_dim], got {list(keys.shape)} and {list(values.shape)}"
-            )
-        rows = self._rows
-        if rows.manager is None:
-            rows.manager = self._new_manager(keys.dtype, keys.device)
-        bm = rows.manager
-        batch = keys.shape[0]
-        if not rows.sequences:
-            rows.sequences = [bm.add_sequence() for _ in range(batch)]
-        elif batch != len(rows.sequences):
-            raise InvalidArgumentError(
-                f"layer {layer}: batch of {batch} rows, but this cache holds {len(rows.sequences)} "
-                "sequences; reset() it (or use a new cache) for another batch"
-            )
-        for row, seq in enumerate(rows.sequences):
+        rows, shape = self._rows, keys.shape
+        bm, seqs = rows.manager, rows.sequences
+        # Every layer of every step: the usual case in one test, the rest in _rows_for.
+        if not (
+            bm is not None
+            and len(shape) == 4
+            and shape == values.shape
+            and shape[0] == len(seqs)
+            and shape[1] == self.num_kv_heads
+            and shape[3] == self.head_dim
+        ):
+            bm, seqs = self._rows_for(layer, keys, values)
+        for row, seq in enumerate(seqs):
             bm.append(seq, layer, keys[row].transpose(0, 1), values[row].transpose(0, 1))
         if self.attend:
             # Attention (kvtier_attention) reads the blocks: hand it only the new K/V, and
@@ -306,6 +300,30 @@ class TieredCache(Cache):
         if not self._hooked:
             self._layer_done(layer)
         return out
+
+    def _rows_for(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[BlockManager, list[int]]:
+        """The manager and the sequences of the rows of ``keys``, built on the first update;
+        raises for states of another shape than the model's or another batch than the cache's."""
+        want = (self.num_kv_heads, self.head_dim)
+        if keys.dim() != 4 or keys.shape != values.shape or tuple(keys.shape[1::2]) != want:
+            raise InvalidArgumentError(
+                f"layer {layer}: expected key and value states [batch, {want[0]} kv_heads, "
+                f"tokens, {want[1]} head_dim], got {list(keys.shape)} and {list(values.shape)}"
+            )
+        rows = self._rows
+        if rows.manager is None:
+            rows.manager = self._new_manager(keys.dtype, keys.device)
+        batch = keys.shape[0]
+        if not rows.sequences:
+            rows.sequences = [rows.manager.add_sequence() for _ in range(batch)]
+        elif batch != len(rows.sequences):
+            raise InvalidArgumentError(
+                f"layer {layer}: batch of {batch} rows, but this cache holds {len(rows.sequences)} "
+                "sequences; reset() it (or use a new cache) for another batch"
+            )
+        return rows.manager, rows.sequences
 
     def _layer_done(self, layer: int) -> None:
         """After the last layer's attention: the forward pass is done, maybe a step."""

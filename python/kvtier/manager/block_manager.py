@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -831,8 +832,14 @@ class BlockManager:
         single, ids = sequence_ids(seqs)
         q = as_tensor(q, "q")
         dims = check_query(q, single, len(ids), self.shape, self.dtype, self.device)
-        sm_scale = self.shape.head_dim**-0.5 if scale is None else softmax_scale(scale)
-        layer = self._layer(layer)
+        if scale is None:
+            sm_scale = self.shape.head_dim**-0.5
+        elif type(scale) is float and math.isfinite(scale):  # a model's, every layer
+            sm_scale = scale
+        else:
+            sm_scale = softmax_scale(scale)
+        if type(layer) is not int or not 0 <= layer < self._layers:
+            layer = self._layer(layer)
         queries = dims[1]
         if q.requires_grad:
             q = q.detach()

@@ -19,9 +19,21 @@ use crate::layout::FloatDtype;
 /// off x86-64.
 #[inline(always)]
 pub(crate) fn prefetch(bytes: &[u8]) {
+    prefetch_into::<TO_L1>(bytes);
+}
+
+/// `_MM_HINT_T0`: every cache level.
+pub(crate) const TO_L1: i32 = 3;
+/// `_MM_HINT_T1`: L2 and below, not L1 (a big tile fetched ahead crowds the current one out
+/// of L1, not of L2).
+pub(crate) const TO_L2: i32 = 2;
+
+/// [`prefetch`] into the cache levels `HINT` names ([`TO_L1`], [`TO_L2`]).
+#[inline(always)]
+pub(crate) fn prefetch_into<const HINT: i32>(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        use std::arch::x86_64::_mm_prefetch;
         const LINE: usize = 64;
         let p = bytes.as_ptr().cast::<i8>();
         let last = bytes.len().saturating_sub(1);
@@ -30,7 +42,7 @@ pub(crate) fn prefetch(bytes: &[u8]) {
         for i in 0..lines {
             // SAFETY: a prefetch only hints the cache; it never faults, even where the address
             // is not mapped (here each lies in the line of a byte of `bytes`)
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(i * LINE)) };
+            unsafe { _mm_prefetch::<HINT>(p.wrapping_add(i * LINE)) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
