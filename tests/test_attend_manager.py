@@ -83,16 +83,21 @@ def test_int2_and_rotated_int2_blocks_are_read_in_place_and_equal_sdpa(ladder: s
     assert_attends_like_sdpa(bm, seq, queries(3, 6))
 
 
-def test_a_batch_of_sequences_of_different_lengths_in_one_call() -> None:
-    bm = manager(recent_window=16)
-    seqs, xs = [], []
+def ragged(bm: BlockManager, seed: int) -> list[int]:
+    """Three sequences of 3 blocks and a token, part of a block and 5 blocks, every layer."""
+    seqs = []
     for i, n in enumerate((3 * BS + 1, BS - 3, 5 * BS)):
         seq = bm.add_sequence()
-        x = kv(n, seed=10 + i)
+        x = kv(n, seed=seed + i)
         for layer in range(LAYERS):
             bm.append(seq, layer, x[layer, 0], x[layer, 1])
         seqs.append(seq)
-        xs.append(x)
+    return seqs
+
+
+def test_a_batch_of_sequences_of_different_lengths_in_one_call() -> None:
+    bm = manager(recent_window=16)
+    seqs = ragged(bm, seed=10)
     bm.step()
     q = torch.stack([queries(2, 20 + i) for i in range(3)])  # [3 sequences, 2 queries, ...]
     out, mass = bm.attend(seqs, 1, q, return_mass=True)
@@ -147,6 +152,55 @@ def test_a_block_lost_from_disk_is_refused_never_attended(tmp_path: Path) -> Non
                 bm.attend(seq, 1, queries(1, 6))
     assert lost == 1
     bm.close()
+
+
+def test_decode_steps_layer_by_layer_attend_like_sdpa_as_blocks_move() -> None:
+    """As a model decodes: each layer appends its token, then attends, and a scheduler step
+    after every token moves blocks down the ladder. The layers of one step share one table of
+    where the blocks lie (built by the first); every call still equals sdpa over the gathered
+    K/V, through the new block a token opens and the moves a step makes (read again after
+    them at the same lengths)."""
+    bm = manager(recent_window=16)
+    seq = bm.add_sequence()
+    x = kv(3 * BS + 2, seed=31)
+    for layer in range(LAYERS):
+        bm.append(seq, layer, x[layer, 0, : 2 * BS - 2], x[layer, 1, : 2 * BS - 2])
+    bm.step()
+    levels_seen = set()
+    for t in range(2 * BS - 2, 3 * BS + 2):  # crosses into a new block
+        for layer in range(LAYERS):
+            bm.append(seq, layer, x[layer, 0, t : t + 1], x[layer, 1, t : t + 1])
+            q = queries(1, t * LAYERS + layer)
+            got = bm.attend([seq], layer, q[None])[0]
+            torch.testing.assert_close(got.float(), sdpa(bm, seq, layer, q), atol=2e-3, rtol=2e-3)
+        bm.step()
+        levels_seen |= set(bm.core.block_info(bm.core.sequence_blocks(seq))["level"].tolist())
+        # the same lengths after the step's moves: read where the blocks lie now
+        q = queries(1, t)
+        for layer in range(LAYERS):
+            got = bm.attend([seq], layer, q[None])[0]
+            torch.testing.assert_close(got.float(), sdpa(bm, seq, layer, q), atol=2e-3, rtol=2e-3)
+    assert levels_seen > {0}, "the steps moved blocks below level 0"
+
+
+def test_a_batchs_masses_reach_the_scheduler_as_each_sequences_own() -> None:
+    """A batch of sequences of different lengths in one call records each block's mass as
+    calls one sequence at a time record it: the scores of a twin manager match."""
+
+    def filled() -> tuple[BlockManager, list[int]]:
+        bm = manager(policy="h2o", recent_window=16)
+        return bm, ragged(bm, seed=40)
+
+    (batched, seqs), (one_by_one, _) = filled(), filled()
+    q = torch.stack([queries(1, 50 + i) for i in range(3)])
+    for layer in range(LAYERS):
+        batched.attend(seqs, layer, q)
+        for i, seq in enumerate(seqs):
+            one_by_one.attend(seq, layer, q[i])
+    blocks = np.concatenate([batched.core.sequence_blocks(s) for s in seqs])
+    got = batched.core.block_info(blocks)["score"]
+    np.testing.assert_allclose(got, one_by_one.core.block_info(blocks)["score"], rtol=1e-6)
+    assert got.all(), "every block was attended"
 
 
 def test_the_attention_mass_feeds_the_scheduler() -> None:
