@@ -154,6 +154,13 @@ def test_a_block_lost_from_disk_is_refused_never_attended(tmp_path: Path) -> Non
     bm.close()
 
 
+def test_an_empty_batch_attends_to_an_empty_output() -> None:
+    bm = manager()
+    q = torch.empty(0, 1, Q_HEADS, DIM, dtype=torch.float16)
+    out, mass = bm.attend([], 0, q, return_mass=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and mass.shape == (0, 0)
+
+
 def test_decode_steps_layer_by_layer_attend_like_sdpa_as_blocks_move() -> None:
     """As a model decodes: each layer appends its token, then attends, and a scheduler step
     after every token moves blocks down the ladder. The layers of one step share one table of

@@ -194,12 +194,12 @@ class AttentionTables:
         batch = self.batch(ids, counts)
         batch.check_sighted(ids, tokens, queries, bs)
         width = batch.pools.shape[1]
-        if all(n == width for n in counts):
-            blocks = np.concatenate(batch.blocks) if len(ids) > 1 else batch.blocks[0]
-            select = None
-        else:
-            blocks = np.concatenate([b[:n] for b, n in zip(batch.blocks, counts, strict=True)])
-            select = np.arange(width)[None, :] < np.array(counts)[:, None]
+        blocks = np.concatenate([b[:n] for b, n in zip(batch.blocks, counts, strict=True)])
+        select = (
+            None
+            if all(n == width for n in counts)
+            else np.arange(width)[None, :] < np.array(counts)[:, None]
+        )
         lengths = np.array(tokens, dtype=np.int32)
         self._step = step = AttentionStep(key, batch, lengths, blocks, select)
         return step

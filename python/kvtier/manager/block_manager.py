@@ -845,6 +845,9 @@ class BlockManager:
             q = q.detach()
         if not q.is_contiguous():
             q = q.contiguous()
+        if not ids:  # an empty batch: nothing to read
+            out = torch.empty_like(q)
+            return (out, np.zeros((0, 0), dtype=np.float32)) if return_mass else out
         tables = self.attention_tables
         with self._lock:
             tokens = tuple([int(self._seq(s).lengths[layer]) for s in ids])
