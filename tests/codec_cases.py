@@ -50,7 +50,7 @@ def random_blocks(torch: Any, n: int, shape: BlockShape, dtype: str, seed: int) 
 def edge_blocks(torch: Any, n: int, shape: BlockShape, dtype: str, seed: int) -> Any:
     """Random blocks whose (slot, layer, kv, head) tiles cycle through the cases the rounding
     rule has to get right: zero and constant groups, underflowing and subnormal scales (which
-    make the clamp decide), outliers, values beyond fp16, rounding ties."""
+    make the clamp decide), outliers, the largest values fp16 scales hold, rounding ties."""
     g = torch.Generator().manual_seed(seed)
     B, D = shape.block_size, shape.head_dim
     x = torch.randn((n, *shape.dims), generator=g)
@@ -69,10 +69,11 @@ def edge_blocks(torch: Any, n: int, shape: BlockShape, dtype: str, seed: int) ->
     halves3 = torch.randint(0, 3, (B, D), generator=g) + 0.5
     halves = torch.randint(0, 15, (B, D), generator=g) + 0.5
     halves127 = torch.randint(0, 127, (B, D), generator=g) + 0.5
-    huge = torch.randn((B, D), generator=g) * 1e6
-    if dtype == "fp16":
-        huge = (huge / 30).clamp(-65504, 65504)
-    fp16_max = (torch.randint(0, 2, (B, D), generator=g) * 2 - 1) * 65504.0  # scales round up
+    # fp16 scales and zero points bound what a codec holds (Codec.max_magnitude): 65504, the
+    # largest bf16 below it 65280; encode refuses more, so the edge is the range's own
+    top = 65280.0 if dtype == "bf16" else 65504.0
+    huge = (torch.randn((B, D), generator=g) * 1e6 / 30).clamp(-top, top)
+    fp16_max = (torch.randint(0, 2, (B, D), generator=g) * 2 - 1) * top  # scales round up
     mixed = torch.randn((B, D), generator=g)
     mixed[3] = 0  # one token's groups all zero
     mixed[:, 7] = 2.5  # one constant channel

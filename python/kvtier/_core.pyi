@@ -396,6 +396,7 @@ def write_token(
     heads: int,
     head_dim: int,
     dtype: int,
+    limit: float = ...,
 ) -> tuple[float, int]: ...
 def paged_copy(
     layout: str,
@@ -417,9 +418,10 @@ def paged_scan(
     shape: tuple[int, int, int],
     dtype: int,
     copy_to: npt.NDArray[np.uint64] | None = None,
+    limit: float = ...,
 ) -> tuple[npt.NDArray[np.float32], int]: ...
 def block_key_norms(
-    blocks: int, num_blocks: int, shape: tuple[int, int, int], dtype: int
+    blocks: int, num_blocks: int, shape: tuple[int, int, int], dtype: int, limit: float = ...
 ) -> tuple[npt.NDArray[np.float32], int]: ...
 def copy_rows(srcs: npt.NDArray[np.uint64], dsts: npt.NDArray[np.uint64], bytes: int) -> None: ...
 def quantize_rows(

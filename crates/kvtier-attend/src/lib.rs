@@ -38,7 +38,7 @@ mod rotation;
 
 pub use crate::codec::{dequantize, quantize, transcode, BlockDims, PackedFormat, LAYOUT_LEN};
 pub use crate::error::{Error, Result};
-pub use crate::half::f16_to_f32;
+pub use crate::half::{f16_to_f32, f32_to_f16};
 pub use crate::layout::{FloatDtype, Format, PoolDesc, QuantFormat, DESC_LEN, DESC_PTR};
 
 /// One call's sizes (python/kvtier/attend/call.py's `Problem`).

@@ -408,8 +408,9 @@ pub fn paged_copy(
 
 /// Each token's key norm, averaged over heads, of one cache block of `layout` (`cache`: its
 /// first element), into `norms` (`N` values), read where the layout keeps K (the sums run
-/// along the memory, across tokens, wherever it can); Err(1) / Err(2) when K / V holds a NaN
-/// or an infinity. A norm past f32's range is f32's largest value. With `copy_to` not null,
+/// along the memory, across tokens, wherever it can); Err(1) / Err(2) when K / V holds a NaN,
+/// an infinity or a value past `bound` ([`Bits::any_beyond`]). A norm past f32's range is
+/// f32's largest value. With `copy_to` not null,
 /// each head is also copied there (as [`move_block`] copies it) once checked, while it is in
 /// L1: on an error, the heads before it may have been.
 ///
@@ -423,6 +424,7 @@ unsafe fn scan_block<T: Bits>(
     cache: *const T,
     norms: &mut [f32],
     copy_to: *mut u8,
+    bound: u32,
 ) -> Result<(), u8> {
     let (n, d) = (g.tokens, g.dim);
     let mut squares = vec![0.0f32; n];
@@ -434,17 +436,18 @@ unsafe fn scan_block<T: Bits>(
             prefetch(next, region * std::mem::size_of::<T>(), h + 1 < g.heads);
         }
         squares.fill(0.0);
-        // A NaN or an infinity in K makes its token's sum of squares one: K is checked
-        // element by element only then (a finite value past 1.8e19 overflows it too).
+        // A NaN or an infinity in K makes its token's sum of squares one: without a bound
+        // below the type's range, K is checked element by element only then (a finite value
+        // past 1.8e19 overflows it too).
         let k_finite = match layout {
             Layout::Channels => {
                 for (t, sq) in squares.iter_mut().enumerate() {
                     let at = cache.add(h * g.head_stride + t * g.token_stride);
                     let (k, v) = std::slice::from_raw_parts(at, 2 * d).split_at(d);
-                    if T::any_non_finite(k) {
+                    if T::any_beyond(k, bound) {
                         return Err(1);
                     }
-                    if T::any_non_finite(v) {
+                    if T::any_beyond(v, bound) {
                         return Err(2);
                     }
                     let mut lanes = [0.0f32; 16];
@@ -460,7 +463,7 @@ unsafe fn scan_block<T: Bits>(
             Layout::CpuVec | Layout::CpuAmx => {
                 let region = std::slice::from_raw_parts(cache.add(h * 2 * n * d), 2 * n * d);
                 let (k, v) = region.split_at(n * d);
-                if T::any_non_finite(v) {
+                if T::any_beyond(v, bound) {
                     return Err(2);
                 }
                 if layout == Layout::CpuVec {
@@ -491,7 +494,8 @@ unsafe fn scan_block<T: Bits>(
                         }
                     }
                 }
-                squares.iter().all(|s| s.is_finite()) || !T::any_non_finite(k)
+                let finite_enough = bound == T::FINITE && squares.iter().all(|s| s.is_finite());
+                finite_enough || !T::any_beyond(k, bound)
             }
         };
         if !k_finite {
@@ -525,8 +529,9 @@ mod avx2 {
         cache: *const T,
         norms: &mut [f32],
         copy_to: *mut u8,
+        bound: u32,
     ) -> Result<(), u8> {
-        super::scan_block(layout, g, cache, norms, copy_to)
+        super::scan_block(layout, g, cache, norms, copy_to, bound)
     }
 
     #[target_feature(enable = "avx2")]
@@ -560,12 +565,13 @@ unsafe fn scan_any<T: Bits>(
     cache: *const T,
     norms: &mut [f32],
     copy_to: *mut u8,
+    bound: u32,
 ) -> Result<(), u8> {
     #[cfg(target_arch = "x86_64")]
     if wide {
-        return avx2::scan_block(layout, g, cache, norms, copy_to);
+        return avx2::scan_block(layout, g, cache, norms, copy_to, bound);
     }
-    scan_block(layout, g, cache, norms, copy_to)
+    scan_block(layout, g, cache, norms, copy_to, bound)
 }
 
 /// [`move_block`], as wide as the CPU allows.
@@ -589,13 +595,17 @@ unsafe fn move_any<const TO_CACHE: bool>(
 
 /// Checks whole blocks of a paged cache on the CPU finite and measures their keys, in place:
 /// for cache blocks `block_ids` (as [`paged_copy`] reads them), each token's key norm averaged
-/// over heads, block by block, and 0; or an empty array and 1 / 2 when some K / V holds a NaN
-/// or an infinity. `dtype` is the kernels' code (0 fp32, 1 fp16, 2 bf16). With `copy_to`
+/// over heads, block by block, and 0; or an empty array and 1 / 2 when some K / V holds a NaN,
+/// an infinity or a value of magnitude past `limit` (the most the manager's ladder holds).
+/// `dtype` is the kernels' code (0 fp32, 1 fp16, 2 bf16). With `copy_to`
 /// (one address a block, as [`paged_copy`]'s `blocks`), each block is also copied out there
 /// once checked, while it is in the core's cache: on an error, some blocks may have been
 /// copied. The GIL is released meanwhile; the addresses are trusted as [`paged_copy`]'s are.
 #[pyfunction]
-#[pyo3(signature = (layout, cache, block_stride, strides, block_ids, shape, dtype, copy_to=None))]
+#[pyo3(signature = (
+    layout, cache, block_stride, strides, block_ids, shape, dtype, copy_to=None,
+    limit=f32::INFINITY,
+))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_scan<'py>(
     py: Python<'py>,
@@ -607,6 +617,7 @@ pub fn paged_scan<'py>(
     shape: (usize, usize, usize),
     dtype: u8,
     copy_to: Option<PyReadonlyArray1<'_, u64>>,
+    limit: f32,
 ) -> PyResult<(Bound<'py, PyArray1<f32>>, u8)> {
     let layout = layout_of(layout)?;
     let elem = crate::tokens::element_bytes(dtype)?;
@@ -641,7 +652,15 @@ pub fn paged_scan<'py>(
             each_dtype!(
                 dtype,
                 T,
-                scan_any::<T>(wide, layout, g, at as *const T, out, to as *mut u8)
+                scan_any::<T>(
+                    wide,
+                    layout,
+                    g,
+                    at as *const T,
+                    out,
+                    to as *mut u8,
+                    crate::tokens::bound_of::<T>(limit),
+                )
             )
         })
         .map(|()| norms)

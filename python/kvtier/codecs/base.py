@@ -225,6 +225,13 @@ class Codec(ABC):
     def _decode(self, parts: dict[str, torch.Tensor], shape: BlockShape) -> torch.Tensor:
         """Reference decoder: sections -> ``[n, *shape.dims]``, fp32 or the storage dtype."""
 
+    def max_magnitude(self, dtype: str) -> float:
+        """The largest ``|value|`` of ``dtype`` K/V (``fp16``, ``bf16``, ``fp32``) this codec
+        stores within its error bound: past it a value would come back clamped (or worse).
+        :meth:`encode` refuses larger values, and a :class:`~kvtier.BlockManager` K/V its
+        ladder cannot hold. Unbounded by default (a user's codec knows its own range)."""
+        return math.inf
+
     def check_shape(self, shape: BlockShape) -> None:  # noqa: B027 - optional hook
         """Raise :class:`InvalidArgumentError` if this codec cannot pack blocks of ``shape``."""
 
@@ -294,6 +301,7 @@ class Codec(ABC):
         torch = torch_module()
         blocks = as_tensor(blocks, "blocks")
         shape = BlockShape.of(blocks)
+        check_range(blocks, self.max_magnitude(shape.dtype), repr(self.name))
         n = blocks.shape[0]
         out = torch.empty((n, self.bytes_per_block(shape)), dtype=torch.uint8, device=blocks.device)
         every = torch.arange(n, dtype=torch.int64)
@@ -354,7 +362,9 @@ class Codec(ABC):
         self, src: Any, src_slots: Any, dst: Any, dst_slots: Any, *, backend: Backend = "auto"
     ) -> None:
         """Pack blocks ``src[src_slots]`` of a float pool into rows ``dst[dst_slots]`` of a
-        packed pool ``uint8 [slots, bytes_per_block]``."""
+        packed pool ``uint8 [slots, bytes_per_block]``. The blocks' values must be within
+        :meth:`max_magnitude` (unchecked here, for speed: a :class:`~kvtier.BlockManager`
+        checks K/V as it is appended; :meth:`encode` checks its batch)."""
         src, dst = as_tensor(src, "src"), as_tensor(dst, "dst")
         shape = BlockShape.of(src)
         check_pool(src, "src", None)
@@ -580,6 +590,21 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     gathers copy first)."""
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def check_range(values: torch.Tensor, limit: float, holder: str) -> None:
+    """Refuses ``values`` with a NaN, an infinity or a magnitude past ``limit`` (what
+    ``holder`` holds), when their dtype can hold such values at all."""
+    torch = torch_module()
+    if limit >= torch.finfo(values.dtype).max or not values.numel():
+        return
+    lo, hi = torch.aminmax(values)
+    largest = max(-float(lo), float(hi))
+    if not largest <= limit:  # NaN compares false
+        raise InvalidArgumentError(
+            f"blocks: expected finite values of magnitude at most {limit:.7g} (the most "
+            f"{holder} holds for {dtype_name(values.dtype)} K/V), got {largest:.7g}"
+        )
 
 
 def saturate_to(values: torch.Tensor, dtype: Any) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._torch import torch_dtype
+from .._torch import torch_dtype, torch_module
 from .base import BlockShape, Codec, Section
 
 if TYPE_CHECKING:
@@ -33,6 +33,10 @@ class IdentityCodec(Codec):
 
     def sections(self, shape: BlockShape) -> tuple[Section, ...]:
         return (Section("values", self.dtype, shape.dims),)
+
+    def max_magnitude(self, dtype: str) -> float:
+        """This dtype's largest value: past it a cast would overflow to infinity."""
+        return float(torch_module().finfo(torch_dtype(self.dtype)).max)
 
     def _encode(self, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"values": blocks.to(torch_dtype(self.dtype))}

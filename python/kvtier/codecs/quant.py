@@ -21,7 +21,8 @@ where ``s' = s`` if ``s > 0`` else 1, ``fp16()`` rounds to nearest even after cl
 ±65504, ``round`` is half-to-even, and every step is a single fp32 operation. Decoding is
 ``q * s (+ z)`` in fp32; cast to fp16, it saturates at ±65504 (a scale rounded up to fp16
 can take an fp16-max input's codes just past it, which fp16 would hold as inf). Inputs beyond
-the fp16 range saturate.
+what fp16 scales hold (:meth:`QuantCodec.max_magnitude`) are refused by ``encode`` and by a
+``BlockManager``'s appends; the pool-to-pool calls, which do not check, saturate them.
 
 Rotated codecs (``rotate=True``) quantize ``y = x @ H / D`` instead of the head vectors ``x``, with ``H`` the ``[D, D]`` Hadamard
 matrix of :func:`.rotation.hadamard` (entries ±1, ``H @ H.T == D * I``), and decode ``x = y @ H.T``,
@@ -134,6 +135,14 @@ class QuantCodec(Codec):
         keys = "chan" if self.key_per_channel else "tok"
         rot = "-rot" if self.rotate else ""
         return f"int{self.bits}-{'asym' if self.asymmetric else 'sym'}-k{keys}-g{group}{rot}"
+
+    def max_magnitude(self, dtype: str) -> float:
+        """fp16 scales and zero points bound what a group holds: an asymmetric group's zero
+        point is its minimum, a rotated codec decodes within ±65504, and a symmetric group's
+        scale is ``max|x| / qmax``. (fp16 K/V never exceeds any of them.)"""
+        if self.asymmetric or self.rotate:
+            return _FP16_MAX
+        return _FP16_MAX * (2 ** (self.bits - 1) - 1)
 
     def group(self, shape: BlockShape) -> int:
         """Values per group along the head dimension."""

@@ -41,6 +41,7 @@ from .checks import (
     check_layer,
     check_query,
     key_norms,
+    refusal,
     sequence_ids,
     softmax_scale,
     token_array,
@@ -159,6 +160,10 @@ class BlockManager:
         self.codecs: list[Codec] = [get_codec(name) for name in kept]
         self.level_bytes = [c.bytes_per_block(self.shape) for c in self.codecs]
         self.level_bytes += [0] * (len(self.ladder) - len(kept))
+        # The largest |value| appends accept: what every level holds (the quantized levels'
+        # fp16 scales bound bf16/fp32 K/V); infinite when that is the dtype's whole range.
+        limit = min(c.max_magnitude(dtype_str) for c in self.codecs)
+        self._limit = limit if limit < torch.finfo(self.dtype).max else math.inf
         self._layout = layout = size_pools(config, self.device, self.level_bytes, len(self.codecs))
         self.slots = layout.slots
         self.core = make_core(config, layout)
@@ -198,6 +203,8 @@ class BlockManager:
         self._dtype_code = FLOAT_CODES[self.shape.dtype]
         # Encoded appends place blocks below level 0 only where a layer's bytes are its own.
         self._encodable = all(c.layer_major for c in self.codecs[1:])
+        # Whether an encoded append placed blocks below level 0 yet (token appends check then)
+        self._placed_below_0 = False
 
     def close(self) -> None:
         """Deletes this manager's blocks from its disk and remote tiers and closes them. The
@@ -372,7 +379,7 @@ class BlockManager:
         layer = self._layer(layer)
         # A cache holds values: gradients do not flow into it.
         k, v = k.detach(), v.detach()
-        norms = key_norms(k, v)
+        norms = key_norms(k, v, self._limit)
         n = int(k.shape[0])
         with self._lock:
             state = self._seq(seq)
@@ -383,6 +390,7 @@ class BlockManager:
             have = self.core.sequence_tokens(seq)
             if start < have:
                 self.ledger.check_writable(seq, layer, start, min(end, have))
+                self._check_whole_below_level_0(seq, layer, start, end)
             if end > have:
                 self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
             self._settle_run(state)
@@ -423,7 +431,7 @@ class BlockManager:
         norms = None  # external blocks: measured on their way into the pool
         if not isinstance(blocks, ExternalBlocks):
             blocks = check_blocks(blocks, self.shape, self.dtype, self.device).detach()
-            norms = block_key_norms_of(blocks, self._dtype_code)
+            norms = block_key_norms_of(blocks, self._dtype_code, self._limit)
         layer = self._layer(layer)
         n, bs = len(blocks), self.block_size
         with self._lock:
@@ -437,7 +445,7 @@ class BlockManager:
                 self.ledger.check_writable(seq, layer, start, min(end, have))
             if end > have:
                 if norms is None:  # checked before the sequence grows: a refusal changes nothing
-                    norms = blocks.key_norms()
+                    norms = blocks.key_norms(self._limit)
                 self._grow(seq, lambda: self.core.extend(seq, end - have), end - have)
             self._settle_run(state)
             run = self._write_blocks(seq, layer, start // bs, blocks, norms)
@@ -454,8 +462,12 @@ class BlockManager:
             check_external(blocks, self.shape, self.dtype)
             blocks = blocks.read()  # where they lie (on a GPU, gathered there)
         blocks = as_tensor(blocks, "blocks")
+        if blocks.device.type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(
+                f"blocks: expected a tensor on the CPU or a CUDA device, got one on {blocks.device}"
+            )
         blocks = check_blocks(blocks, self.shape, self.dtype, blocks.device).detach()
-        norms = block_key_norms_of(blocks, self._dtype_code)  # refuses NaN and inf
+        norms = block_key_norms_of(blocks, self._dtype_code, self._limit)  # refuses NaN, inf
         layer = self._layer(layer)
         n, bs = len(blocks), self.block_size
         with self._lock:
@@ -483,6 +495,7 @@ class BlockManager:
             unplaced = todo[(written[todo].max(axis=1) == 0) & self.ledger.pinned[ids[todo]]]
             if len(unplaced) and self._encodable:
                 self.core.place_saved(ids[unplaced])
+                self._placed_below_0 = True
                 self.attention_tables.invalidate()  # blocks moved: attention tables are stale
             self._write_encoded(ids[todo], todo, layer, blocks)
             sums = norms.reshape(n, bs)[todo].sum(axis=1, dtype=np.float64)
@@ -540,7 +553,7 @@ class BlockManager:
             ):
                 return False
             addresses = run.addresses + layer * run.layer_bytes
-            norms = blocks.copy_to(addresses, measure=True)
+            norms = blocks.copy_to(addresses, measure=True, limit=self._limit)
             assert norms is not None
             self.ledger.wrote_layer(run.blocks, layer)
             np.add(run.norms, norms, out=run.norms)
@@ -582,15 +595,25 @@ class BlockManager:
         written = self.ledger.written[ids, layer]
         whole = written == 0
         if norms is None and not whole.all():
-            norms = blocks.key_norms()
+            norms = blocks.key_norms(self._limit)
         every = norms is None or whole.all()  # (norms None: every block is whole)
         if every or whole.any():
             fresh = ids if every else ids[whole]
-            slots = self.core.block_places(fresh)[2].astype(np.int64)
+            _, levels, slots = self.core.block_places(fresh)
+            slots = slots.astype(np.int64)
             run = None
-            if isinstance(blocks, ExternalBlocks):
+            if levels.any():
+                # Placed below level 0 by another layer's encoded append: each block is
+                # written where it lies, encoded there (never at its slot number in level 0).
+                if isinstance(blocks, ExternalBlocks):
+                    norms = blocks.key_norms(self._limit) if norms is None else norms
+                    blocks = blocks.read()
+                self._write_encoded(fresh, np.nonzero(whole)[0], layer, blocks)
+            elif isinstance(blocks, ExternalBlocks):
                 pick = None if every else whole
-                got = self._tiers.write_external(slots, layer, blocks, pick, measure=norms is None)
+                got = self._tiers.write_external(
+                    slots, layer, blocks, pick, measure=norms is None, limit=self._limit
+                )
                 if norms is None:
                     norms = got
                 if every:
@@ -704,12 +727,10 @@ class BlockManager:
             k_at = self._pool0 + (((slot * layers + layer) * 2 * H * bs) + off) * D * item
             norm, bad = write_token(
                 k_at, k_at + H * bs * D * item, bs * D, k.data_ptr(), v.data_ptr(), k.stride(1),
-                H, D, self._dtype_code,
+                H, D, self._dtype_code, self._limit,
             )  # fmt: skip
             if bad:
-                raise InvalidArgumentError(
-                    f"{'kv'[bad - 1]}: expected finite values, got NaN or inf; nothing was stored"
-                )
+                raise refusal("kv"[bad - 1], self._limit)
             if grows:
                 self.core.extend(seq, 1)  # room in the block being filled: allocates nothing
             done = ledger.wrote_token(block, layer, off, norm, layer == layers - 1)
@@ -734,15 +755,49 @@ class BlockManager:
         if not fresh.any():
             return
         info = self.core.block_info(blocks)
+        low = fresh & (info["level"][index - index[0]] != 0)
+        if low.any():
+            # Blocks an encoded append placed below level 0, whole here (checked before the
+            # call changed anything): encoded where they lie, a block at a time.
+            sel = torch.from_numpy(np.nonzero(low)[0]).to(k.device)
+            H, D = self.shape.kv_heads, self.shape.head_dim
+            whole = torch.stack((k[sel], v[sel]), 1).reshape(-1, bs, 2, H, D)
+            ids = tok_blocks[low][::bs]
+            blocks_of = whole.permute(0, 2, 3, 1, 4).contiguous()  # [n, 2, H, N, D]
+            self._write_encoded(ids, np.arange(len(ids)), layer, blocks_of)
+        where = np.nonzero(fresh & ~low)[0]
+        if len(where):
+            local = index[where] - index[0]
+            slots = torch.from_numpy(info["slot"][local].astype(np.int64)).to(self.device)
+            offs = torch.from_numpy(offset[where]).to(self.device)
+            sel = torch.from_numpy(where).to(self.device)
+            ks, vs = (k, v) if len(where) == len(positions) else (k[sel], v[sel])
+            self._tiers.write_tokens(slots, layer, offs, ks, vs)
         where = np.nonzero(fresh)[0]
-        local = index[where] - index[0]
-        slots = torch.from_numpy(info["slot"][local].astype(np.int64)).to(self.device)
-        offs = torch.from_numpy(offset[where]).to(self.device)
-        sel = torch.from_numpy(where).to(self.device)
-        ks, vs = (k, v) if len(where) == len(positions) else (k[sel], v[sel])
-        self._tiers.write_tokens(slots, layer, offs, ks, vs)
         # Bookkeeping after the writes.
         self._finish(self.ledger.wrote(tok_blocks[where], layer, offset[where], norms[where]))
+
+    def _check_whole_below_level_0(self, seq: int, layer: int, start: int, end: int) -> None:
+        """Refuses, before anything changes, an append of tokens ``[start, end)`` that would
+        write part of a block an encoded append placed below level 0: its codec encodes whole
+        blocks. (Only after such a placement: the check costs a core call.)"""
+        if not self._placed_below_0:
+            return
+        bs = self.block_size
+        first = start // bs
+        ids = self.core.sequence_blocks(seq)[first : -(-end // bs)]
+        written = self.ledger.written[ids, layer]
+        below = (self.core.block_places(ids)[1] != 0) & (written < bs)
+        starts = (first + np.arange(len(ids))) * bs
+        part = below & ((written > 0) | (starts < start) | (starts + bs > end))
+        if part.any():
+            i = int(np.argmax(part))
+            raise InvalidArgumentError(
+                f"sequence {seq} layer {layer}: tokens {start}:{end} cover part of block "
+                f"{first + i} (tokens {starts[i]}:{starts[i] + bs}), which an encoded "
+                "append_blocks placed below level 0: append its whole block (append_blocks, "
+                "or all its tokens in one append); nothing was stored"
+            )
 
     def _finish(self, done: np.ndarray) -> None:
         """Blocks every layer has written in full: unpinned (and queued to be published)."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._core import block_key_norms
-from .._torch import all_finite, as_tensor
+from .._torch import all_finite, as_tensor, torch_module
 from ..codecs.base import BlockShape
 from ..errors import InvalidArgumentError
 
@@ -82,18 +82,32 @@ def check_blocks(x: Any, shape: BlockShape, dtype: Any, device: Any) -> torch.Te
     return t.contiguous()
 
 
-def block_key_norms_of(blocks: torch.Tensor, dtype_code: int) -> np.ndarray:
-    """Per token of ``blocks`` (checked by :func:`check_blocks`), block by block, the mean over
-    heads of its key's norm, once K and V are known to be finite (see :func:`key_norms`):
-    in the extension, one pass, on the CPU; elsewhere :func:`key_norms` of the blocks' tokens."""
-    if blocks.device.type != "cpu":
-        return key_norms(blocks[:, 0].transpose(1, 2), blocks[:, 1]).reshape(-1)
-    n, _, h, bs, d = blocks.shape
-    norms, bad = block_key_norms(blocks.data_ptr(), n, (h, bs, d), dtype_code)
-    if bad:
-        raise InvalidArgumentError(
-            f"blocks: expected finite values, got NaN or inf in {'KV'[bad - 1]}; nothing was stored"
+def refusal(what: str, limit: float = math.inf, part: str = "") -> InvalidArgumentError:
+    """The error for K/V ``what`` (its ``part``, `` in K`` say) holding a NaN, an infinity or,
+    under a finite ``limit`` (the most the manager's ladder holds), a larger value."""
+    if math.isinf(limit):
+        return InvalidArgumentError(
+            f"{what}: expected finite values, got NaN or inf{part}; nothing was stored"
         )
+    return InvalidArgumentError(
+        f"{what}: expected finite values of magnitude at most {limit:.7g} (the most this "
+        f"manager's ladder holds), got NaN, inf or a larger value{part}; nothing was stored"
+    )
+
+
+def block_key_norms_of(
+    blocks: torch.Tensor, dtype_code: int, limit: float = math.inf
+) -> np.ndarray:
+    """Per token of ``blocks`` (checked by :func:`check_blocks`), block by block, the mean over
+    heads of its key's norm, once K and V are known to be finite and within ``limit`` (see
+    :func:`key_norms`): in the extension, one pass, on the CPU; elsewhere :func:`key_norms`
+    of the blocks' tokens."""
+    if blocks.device.type != "cpu":
+        return key_norms(blocks[:, 0].transpose(1, 2), blocks[:, 1], limit).reshape(-1)
+    n, _, h, bs, d = blocks.shape
+    norms, bad = block_key_norms(blocks.data_ptr(), n, (h, bs, d), dtype_code, limit)
+    if bad:
+        raise refusal("blocks", limit, f" in {'KV'[bad - 1]}")
     return norms
 
 
@@ -120,20 +134,25 @@ def check_query(
     return dims
 
 
-def key_norms(k: torch.Tensor, v: torch.Tensor) -> np.ndarray:
+def key_norms(k: torch.Tensor, v: torch.Tensor, limit: float = math.inf) -> np.ndarray:
     """Per token, the mean over heads of its key's norm (the magnitude signal), once K and V
     are known to be finite: NaN or inf would reach attention as garbage (one NaN key poisons
-    the softmax of every query that sees it), so either is refused before anything is stored.
-    K's check rides on its norms; only a non-finite norm looks at K itself."""
+    the softmax of every query that sees it), so either is refused before anything is stored,
+    as are values past a finite ``limit`` (the most the ladder's codecs hold: they would come
+    back clamped). K's finite check rides on its norms; only a non-finite norm looks at K."""
+    torch = torch_module()
     norms = k.float().norm(dim=-1).mean(dim=-1).cpu().numpy()
     if not np.isfinite(norms).all():
         if not all_finite(k):
-            raise InvalidArgumentError(
-                "k: expected finite values, got NaN or inf; nothing was stored"
-            )
+            raise refusal("k")
         norms = np.minimum(np.nan_to_num(norms, posinf=_F32_MAX), _F32_MAX)  # fp32 overflow
     if not all_finite(v):
-        raise InvalidArgumentError("v: expected finite values, got NaN or inf; nothing was stored")
+        raise refusal("v")
+    if not math.isinf(limit):
+        for name, x in (("k", k), ("v", v)):
+            lo, hi = torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
+            if not max(-float(lo), float(hi)) <= limit:
+                raise refusal(name, limit)
     return norms
 
 

@@ -8,6 +8,7 @@ form on the way); blocks at other levels are decoded and written.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -45,20 +46,27 @@ class ExternalBlocks(ABC):
     def device(self) -> Any: ...
 
     @abstractmethod
-    def key_norms(self) -> np.ndarray:
+    def key_norms(self, limit: float = math.inf) -> np.ndarray:
         """Per token, block by block, the mean over heads of its key's norm (float32, ``len(self)
-        * block_size`` values), once K and V are known to be finite; raises
-        :class:`~kvtier.InvalidArgumentError` if they are not. Writes nothing."""
+        * block_size`` values), once K and V are known to be finite and of magnitude at most
+        ``limit``; raises :class:`~kvtier.InvalidArgumentError` if they are not (the message
+        of :func:`kvtier.manager.checks.refusal`). Writes nothing."""
 
     @abstractmethod
     def copy_to(
-        self, addresses: np.ndarray, pick: np.ndarray | None = None, *, measure: bool = False
+        self,
+        addresses: np.ndarray,
+        pick: np.ndarray | None = None,
+        *,
+        measure: bool = False,
+        limit: float = math.inf,
     ) -> np.ndarray | None:
         """Copies blocks ``pick`` (every one when None) in kvtier's form to the CPU memory at
         ``addresses`` (uint64, one per block copied, each ``2 * kv_heads * block_size *
         head_dim`` contiguous elements of :attr:`dtype` the caller owns). With ``measure``,
-        each is checked on the way and the copied blocks' :meth:`key_norms` returned; on a
-        refusal some blocks may have been copied."""
+        each is checked on the way (as :meth:`key_norms` checks, within ``limit``) and the
+        copied blocks' :meth:`key_norms` returned; on a refusal some blocks may have been
+        copied."""
 
     @abstractmethod
     def copy_from(self, addresses: np.ndarray, pick: np.ndarray | None = None) -> None:

@@ -21,6 +21,7 @@ never changes which block lives where.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
 import uuid
@@ -279,12 +280,14 @@ class Tiers:
         pick: np.ndarray | None,
         *,
         measure: bool = False,
+        limit: float = math.inf,
     ) -> np.ndarray | None:
         """Blocks ``pick`` of ``blocks`` (every one when None), one layer's, into level-0 CPU
         slots ``slots``: each copied straight from where it lies into its slot (with
-        ``measure``, checked and measured on the way: :meth:`ExternalBlocks.copy_to`)."""
+        ``measure``, checked within ``limit`` and measured on the way:
+        :meth:`ExternalBlocks.copy_to`)."""
         addresses = row_addresses(self.pools["device", 0], slots, layer)
-        return blocks.copy_to(addresses, pick, measure=measure)
+        return blocks.copy_to(addresses, pick, measure=measure, limit=limit)
 
     def write_encoded(
         self, level: int, slots: np.ndarray, layer: int, blocks: torch.Tensor

@@ -34,6 +34,7 @@ rather than guessed. Nothing here needs vLLM.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -44,6 +45,7 @@ from ..._torch import dtype_name, torch_module
 from ...attend import FLOAT_CODES
 from ...errors import ConfigError, InvalidArgumentError
 from ...manager import ExternalBlocks
+from ...manager.checks import refusal
 
 if TYPE_CHECKING:
     import torch
@@ -220,23 +222,24 @@ class PagedLayout:
         )  # fmt: skip
 
     def key_norms(
-        self, cache: torch.Tensor, ids: np.ndarray, copy_to: np.ndarray | None = None
+        self,
+        cache: torch.Tensor,
+        ids: np.ndarray,
+        copy_to: np.ndarray | None = None,
+        limit: float = math.inf,
     ) -> np.ndarray:
         """Per token of a CPU ``cache``'s blocks ``ids`` (int64, checked), block by block, the
         mean over heads of its key's norm, read in place; raises
-        :class:`~kvtier.InvalidArgumentError` if K or V holds a NaN or an infinity. With
-        ``copy_to`` (addresses as :meth:`copy`'s), each block is copied there once checked
-        (on a refusal, some may have been)."""
+        :class:`~kvtier.InvalidArgumentError` if K or V holds a NaN, an infinity or a value
+        of magnitude past ``limit``. With ``copy_to`` (addresses as :meth:`copy`'s), each
+        block is copied there once checked (on a refusal, some may have been)."""
         norms, bad = paged_scan(
             self.split, cache.data_ptr(), cache.stride(0), (cache.stride(1), cache.stride(2)),
             ids, (self.num_kv_heads, self.block_size, self.head_dim), _float_code(cache.dtype),
-            copy_to,
+            copy_to, limit,
         )  # fmt: skip
         if bad:
-            raise InvalidArgumentError(
-                f"blocks: expected finite values, got NaN or inf in {'KV'[bad - 1]}; nothing was "
-                "stored"
-            )
+            raise refusal("blocks", limit, f" in {'KV'[bad - 1]}")
         return norms
 
     def write(self, cache: torch.Tensor, block_ids: torch.Tensor, kv: torch.Tensor) -> None:
@@ -282,15 +285,20 @@ class PagedBlocks(ExternalBlocks):
     def device(self) -> Any:
         return self.cache.device
 
-    def key_norms(self) -> np.ndarray:
-        return self.layout.key_norms(self.cache, self.block_ids)
+    def key_norms(self, limit: float = math.inf) -> np.ndarray:
+        return self.layout.key_norms(self.cache, self.block_ids, limit=limit)
 
     def copy_to(
-        self, addresses: np.ndarray, pick: np.ndarray | None = None, *, measure: bool = False
+        self,
+        addresses: np.ndarray,
+        pick: np.ndarray | None = None,
+        *,
+        measure: bool = False,
+        limit: float = math.inf,
     ) -> np.ndarray | None:
         ids = self.block_ids if pick is None else self.block_ids[pick]
         if measure:
-            return self.layout.key_norms(self.cache, ids, addresses)
+            return self.layout.key_norms(self.cache, ids, addresses, limit)
         self.layout.copy(self.cache, ids, addresses, to_cache=False)
         return None
 
