@@ -138,3 +138,18 @@ def test_the_reported_mix_reads_back_and_leaves_the_other_sequence_alone() -> No
     bm.append(seq2, 1, k[:7], v[:7])  # the sink's part, then part of an int8 block:
     with pytest.raises(InvalidArgumentError, match="placed below level 0"):
         bm.append(seq2, 1, k[7:20], v[7:20])
+
+
+def test_a_tensor_on_neither_the_cpu_nor_cuda_is_refused_by_name() -> None:
+    """A meta tensor (no data) raised torch's NotImplementedError from an encoded append."""
+    config = KvtierConfig(block_size=BS, ladder="fp16,int8", device_blocks=8)
+    bm = BlockManager(config, LAYERS, HEADS, DIM, torch.float16, "cpu")
+    seq = bm.add_sequence(list(range(BS)))
+    meta = torch.empty(1, 2, HEADS, BS, DIM, dtype=torch.float16, device="meta")
+    for encode in (True, False):
+        with pytest.raises(InvalidArgumentError, match="on meta"):
+            bm.append_blocks(seq, 0, meta, encode=encode)
+    k = torch.empty(BS, HEADS, DIM, dtype=torch.float16, device="meta")
+    with pytest.raises(InvalidArgumentError, match="on meta"):
+        bm.append(seq, 0, k, k)
+    assert bm.num_tokens(seq, 0) == 0

@@ -141,18 +141,22 @@ def key_norms(k: torch.Tensor, v: torch.Tensor, limit: float = math.inf) -> np.n
     as are values past a finite ``limit`` (the most the ladder's codecs hold: they would come
     back clamped). K's finite check rides on its norms; only a non-finite norm looks at K."""
     torch = torch_module()
-    norms = k.float().norm(dim=-1).mean(dim=-1).cpu().numpy()
+    norms = k.float().norm(dim=-1).mean(dim=-1)
+    if not math.isinf(limit) and k.numel():
+        # K's and V's extremes refuse NaN, inf and larger values alike, fetched with the norms
+        top = torch.stack((k.amax(), -k.amin(), v.amax(), -v.amin())).float()
+        both = torch.cat((norms, top)).cpu().numpy()
+        for name, pair in (("k", both[-4:-2]), ("v", both[-2:])):
+            if not (pair <= limit).all():  # NaN compares false
+                raise refusal(name, limit)
+        return both[:-4]
+    norms = norms.cpu().numpy()
     if not np.isfinite(norms).all():
         if not all_finite(k):
             raise refusal("k")
         norms = np.minimum(np.nan_to_num(norms, posinf=_F32_MAX), _F32_MAX)  # fp32 overflow
     if not all_finite(v):
         raise refusal("v")
-    if not math.isinf(limit):
-        for name, x in (("k", k), ("v", v)):
-            lo, hi = torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
-            if not max(-float(lo), float(hi)) <= limit:
-                raise refusal(name, limit)
     return norms
 
 
