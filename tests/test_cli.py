@@ -123,6 +123,44 @@ def test_bad_arguments_exit_2_with_error_and_hint(
     assert len(hint) > len("hint: ")
 
 
+#: Counts the benchmarks and evaluations take that only make sense from 1 up (0 timed runs
+#: printed a header and figures of nothing, with exit status 0), each with a value refused.
+NON_POSITIVE_COUNTS = [
+    ["bench", "codecs", "--repeats", "0"],
+    ["bench", "attend", "--repeats", "0"],
+    ["bench", "attend", "--contexts", "512", "0"],
+    ["bench", "attend", "--seqs", "-1"],
+    ["bench", "core", "--capacity", "0"],
+    ["bench", "manager", "--sequences", "0"],
+    ["bench", "manager", "--prompt", "-16"],
+    ["bench", "manager", "--steps", "0"],
+    ["bench", "manager", "--repeats", "0"],
+    ["bench", "manager", "--threads", "0"],
+    ["bench", "share", "--prompt", "0"],
+    ["bench", "share", "--rounds", "0"],
+    ["bench", "stores", "--repeats", "0"],
+    ["bench", "vllm", "--prompt-tokens", "0"],
+    ["bench", "vllm", "--probe-tokens", "-1"],
+    ["bench", "vllm", "--host-blocks", "0"],
+    ["bench", "vllm", "--step-tokens", "0"],
+    ["eval", "codecs", "--windows", "0"],
+    ["eval", "cache", "--chunk", "0"],
+    ["eval", "vllm", "--generated", "0"],
+]
+
+
+@pytest.mark.parametrize("argv", NON_POSITIVE_COUNTS, ids=" ".join)
+def test_a_count_below_one_is_refused_before_anything_runs(
+    capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "", "a refused command printed data"
+    error, hint = _error_lines(err)
+    assert argv[2] in error and "expected a positive integer" in error, error
+    assert f"kvtier {argv[0]} {argv[1]} --help" in hint
+
+
 def test_bad_environment_variable_is_reported_by_name(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

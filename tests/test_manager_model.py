@@ -21,9 +21,11 @@ Contract checked after every operation:
   K/V for the same tokens is stored and gathered correctly;
 - K/V with ``requires_grad=True`` are accepted, stored detached and gathered exactly;
 - an allocating call (add_sequence with ids, add_tokens, append, fork) never raises
-  OutOfCapacityError while the blocks of the live sequences (after the call) fit the device's
-  level-0 slots, unless ``evict_on_full=False`` was asked for; its message names the live and
-  cached bytes and the budget.
+  OutOfCapacityError while the live sequences (after the call) fit in all the tiers together
+  (:meth:`ManagerVsReference.room_for`: the device, and the host and disk tiers a config has),
+  unless ``evict_on_full=False`` was asked for; its message names the live and cached bytes and
+  the budget. Writes that fit only once blocks are offloaded are made on purpose
+  (``test_writes_that_fit_only_by_offloading_succeed``).
 
 The default run is modest (see ``FAST``); ``-m slow`` runs many more examples and a longer
 thread soak (``KVTIER_SOAK_S`` seconds per config, 20 by default).
@@ -35,7 +37,9 @@ import math
 import os
 import random
 import re
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,9 +69,12 @@ from kvtier import (  # noqa: E402
     KvtierConfig,
     KvtierError,
     OutOfCapacityError,
+    Plan,
 )
 
 LAYERS, HEADS, DIM, BS = 2, 2, 32, 4
+#: Bytes of one fp16 block (K and V of every layer): a disk budget is given in these.
+BLOCK_BYTES = LAYERS * 2 * HEADS * BS * DIM * 2
 #: Per-block cosine similarity a lossy level must keep (keys centred on their channel offsets).
 BOUNDS = {"int8": 0.99, "int4": 0.95}
 MAX_SEQS = 6
@@ -200,6 +207,45 @@ def capacity_message_problems(msg: str) -> list[str]:
     ]
 
 
+# -- room in the tiers ---------------------------------------------------------------------------
+
+
+def live_places(bm: BlockManager, live: set[int]) -> dict[tuple[str, int, bool], int]:
+    """How many of the ``live`` blocks lie in each (tier, level), pinned or not."""
+    info = bm.core.block_info(np.array(sorted(live), dtype=np.uint32))
+    places: dict[tuple[str, int, bool], int] = {}
+    for tier, level, pinned in zip(info["tier"], info["level"], info["pinned"], strict=True):
+        key = (Plan.TIERS[int(tier)], int(level), bool(pinned))
+        places[key] = places.get(key, 0) + 1
+    return places
+
+
+def room_problem(bm: BlockManager, live: set[int], new_blocks: int) -> str | None:
+    """Why the ``live`` blocks and ``new_blocks`` new ones cannot all lie in the manager's pools
+    at once, or None when they can. Cached blocks do not count (an eviction takes them). New
+    blocks go into the device's level-0 slots (K/V is written there), as do the pinned blocks
+    (incomplete: written there too); every other live block may go to any tier, at its own
+    level or a lower one (a lossy level cannot go back up), each pool holding as many blocks as
+    it has slots. That is an assignment of blocks to pools with nested choices, possible
+    exactly when, for each level l, the blocks that must lie at level l or lower are no more
+    than the free slots of those levels (Hall's condition)."""
+    free = dict(bm.slots)
+    movable = [0] * len(bm.ladder)  # unpinned live blocks by level
+    for (tier, level, pinned), n in live_places(bm, live).items():
+        if pinned:
+            free[tier, level] -= n
+        else:
+            movable[level] += n
+    if new_blocks > free["device", 0]:
+        return f"{new_blocks} new blocks, {free['device', 0]} free level-0 device slots"
+    for level in range(len(bm.ladder)):
+        slots = sum(n for (_, lv), n in free.items() if lv >= level)
+        need = sum(movable[level:]) + (new_blocks if level == 0 else 0)
+        if need > slots:
+            return f"{need} blocks for levels >= {level}, {slots} slots there"
+    return None
+
+
 # -- the state machine ---------------------------------------------------------------------------
 
 FAMILIES = {
@@ -228,6 +274,9 @@ def configs(draw: st.DrawFn, family: str) -> dict[str, Any]:
         cfg["host_blocks"] = host
         if family != "fp16" and draw(st.booleans()):
             cfg["write_through"] = True
+    disk = draw(st.one_of(st.none(), st.none(), st.integers(4, 16)))
+    if disk is not None:
+        cfg["disk_budget"] = disk * BLOCK_BYTES  # the directory is made per example
     evict = draw(st.sampled_from(["default", "default", True, False]))
     if evict != "default":
         cfg["evict_on_full"] = evict
@@ -274,6 +323,7 @@ class ManagerVsReference(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.bm: BlockManager | None = None
+        self.disk_dir: str | None = None
         self.refs: dict[int, Ref] = {}
         self.prompts: list[list[int]] = []
         self.freed: list[int] = []
@@ -285,7 +335,13 @@ class ManagerVsReference(RuleBasedStateMachine):
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
         self.cfg = data.draw(configs(self.family), label="config")
-        self.bm = BlockManager(KvtierConfig(**self.cfg), LAYERS, HEADS, DIM, torch.float16, "cpu")
+        extra = {}
+        if "disk_budget" in self.cfg:
+            self.disk_dir = tempfile.mkdtemp(prefix="kvtier-model-")
+            extra["disk_path"] = self.disk_dir
+        self.bm = BlockManager(
+            KvtierConfig(**self.cfg, **extra), LAYERS, HEADS, DIM, torch.float16, "cpu"
+        )
         # OutOfCapacityError while the live blocks fit is a bug, except where the user asked
         # to keep cached blocks rather than evict them.
         self.assert_room = self.check_room and self.cfg.get("evict_on_full", "default") is not False
@@ -311,6 +367,11 @@ class ManagerVsReference(RuleBasedStateMachine):
     def live_blocks(self) -> set[int]:
         core = self.m.core
         return {b for s in self.refs for b in core.sequence_blocks(s).tolist()}
+
+    def room_for(self, new_blocks: int) -> str | None:
+        """Whether the live blocks and ``new_blocks`` more fit in all the tiers together (None)
+        or why not: :func:`room_problem` of the live blocks where they are now."""
+        return room_problem(self.m, self.live_blocks(), new_blocks)
 
     def snapshot(self) -> dict[str, Any]:
         """Everything a failed call must leave as it was (gather not called: it records reads)."""
@@ -376,8 +437,9 @@ class ManagerVsReference(RuleBasedStateMachine):
     ) -> tuple[bool, Any]:
         """Runs ``fn``: a failure must be a kvtier error (``expect`` if given) that changed
         nothing; OutOfCapacityError only when the live blocks plus ``new_blocks`` would not fit
-        the device's level-0 slots. Returns (succeeded, result)."""
+        in all the tiers together (:meth:`room_for`). Returns (succeeded, result)."""
         live = len(self.live_blocks())
+        no_room = self.room_for(new_blocks)
         before = self.snapshot()
         err: Exception | None = None
         try:
@@ -396,12 +458,12 @@ class ManagerVsReference(RuleBasedStateMachine):
                 f"{what} raised {type(err).__name__} ({err}), expected {expect.__name__}"
             ) from err
         if isinstance(err, OutOfCapacityError):
-            need = live + new_blocks
-            if self.assert_room and need <= self.slots0:
+            if self.assert_room and no_room is None:
                 raise AssertionError(
-                    f"{what} raised OutOfCapacityError though the live sequences fit: "
-                    f"{live} live blocks + {new_blocks} new <= {self.slots0} level-0 device "
-                    f"slots (evict_on_full={self.cfg.get('evict_on_full', 'default')}): {err}"
+                    f"{what} raised OutOfCapacityError though the live sequences fit in the "
+                    f"tiers: {live} live blocks + {new_blocks} new, slots {self.m.slots}, "
+                    f"live blocks by (tier, level, pinned) {live_places(self.m, self.live_blocks())} "
+                    f"(evict_on_full={self.cfg.get('evict_on_full', 'default')}): {err}"
                 ) from err
             problems = capacity_message_problems(str(err)) if self.check_capacity_message else []
             assert not problems, f"{what}: OutOfCapacityError message {err}: {problems}"
@@ -778,10 +840,15 @@ class ManagerVsReference(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.bm is None:
             return
-        for seq in list(self.refs):
-            self.bm.free(seq)
-        self.bm.step()
-        assert self.bm.stats().sequences == 0
+        try:
+            for seq in list(self.refs):
+                self.bm.free(seq)
+            self.bm.step()
+            assert self.bm.stats().sequences == 0
+        finally:
+            self.bm.close()
+            if self.disk_dir is not None:
+                shutil.rmtree(self.disk_dir, ignore_errors=True)
 
 
 class Fp16Only(ManagerVsReference):
@@ -881,6 +948,77 @@ def test_a_long_run_of_distinct_prompts_never_runs_out(name: str) -> None:
         bm.free(seq)
     assert bm.stats().counters["evictions"] > 0
     assert bm.lookup(ids) == n, "the newest prompt is no longer cached"
+
+
+# -- writes that fit only by offloading ------------------------------------------------------------
+
+#: An 8-block device (level-0 slots for 4 to 8 of them) with host and disk tiers behind it:
+#: ``disk`` in blocks.
+OFFLOAD_CONFIGS = {
+    "fp16+host": {"enable_compression": False, "host_blocks": 8},
+    "fp16+disk": {"enable_compression": False, "disk": 8},
+    "fp16+host+disk": {"enable_compression": False, "host_blocks": 6, "disk": 6},
+    "int4+host": {"host_blocks": 8},
+    "int4+host+disk": {"host_blocks": 6, "disk": 6},
+    "int4+host+write_through": {"host_blocks": 12, "write_through": True},
+}
+
+
+@pytest.mark.parametrize("name", list(OFFLOAD_CONFIGS))
+def test_writes_that_fit_only_by_offloading_succeed(name: str, tmp_path: Any) -> None:
+    """Three live sequences grow a whole block at a time (every layer, so each block is
+    complete and may move) past what the device holds: each write succeeds while the live
+    blocks fit in all the tiers together (:func:`room_problem`), blocks going to the host and
+    disk tiers to make room, and only then is one refused with OutOfCapacityError. Every
+    sequence then gathers its own K/V."""
+    cfg = dict(OFFLOAD_CONFIGS[name])
+    if "disk" in cfg:
+        cfg.update(disk_budget=cfg.pop("disk") * BLOCK_BYTES, disk_path=str(tmp_path / "kv"))
+    bm = BlockManager(
+        KvtierConfig(block_size=BS, device_blocks=8, recent_window=BS, **cfg),
+        LAYERS,
+        HEADS,
+        DIM,
+        torch.float16,
+        "cpu",
+    )
+    try:
+        refs = {bm.add_sequence(): Ref(ids=False) for _ in range(3)}
+        device_slots = sum(n for (tier, _), n in bm.slots.items() if tier == "device")
+        refused = None
+        for i in range(200):
+            seq = list(refs)[i % len(refs)]
+            live = {b for s in refs for b in bm.core.sequence_blocks(s).tolist()}
+            problem = room_problem(bm, live, 1)
+            ref = refs[seq]
+            end = len(ref.tokens) + BS
+            ref.extend(list(range(10_000 * (seq + 1) + len(ref.tokens), 10_000 * (seq + 1) + end)))
+            refusal: OutOfCapacityError | None = None
+            try:
+                for layer in range(LAYERS):
+                    k, v = ref.kv(layer, ref.lengths[layer], end)
+                    bm.append(seq, layer, k, v)
+                    ref.lengths[layer] = end
+            except OutOfCapacityError as exc:
+                refusal = exc
+            if refusal is not None:
+                assert problem is not None, (
+                    f"block {i}: refused though the live blocks fit in the tiers (slots "
+                    f"{bm.slots}, live {live_places(bm, live)}): {refusal}"
+                )
+                refused = i
+                break
+            assert problem is None, f"block {i} was written though {problem}"
+        assert refused is not None, "the tiers never filled"
+        held = {b for s in refs for b in bm.core.sequence_blocks(s).tolist()}
+        assert len(held) > device_slots, (
+            f"{len(held)} live blocks, {device_slots} device slots: nothing had to be offloaded"
+        )
+        assert bm.get_compression_stats()["offloads"] > 0
+        for seq, ref in refs.items():
+            assert not gather_problems(bm, seq, ref), (seq, gather_problems(bm, seq, ref))
+    finally:
+        bm.close()
 
 
 # -- threads ----------------------------------------------------------------------------------------

@@ -101,6 +101,7 @@ def test_staging_levels_hold_one_steps_saves_and_the_bottom_level_the_rest(
         ({"pool_shares": "a,b"}, "pool_shares: expected comma-separated fractions"),
         ({"no_such_field": 1}, "unknown config field"),
         ({"ladder": "bf16,int4,drop"}, "a 'drop' level has no meaning there"),
+        ({"ladder": "bf16,int3"}, r"kv_connector_extra_config: ladder: unknown codec 'int3'"),
     ],
 )
 def test_bad_keys_and_values_are_refused_clearly(extra: dict[str, object], message: str) -> None:

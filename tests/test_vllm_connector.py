@@ -380,7 +380,9 @@ class TestAHostTierAlone:
     ) -> None:
         """vLLM counts the loaded tokens as external hits from host memory (its
         ``vllm:prompt_tokens_cached_by_source``); the connector's figures split them by tier and
-        level."""
+        level (the worker-side connector's count the blocks it loaded, and claim no hits)."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
         llm = host_engine
         before = dict(connector(llm).get_compression_stats()["connector"])
         first = generate(llm, prompts)
@@ -414,28 +416,34 @@ class TestAHostTierAlone:
         assert gained(stats["hit_tokens_by_tier"], tiers_before) == {"host": hit_tokens}
         assert stats["hit_tokens_by_level"] == {"bf16": stats["hit_tokens"]}
         assert stats["hit_tokens_by_tier_level"] == {"host": {"bf16": stats["hit_tokens"]}}
+        # The worker-side connector loads what the scheduler admitted and looks nothing up: its
+        # figures count the blocks it loaded and claim no hits (once {"host": 0}).
+        worker_side = kv_transfer_state.get_kv_transfer_group().get_compression_stats()
+        assert worker_side["connector"]["loaded_blocks"] == stats["loaded_blocks"]
+        assert not {"lookups", "hit_tokens", "hit_tokens_by_tier"} & worker_side["connector"].keys()
 
     def test_a_finished_requests_answer_is_saved_and_the_next_turn_loads_it(
         self, host_engine: Any, vllm_model_dir: Any
     ) -> None:
-        """When a request ends, the blocks it generated are saved too (vLLM keeps them until the
-        save is done): the next turn of the conversation, prompt + answer + a new message, loads
-        them from kvtier, and generates what vLLM's own prefix cache gives."""
+        """The blocks a request generates are saved too, as it computes them: by the time
+        ``generate()`` returns, the tiers hold each answer's complete blocks, and the next turn
+        of the conversation, prompt + answer + a new message, loads them from kvtier, and
+        generates what vLLM's own prefix cache gives."""
         # Windows after the other tests' prompts: nothing of them is cached yet.
         *prompts, new_message = wikitext_prompts(
             vllm_model_dir, [2 * BLOCK + 7, 3 * BLOCK + 7, 20], skip=2000
         )
         llm = host_engine
         conn = connector(llm)
+        before = conn.get_compression_stats()["connector"]["saved_blocks"]
         first = generate(llm, prompts[:2], max_new=40)
-        before = dict(conn.get_compression_stats()["connector"])
+        saved = conn.get_compression_stats()["connector"]["saved_blocks"] - before
+        # Each prompt's tokens and its answer's but the last (sampled, never computed).
+        computed = [len(p) + len(o.token_ids) - 1 for p, o in zip(prompts, first, strict=False)]
+        assert saved == sum(n // BLOCK for n in computed)
+        assert sum(n // BLOCK - len(p) // BLOCK for p, n in zip(prompts, computed, strict=True)) > 0
         turn2 = [p + list(o.token_ids) + new_message for p, o in zip(prompts, first, strict=False)]
-        # vLLM's own cache still holds turn 1: this pass computes only the new message. Its
-        # first step also runs the saves of turn 1's answers.
-        generate(llm, turn2)
-        saved = conn.get_compression_stats()["connector"]["saved_blocks"] - before["saved_blocks"]
-        answer_blocks = sum((len(p) + 39) // BLOCK - len(p) // BLOCK for p in prompts[:2])
-        assert saved >= answer_blocks > 0
+        generate(llm, turn2)  # vLLM's own cache still holds turn 1: computes the new message
         # The reference: vLLM's own prefix hit on every block a load covers (a load reads the
         # same blocks; computing part of them runs other kernels, on a CPU with AMX with other
         # rounding).
@@ -446,6 +454,26 @@ class TestAHostTierAlone:
         after = conn.get_compression_stats()["connector"]
         assert after["loaded_blocks"] - loaded == sum(loadable_blocks(p) for p in turn2)
         assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
+
+    def test_a_prefix_cache_reset_right_after_generate_succeeds(
+        self, host_engine: Any, vllm_model_dir: Any
+    ) -> None:
+        """``reset_prefix_cache()`` right after ``generate()`` returns (one prompt or six, each
+        answer completing a block) empties vLLM's cache: the connector keeps no block of a
+        finished request for a save in a step that has not run yet (the blocks a request
+        generates are saved in the step that computes them), so it is true, as without the
+        connector, and what they generated is in the tiers by then."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        tiers = kv_transfer_state.get_kv_transfer_group().worker.tiers
+        # 20 to 25 tokens past two blocks: 24 more complete a third.
+        prompts = wikitext_prompts(vllm_model_dir, [2 * BLOCK + 20 + i for i in range(6)], 9000)
+        for batch in (prompts[:1], prompts[1:]):
+            outs = generate(host_engine, batch, max_new=24)
+            assert host_engine.reset_prefix_cache()
+            for p, o in zip(batch, outs, strict=True):
+                computed = p + list(o.token_ids)[:-1]  # the last token sampled is not computed
+                assert tiers.lookup(computed).tokens == len(computed) // BLOCK * BLOCK
 
     def test_its_kv_events_name_what_the_tiers_stored_and_forgot_by_vllms_hashes(
         self, host_engine: Any, vllm_model_dir: Any, kv_events: EventSubscriber

@@ -1,10 +1,12 @@
-"""The vLLM connector's data path without vLLM: paged layouts (where K and V of each token sit in
-an attention backend's cache) and the save/load of whole blocks through a BlockManager, on the
-CPU and, on a GPU, on CUDA caches laid out as vLLM's CUDA backends lay them, byte for byte
-against the CPU path."""
+"""The vLLM connector's data path without a vLLM engine: paged layouts (where K and V of each
+token sit in an attention backend's cache) and the save/load of whole blocks through a
+BlockManager, on the CPU and, on a GPU, on CUDA caches laid out as vLLM's CUDA backends lay them,
+byte for byte against the CPU path; and on caches vLLM's own backend classes, allocator and CPU
+kernel make."""
 
 from __future__ import annotations
 
+import importlib.util
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -14,7 +16,12 @@ import pytest
 
 from kvtier import BlockManager, ConfigError, KvtierConfig
 from kvtier.codecs import BlockShape, get_codec
-from kvtier.integrations.vllm.paged import PagedBlocks, PagedLayout, layout_for_backend
+from kvtier.integrations.vllm.paged import (
+    BACKEND_LAYOUTS,
+    PagedBlocks,
+    PagedLayout,
+    layout_for_backend,
+)
 from kvtier.integrations.vllm.tiers import LayerLoads, WorkerTiers
 
 torch = pytest.importorskip("torch")
@@ -130,6 +137,159 @@ def kvtier_error() -> Any:
     from kvtier import InvalidArgumentError
 
     return InvalidArgumentError
+
+
+# -- caches as vLLM's own classes make them -----------------------------------------------------
+
+#: The CUDA backends whose caches kvtier reads (BACKEND_LAYOUTS' ``channels``). FLASHINFER's class
+#: imports the flashinfer package, CUDA-only: where it is not installed (any CPU machine), that
+#: backend is checked on caches built by hand (CASES) only.
+CUDA_BACKENDS = ["FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER"]
+#: The instruction sets vLLM's CPU backend packs caches for here (amx: a CPU with AMX tiles).
+CPU_ISAS = ["vec", "vec16"] + (["amx"] if torch.cpu._is_amx_tile_supported() else [])
+
+
+def vllm_layer_caches(layout: Any, dtype: Any, block_size: int, blocks: int = 8) -> list[Any]:
+    """Two layers' caches as vLLM's worker allocates them in ``layout`` (a ``KVCacheLayout``,
+    as its engine core resolves one): vLLM's KV cache config for the layers' full-attention
+    spec, and its ``[B, H, N, 2D]`` views of one buffer."""
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        create_kv_cache_views,
+    )
+
+    config = VllmConfig()
+    config.cache_config.kv_cache_layout = layout.name
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=H, head_size=D, dtype=dtype)
+    group = KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)], spec)
+    budget = blocks * LAYERS * spec.page_size_bytes
+    kv_config = get_kv_cache_config_from_groups(config, [group], budget)
+    [tensor] = kv_config.kv_cache_tensors
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    return create_kv_cache_views(raw, spec, kv_config.num_blocks, layout, tensor)
+
+
+def cuda_backend_kv(cache: Any) -> tuple[Any, Any]:
+    """K and V caches, ``[B, N, H, D]`` each, as vLLM 0.32's CUDA backends read a layer's cache
+    (flash_attn, triton_attn, flashinfer and flex_attention:
+    ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``)."""
+    k, v = cache.transpose(1, 2).split(D, dim=-1)
+    return k, v
+
+
+def saved_and_loaded(layout: PagedLayout, caches: list[Any], dtype: Any, n: int) -> None:
+    """Saves blocks 5, 0 and 2 of ``caches`` into a BlockManager of ``dtype`` and loads them
+    back into blocks 1, 7 and 3 (block size ``n``)."""
+    from kvtier._torch import dtype_name
+
+    name = dtype_name(dtype)
+    cfg = KvtierConfig(block_size=n, device_budget=1 << 20, ladder=(name,), recent_window=0)
+    bm = BlockManager(cfg, LAYERS, H, D, dtype=name, device="cpu")
+    tokens = list(range(100, 100 + 3 * n))
+    seq = bm.add_sequence(tokens)
+    assert WorkerTiers(bm, layout, caches).save(seq, [5, 0, 2]) == 3
+    bm.free(seq)
+    seq = bm.add_sequence(tokens)
+    assert WorkerTiers(bm, layout, caches).load(seq, 0, 3 * n, [1, 7, 3]) == 3
+    bm.free(seq)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [b for b in CUDA_BACKENDS if b != "FLASHINFER" or importlib.util.find_spec("flashinfer")],
+)
+def test_vllms_own_cuda_backend_classes_lay_out_caches_as_kvtier_reads_them(backend: str) -> None:
+    """Not built by hand: the class vLLM registers under the backend's name; every layout vLLM
+    may run it with (its ``supported_kv_cache_layouts``, else vLLM's default preference: all
+    six, some of them with layers interleaved in each block); every float dtype it stores a
+    cache in (the model dtypes it supports under ``kv_cache_dtype`` auto, and float16 or
+    bfloat16: its quantized ones the connector refuses, KV_CACHE_DTYPES); two layers' views
+    of one buffer, as vLLM's allocator makes them. K/V written where the backend's forward
+    pass reads them are read by kvtier's layout, saved, and loaded into other blocks exactly
+    where the backend reads them, nothing else in the buffer changing."""
+    pytest.importorskip("vllm")
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+    from kvtier.integrations.vllm.config import KV_CACHE_DTYPES
+
+    assert {b for b, split in BACKEND_LAYOUTS.items() if split == "channels"} == set(CUDA_BACKENDS)
+    backend_class = AttentionBackendEnum[backend].get_class()
+    assert backend_class.get_name() == backend
+    dtypes = set(backend_class.supported_dtypes)  # kv_cache_dtype auto: the model's
+    named = set(backend_class.supported_kv_cache_dtypes) & set(KV_CACHE_DTYPES) - {"auto"}
+    dtypes |= {STR_DTYPE_TO_TORCH_DTYPE[d] for d in named}
+    layouts = get_supported_kv_cache_layouts([backend_class])
+    ids, other = torch.tensor([5, 0, 2]), torch.tensor([1, 7, 3])
+    for dtype in sorted(dtypes, key=str):
+        for vllm_layout in layouts:
+            case = (str(dtype), vllm_layout.name)
+            caches = vllm_layer_caches(vllm_layout, dtype, N)
+            kvs = [per_token_kv(3, seed=layer).to(dtype) for layer in range(LAYERS)]
+            for cache, kv in zip(caches, kvs, strict=True):
+                k, v = cuda_backend_kv(cache)
+                k[ids] = kv[0].view(3, N, H, D)
+                v[ids] = kv[1].view(3, N, H, D)
+            before = [c.clone() for c in caches]
+            layout = layout_for_backend(
+                backend, caches[0], num_kv_heads=H, block_size=N, head_dim=D
+            )
+            assert layout.split == "channels", case
+            for cache, kv in zip(caches, kvs, strict=True):
+                assert torch.equal(layout.read(cache, ids), kv), case
+            saved_and_loaded(layout, caches, dtype, N)
+            for cache, kv, old in zip(caches, kvs, before, strict=True):
+                k, v = cuda_backend_kv(cache)
+                assert torch.equal(torch.stack((k[other], v[other])).view(kv.shape), kv), case
+                kept = [b for b in range(len(cache)) if b not in other.tolist()]
+                assert torch.equal(cache[kept], old[kept]), case
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_vllms_own_cpu_backend_packs_caches_as_kvtier_reads_them(isa: str) -> None:
+    """CPU_ATTN as vLLM makes its caches: its class's layout, its allocator's views of one
+    buffer, K/V written by its own kernel (``cpu_attn_reshape_and_cache``, called as its forward
+    pass calls it) packed for the instruction set, in each dtype it supports (amx: bf16, the
+    only one vLLM picks it for). kvtier reads each token's K and V back, and its loads into
+    other blocks are byte for byte what the kernel writes there."""
+    pytest.importorskip("vllm")
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+    n = 32  # the CPU backend's blocks are multiples of 32 tokens
+    backend_class = AttentionBackendEnum["CPU_ATTN"].get_class()
+    assert backend_class.get_name() == "CPU_ATTN"
+    dtypes = [torch.bfloat16] if isa == "amx" else backend_class.supported_dtypes
+    g = torch.Generator().manual_seed(5)
+    kvs = [torch.randn((2, 3 * n, H, D), generator=g) for _ in range(LAYERS)]
+
+    def kernel_write(cache: Any, kv: Any, block_ids: list[int]) -> None:
+        blocks = cache.shape[0]
+        k_cache, v_cache = cache.view(blocks, H, 2 * n, -1).chunk(2, dim=2)  # its forward's
+        slots = torch.tensor([b * n + t for b in block_ids for t in range(n)])
+        ops.cpu_attn_reshape_and_cache(kv[0], kv[1], k_cache, v_cache, slots, isa)
+
+    for dtype in dtypes:
+        for vllm_layout in get_supported_kv_cache_layouts([backend_class]):
+            case = (str(dtype), vllm_layout.name)
+            caches = vllm_layer_caches(vllm_layout, dtype, n)
+            want = vllm_layer_caches(vllm_layout, dtype, n)
+            for cache, expected, kv in zip(caches, want, kvs, strict=True):
+                kernel_write(cache, kv.to(dtype), [5, 0, 2])
+                kernel_write(expected, kv.to(dtype), [5, 0, 2])
+                kernel_write(expected, kv.to(dtype), [1, 7, 3])
+            name = f"CPU_ATTN:{isa}"
+            layout = layout_for_backend(name, caches[0], num_kv_heads=H, block_size=n, head_dim=D)
+            for cache, kv in zip(caches, kvs, strict=True):
+                assert torch.equal(layout.read(cache, torch.tensor([5, 0, 2])), kv.to(dtype)), case
+            saved_and_loaded(layout, caches, dtype, n)
+            for cache, expected in zip(caches, want, strict=True):
+                assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8)), case
 
 
 LAYERS = 2

@@ -533,6 +533,53 @@ def test_hit_sources_name_each_tier_as_vllm_does_and_ranks_load_from_the_farthes
     }
 
 
+def test_a_finished_request_leaves_no_block_held_and_its_answer_is_saved_by_then(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    """The blocks a request generates are saved in the step that computes them, so that nothing
+    of it is left to save when it finishes: vLLM frees its blocks in the step it finishes in,
+    and a prefix-cache reset right then succeeds (what ``LLM.reset_prefix_cache()`` right after
+    ``generate()`` does; a block kept for a save in a later step would make it fail). The next
+    turn, prompt and answer, loads every block of both from the tiers, each token with its
+    prefix's K/V."""
+    engine = engine_factory(num_blocks=64)
+    p = prompt(14, 2)  # two blocks and 5 tokens
+    engine.add("a", p, max_tokens=40)
+    while len(engine.outputs["a"]) < 40:
+        engine.step()
+    assert "a" not in engine.scheduler.requests
+    assert engine.blocks_in_use() == 0
+    assert engine.scheduler.reset_prefix_cache()
+    computed = p + engine.outputs["a"][:-1]  # the last token sampled is never computed
+    assert engine.tiers.lookup(computed).tokens == len(computed) // BLOCK * BLOCK == 3 * BLOCK
+    before = stats(engine)["loaded_blocks"]
+    engine.add("next turn", [*computed, 7, 8, 9])
+    engine.run()
+    assert stats(engine)["loaded_blocks"] - before == 3
+    assert stats(engine)["load_errors"] == 0
+
+
+def test_the_workers_figures_count_its_loads_and_claim_no_lookups(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    """The scheduler looks prompts up and counts the hit tokens by tier and level; the worker
+    only loads what it is told to. So the worker-side connector's figures count the blocks it
+    loaded and say nothing of lookups or hits (no zeros that read as "nothing was hit"), while
+    the scheduler-side's carry both."""
+    engine = engine_factory(num_blocks=64)
+    a = prompt(15, 3)
+    saved_and_forgotten(engine, a)
+    engine.add("a", a)
+    engine.run()
+    scheduler_side = engine.connector.get_compression_stats()["connector"]
+    worker_side = engine.worker.get_compression_stats()["connector"]
+    assert scheduler_side["loaded_blocks"] == worker_side["loaded_blocks"] == 3
+    assert scheduler_side["hit_tokens_by_tier"] == {"host": 3 * BLOCK}
+    lookups = {"lookups", "hit_tokens", "hit_tokens_by_tier", "hit_tokens_by_level"}
+    assert not lookups & worker_side.keys(), worker_side
+    assert "hit_tokens_by_tier_level" not in worker_side
+
+
 def test_a_cache_salt_shares_blocks_with_its_own_salt_only(
     engine_factory: Callable[..., Engine],
 ) -> None:
@@ -721,10 +768,10 @@ def test_a_save_larger_than_level_0_is_written_in_pieces(
     assert sum(counters["hit_tokens_by_level"].values()) == 8 * BLOCK
 
 
-def _vllm_configs(model_dir: Any, **extra: Any) -> tuple[Any, Any]:
+def _vllm_configs(model_dir: Any, *, kv_cache_dtype: str = "auto", **extra: Any) -> tuple[Any, Any]:
     """vLLM's config of an engine on the CPU with the connector (``extra``: its extra config),
-    and the KV-cache config of the stand-in model's full-attention layers (16 blocks)."""
-    import torch
+    and the KV-cache config of the stand-in model's full-attention layers (16 blocks) in the
+    dtype vLLM stores ``kv_cache_dtype`` as."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -733,11 +780,13 @@ def _vllm_configs(model_dir: Any, **extra: Any) -> tuple[Any, Any]:
         ParallelConfig,
         VllmConfig,
     )
+    from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
+    model = ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0)
     config = VllmConfig(
-        model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", seed=0),
-        cache_config=CacheConfig(block_size=BLOCK),
+        model_config=model,
+        cache_config=CacheConfig(block_size=BLOCK, cache_dtype=kv_cache_dtype),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVTierConnector",
             kv_connector_module_path="kvtier.integrations.vllm",
@@ -747,11 +796,39 @@ def _vllm_configs(model_dir: Any, **extra: Any) -> tuple[Any, Any]:
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(),
     )
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16
-    )
+    dtype = kv_cache_dtype_str_to_dtype(kv_cache_dtype, model)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=dtype)
     groups = [KVCacheGroupSpec(list(LAYERS), spec)]
     return config, KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"ladder": "bf16,int3"}, r"kv_connector_extra_config: ladder: unknown codec 'int3'"),
+        ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype: .* got 'fp8'"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, r"kv_cache_dtype: .* got 'fp8_e4m3'"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, r"kv_cache_dtype: .* got 'fp8_e5m2'"),
+    ],
+)
+def test_settings_the_connector_cannot_serve_are_refused_naming_them(
+    vllm_model_dir: Any, setting: dict[str, str], message: str
+) -> None:
+    """Through the connector's own constructor as vLLM calls it, in either role (before vLLM
+    installs it): a ladder level that is no codec (once refused by the worker alone, naming
+    the codec but not the setting), and a KV cache of fp8 (which vLLM's CPU backend stores,
+    as uint8 with scales: once refused by the worker alone, as "dtype: expected one of fp16,
+    bf16, fp32, got 'u8'"), whose bytes the connector's codecs do not read. The configs are
+    vLLM's own; no weights are loaded."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.vllm import KVTierConnector
+
+    config, kv_config = _vllm_configs(vllm_model_dir, host_budget="1MiB", **setting)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match=message):
+            KVTierConnector(config, role, kv_config)
 
 
 @pytest.mark.parametrize("case", ["hybrid", "sliding_window", "mla", "pipeline_parallel"])
@@ -805,9 +882,11 @@ def test_models_and_layouts_it_cannot_serve_are_refused_clearly(
             KVTierConnector(config, role, kv_config)
 
 
-def test_vllm_captures_cuda_graphs_piecewise_around_the_layer_wise_loads() -> None:
-    """Each attention layer waits for its own load, so vLLM must not capture the whole model
-    in one CUDA graph (it asks the connector's class)."""
+def test_the_connector_asks_vllm_for_piecewise_cuda_graphs() -> None:
+    """Each attention layer waits for its own load, so vLLM must not capture the whole model in
+    one CUDA graph: the connector's class says so when asked (vLLM's config asks it when full
+    CUDA graphs are on, and then captures piecewise). Only the answer is checked here; that
+    vLLM captures piecewise around the loads needs a CUDA device to see."""
     from kvtier.integrations.vllm import KVTierConnector
 
     assert KVTierConnector.requires_piecewise_for_cudagraph({}) is True

@@ -17,6 +17,10 @@ pub struct PyPlan {
     deferred: u64,
     #[pyo3(get)]
     unmet_bytes: u64,
+    /// Write-through copies the plan gives up at commit, for room (their slots take blocks
+    /// in the next plan).
+    #[pyo3(get)]
+    released_copies: usize,
     block: Vec<u32>,
     kind: Vec<u8>,
     src_tier: Vec<u8>,
@@ -35,6 +39,7 @@ impl From<&Plan> for PyPlan {
             noop_promotions: p.noop_promotions,
             deferred: p.deferred,
             unmet_bytes: p.unmet_bytes,
+            released_copies: p.released.len(),
             block: m.iter().map(|m| m.block).collect(),
             kind: m.iter().map(|m| m.kind as u8).collect(),
             src_tier: m.iter().map(|m| m.src.tier as u8).collect(),

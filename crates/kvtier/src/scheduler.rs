@@ -91,6 +91,9 @@ pub struct Plan {
     /// [`Core::move_into_evicted`]): out of the prefix index from the plan on, and back in it
     /// if the plan is aborted before any copy ran.
     pub(crate) handed: Vec<Handed>,
+    /// Write-through copies this plan gives up at commit, for room (block, where its copy
+    /// lies): their slots take blocks in the next plan of a cascade. Abort keeps them.
+    pub released: Vec<(u32, Loc)>,
 }
 
 /// A cached leaf a plan evicts to give its slot to another move, as it was.
@@ -118,6 +121,7 @@ struct Pass {
     moves: Vec<Move>,
     parked: Vec<(u32, Option<u64>)>,
     handed: Vec<Handed>,
+    released: Vec<(u32, Loc)>,
     projected: Vec<u64>,
     moved_bytes: u64,
     cap: u64,
@@ -134,6 +138,7 @@ impl Pass {
             moves: Vec::new(),
             parked: Vec::new(),
             handed: Vec::new(),
+            released: Vec::new(),
             projected,
             moved_bytes: 0,
             cap,
@@ -208,6 +213,7 @@ impl Core {
             unmet_bytes: unmet,
             parked: pass.parked,
             handed: pass.handed,
+            released: pass.released,
         }
     }
 
@@ -704,7 +710,13 @@ impl Core {
         if self.cfg.level_bytes[usize::from(level)] == 0 {
             return self.push_move(pass, b, MoveKind::Drop, loc, Some((loc.tier, level)));
         }
-        if self.cfg.write_through && self.cfg.tiers.len() > 1 && self.blocks.copy[i].is_none() {
+        // No new copy for a plan that makes room: room takes copies' slots, not the reverse.
+        let for_room = pass.reserved.iter().any(|&r| r > 0);
+        if self.cfg.write_through
+            && !for_room
+            && self.cfg.tiers.len() > 1
+            && self.blocks.copy[i].is_none()
+        {
             let next = self.cfg.tiers[self.tier_pos(loc.tier) + 1..]
                 .first()
                 .map(|t| t.tier);
@@ -991,7 +1003,10 @@ impl Core {
         }
         let mut live = self.movable_live(wishes, tier, Some(level), false);
         let next = self.cfg.tiers.get(t + 1).map(|c| c.tier);
-        let mut guarded = if room > 0 && next.is_some() {
+        // A plan that makes room for new blocks: every pool may have to pass blocks on (a
+        // cascade: the device's level 0 demotes into level 1, which offloads to the host...).
+        let for_room = pass.reserved.iter().any(|&r| r > 0);
+        let mut guarded = if for_room {
             self.movable_live(wishes, tier, Some(level), true)
         } else {
             Vec::new()
@@ -1003,8 +1018,19 @@ impl Core {
         let evict_for_room = room > 0 && self.cfg.evict_on_full;
         let free =
             |c: &Core, tier: Tier, level: u8| c.pools[c.pool_index(tier, level)].free_count() > 0;
-        let offload_to = |c: &Core, pass: &Pass| {
-            next.filter(|&n| free(c, n, level) && c.fits(pass, c.tier_pos(n), c.level_bytes(level)))
+        // The next tier's pool at this level, if it has a free slot for a block. When the
+        // plan makes room and it has none, a write-through copy there gives its slot up at
+        // commit, for the next plan of the cascade.
+        let offload_to = |c: &mut Core, pass: &mut Pass| {
+            next.filter(|&n| {
+                if !free(c, n, level) {
+                    if for_room {
+                        c.release_copy_at(pass, n, level);
+                    }
+                    return false;
+                }
+                c.fits(pass, c.tier_pos(n), c.level_bytes(level))
+            })
         };
         let mut aside = Vec::new();
         while used > soft {
@@ -1020,7 +1046,7 @@ impl Core {
             }
             let loc = self.blocks.rows[b as usize].loc;
             let below = (level + 1..=last_kept).find(|&l| free(self, tier, l));
-            let acted = match (below, offload_to(self, pass)) {
+            let acted = match (below, offload_to(self, &mut *pass)) {
                 (Some(l), _) if demotable => self.demote_to(pass, b, l),
                 (_, Some(n)) => self.push_move(pass, b, MoveKind::Offload, loc, Some((n, level))),
                 _ if evict_for_room => {
@@ -1052,24 +1078,44 @@ impl Core {
             self.push_move(pass, leaf, MoveKind::Evict, loc, None);
             used -= 1;
         }
+        // Last, for room: complete protected blocks (a sink, the recent window as it stood
+        // before the write that asks) keep their level in the next tier where it has room, and
+        // otherwise give it up: a write never fails while room exists in any tier.
         while used > soft {
             let Some((_, g)) = guarded.pop() else {
                 break;
             };
             let loc = self.blocks.rows[g as usize].loc;
-            let moved = if let Some(n) = offload_to(self, pass) {
-                self.push_move(pass, g, MoveKind::Offload, loc, Some((n, level)))
-            } else if evict_for_room {
-                let behind = next.map(|n| self.pool_index(n, level));
-                let victim = self.victim_for(g, behind.into_iter().collect(), true);
-                victim.is_some_and(|v| self.move_into_evicted(pass, g, v))
-            } else {
-                false
+            let below = (level + 1..=last_kept).find(|&l| free(self, tier, l));
+            let moved = match (offload_to(self, &mut *pass), below) {
+                (Some(n), _) => self.push_move(pass, g, MoveKind::Offload, loc, Some((n, level))),
+                (None, Some(l)) if demotable => self.demote_to(pass, g, l),
+                _ if evict_for_room => {
+                    let behind = next.map(|n| self.pool_index(n, level));
+                    let victim = self.victim_for(g, behind.into_iter().collect(), true);
+                    victim.is_some_and(|v| self.move_into_evicted(pass, g, v))
+                }
+                _ => false,
             };
             if moved {
                 used -= 1;
             }
         }
+    }
+
+    /// Gives up, at commit, one write-through copy that holds a slot of pool (`tier`,
+    /// `level`), for room: a copy only spares a later promotion its precision, and a write
+    /// never fails for one. Nothing is copied; an abort keeps it. A copy a move of this plan
+    /// reads (a promotion's source) or already gives up stays.
+    fn release_copy_at(&mut self, pass: &mut Pass, tier: Tier, level: u8) {
+        let rows = &self.blocks.rows;
+        let released = &pass.released;
+        let found = self.blocks.copy.iter().enumerate().find_map(|(i, c)| {
+            c.filter(|c| c.tier == tier && c.level == level)
+                .filter(|c| !rows[i].moving && !released.contains(&(i as u32, *c)))
+                .map(|c| (i as u32, c))
+        });
+        pass.released.extend(found);
     }
 
     /// Applies a pending plan after the engine copied its bytes: sources are freed now. A move
@@ -1149,6 +1195,12 @@ impl Core {
                 self.counters.bytes_moved += self.level_bytes(m.src.level);
             }
             self.blocks.rows[i].moving = false;
+        }
+        for &(b, copy) in &plan.released {
+            if self.blocks.copy[b as usize] == Some(copy) {
+                self.blocks.copy[b as usize] = None;
+                self.give_slot(copy);
+            }
         }
         self.settle(&plan);
         Ok(())

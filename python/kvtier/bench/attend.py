@@ -40,6 +40,7 @@ import torch
 
 from .. import attend as attend_mod
 from ..attend import PoolView
+from ..cli import positive_int
 from ..codecs import BlockShape, Codec, get_codec
 from . import bench_parser
 from .core import cpu_time, gpu_time
@@ -265,10 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="which kernel (auto: cuda on a GPU, else the CPU kernel, else the torch reference)",
     )
-    ap.add_argument("--contexts", type=int, nargs="+", help="tokens per sequence")
-    ap.add_argument("--seqs", type=int, help="sequences per call (default: 4 on a GPU, 1 on CPU)")
+    ap.add_argument("--contexts", type=positive_int, nargs="+", help="tokens per sequence")
+    ap.add_argument(
+        "--seqs", type=positive_int, help="sequences per call (default: 4 on a GPU, 1 on CPU)"
+    )
     ap.add_argument("--mixes", nargs="+", choices=MIXES, default=list(MIXES), help="level mixes")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per figure")
+    ap.add_argument("--repeats", type=positive_int, default=5, help="timed runs per figure")
     args = ap.parse_args(argv)
     log = (lambda *_: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
     found = kernels()

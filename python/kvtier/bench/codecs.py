@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..cli import positive_int
 from ..codecs import Backend, BlockShape, Codec, get_codec
 from . import bench_parser
 from .core import Timer, cpu_time, gpu_time
@@ -258,7 +259,9 @@ def run_gpu(repeats: int, tokens: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = bench_parser("codecs", __doc__, f"{QUICK_TOKENS} tokens, one run", "print only the JSON")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs per figure (CPU: best)")
+    ap.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed runs per figure (CPU: best)"
+    )
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU figures")
     ap.add_argument("--no-quanto", action="store_true", help="skip the optimum-quanto peer")
     ap.add_argument(

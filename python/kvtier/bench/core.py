@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 
 from .._core import Core
+from ..cli import positive_int
 from ..reference.core import ModelCore
 from ..reference.lru import lru_replay, model_replay
 from ..simulate import SimulationConfig, run
 from ..traces import Trace, bundled_trace_path, load_trace
-from . import bench_parser
+from . import bench_parser, run_as_script
 
 MOONCAKE = "traces/mooncake_conversation.jsonl"
 
@@ -265,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         "--trace", type=Path, default=None, help="Mooncake trace (default: ../shared, else bundled)"
     )
     ap.add_argument(
-        "--capacity", type=int, default=10_000, help="cache blocks for the replay comparison"
+        "--capacity",
+        type=positive_int,
+        default=10_000,
+        help="cache blocks for the replay comparison",
     )
     ap.add_argument("--no-lmcache", action="store_true", help="skip the LMCache peer")
     ap.add_argument("--no-python-plan", action="store_true", help="skip the slow plain-Python plan")
@@ -321,4 +325,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_as_script("core")

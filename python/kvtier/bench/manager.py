@@ -44,9 +44,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cli import positive_int
 from ..config import KvtierConfig
 from ..manager import BlockManager
-from . import bench_parser
+from . import bench_parser, run_as_script
 from .core import best_of
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -565,17 +566,25 @@ def main(argv: list[str] | None = None) -> int:
         f"{QUICK.sequences} x ({QUICK.prompt} + {QUICK.steps}) tokens, memory at "
         f"{QUICK_MEMORY.length}",
     )
-    ap.add_argument("--sequences", type=int, default=None, help="S (default: 4, quick: 2)")
-    ap.add_argument("--prompt", type=int, default=None, help="P tokens (default: 512, quick: 256)")
+    ap.add_argument("--sequences", type=positive_int, default=None, help="S (default: 4, quick: 2)")
     ap.add_argument(
-        "--steps", type=int, default=None, help="G decode steps (default: 32, quick: 4)"
+        "--prompt", type=positive_int, default=None, help="P tokens (default: 512, quick: 256)"
     )
     ap.add_argument(
-        "--repeats", type=int, default=None, help="timed runs of 'read all' (best; default 3)"
+        "--steps", type=positive_int, default=None, help="G decode steps (default: 32, quick: 4)"
+    )
+    ap.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=None,
+        help="timed runs of 'read all' (best; default 3)",
     )
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU figures")
     ap.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (default: torch's choice)",
     )
     args = ap.parse_args(argv)
     if args.threads:
@@ -624,4 +633,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_as_script("manager")

@@ -34,11 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cli import positive_int
 from ..config import KvtierConfig
 from ..errors import KvtierError, require
 from ..manager import BlockManager
 from ..stores.local_redis import LocalRedis
-from . import bench_parser
+from . import bench_parser, run_as_script
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.float16
@@ -190,8 +191,10 @@ def _table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = bench_parser("share", __doc__, f"a {QUICK_PROMPT}-token prompt, {QUICK_ROUNDS} round")
-    ap.add_argument("--prompt", type=int, default=None, help=f"P tokens (default: {PROMPT})")
-    ap.add_argument("--rounds", type=int, default=None, help=f"rounds (default: {ROUNDS})")
+    ap.add_argument(
+        "--prompt", type=positive_int, default=None, help=f"P tokens (default: {PROMPT})"
+    )
+    ap.add_argument("--rounds", type=positive_int, default=None, help=f"rounds (default: {ROUNDS})")
     ap.add_argument(
         "--redis-url",
         default=None,
@@ -211,4 +214,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_as_script("share")

@@ -54,12 +54,13 @@ import numpy as np
 
 from .. import __version__
 from .._core import checksum
+from ..cli import positive_int
 from ..config import parse_bytes
 from ..errors import ConfigError, KvtierError
 from ..report import human_bytes
 from ..stores import DiskStore, HostStore, KVStore, Namespace, RedisStore
 from ..stores.local_redis import LocalRedis, RedisUnavailableError
-from . import bench_parser
+from . import bench_parser, run_as_script
 
 KiB, MiB = 2**10, 2**20
 SIZES = (64 * KiB, 256 * KiB, 2 * MiB)
@@ -534,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"value sizes, e.g. 64KiB,2MiB (default: {', '.join(human_bytes(s) for s in SIZES)})",
     )
     ap.add_argument(
-        "--repeats", type=int, default=None, help=f"rounds per cell (default {REPEATS})"
+        "--repeats", type=positive_int, default=None, help=f"rounds per cell (default {REPEATS})"
     )
     ap.add_argument(
         "--dir", type=Path, default=None, help="where the disk store writes (default: a temp dir)"
@@ -545,8 +546,6 @@ def main(argv: list[str] | None = None) -> int:
         help="a Redis server to measure (default: start redis-server on loopback if installed)",
     )
     args = ap.parse_args(argv)
-    if args.repeats is not None and args.repeats < 1:
-        ap.error(f"--repeats: expected a positive integer, got {args.repeats}")
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     data = QUICK_DATA if args.quick else DATA
     repeats = args.repeats or (1 if args.quick else REPEATS)
@@ -560,4 +559,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_as_script("stores")

@@ -48,7 +48,7 @@ from .checks import (
 )
 from .external import ExternalBlocks, check_external
 from .ledger import BlockLedger
-from .room import slots_after, why_full
+from .room import fits_in_tiers, slots_after, why_full
 from .sharing import PrefixSharing
 from .sizing import make_core, size_pools
 from .stats import ManagerStats, collect
@@ -62,6 +62,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.manager")
 
 _T = TypeVar("_T")
+
+#: Plans a write's room may take (a cascade: the slots one plan frees, the next one fills):
+#: enough for every tier and level of a ladder.
+_ROOM_ROUNDS = 8
 
 __all__ = ["BlockManager"]
 
@@ -1082,23 +1086,44 @@ class BlockManager:
 
     def _make_room(self, blocks: int) -> None:
         """Runs a plan that frees ``blocks`` level-0 device slots by demoting and offloading,
-        if it (with the cached blocks an eviction may then take) frees enough."""
+        if it (with the cached blocks an eviction may then take) frees enough. When it does
+        not, but the live blocks and the new ones fit in the tiers together
+        (:func:`room.fits_in_tiers`), plans run one after another, each taking the slots the
+        last freed (a slot a move frees is free only once the plan commits: room two levels or
+        two tiers away takes a cascade), while each moves something. A write that cannot fit
+        moves nothing."""
+        compress = self.config.enable_compression and len(self.codecs) > 1
         with self._step_lock:
             if self._sharing.pending:
                 self._publish()
-            with self._lock:
-                self._tiers.resume()
-                # The plan may evict cached leaves for the room (into whose slots blocks of
-                # level 0 go) as far as the config allows eviction at all.
-                self.core.evict_on_full = self.config.evict_on_full
-                try:
-                    plan = self.core.plan(blocks * self.level_bytes[0])
-                finally:
-                    self.core.evict_on_full = False
-                if slots_after(self.core, plan, self.config.evict_on_full) < blocks:
-                    self.core.abort(plan.id)
+            for cascade in range(_ROOM_ROUNDS):
+                with self._lock:
+                    self._tiers.resume()
+                    # The plan may evict cached leaves for the room (into whose slots blocks
+                    # of level 0 go) as far as the config allows eviction at all.
+                    self.core.evict_on_full = self.config.evict_on_full
+                    try:
+                        plan = self.core.plan(blocks * self.level_bytes[0])
+                    finally:
+                        self.core.evict_on_full = False
+                    enough = slots_after(self.core, plan, self.config.evict_on_full) >= blocks
+                    moves = len(plan) or plan.released_copies
+                    if not enough and (
+                        not moves
+                        or cascade == _ROOM_ROUNDS - 1
+                        or (cascade == 0 and not self._fits(blocks, compress))
+                    ):
+                        self.core.abort(plan.id)
+                        return
+                self._run(plan)
+                if enough:
                     return
-            self._run(plan)
+
+    def _fits(self, blocks: int, compress: bool) -> bool:
+        """Whether the live blocks and ``blocks`` new ones fit in the tiers together."""
+        return fits_in_tiers(
+            self.core, self._seqs, blocks, self.slots, compress, self.config.evict_on_full
+        )
 
     # -- prefix sharing -------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from .._core import Core, Plan
 
-__all__ = ["pool_usage", "slots_after", "why_full"]
+__all__ = ["fits_in_tiers", "pool_usage", "slots_after", "why_full"]
 
 
 def pool_usage(core: Core, tier: str, level: int) -> tuple[str, int, int, int, int]:
@@ -34,6 +34,50 @@ def slots_after(core: Core, plan: Plan, evict_on_full: bool) -> int:
     if evict_on_full:
         free += next(n for t, lv, n, _ in core.reclaimable() if (t, lv) == ("device", 0))
     return free
+
+
+def fits_in_tiers(
+    core: Core,
+    live: Iterable[int],
+    blocks: int,
+    slots: dict[tuple[str, int], int],
+    demote: bool,
+    evict: bool,
+) -> bool:
+    """Whether the ``live`` sequences' blocks and ``blocks`` new ones can all lie in the pools
+    (``slots`` per (tier, level)) at once: new blocks, and pinned ones (still being written),
+    where they are written (the device's level-0 slots); every other block in any tier at its
+    own level or, when ``demote``, a lower one (a lossy level cannot go back up). Cached blocks
+    count only where they may not be ``evict``ed (then every used slot does, write-through
+    copies too). An assignment with nested choices, possible exactly when, for each level l,
+    the blocks that must lie at level l or lower are no more than the slots there (Hall's
+    condition); without demotion, level by level."""
+    held = np.unique(
+        np.concatenate([core.sequence_blocks(s) for s in live] + [np.zeros(0, np.uint32)])
+    )
+    info = core.block_info(held)
+    levels = 1 + max(level for _, level in slots)
+    free = np.zeros(levels, dtype=np.int64)
+    for (_, level), n in slots.items():
+        free[level] += n
+    placed = info["slot"] != Plan.NO_SLOT  # dropped blocks hold no slot
+    pinned = placed & info["pinned"].astype(bool)
+    np.subtract.at(free, info["level"][pinned].astype(np.int64), 1)
+    device0 = slots.get(("device", 0), 0)
+    on_device0 = pinned & (info["tier"] == Plan.TIERS.index("device")) & (info["level"] == 0)
+    if blocks > device0 - int(on_device0.sum()):
+        return False
+    need = np.bincount(info["level"][placed & ~pinned].astype(np.int64), minlength=levels)
+    if not evict:  # every used slot holds a block that stays somewhere
+        used = np.zeros(levels, dtype=np.int64)
+        for _, level, n, _, _ in core.usage():
+            used[level] += n
+        need = used - np.bincount(info["level"][pinned].astype(np.int64), minlength=levels)
+    need[0] += blocks
+    if not demote:
+        return bool((need <= free).all())
+    # Suffix sums: blocks at level l or lower (higher index) against the slots there.
+    return bool((np.cumsum(need[::-1]) <= np.cumsum(free[::-1])).all())
 
 
 def why_full(

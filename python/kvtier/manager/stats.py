@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._core import Core
+from .._torch import cuda_fallback
 
 __all__ = ["ManagerStats", "PoolStats", "collect"]
 
@@ -43,6 +44,9 @@ class ManagerStats:
     counters: dict[str, int] = field(default_factory=dict)
     sequences: int = 0
     tokens: int = 0
+    #: why calls on CUDA tensors in this process ran the torch reference rather than kvtier's
+    #: CUDA kernels (CuPy does not import), with what to install; None while none has
+    cuda_fallback: str | None = None
 
     @property
     def memory_saved_mb(self) -> float:
@@ -74,6 +78,7 @@ class ManagerStats:
             "hits": c.get("shared_hits", 0),
             "noop_promotions": c.get("noop_promotions", 0),
             "counters": dict(c),
+            "cuda_fallback": self.cuda_fallback,
         }
 
     def to_prometheus(self, prefix: str = "kvtier") -> str:
@@ -133,6 +138,12 @@ class ManagerStats:
             [("", self.counters.get("shared_hits", 0))],
         )
         metric("sequences", "gauge", "Live sequences.", [("", self.sequences)])
+        metric(
+            "cuda_fallback",
+            "gauge",
+            "1 when calls on CUDA tensors ran the torch reference (CuPy does not import).",
+            [("", int(self.cuda_fallback is not None))],
+        )
         return "\n".join(lines) + "\n"
 
 
@@ -168,6 +179,7 @@ def collect(
         counters={**core.counters(), **counters},
         sequences=len(live),
         tokens=tokens,
+        cuda_fallback=cuda_fallback(),
     )
 
 

@@ -74,8 +74,9 @@ import json
 import os
 from dataclasses import asdict
 
+from ...cli import positive_int
 from ...integrations.vllm.engines import report
-from .. import bench_parser
+from .. import bench_parser, run_as_script
 from .driver import (
     CONFIGS,
     CONNECTORS,
@@ -153,26 +154,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--prompt-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help=f"workload budget in prompt tokens (default: {FULL.prompt_tokens})",
     )
     ap.add_argument(
         "--probe-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help=f"the long prompt's tokens (default: {FULL.probe_tokens})",
     )
     ap.add_argument(
         "--host-blocks",
-        type=int,
+        type=positive_int,
         default=None,
         help=f"kvtier's host budget in bf16 blocks of {BLOCK} tokens (default: "
         f"{FULL.host_blocks}, quick: {QUICK.host_blocks})",
     )
     ap.add_argument(
         "--step-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help=f"vLLM's max_num_batched_tokens in the workload's engines (default: "
         f"{FULL.step_tokens})",
@@ -238,4 +239,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_as_script("vllm")

@@ -28,6 +28,7 @@ __all__ = [
     "ASYNC_LOADS",
     "CONNECTOR_KEYS",
     "DEFAULT_HOST_BUDGET",
+    "KV_CACHE_DTYPES",
     "MAX_STAGING_SHARE",
     "VLLM_OWNED",
     "ConnectorSettings",
@@ -50,6 +51,10 @@ CONNECTOR_KEYS = frozenset({"load_failure_policy", "async_loads", "scorer", "she
 #: ``async_loads``: when a hit loads in the worker's background while the request waits.
 ASYNC_LOADS = ("auto", "always", "never")
 _VARS = {var.field: var for var in ENV_VARS}
+#: vLLM's ``kv_cache_dtype`` values whose caches the connector reads: K/V as the model computed
+#: them, in a float dtype its codecs take. A quantized cache (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``,
+#: the per-token-head and nvfp4 kinds) holds bytes with scales beside them that it does not.
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 #: KvtierConfig fields vLLM decides, not the user.
 VLLM_OWNED = {
     "block_size": "vLLM's block size (--block-size)",
@@ -99,6 +104,15 @@ def connector_config(
             "attention kvtier does not run: a block leaves it by eviction, so a 'drop' level "
             f"has no meaning there; remove it from {','.join(env.ladder)}"
         )
+    for name in env.ladder or ():
+        try:
+            get_codec(name)
+        except ConfigError as exc:  # its message names the codec, not the setting
+            where = "kv_connector_extra_config: ladder" if "ladder" in extra else "ladder"
+            raise ConfigError(
+                f"{where}: {exc} (one codec a level, from the KV cache's dtype down, e.g. "
+                "bf16,int8,int4)"
+            ) from None
     return env.replace(
         block_size=block_size,
         device_budget=host,
@@ -189,6 +203,14 @@ class ConnectorSettings:
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None, "vLLM makes a connector only with a kv_transfer_config"
         extra = dict(transfer.kv_connector_extra_config or {})
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        if cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)} (K/V as the model "
+                f"computed them, which KVTierConnector reads), got {cache_dtype!r}: a quantized "
+                "cache, whose bytes and scales its codecs do not read; leave --kv-cache-dtype "
+                "(LLM(kv_cache_dtype=...)) at auto"
+            )
         block_size = int(vllm_config.cache_config.block_size)
         step_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         config = connector_config(extra, block_size=block_size)

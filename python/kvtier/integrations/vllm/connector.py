@@ -90,9 +90,11 @@ class KVTierConnector(KVConnectorBase_V1):
         """The tiers' figures (``memory_saved_mb``, ``avg_compression_ratio``, bytes per tier
         and level: the manager's ``device`` tier is this connector's host tier) and, under
         ``connector``, what the connector did (lookups and hit tokens: the scheduler's; loaded
-        and saved blocks, load errors: the worker's). On the scheduler side it asks the worker;
-        with tensor parallelism, rank 0's figures with every rank's load errors and failed
-        saves added up, and each rank's under ``ranks``.
+        and saved blocks, load errors: the worker's). On the scheduler side it asks the worker,
+        and carries both sides' figures; with tensor parallelism, rank 0's figures with every
+        rank's load errors and failed saves added up, and each rank's under ``ranks``. On the
+        worker side, only the worker's: no ``lookups`` nor ``hit_tokens*`` (the scheduler
+        looks prompts up; the worker loads what it is told, counted in ``loaded_blocks``).
 
         ``connector`` also splits ``hit_tokens`` (the tokens beyond vLLM's own hit that the
         scheduler's lookups found) by where the lookup found them: ``hit_tokens_by_tier``

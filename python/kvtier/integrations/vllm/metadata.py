@@ -1,7 +1,7 @@
 """What the connector's scheduler side tells its worker side each step (vLLM's connector
-metadata): the loads and saves it decided, and the finished requests whose blocks wait for their
-last save. The scheduler builds it (:mod:`.scheduler`), vLLM hands it to every worker
-(:mod:`.worker`); the two sides share nothing else but the worker's answers over :mod:`.link`.
+metadata): the loads and saves it decided. The scheduler builds it (:mod:`.scheduler`), vLLM
+hands it to every worker (:mod:`.worker`); the two sides share nothing else but the worker's
+answers over :mod:`.link`.
 """
 
 from __future__ import annotations
@@ -70,8 +70,6 @@ class SaveSpec:
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    #: finished requests whose blocks vLLM keeps until their save is done (get_finished)
-    finishing: set[str] = field(default_factory=set)
     #: the step runs no forward pass (what it scheduled waits for background loads, or
     #: nothing): the worker may wait for a load to end instead of returning at once
     idle: bool = False

@@ -29,6 +29,7 @@ __all__ = [
     "FAILURES",
     "GAUGES",
     "HIT_SOURCES",
+    "LOOKUP_COUNTS",
     "CounterReports",
     "Counters",
     "KVTierPromMetrics",
@@ -75,9 +76,14 @@ class Counters:
             self.hit_tokens += tokens
             self.hits_by_place[place] = self.hits_by_place.get(place, 0) + tokens
 
-    def as_dict(self) -> dict[str, float]:
-        """The counts (what vLLM's stats carry: each adds up over intervals and workers)."""
-        return {name: value for name, value in vars(self).items() if isinstance(value, int | float)}
+    def as_dict(self, without: Sequence[str] = ()) -> dict[str, float]:
+        """The counts (what vLLM's stats carry: each adds up over intervals and workers), but
+        those named in ``without``."""
+        return {
+            name: value
+            for name, value in vars(self).items()
+            if isinstance(value, int | float) and name not in without
+        }
 
     def hits_by(self, tiers: Sequence[str], levels: Sequence[str]) -> dict[str, Any]:
         """``hit_tokens`` by tier, by level name and by both (``{tier: {level: tokens}}``), with
@@ -117,31 +123,40 @@ def hit_sources(places: Mapping[Place, int], tokens: int) -> dict[CacheHitSource
 #: carries their value at its time; vLLM's log line over an interval shows the highest.
 GAUGES = ("host_held_bytes", "host_capacity_bytes")
 
+#: The scheduler's counts: its lookups and the tokens they found (a worker looks nothing up: its
+#: figures leave them out rather than claim zeros).
+LOOKUP_COUNTS = ("lookups", "hit_tokens")
+
 #: The worker's counts of what failed. Tensor-parallel ranks load and save the same blocks, so
 #: rank 0 counts the blocks for all of them; but a block any rank fails to load is recomputed on
 #: every rank, so each rank's failures count, added up (a block two ranks lost counts twice).
 FAILURES = ("load_errors", "save_failures")
 
 
-def connector_stats(stats: dict[str, Any], own: Counters) -> dict[str, Any]:
+def connector_stats(stats: dict[str, Any], lookups: Counters | None) -> dict[str, Any]:
     """``get_compression_stats()`` from a worker's figures (``stats``: the tiers' figures with
-    the worker's counters under ``worker``, each rank's under ``ranks`` with tensor
-    parallelism) and this side's ``own`` counters: the worker's and ``own`` counts added up
-    under ``connector`` (with every rank's :data:`FAILURES`), with ``own``'s hit tokens by tier
-    and level (a zero for each tier and level the tiers have), and each rank's counters under
-    its ``connector``."""
+    the worker's counters, less :data:`LOOKUP_COUNTS`, under ``worker``, each rank's under
+    ``ranks`` with tensor parallelism) and, on the scheduler's side, its counters
+    (``lookups``): under ``connector``, the worker's counts (with every rank's
+    :data:`FAILURES`) added to the scheduler's, and the scheduler's hit tokens by tier and level
+    (a zero for each tier and level the tiers have); each rank's counters under its
+    ``connector``. Without ``lookups`` (a worker's own figures), no lookup count nor hit figure:
+    the worker does not look prompts up."""
     counters = dict(stats.pop("worker"))  # with tensor parallelism, also rank 0's own
     for rank in stats.get("ranks", ()):  # tensor parallel: each worker's own figures
         rank["connector"] = rank.pop("worker")
     for rank in stats.get("ranks", ())[1:]:  # rank 0's are ``counters``
         for name in FAILURES:
             counters[name] += rank["connector"][name]
-    mine = own.as_dict()
-    counters = {k: v + mine[k] for k, v in counters.items()}
+    if lookups is None:
+        stats["connector"] = counters
+        return stats
+    mine = lookups.as_dict()
+    counters = {k: counters.get(k, 0) + v for k, v in mine.items()}
     pools = stats.get("pools", ())
     tiers = list(dict.fromkeys(CONNECTOR_TIERS[p["tier"]] for p in pools))
     levels = list(dict.fromkeys(p["codec"] for p in sorted(pools, key=lambda p: p["level"])))
-    stats["connector"] = {**counters, **own.hits_by(tiers, levels)}
+    stats["connector"] = {**counters, **lookups.hits_by(tiers, levels)}
     return stats
 
 

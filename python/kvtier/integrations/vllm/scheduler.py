@@ -12,10 +12,9 @@ When vLLM publishes KV events (``--kv-events-config``), each save carries vLLM's
 blocks (:func:`~.events.block_keys`), the worker announces what it stored and what its tiers
 dropped (:mod:`.events`), and this side hands vLLM the workers' events (``take_events``).
 
-State, per request: its ``cache_salt`` (from lookup to finish), the lookup's hit until vLLM
-allocates, the admitted load until vLLM asks for its sources (the same step), and, once
-scheduled, its tokens, blocks and how far they are saved (and, with KV events, vLLM's request,
-for its block hashes). A request of unknown salt is never saved.
+State, per request: its ``cache_salt`` and vLLM's request (from lookup to finish), the lookup's
+hit until vLLM allocates, the admitted load until vLLM asks for its sources (the same step), and,
+once scheduled, its blocks and how far they are saved. A request of unknown salt is never saved.
 """
 
 from __future__ import annotations
@@ -64,11 +63,10 @@ class _Request:
     """The scheduler's view of a running request."""
 
     salt: str | None
-    tokens: list[int]
+    #: vLLM's request: its tokens so far (prompt and output) and block hashes
+    request: Request
     block_ids: list[int]
-    saved: int = 0  # prompt tokens sent to the worker for saving
-    #: vLLM's request (for its block hashes), with KV events only
-    request: Request | None = None
+    saved: int = 0  # tokens sent to the worker for saving
 
 
 class KVTierScheduler:
@@ -97,14 +95,13 @@ class KVTierScheduler:
         #: each admitted request's cache_salt (a request of unknown salt is never saved)
         self._salts: dict[str, str | None] = {}
         self._loads: list[LoadSpec] = []
-        self._finish_saves: list[SaveSpec] = []
         #: a reset asked for and not yet in a step's metadata: lookups miss until the worker
         #: has it (it forgets before that step's loads)
         self._reset_pending = False
         #: vLLM publishes KV events: saves carry vLLM's keys of their blocks
         events = vllm_config.kv_events_config
         self.kv_events = events is not None and bool(events.enable_kv_cache_events)
-        #: each admitted request, for its block hashes (with KV events only)
+        #: each admitted request, for its tokens as it generates them (and its block hashes)
         self._vllm_requests: dict[str, Request] = {}
         #: the workers' KV events not yet taken by vLLM
         self._events: list[KVCacheEvent] = []
@@ -124,8 +121,7 @@ class KVTierScheduler:
         request waits, others run) when some of them are on disk or on the server
         (``async_loads``: ``auto``), or always, or never."""
         salt = self._salts[request.request_id] = request.cache_salt or None
-        if self.kv_events:
-            self._vllm_requests[request.request_id] = request
+        self._vllm_requests[request.request_id] = request
         if not self.settings.loads_kv or self._reset_pending:
             return 0, False
         tokens = list(request.prompt_token_ids or [])
@@ -179,19 +175,17 @@ class KVTierScheduler:
         return hit_sources(held.places(start, start + num_external_tokens), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads, saves=self._finish_saves)
-        meta.finishing = {save.req_id for save in self._finish_saves}
+        meta = KVTierMetadata(loads=self._loads)
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         meta.reset, self._reset_pending = self._reset_pending, False
-        self._loads, self._finish_saves = [], []
+        self._loads = []
         self._admitted.clear()  # vLLM asks for a load's sources in the step that admits it
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            if new.prompt_token_ids is None or new.req_id not in self._salts:
+            request = self._vllm_requests.get(new.req_id)
+            if new.prompt_token_ids is None or request is None:
                 continue  # prompt embeddings (no token ids to key them by), or salt unknown
-            salt = self._salts[new.req_id]
-            req = _Request(salt, list(new.prompt_token_ids), list(new.block_ids[0]))
-            req.request = self._vllm_requests.get(new.req_id)
+            req = _Request(self._salts[new.req_id], request, list(new.block_ids[0]))
             self._requests[new.req_id] = req
             self._plan_save(meta, new.req_id, req, new.num_computed_tokens + scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
@@ -212,43 +206,40 @@ class KVTierScheduler:
         return meta
 
     def _plan_save(self, meta: KVTierMetadata, req_id: str, req: _Request, computed: int) -> None:
-        """Saves the prompt's blocks that are complete once this step has run."""
+        """Saves the request's blocks that are complete once this step has run (``computed``
+        tokens), of its prompt and of what it generated (the next turn of a conversation starts
+        with them), as far as vLLM knows their tokens: all of them, unless it schedules ahead
+        of its outputs (async scheduling), where a generated block goes a step later."""
         if not self.settings.saves_kv:
             return
         bs = self.settings.block_size
-        end = min(computed, len(req.tokens)) // bs * bs
+        request = req.request
+        # num_tokens: the prompt and the outputs vLLM has (no draft tokens, no placeholders).
+        end = min(computed, request.num_tokens) // bs * bs
         if end <= req.saved:
             return
         req.saved = end
         blocks = end // bs
-        save = SaveSpec(req_id, req.salt, req.tokens[:end], req.block_ids[:blocks])
-        if req.request is not None:
-            save.keys = block_keys(req.request, blocks, bs)
+        tokens = list(request.all_token_ids[:end])
+        save = SaveSpec(req_id, req.salt, tokens, req.block_ids[:blocks])
+        if self.kv_events:
+            save.keys = block_keys(request, blocks, bs)
         meta.saves.append(save)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Saves the request's complete blocks beyond its prompt (what it generated: the next
-        turn of a conversation starts with them) in the next step, and keeps vLLM from freeing
-        them until then."""
-        req = self._requests.pop(request.request_id, None)
+        """Forgets the request. Its blocks are vLLM's to free at once: every complete one was
+        saved in the step that computed it (:meth:`_plan_save`) or, with async scheduling
+        (vLLM schedules a step before it has the outputs of the one before), is saved by the
+        step running as vLLM finishes the request, within that step, before a later one can
+        write to its blocks. Nothing waits for a later step, so a prefix-cache reset right
+        after ``generate()`` finds no block held."""
+        self._requests.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self._salts.pop(request.request_id, None)
         self._vllm_requests.pop(request.request_id, None)
-        if req is None or not self.settings.saves_kv:
-            return False, None
-        bs = self.settings.block_size
-        tokens = list(request.all_token_ids)[: request.num_computed_tokens]
-        end = len(tokens) // bs * bs
-        if end <= req.saved or len(block_ids) < end // bs:
-            return False, None
-        blocks = list(block_ids[: end // bs])
-        save = SaveSpec(request.request_id, req.salt, tokens[:end], blocks)
-        if self.kv_events:
-            save.keys = block_keys(request, len(blocks), bs)
-        self._finish_saves.append(save)
-        return True, None
+        return False, None
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: the workers forget what their

@@ -41,7 +41,7 @@ from .config import backend_name, engine_namespace, tiers_config, tp_rank
 from .events import KVTierEvents, TierEvents
 from .link import Held, forget, serve
 from .metadata import KVTierMetadata, LoadSpec, SaveSpec
-from .metrics import FAILURES, CounterReports, Counters, connector_stats
+from .metrics import FAILURES, LOOKUP_COUNTS, CounterReports, Counters, connector_stats
 from .paged import layout_for_backend
 from .tiers import LayerLoads, WorkerTiers
 
@@ -104,7 +104,6 @@ class KVTierWorker:
         self._tiers: WorkerTiers | None = None
         self._listener: Listener | None = None
         self._failed_blocks: set[int] = set()
-        self._saved_finished: set[str] = set()
         self._layer_thread: Executor | None = None  # this step's loads, a layer at a time
         self._layer_loads: LayerLoads | None = None
         self._layer_saves: list[_LayerSave] | None = None  # this step's, a layer at a time
@@ -141,10 +140,10 @@ class KVTierWorker:
 
     def stats(self) -> dict[str, Any]:
         """The tiers' figures (once the background step is over) and, under ``worker``, this
-        side's counters."""
+        side's counters (not :data:`~.metrics.LOOKUP_COUNTS`: the scheduler's)."""
         self._settle()
         stats = self.tiers.manager.get_compression_stats()
-        stats["worker"] = self.counters.as_dict()
+        stats["worker"] = self.counters.as_dict(without=LOOKUP_COUNTS)
         return stats
 
     # -- vLLM's worker-side hooks ------------------------------------------------------------
@@ -294,13 +293,12 @@ class KVTierWorker:
         if meta.saves:
             self._step_later()
         self.counters.save_seconds += time.perf_counter() - start
-        self._saved_finished |= meta.finishing
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Finished requests whose last blocks are saved (vLLM may free their blocks now), and
-        requests whose background load is over (they may run now). vLLM asks for load errors
-        right after this: a load's failed blocks are handed over with its request."""
-        saved, self._saved_finished = self._saved_finished, set()
+        """Requests whose background load is over (they may run now); never a finished request
+        (its saves end within the steps that plan them: vLLM frees its blocks at once). vLLM
+        asks for load errors right after this: a load's failed blocks are handed over with its
+        request."""
         done = []
         if self._idle and self._background and self._loaded.empty():
             # Nothing else to do: vLLM's loop would call again at once, and take the GIL from
@@ -315,7 +313,7 @@ class KVTierWorker:
             loaded.add(req_id)
             self._count_load(ok, failed, seconds)
         self._background -= len(done)
-        return saved or None, loaded or None
+        return None, loaded or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_layer_loads()
@@ -323,8 +321,14 @@ class KVTierWorker:
         return failed
 
     def get_compression_stats(self) -> dict[str, Any]:
-        """The tiers' figures with this side's counters under ``connector``."""
-        return connector_stats(self.stats(), Counters())
+        """The tiers' figures with this side's counters under ``connector``: the blocks it
+        loaded and saved, their bytes and seconds, load errors, failed and shed saves. Not the
+        lookups and hit tokens (``lookups``, ``hit_tokens``, ``hit_tokens_by_tier``, ...): the
+        scheduler looks prompts up and counts what they found where, and the worker only loads
+        what the scheduler admitted (counted in ``loaded_blocks``); a worker figure under those
+        names would be zeros that read as "nothing hit". The scheduler-side connector's
+        figures carry both sides'."""
+        return connector_stats(self.stats(), None)
 
     def get_kv_connector_kv_cache_events(self) -> KVTierEvents | None:
         """What the tiers stored and dropped since the last call, as vLLM's KV events (rank
