@@ -360,6 +360,32 @@ def saved_and_forgotten(engine: Engine, *prompts: list[int]) -> None:
     assert engine.scheduler.reset_prefix_cache()
 
 
+def test_a_prompt_whose_tokens_do_not_say_its_kv_is_neither_loaded_nor_saved(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    """kvtier keys blocks by token ids: an image's placeholder ids (or prompt embeddings) are
+    the same for other pixels, so such a request must miss, or it would read another image's
+    K/V. The same token ids without them hit."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.v1.request import Request
+
+    engine = engine_factory(num_blocks=16)
+    p = prompt(7, 3)
+    saved_and_forgotten(engine, p)
+    params = SamplingParams(max_tokens=4)
+    plain = Request("plain", p, params, None, block_hasher=engine.hasher)
+    assert engine.connector.get_num_new_matched_tokens(plain, 0)[0] == 3 * BLOCK
+    image = MultiModalFeatureSpec(None, "image", "pixels-a", PlaceholderRange(offset=0, length=8))
+    pictured = Request("image", p, params, None, mm_features=[image], block_hasher=engine.hasher)
+    embedded = Request(
+        "embeds", p, params, None, prompt_embeds=torch.zeros(len(p), 8), block_hasher=engine.hasher
+    )
+    for request in (pictured, embedded):
+        assert engine.connector.get_num_new_matched_tokens(request, 0) == (0, False)
+
+
 def test_background_loads_that_finish_out_of_order(
     engine_factory: Callable[..., Engine],
 ) -> None:

@@ -69,6 +69,15 @@ class _Request:
     saved: int = 0  # tokens sent to the worker for saving
 
 
+def keyed_by_tokens(request: Request) -> bool:
+    """Whether a request's K/V follows from its token ids (and salt) alone, which kvtier keys
+    blocks by: not where images, audio or prompt embeddings stand in for some of them (the same
+    placeholder ids, other K/V). Such a request is neither loaded nor saved."""
+    return not getattr(request, "mm_features", None) and (
+        getattr(request, "prompt_embeds", None) is None
+    )
+
+
 class KVTierScheduler:
     """The scheduler side of :class:`~.connector.KVTierConnector`: lookups, the loads and saves
     of each step, and the counts of lookups and hit tokens (by where they lay)."""
@@ -121,6 +130,8 @@ class KVTierScheduler:
         request waits, others run) when some of them are on disk or on the server
         (``async_loads``: ``auto``), or always, or never."""
         salt = self._salts[request.request_id] = request.cache_salt or None
+        if not keyed_by_tokens(request):
+            return 0, False  # neither loaded nor saved (not in _vllm_requests)
         self._vllm_requests[request.request_id] = request
         if not self.settings.loads_kv or self._reset_pending:
             return 0, False
