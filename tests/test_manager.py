@@ -471,6 +471,41 @@ def test_evict_on_full_makes_room_from_cached_blocks() -> None:
     assert torch.equal(bm.gather(b, 1)[0], x[1, 0])
 
 
+def test_a_released_conversation_is_evicted_before_an_older_one_that_goes_on() -> None:
+    """A multi-turn client says when a conversation ends (``release``): its blocks are evicted
+    first once freed, before those of an older conversation, which LRU alone would take;
+    ``release_cached`` does it for one already freed, by its tokens. A later prompt that
+    shares a released prefix takes it back (the conversation went on)."""
+    bm = manager(device_blocks=6, enable_compression=False, evict_on_full=True, policy="lru")
+    older, ended = np.arange(3 * BS), np.arange(3 * BS) + 1000
+    a = bm.add_sequence(older)
+    append_all(bm, a, kv(3 * BS, seed=40))
+    bm.free(a)
+    b = bm.add_sequence(ended)
+    append_all(bm, b, kv(3 * BS, seed=41))
+    bm.release(b)
+    bm.free(b)
+    c = bm.add_sequence()
+    append_all(bm, c, kv(2 * BS, seed=42))  # room for two blocks: the released chain's leaves
+    assert bm.get_compression_stats()["evictions"] == 2
+    assert (bm.lookup(older), bm.lookup(ended)) == (3 * BS, BS)
+    with pytest.raises(InvalidSequenceError):
+        bm.release(b)
+    # Freed already, named by its tokens: a later conversation goes before the older one,
+    # but for the block a new prompt shared again (the conversation went on after all).
+    bm.free(c)
+    recent = np.arange(2 * BS) + 2000
+    e = bm.add_sequence(recent)
+    append_all(bm, e, kv(2 * BS, seed=43))
+    bm.free(e)
+    assert bm.release_cached(recent) == 2 * BS
+    bm.free(bm.add_sequence(recent[:BS]))
+    d = bm.add_sequence()
+    append_all(bm, d, kv(3 * BS, seed=44))
+    assert (bm.lookup(older), bm.lookup(ended), bm.lookup(recent)) == (2 * BS, 0, BS)
+    assert bm.release_cached(np.arange(5)) == 0  # no whole block: nothing released
+
+
 @pytest.mark.parametrize("ladder", [("fp16",), ("fp16", "int8", "int4")])
 def test_live_sequences_spill_to_the_host_tier_rather_than_fail(ladder: tuple[str, ...]) -> None:
     """A device of 8 blocks, an 8 MiB host tier: live sequences of four blocks each, one step

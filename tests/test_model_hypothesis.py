@@ -2,11 +2,12 @@
 
 :class:`kvtier.reference.core.ModelCore` implements the core's rules for one device tier, prefix trees
 included (``prefix_aware`` on and off). Hypothesis drives both with the same operations —
-sequences (append by hash and by tokens, fork, free), ``forget``, statistics, pins, plans
-(committed, aborted or left pending, and blocks shared, extended, pinned or orphaned while a plan
-evicts them), lookups, budget changes, and bad calls — with small budgets so that eviction,
-demotion and drops happen, and after every step compares everything a user can observe:
-sequences, every block's tier/level/refcount/pin/position/hash/score/indexed/parent, pool usage,
+sequences (append by hash and by tokens, fork, free, release), ``forget``, released chains
+(``release_cached`` by hashes and by tokens), statistics, pins, plans (committed, aborted or left
+pending, and blocks shared, extended, pinned or orphaned while a plan evicts them), lookups,
+budget changes, and bad calls — with small budgets so that eviction, demotion and drops happen,
+and after every step compares everything a user can observe: sequences, every block's
+tier/level/refcount/pin/position/hash/score/indexed/parent/released, pool usage,
 reclaimable blocks per pool, counters, the step clock and each plan's moves. Slot numbers are not
 compared (the model does not assign them); they are checked for uniqueness instead.
 
@@ -145,6 +146,7 @@ class CoreVsModel(RuleBasedStateMachine):
                 "score",
                 "indexed",
                 "parent",
+                "released",
             )
         ]
         state: dict[str, Any] = {
@@ -172,9 +174,16 @@ class CoreVsModel(RuleBasedStateMachine):
     def model_state(self) -> dict[str, Any]:
         m = self.model
 
-        def extra(b: int) -> tuple[int, bool, float, bool, int]:
-            # hash, has_copy, score, indexed, parent
-            return (m.block_hash(b), False, m.score(b), m.indexed[b], m.block_parent(b))
+        def extra(b: int) -> tuple[int, bool, float, bool, int, bool]:
+            # hash, has_copy, score, indexed, parent, released
+            return (
+                m.block_hash(b),
+                False,
+                m.score(b),
+                m.indexed[b],
+                m.block_parent(b),
+                m.released[b],
+            )
 
         return {
             "seqs": {s: (tuple(m.seqs[s].blocks), m.seqs[s].tokens) for s in m.sequences()},
@@ -316,6 +325,24 @@ class CoreVsModel(RuleBasedStateMachine):
     def free_sequence(self, data: st.DataObject) -> None:
         self.both("free_sequence", self.some_seq(data))
 
+    @precondition(has_seqs)
+    @rule(data=st.data(), free=st.booleans())
+    def release(self, data: st.DataObject, free: bool) -> None:
+        """A conversation ends: its blocks go first once cached (freed now, or later)."""
+        seq = self.some_seq(data)
+        self.both("release", seq)
+        if free:
+            self.both("free_sequence", seq)
+
+    @precondition(lambda self: self.ready)
+    @rule(hashes=HASHES, tokens=TOKENS, salt=ANY_SALT)
+    def release_cached(self, hashes: list[int], tokens: list[int], salt: str | None) -> None:
+        """A conversation whose sequences are gone ends, named by its hashes or tokens."""
+        got, want = self.both("release_cached", np.array(hashes, dtype=np.uint64))
+        assert got == want
+        got, want = self.both("release_cached_tokens", np.array(tokens, dtype=np.uint32), salt)
+        assert got == want
+
     @precondition(lambda self: self.pending is not None and self.has_seqs())
     @rule(data=st.data())
     def free_while_moving(self, data: st.DataObject) -> None:
@@ -434,7 +461,7 @@ class CoreVsModel(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(pinned), max_size=3, unique=True))
         self.both("unpin", np.array(ids, dtype=np.uint32))
 
-    @rule(data=st.data(), what=st.integers(0, 10))
+    @rule(data=st.data(), what=st.integers(0, 11))
     def bad_call(self, data: st.DataObject, what: int) -> None:
         """A call that must fail (the model says which error) and change nothing."""
         m = self.model
@@ -453,6 +480,7 @@ class CoreVsModel(RuleBasedStateMachine):
             ("record_attention", (ids[:-1], np.ones(len(ids), dtype=np.float32))),
             ("set_magnitude", (ids, np.full(len(ids), -1.0, dtype=np.float32))),
             ("forget", (ids,)),
+            ("release", (unknown_seq,)),
             (data.draw(st.sampled_from(["commit", "abort"])), (data.draw(st.integers(0, 2**20)),)),
         ]
         name, args = calls[what]

@@ -171,12 +171,20 @@ class Engine:
         return self.worker.worker.tiers
 
     def add(
-        self, req_id: str, prompt: list[int], max_tokens: int = 4, salt: str | None = None
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int = 4,
+        salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
+        """Adds a request; ``kv_transfer_params`` as a client passes them (a server request's
+        field, or ``SamplingParams.extra_args``)."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
         request = Request(req_id, prompt, params, None, cache_salt=salt, block_hasher=self.hasher)
         self.scheduler.add_request(request)
         self.outputs[req_id] = []
@@ -1079,3 +1087,57 @@ def test_kv_events_follow_blocks_the_core_moves_to_disk(
     assert set(held.values()) == {"CPU", "STORAGE"}, held
     assert len(held) == 9
     assert announced(connector_events(engine)) == held
+
+
+def test_a_request_that_ends_its_conversation_has_its_chain_evicted_first(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    """A client that knows a conversation is over says so with the request's
+    ``kv_transfer_params={"kvtier": {"release": True}}``: once the request finishes and its
+    blocks are saved, the tiers release them. When the host tier of four blocks fills, they go
+    before an older conversation's blocks (which the tiers would evict first otherwise: saved
+    longer ago); what is left of both still loads."""
+    # Four blocks and no headroom kept free: only a save that needs room evicts.
+    engine = engine_factory(num_blocks=64, host_budget="24KiB", headroom=0.0, shed_saves=False)
+    older, ended, new = prompt(60, 2), prompt(61, 2), prompt(62, 2)
+    engine.add("older", older, max_tokens=1)
+    engine.run()
+    engine.add("ended", ended, max_tokens=1, kv_transfer_params={"kvtier": {"release": True}})
+    engine.run()
+    # Released in the step after it finished, once every save of it had run: both blocks.
+    assert stats(engine)["released_blocks"] == 2
+    assert engine.tiers.lookup(older).tokens == engine.tiers.lookup(ended).tokens == 2 * BLOCK
+    engine.add("new", new, max_tokens=1)  # its two blocks need the room of two held ones
+    engine.run()
+    held = {
+        name: engine.tiers.lookup(p).tokens
+        for name, p in [("older", older), ("ended", ended), ("new", new)]
+    }
+    assert held == {"older": 2 * BLOCK, "ended": 0, "new": 2 * BLOCK}, held
+    assert engine.scheduler.reset_prefix_cache()
+    before = stats(engine)["loaded_blocks"]
+    engine.add("older again", older)
+    engine.run()
+    assert stats(engine)["loaded_blocks"] - before == 2
+    assert stats(engine)["load_errors"] == 0
+
+
+def test_only_a_kvtier_release_entry_of_the_documented_shape_releases(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``{"kvtier": {"release": true}}`` releases; other connectors' parameters beside it are
+    theirs; a ``kvtier`` entry of another shape releases nothing and says why."""
+    from kvtier.integrations.vllm.scheduler import release_requested
+
+    def request(params: Any) -> Any:
+        return SimpleNamespace(request_id="r", kv_transfer_params=params)
+
+    assert release_requested(request({"kvtier": {"release": True}, "do_remote_prefill": False}))
+    for quiet in (None, {}, {"do_remote_prefill": True}, {"kvtier": {"release": False}}):
+        assert not release_requested(request(quiet))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvtier.vllm"]
+    assert not warnings
+    for odd in ({"kvtier": True}, {"kvtier": {"release": "yes"}}, {"kvtier": {"relase": True}}):
+        assert not release_requested(request(odd))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvtier.vllm"]
+    assert len(warnings) == 3 and all('expected {"release": true}' in w for w in warnings)

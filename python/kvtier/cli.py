@@ -26,14 +26,16 @@ from .config import (
     parse_bytes,
 )
 from .errors import ConfigError, KvtierError, require
+from .peers import PEERS
 from .shapes import MODELS, model_shape
 
 __all__ = ["main"]
 
 #: The dtype each model's checkpoint ships in: the default level 0 of the ladder.
 MODEL_DTYPES = {"llama3-8b": "bf16", "llama2-7b": "fp16", "smollm2-135m": "bf16"}
-#: What ``simulate --policy`` and ``--compare`` take: the policies, and each on a plain core.
-SIMULATED_POLICIES = POLICIES + tuple(PLAIN + p for p in POLICIES)
+#: What ``simulate --policy`` and ``--compare`` take: the policies, each on a plain core, and
+#: the peers (vLLM's own cache policies and the offline bound).
+SIMULATED_POLICIES = POLICIES + tuple(PLAIN + p for p in POLICIES) + PEERS
 
 #: Default device budget: about what an 80 GB GPU keeps for KV next to Llama-3-8B's 16 GB of
 #: weights. That is 1,000 full-precision 512-token blocks of Llama-3-8B (64 MiB each): on the
@@ -244,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="POLICY",
         help=f"scheduling policy: {', '.join(POLICIES)}, or plain-lru etc. for eviction that "
         "ranks every cached block rather than the leaves of the prefix trees (default: "
-        "KVTIER_POLICY, else importance)",
+        "KVTIER_POLICY, else importance); or a peer, on the device budget at the model dtype: "
+        "vllm-lru and vllm-arc (vLLM's own CPU-offload cache policies; needs vLLM), optimal "
+        "(the offline bound: Belady over the leaves)",
     )
     policy.add_argument(
         "--compare",
@@ -337,7 +341,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     policies = list(args.compare) if args.compare else None
     first = policies[0].partition(":")[0] if policies else args.policy
     base = KvtierConfig.from_env(
-        policy=None if first is None else first.removeprefix(PLAIN),
+        policy=None if first is None or first in PEERS else first.removeprefix(PLAIN),
         ladder=args.ladder,
         # Either budget form on the command line outranks both KVTIER_DEVICE_* variables.
         device_budget=args.device_bytes,
@@ -355,6 +359,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             f"the ladder starts at {ladder[0]} but the model dtype is {dtype}",
             hint="level 0 is the model's own dtype: make --ladder start with --dtype",
         )
+
+    if base.ladder is not None and len(ladder) > 1:
+        # A ladder given (--ladder, KVTIER_LADDER) reaches every policy that names none of its
+        # own, the peers too: they have none, and the simulator refuses it by name.
+        policies = [f"{spec}:{'+'.join(ladder)}" if spec in PEERS else spec for spec in policies]
 
     device_bytes = base.device_budget
     if device_bytes is None and base.device_blocks is None:
@@ -451,12 +460,14 @@ def _check_budgets(args: argparse.Namespace, base: KvtierConfig, block_bytes: in
 
 def _policies_and_ladders(policies: list[str], ladder: tuple[str, ...]) -> str:
     """What the banner says will run. A ``--compare`` entry may name its own ladder
-    (``lru:bf16``); then each policy is shown with the ladder it really runs."""
-    if not any(":" in spec for spec in policies):
+    (``lru:bf16``), and a peer has none but the model dtype (``ladder[0]``); then each policy
+    is shown with the ladder it really runs."""
+    if not any(":" in spec or (spec in PEERS and len(ladder) > 1) for spec in policies):
         return f"policies {', '.join(policies)}, ladder {','.join(ladder)}"
     default = "+".join(ladder)
     return "policies " + ", ".join(
-        spec if ":" in spec else f"{spec}:{default}" for spec in policies
+        spec if ":" in spec else f"{spec}:{ladder[0] if spec in PEERS else default}"
+        for spec in policies
     )
 
 

@@ -19,7 +19,14 @@ from typing import Any, TextIO
 
 from .errors import InvalidArgumentError, MissingDependencyError
 
-__all__ = ["Progress", "human_bytes", "plot", "render_table", "resolve_plot_path"]
+__all__ = [
+    "Progress",
+    "human_bytes",
+    "plot",
+    "policy_label",
+    "render_table",
+    "resolve_plot_path",
+]
 
 TIER_ORDER = ("device", "host", "disk", "remote")
 
@@ -139,11 +146,19 @@ def _header_lines(result: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def policy_label(result: Mapping[str, Any]) -> str:
+    """A result's policy as a column or a legend names it: ``optimal (offline)`` for a bound
+    that reads the trace's future."""
+    label = str(result.get("policy", "?"))
+    return f"{label} (offline)" if result.get("offline") else label
+
+
 def render_table(result: Mapping[str, Any], *, color: bool) -> str:
     """A fixed-width text table of a simulate result: rows are metrics, columns are policies.
 
-    ``color`` adds ANSI bold/dim and marks the best policy of each rate in green; callers pass
-    ``False`` when ``NO_COLOR`` is set or the output is not a terminal.
+    ``color`` adds ANSI bold/dim and marks the best policy of each rate in green (never an
+    offline bound: no cache can run it); callers pass ``False`` when ``NO_COLOR`` is set or the
+    output is not a terminal.
     """
     results: list[Mapping[str, Any]] = list(result.get("results") or [])
     # Each row: (label, values, kind) where kind is "section", "rate" (higher is better) or "".
@@ -165,6 +180,15 @@ def render_table(result: Mapping[str, Any], *, color: bool) -> str:
         row(
             "rejected requests",
             [_share(n, r.get("requests") or 0) for n, r in zip(rejected, results, strict=True)],
+        )
+    own = [r.get("evicted_own_prefix") for r in results]
+    if any(own):
+        row(
+            "own prefix evicted",
+            [
+                "-" if n is None else _share(n, r.get("requests") or 0)
+                for n, r in zip(own, results, strict=True)
+            ],
         )
     row(
         "block hit rate",
@@ -239,7 +263,7 @@ def render_table(result: Mapping[str, Any], *, color: bool) -> str:
     row("wall time", [_seconds(r.get("wall_s")) for r in results])
 
     # Layout: pad first, colour after, so escape codes never count towards widths.
-    headers = [str(r.get("policy", "?")) for r in results]
+    headers = [policy_label(r) for r in results]
     label_w = max([len("policy")] + [len(label) for label, *_ in rows])
     col_w = [
         max([len(headers[i])] + [len(values[i]) for _, values, _, _ in rows])
@@ -263,12 +287,17 @@ def render_table(result: Mapping[str, Any], *, color: bool) -> str:
             continue
         best = None
         if kind == "rate" and len(results) > 1:
-            known = [x for x in nums if x is not None]
+            # An offline bound is no contender: the best is the best of those a cache can run.
+            known = [
+                x
+                for x, r in zip(nums, results, strict=True)
+                if x is not None and not r.get("offline")
+            ]
             best = max(known) if known else None
         cells = []
         for i, (value, w) in enumerate(zip(values, col_w, strict=True)):
             cell = value.rjust(w)
-            if best is not None and nums[i] == best:
+            if best is not None and nums[i] == best and not results[i].get("offline"):
                 cell = paint(cell, _GREEN)
             cells.append("  " + cell)
         out.append(label.ljust(label_w) + "".join(cells))
@@ -279,6 +308,18 @@ def render_table(result: Mapping[str, Any], *, color: bool) -> str:
             "rejected: did not fit on the device even after evicting every cached block; "
             "hits counted, new blocks not cached"
         )
+    if any(own):
+        out.append("")
+        out.append(
+            "own prefix evicted: the request's store evicted blocks of the prefix it had just "
+            "loaded (vLLM pins a loaded block only while its load runs)"
+        )
+    peers = [
+        (policy_label(r), r["source"]) for r in results if r.get("source", "kvtier") != "kvtier"
+    ]
+    if peers:
+        out.append("")
+        out.extend(paint(f"{label}: {source}", _DIM) for label, source in peers)
     cost_models = {str(p["cost_model"]) for p in prefill if p.get("cost_model")}
     for cm in sorted(cost_models):
         out.append("")
@@ -350,7 +391,7 @@ def plot(result: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
         ax.plot(
             tl.get("request", []),
             [100 * x for x in tl.get("block_hit_rate", [])],
-            label=f"{r.get('policy', '?')} ({','.join(r.get('ladder', []))})",
+            label=f"{policy_label(r)} ({','.join(r.get('ladder', []))})",
             linestyle=styles[i % len(styles)],
             linewidth=1.6,
         )
@@ -376,7 +417,7 @@ def plot(result: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
                 x, *[[b / 2**30 for b in by_level[lv]] for lv in ladder], labels=ladder, alpha=0.85
             )
             sub.legend(loc="upper left", fontsize="small")
-        sub.set_title(f"{r.get('policy', '?')}: KV bytes held by level", fontsize="medium")
+        sub.set_title(f"{policy_label(r)}: KV bytes held by level", fontsize="medium")
         sub.set_xlabel("requests replayed")
         sub.set_ylabel("GiB")
         sub.grid(alpha=0.3)

@@ -4,7 +4,9 @@ would see — hit rates by tier and level, memory by level, moves, and the prefi
 The replay loop runs in Rust (``kvtier._core.Simulator``); this module sizes the tiers from the
 model's KV shape and the ladder, drives the replay (in one call, or in chunks when it draws
 progress) and shapes the result, with the timeline the core sampled, as documented in
-docs/simulate-schema.md.
+docs/simulate-schema.md. The peers of :mod:`kvtier.peers` (vLLM's own cache policies, and the
+offline bound) replay beside kvtier's policies on the device budget, at the model dtype, and
+their results take the same shape, less what they cannot fill.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from . import peers
 from ._core import Core, Simulator
 from .config import MAX_SIZE, MAX_U32, PLAIN, KvtierConfig
 from .errors import ConfigError
@@ -212,6 +215,8 @@ def _replay(
     return {
         "policy": policy,
         "ladder": list(ladder),
+        "offline": False,
+        "source": "kvtier",
         "requests": st["requests"],
         "ref_blocks": st["ref_blocks"],
         "hit_blocks": st["hit_blocks"],
@@ -246,6 +251,143 @@ def _replay(
     }
 
 
+def _peer_spec(
+    policy: str, ladder_text: str | None, config: SimulationConfig
+) -> tuple[str, tuple[str, ...]]:
+    """A peer's spec checked: it holds blocks at the model dtype alone."""
+    if ladder_text is None:
+        return policy, (config.dtype,)
+    ladder = tuple(x.strip() for x in ladder_text.split("+"))
+    if ladder != (config.dtype,):
+        raise ConfigError(
+            f"{policy} has no ladder: it holds every block at the model dtype "
+            f"({config.dtype}), got the ladder {'+'.join(ladder)}",
+            hint=f"write {policy}:{config.dtype}, or no ladder for it (--ladder and "
+            "KVTIER_LADDER reach every policy that names none of its own)",
+        )
+    return policy, ladder
+
+
+def _peer_capacity(config: SimulationConfig, policy: str) -> int:
+    lower = [t for t, _ in config.tiers() if t != "device"]
+    if lower:
+        raise ConfigError(
+            f"{policy} is one cache of the device budget: it has no {', '.join(lower)} tier",
+            hint="compare it on the device budget alone: leave out --host-bytes, --disk-bytes "
+            "and --remote-bytes (and their KVTIER_* variables)",
+        )
+    block_bytes = config.shape().block_bytes(config.dtype, config.block_tokens)
+    blocks = config.device_budget() // block_bytes
+    if blocks < 1:
+        raise ConfigError(
+            f"{policy}: a device budget of {config.device_budget()} bytes holds no block of "
+            f"{block_bytes} bytes",
+            hint="give the device at least one block (--device-blocks N)",
+        )
+    return blocks
+
+
+def _sample_points(n: int) -> list[int]:
+    """Requests done at each timeline sample, as the core samples: every
+    ``n // TIMELINE_POINTS`` requests, and after the last."""
+    every = max(1, n // TIMELINE_POINTS)
+    return [*range(every, n, every), n] if n else []
+
+
+def _replay_peer(
+    trace: Trace,
+    config: SimulationConfig,
+    policy: str,
+    progress: Callable[[int, int], None] | None,
+    done_before: int,
+    total_all: int,
+) -> dict[str, Any]:
+    shape = config.shape()
+    bs = config.block_tokens
+    block_bytes = shape.block_bytes(config.dtype, bs)
+
+    def report(done: int) -> None:
+        if progress is not None:
+            progress(done_before + done, total_all)
+
+    t0 = time.perf_counter()
+    run = peers.replay(
+        trace, policy, _peer_capacity(config, policy), None if progress is None else report
+    )
+    wall = time.perf_counter() - t0
+
+    # Tokens of each hit, as the core counts them: a full block each, but a request's last
+    # block holds what is left of its input.
+    counts = trace.blocks_per_request.astype(np.int64)
+    inputs = trace.input_lengths.astype(np.int64)
+    hits = run.hits
+    whole = (hits == counts) & (counts > 0)
+    last = np.clip(inputs - (counts - 1) * bs, 0, bs)
+    hit_tokens_each = np.where(whole, (counts - 1) * bs + last, hits * bs)
+    hit_blocks = int(hits.sum())
+    hit_tokens = int(hit_tokens_each.sum())
+    ref_blocks = int(trace.block_refs)
+    ref_tokens = int(inputs.sum())
+
+    seconds_per_token = config.cost.seconds_per_token(shape)
+    baseline_s = ref_tokens * seconds_per_token
+    saved_s = hit_tokens * seconds_per_token  # device hits: nothing to load
+    held_end = int(run.held[-1]) if len(run.held) else 0
+    points = _sample_points(len(trace))
+    at = np.array(points, dtype=np.int64) - 1
+    refs_so_far = np.cumsum(counts)[at]
+    start_ms = float(trace.timestamps_ms[0]) if len(trace) else 0.0
+    result: dict[str, Any] = {
+        "policy": policy,
+        "ladder": [config.dtype],
+        "offline": run.offline,
+        "source": run.source,
+        "requests": len(trace),
+        "ref_blocks": ref_blocks,
+        "hit_blocks": hit_blocks,
+        "ref_tokens": ref_tokens,
+        "hit_tokens": hit_tokens,
+        "block_hit_rate": hit_blocks / max(ref_blocks, 1),
+        "token_hit_rate": hit_tokens / max(ref_tokens, 1),
+        "rejected_requests": run.rejected,
+        "hits_by_place": [
+            {"tier": "device", "level": config.dtype, "blocks": hit_blocks, "tokens": hit_tokens}
+        ]
+        if hit_blocks
+        else [],
+        "bytes_by_place": [
+            {
+                "tier": "device",
+                "level": config.dtype,
+                "blocks": held_end,
+                "bytes": held_end * block_bytes,
+            }
+        ]
+        if held_end
+        else [],
+        "peak_bytes_by_tier": {"device": int(run.held.max(initial=0)) * block_bytes},
+        "moves": {"evictions": run.evictions},
+        "allocated_blocks": run.stored,
+        "prefill": {
+            "baseline_s": baseline_s,
+            "with_cache_s": baseline_s - saved_s,
+            "saved_s": saved_s,
+            "saved_fraction": saved_s / baseline_s if baseline_s else 0.0,
+            "cost_model": config.cost.describe(shape),
+        },
+        "wall_s": wall,
+        "timeline": {
+            "request": points,
+            "time_s": [(float(trace.timestamps_ms[k]) - start_ms) / 1e3 for k in at.tolist()],
+            "block_hit_rate": (np.cumsum(hits)[at] / np.maximum(refs_so_far, 1)).tolist(),
+            "bytes_by_level": {config.dtype: (run.held[at] * block_bytes).tolist()},
+        },
+    }
+    if policy in peers.VLLM_POLICIES:
+        result["evicted_own_prefix"] = run.evicted_own_prefix
+    return result
+
+
 def _timeline(sim: Simulator, trace: Trace, ladder: tuple[str, ...]) -> dict[str, Any]:
     samples = sim.timeline()
     start_ms = float(trace.timestamps_ms[0]) if len(trace) else 0.0
@@ -265,13 +407,29 @@ def run(
     policies: Sequence[str] = ("importance",),
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Replays ``trace`` once per policy spec (``policy`` or ``policy:ladder+...``)."""
+    """Replays ``trace`` once per policy spec (``policy`` or ``policy:ladder+...``): kvtier's
+    policies through the core, the peers of :data:`kvtier.peers.PEERS` on the device budget
+    alone, at the model dtype (a peer given a ladder, or lower tiers, is refused)."""
     shape = config.shape()
-    specs = [parse_policy_spec(p, config.ladder) for p in policies]
+    specs = []
+    for spec in policies:
+        policy, sep, ladder_text = spec.partition(":")
+        if policy.strip() in peers.PEERS:
+            specs.append(_peer_spec(policy.strip(), ladder_text if sep else None, config))
+            _peer_capacity(config, policy.strip())
+        else:
+            specs.append(parse_policy_spec(spec, config.ladder))
+    if any(policy in peers.VLLM_POLICIES for policy, _ in specs):
+        peers.require_vllm()  # before any replay, so that a missing vLLM fails at once
     results = []
     total_all = len(trace) * len(specs)
     for k, (policy, ladder) in enumerate(specs):
-        results.append(_replay(trace, config, policy, ladder, progress, k * len(trace), total_all))
+        if policy in peers.PEERS:
+            results.append(_replay_peer(trace, config, policy, progress, k * len(trace), total_all))
+        else:
+            results.append(
+                _replay(trace, config, policy, ladder, progress, k * len(trace), total_all)
+            )
     all_levels = dict.fromkeys(name for _, ladder in specs for name in ladder)
     return {
         "trace": {

@@ -414,6 +414,37 @@ impl PyCore {
         )
     }
 
+    /// Says that a live sequence's conversation has ended: the blocks it is the last to hold
+    /// when freed are released, evicted before every block that is not (prefix-aware cores).
+    fn release(&self, py: Python<'_>, seq: Int) -> PyResult<()> {
+        let seq = int_arg("seq", seq)?;
+        self.with(py, |c| c.release(seq)).py_err()
+    }
+
+    /// Releases the blocks of the longest cached prefix of these chained hashes (a chain whose
+    /// sequence is freed); returns how many blocks that is.
+    fn release_cached(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let hashes = array::<u64>(hashes, "hashes", "uint64")?;
+        let h = hashes.as_slice()?;
+        Ok(self.with(py, |c| c.release_cached(h)))
+    }
+
+    /// :meth:`release_cached` of the longest cached prefix of these token ids (of sequences
+    /// salted with `salt`, or of unsalted ones).
+    #[pyo3(signature = (tokens, salt = None))]
+    fn release_cached_tokens(
+        &self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        salt: Option<Salt>,
+    ) -> PyResult<usize> {
+        let tokens = array::<u32>(tokens, "tokens", "uint32")?;
+        let t = tokens.as_slice()?;
+        let salt = Salt::as_deref(&salt);
+        self.with(py, |c| c.release_cached_tokens_salted(t, salt))
+            .py_err()
+    }
+
     fn free_sequence(&self, py: Python<'_>, seq: Int) -> PyResult<()> {
         let seq = int_arg("seq", seq)?;
         self.with(py, |c| c.free_sequence(seq)).py_err()
@@ -594,8 +625,8 @@ impl PyCore {
 
     /// Columns describing blocks: tier, level, slot, refcount, pinned, position, hash (0 for
     /// a partial block), has_copy, score (the policy's primary ranking value), indexed (in the
-    /// prefix index) and parent (in the prefix tree; -1 for a root, an unindexed block or a
-    /// plain core).
+    /// prefix index), parent (in the prefix tree; -1 for a root, an unindexed block or a
+    /// plain core) and released (its conversation ended: evicted first).
     fn block_info<'py>(
         &self,
         py: Python<'py>,
@@ -619,6 +650,7 @@ impl PyCore {
                     cols.score.push(c.block_score(b)?.primary());
                     cols.indexed.push(c.block_indexed(b)?);
                     cols.parent.push(c.block_parent(b)?.map_or(-1, i64::from));
+                    cols.released.push(c.block_released(b)?);
                 }
                 Ok(cols)
             })
@@ -635,6 +667,7 @@ impl PyCore {
         d.set_item("score", PyArray1::from_vec(py, cols.score))?;
         d.set_item("indexed", PyArray1::from_vec(py, cols.indexed))?;
         d.set_item("parent", PyArray1::from_vec(py, cols.parent))?;
+        d.set_item("released", PyArray1::from_vec(py, cols.released))?;
         Ok(d)
     }
 
@@ -709,6 +742,7 @@ struct BlockColumns {
     score: Vec<f64>,
     indexed: Vec<bool>,
     parent: Vec<i64>,
+    released: Vec<bool>,
 }
 
 pub fn counters_dict<'py>(

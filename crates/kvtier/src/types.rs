@@ -33,6 +33,13 @@ impl Key {
         Key(ordered(primary), ordered(secondary), recency)
     }
 
+    /// A key below every key [`Key::new`] makes of numbers (-inf included; only a NaN with
+    /// every bit set maps as low), ordered among its kind by `recency`: what a block that goes
+    /// before all others is ranked by.
+    pub fn first(recency: u64) -> Key {
+        Key(0, 0, recency)
+    }
+
     /// The primary component (the policy's score) as a float.
     pub fn primary(self) -> f64 {
         let bits = if self.0 >> 63 == 1 {
@@ -76,6 +83,12 @@ mod tests {
                     "{a} < {b} second"
                 );
             }
+            // `first` keys go before every key of numbers, even an older one.
+            assert!(
+                Key::first(u64::MAX) < Key::new(a, f64::NEG_INFINITY, 0),
+                "first < {a}"
+            );
         }
+        assert!(Key::first(1) < Key::first(2));
     }
 }

@@ -8,6 +8,9 @@
 //! blocks whose whole subtree is cached), and an append never fails while cached, unpinned
 //! blocks hold the room it needs.
 //!
+//! Released chains (`release`, `release_cached`) change only which leaf goes first: every
+//! invariant above holds with them.
+//!
 //! The index log: replayed onto the indexed hashes before each operation (a block that left
 //! is gone, one that moved lies in its new tier), it gives the indexed hashes after it, but for
 //! those newly indexed (which it does not log).
@@ -32,6 +35,9 @@ enum Op {
     PlanAbort,
     /// A plan that makes room for this many new level-0 blocks (then committed or aborted).
     PlanRoom(u64, bool),
+    /// A live sequence's conversation ends (`release`), or a cached chain's (`release_cached`).
+    Release(usize),
+    ReleaseCached(Vec<u64>),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -48,6 +54,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => Just(Op::PlanCommit),
         1 => Just(Op::PlanAbort),
         2 => (1..8u64, any::<bool>()).prop_map(|(n, commit)| Op::PlanRoom(n, commit)),
+        1 => (0..8usize).prop_map(Op::Release),
+        1 => prop::collection::vec(0..24u64, 1..6).prop_map(Op::ReleaseCached),
     ]
 }
 
@@ -359,6 +367,15 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
                     core.free_sequence(seq).unwrap();
                     seqs.retain(|&x| x != seq);
                 }
+            }
+            Op::Release(s) => {
+                if let Some(seq) = pick(&seqs, s) {
+                    core.release(seq).unwrap();
+                }
+            }
+            Op::ReleaseCached(hashes) => {
+                let held = core.lookup(&hashes).len();
+                prop_assert_eq!(core.release_cached(&hashes), held);
             }
             Op::Read(ids) => {
                 let ids: Vec<u32> = ids.iter().filter_map(|&i| pick(&live_blocks, i)).collect();

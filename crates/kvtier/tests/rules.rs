@@ -1,6 +1,8 @@
 //! The scheduling rules of ARCHITECTURE.md, one test each, on small hand-checkable states.
 
-use kvtier::{chain_hash, prefix_hashes, Config, Core, Error, MoveKind, Tier, TierConfig};
+use kvtier::{
+    chain_hash, prefix_hashes, Config, Core, Error, MoveKind, PolicyKind, Tier, TierConfig,
+};
 
 fn core(cfg: Config) -> Core {
     Core::new(cfg).unwrap()
@@ -992,4 +994,159 @@ fn a_saved_block_is_placed_where_a_cached_one_settles_before_it_is_written() {
     c.unpin(&blocks).unwrap();
     c.free_sequence(s).unwrap();
     assert_eq!(c.lookup(&[1, 2, 3, 4, 5, 6]), blocks);
+}
+
+/// A device of `blocks` level-0 blocks that evicts to make room, one level, under `policy`.
+fn one_level(policy: PolicyKind, blocks: u64) -> Core {
+    core(Config {
+        level_bytes: vec![64],
+        tiers: vec![TierConfig {
+            tier: Tier::Device,
+            budget_bytes: Some(blocks * 64),
+        }],
+        policy,
+        evict_on_full: true,
+        ..cfg()
+    })
+}
+
+const POLICIES: [PolicyKind; 5] = [
+    PolicyKind::Importance,
+    PolicyKind::Lru,
+    PolicyKind::Lfu,
+    PolicyKind::H2o,
+    PolicyKind::Scissorhands,
+];
+
+/// A client that says a conversation ended (`release`) has its chain's cached blocks evicted
+/// before any other, under every policy: here before an older chain that every policy would
+/// evict first otherwise (all blocks unread and unscored: the least recent goes). Leaves
+/// still go first (the rest of the chain stays loadable), and the blocks' ranking for
+/// demotion (`block_score`) is unchanged.
+#[test]
+fn a_released_chain_is_evicted_before_an_older_unreleased_one() {
+    for policy in POLICIES {
+        for released in [true, false] {
+            let mut c = one_level(policy, 6);
+            let (old, _) = seq_with(&mut c, 100, 3);
+            c.free_sequence(old).unwrap();
+            let (ended, blocks) = seq_with(&mut c, 200, 3);
+            let scores: Vec<_> = blocks.iter().map(|&b| c.block_score(b).unwrap()).collect();
+            if released {
+                c.release(ended).unwrap();
+            }
+            c.free_sequence(ended).unwrap();
+            for &b in &blocks {
+                assert_eq!(c.block_released(b).unwrap(), released);
+            }
+            let after: Vec<_> = blocks.iter().map(|&b| c.block_score(b).unwrap()).collect();
+            assert_eq!(after, scores, "{policy:?}: demotion order unchanged");
+            seq_with(&mut c, 300, 1); // room for one block: one leaf goes
+            let (old_held, ended_held) = (c.lookup(&[100, 101, 102]), c.lookup(&[200, 201, 202]));
+            if released {
+                assert_eq!((old_held.len(), ended_held.len()), (3, 2), "{policy:?}");
+            } else {
+                assert_eq!((old_held.len(), ended_held.len()), (2, 3), "{policy:?}");
+            }
+            if released {
+                seq_with(&mut c, 400, 2); // the rest of the released chain, leaf first
+                assert_eq!(c.lookup(&[200, 201, 202]).len(), 0, "{policy:?}");
+                assert_eq!(c.lookup(&[100, 101, 102]).len(), 3, "{policy:?}");
+            }
+        }
+    }
+}
+
+/// `release_cached` names a chain whose sequence is gone, by its hashes (or tokens): the same
+/// rank. A block read again, or shared by a new sequence that lets go of it unreleased, is not
+/// released any more: the conversation evidently goes on.
+#[test]
+fn a_released_block_read_or_shared_again_is_not_released() {
+    for policy in POLICIES {
+        for again in ["read", "shared", "nothing"] {
+            let mut c = one_level(policy, 6);
+            let (old, _) = seq_with(&mut c, 100, 3);
+            c.free_sequence(old).unwrap();
+            let (ended, blocks) = seq_with(&mut c, 200, 3);
+            c.free_sequence(ended).unwrap();
+            assert_eq!(c.release_cached(&[200, 201, 202, 203]), 3, "the chain held");
+            match again {
+                "read" => c.record_reads(&blocks).unwrap(),
+                "shared" => {
+                    let next_turn = c.add_sequence();
+                    c.append_blocks(next_turn, &[200, 201, 202]).unwrap();
+                    c.free_sequence(next_turn).unwrap();
+                }
+                _ => {}
+            }
+            let released = again == "nothing";
+            for &b in &blocks {
+                assert_eq!(c.block_released(b).unwrap(), released, "{policy:?} {again}");
+            }
+            seq_with(&mut c, 300, 1);
+            let evicted_old = c.lookup(&[100, 101, 102]).len() == 2;
+            assert_eq!(evicted_old, !released, "{policy:?} {again}");
+        }
+    }
+    // By tokens, salted or not: the chain the same tokens (and salt) made.
+    let mut c = one_level(PolicyKind::Lru, 8);
+    let tokens: Vec<u32> = (0..8).collect();
+    let salted = c.add_sequence_salted(Some("tenant")).unwrap();
+    let plain = c.add_sequence();
+    let blocks = c.append_tokens(salted, &tokens).unwrap().blocks;
+    let others = c.append_tokens(plain, &tokens).unwrap().blocks;
+    c.free_sequence(salted).unwrap();
+    c.free_sequence(plain).unwrap();
+    assert_eq!(c.release_cached_tokens(&(0..12).collect::<Vec<_>>()), 2);
+    assert!(others.iter().all(|&b| c.block_released(b).unwrap()));
+    assert!(blocks.iter().all(|&b| !c.block_released(b).unwrap()));
+    let n = c
+        .release_cached_tokens_salted(&tokens, Some("tenant"))
+        .unwrap();
+    assert_eq!(n, 2);
+    assert!(blocks.iter().all(|&b| c.block_released(b).unwrap()));
+    assert_eq!(
+        c.release_cached(&[7, 8]),
+        0,
+        "nothing held: nothing released"
+    );
+    assert!(matches!(
+        c.release(99),
+        Err(Error::UnknownSequence { seq: 99 })
+    ));
+}
+
+/// A released block another live sequence holds (a shared prefix, a fork) is not evicted
+/// while it is held (eviction takes cached blocks only); when that sequence lets go, the block
+/// is released as that sequence is: the last holder decides.
+#[test]
+fn a_released_block_a_live_sequence_shares_stays_until_it_lets_go() {
+    for policy in POLICIES {
+        for last_released in [false, true] {
+            let mut c = one_level(policy, 6);
+            let (old, _) = seq_with(&mut c, 100, 2);
+            c.free_sequence(old).unwrap();
+            let (ended, blocks) = seq_with(&mut c, 200, 3);
+            let going_on = c.add_sequence();
+            c.append_blocks(going_on, &[200, 201]).unwrap(); // shares the first two
+            c.release(ended).unwrap();
+            c.free_sequence(ended).unwrap();
+            assert!(c.block_released(blocks[2]).unwrap());
+            assert!(!c.block_released(blocks[0]).unwrap() && !c.block_released(blocks[1]).unwrap());
+            // Three new blocks where one is free: the released leaf goes, then the old
+            // chain's leaf (the shared prefix is held, not cached).
+            seq_with(&mut c, 300, 3);
+            assert_eq!(c.lookup(&[200, 201, 202]), blocks[..2], "{policy:?}");
+            assert_eq!(c.lookup(&[100, 101]).len(), 1, "{policy:?}");
+            // Named by `release_cached` while held: the holder still decides when it lets go.
+            assert_eq!(c.release_cached(&[200, 201]), 2);
+            if last_released {
+                c.release(going_on).unwrap();
+            }
+            c.free_sequence(going_on).unwrap();
+            for &b in &blocks[..2] {
+                assert_eq!(c.block_released(b).unwrap(), last_released, "{policy:?}");
+            }
+        }
+    }
 }

@@ -347,6 +347,29 @@ class BlockManager:
             self.core.free_sequence(seq)
             del self._seqs[seq]
 
+    def release(self, seq: int) -> None:
+        """Says that the conversation of ``seq`` has ended (a multi-turn or agentic client knows
+        when): nothing will read its blocks again. Once it is freed (:meth:`free`, before or
+        after this call), its cached blocks are the first to be evicted, before any block of
+        a conversation still going, leaves first as always, so the rest of the chain stays
+        loadable meanwhile. A block another sequence still holds stays until that one is freed
+        (released then only if that one was released too), and a block read or shared again
+        (a later prompt with the same prefix: the conversation went on after all) is not
+        released any more. Which blocks keep precision (demotion) is unchanged. Eviction of a
+        ``prefix_aware=False`` core ranks by the policy alone."""
+        with self._lock:
+            self._seq(seq)
+            self.core.release(seq)
+
+    def release_cached(self, token_ids: Any, *, salt: str | None = None) -> int:
+        """:meth:`release` for a conversation whose sequences are freed, named by its token ids
+        (and ``salt``, as :meth:`add_sequence` took them): the blocks of the longest cached
+        prefix of ``token_ids`` are evicted first. Returns how many leading tokens that covers
+        (whole blocks; 0 when none is cached)."""
+        tokens = token_array(token_ids)
+        with self._lock:
+            return self.core.release_cached_tokens(tokens, salt) * self.block_size
+
     def free_later(self, seqs: Iterable[int]) -> None:
         """Frees ``seqs`` at the manager's next :meth:`add_sequence`, :meth:`step`,
         :meth:`stats` or :meth:`sequences` (or when appends need room). Safe where :meth:`free`

@@ -98,8 +98,11 @@ class _Seq:
     tokens: int
     chain: int
     partial: list[int] = field(default_factory=list)
+    #: its conversation ended (``release``): the blocks it lets go of last are released
+    released: bool = False
 
     def clone(self) -> _Seq:
+        """A fork: it goes on with the conversation, so it is not released."""
         return _Seq(list(self.blocks), self.tokens, self.chain, list(self.partial))
 
 
@@ -124,7 +127,8 @@ class ModelCore:
     times the core against. Covered, exactly as the core does them: one ``device`` tier with an
     optional byte budget; any level ladder (including a ``drop`` level of 0 bytes); sequences
     (``add_sequence``, ``append_blocks``, ``append_tokens`` with chained XXH3 hashes, ``fork``,
-    ``free_sequence``); the prefix index, ``lookup``/``lookup_tokens`` and ``forget``; refcounts,
+    ``free_sequence``, ``release``); the prefix index, ``lookup``/``lookup_tokens``, ``forget``
+    and ``release_cached``/``release_cached_tokens``; refcounts,
     cached blocks and eviction on a full device (``evict_on_full``); all statistics
     (``record_reads``, ``record_attention``, ``set_magnitude``, ``set_learned``) with the core's
     f32 rounding; all five policies' ranking keys; ``pin``/``unpin``; ``plan``/``commit``/
@@ -144,6 +148,11 @@ class ModelCore:
     level-0 leaf, else the subtree of the lowest-ranked reclaimable level-0 block leaf first;
     forgetting or dropping a block takes its indexed descendants out of the index too. With
     ``prefix_aware=False`` the model is the plain core: any cached block may be evicted.
+
+    Released chains (``release``, ``release_cached``, ``release_cached_tokens``): a block the
+    last sequence to hold it was released, or that ``release_cached`` named since, is evicted
+    (prefix-aware) before every block that is not, least recent first; a read, or a holder that
+    was not released letting go last, clears the mark.
 
     Left out: more than one tier (offload, fetch, write-through backups and real promotions),
     ``plan(room_bytes)``, ``extend``, ``pool_headroom`` (pass 4), slot numbers (pools are
@@ -288,6 +297,8 @@ class ModelCore:
         self.indexed: list[bool] = []
         self.position: list[int] = []
         self.fill: list[int] = []
+        #: the block's conversation ended (see ``release``): evicted first
+        self.released: list[bool] = []
         # The prefix trees (prefix-aware): each indexed block's parent (-1: a root, or not in a
         # tree) and its indexed children, the one linked last first (the core's `first_child`).
         self.parent: list[int] = []
@@ -349,7 +360,10 @@ class ModelCore:
         """The key a prefix-aware core evicts cached leaves by, lowest first: :meth:`key`, but
         under ``importance`` the decayed accesses first (the write counting as one), then the
         importance (whether a block will be loaded again decides its eviction; its importance,
-        its level)."""
+        its level). A released block goes before every other: no other key has -inf in both
+        of its first places (only ``lfu``'s unread blocks have it in the first)."""
+        if self.released[b]:
+            return (-math.inf, -math.inf, self.last_access[b])
         if self.policy == "importance":
             # The block's write counts as one access: an unread block's count is 0 as of the
             # step that wrote it.
@@ -420,7 +434,7 @@ class ModelCore:
             b = len(self.live)
             columns: tuple[list[Any], ...] = (
                 self.live, self.refcount, self.pins, self.moving, self.level, self.hash,
-                self.indexed, self.position, self.fill, self.reads, self.reads_step,
+                self.indexed, self.position, self.fill, self.released, self.reads, self.reads_step,
                 self.last_access, self.attn_ema, self.attn_sum, self.attn_history,
                 self.magnitude, self.learned, self.known, self.importance,
             )  # fmt: skip
@@ -438,6 +452,7 @@ class ModelCore:
         self.hash[b] = 0
         self.indexed[b] = False
         self.fill[b] = 0
+        self.released[b] = False
         self.position[b] = position
         self.reads[b] = 0.0
         self.reads_step[b] = self.step
@@ -878,8 +893,28 @@ class ModelCore:
             self._normalise_importance(s.blocks)
         for b in s.blocks:
             self.refcount[b] -= 1
+            if self.refcount[b] == 0:  # the last holder decides
+                self.released[b] = s.released
             self._refresh(b)
             self._release_if_orphan(b)
+
+    def release(self, seq: int) -> None:
+        """The conversation of ``seq`` ended: the blocks it is the last to let go of, when
+        freed, are released."""
+        self._seq(seq).released = True
+
+    def release_cached(self, hashes: Iterable[int]) -> int:
+        """Releases the blocks of the longest indexed prefix of ``hashes``; returns how many."""
+        return self._release_blocks(self.lookup(hashes))
+
+    def release_cached_tokens(self, tokens: Iterable[int], salt: str | None = None) -> int:
+        """:meth:`release_cached` of the longest indexed prefix of ``tokens``."""
+        return self._release_blocks(self.lookup_tokens(tokens, salt))
+
+    def _release_blocks(self, blocks: list[int]) -> int:
+        for b in blocks:
+            self.released[b] = True
+        return len(blocks)
 
     def lookup(self, hashes: Iterable[int]) -> list[int]:
         out = []
@@ -909,7 +944,7 @@ class ModelCore:
         self._check_blocks(ids)
         step, reads, rstep, la = self.step, self.reads, self.reads_step, self.last_access
         table, pack, unpack = self._decay_table, _F32.pack, _F32.unpack
-        cached, refresh = self.cached, self._refresh
+        cached, refresh, released = self.cached, self._refresh, self.released
         clock = self.clock
         for b in ids:
             age = step - rstep[b]
@@ -919,6 +954,7 @@ class ModelCore:
             rstep[b] = step
             clock += 1
             la[b] = clock
+            released[b] = False  # read again: the conversation goes on
             if b in cached:
                 refresh(b)
         self.clock = clock

@@ -33,7 +33,16 @@ pub(crate) struct BlockRow {
     /// Cached, and so is every indexed descendant: evicting leaf after leaf can free it. Counted
     /// in the pool of `cached_in`.
     pub(crate) reclaimable: bool,
+    /// Its conversation has ended: the last sequence to let go of it was released
+    /// (`Core::release`), or `Core::release_cached` named it since. A cached leaf so marked is
+    /// evicted before every other (see `Ranking::evict_key`). A read clears it, and so does a
+    /// holder that was not released letting go last (sharing alone does not: a failed append
+    /// that shared it changes nothing).
+    pub(crate) released: bool,
 }
+
+// The hot row stays one cache line.
+const _: () = assert!(std::mem::size_of::<BlockRow>() == 64);
 
 pub(crate) const NOT_CACHED: u32 = u32::MAX;
 
@@ -66,7 +75,8 @@ impl BlockRow {
     }
 
     /// One read at step `step` and access-clock value `tick`: the recency, and the decayed read
-    /// count where the policy ranks by it (`counts`: the decay table).
+    /// count where the policy ranks by it (`counts`: the decay table). A block read again is no
+    /// longer released: its conversation evidently goes on.
     #[inline(always)]
     pub(super) fn read(&mut self, counts: Option<&DecayTable>, step: u32, tick: u64) {
         if let Some(decay) = counts {
@@ -74,6 +84,7 @@ impl BlockRow {
             self.reads_step = step;
         }
         self.last_access = tick;
+        self.released = false;
     }
 }
 
@@ -99,6 +110,7 @@ impl Default for BlockRow {
             moving: false,
             indexed: false,
             reclaimable: false,
+            released: false,
         }
     }
 }

@@ -91,6 +91,13 @@ impl Core {
         Ok(self.blocks.rows[b as usize].indexed)
     }
 
+    /// Whether a block is released (see [`Core::release`]): cached, a prefix-aware core
+    /// evicts it before every block that is not.
+    pub fn block_released(&self, b: u32) -> Result<bool> {
+        self.check_blocks(&[b])?;
+        Ok(self.blocks.rows[b as usize].released)
+    }
+
     /// Whether allocations may evict cached blocks (`Config::evict_on_full`). An engine that
     /// lets a plan demote and offload first allows it only for its retry.
     pub fn set_evict_on_full(&mut self, on: bool) {

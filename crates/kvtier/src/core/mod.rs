@@ -98,6 +98,9 @@ pub(crate) struct Sequence {
     /// Tokens were appended without ids (`extend`): the hash chain is broken, so no later block
     /// of this sequence is hashed or shared.
     opaque: bool,
+    /// Its conversation has ended (`Core::release`): the blocks it is the last to let go of
+    /// are released then.
+    released: bool,
 }
 
 /// Event counters since the core was created.

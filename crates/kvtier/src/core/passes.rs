@@ -115,7 +115,8 @@ impl NewBlocks<'_> {
     }
 }
 
-/// Drops one reference to each of `blocks`. A block that nothing references any more joins its
+/// Drops one reference to each of `blocks`, those of a sequence that was `released` or not. A
+/// block that nothing references any more is released as its last holder was; it joins its
 /// pool's cache index if it is indexed and cached (and the leaf queue too, prefix-aware, if it
 /// is a leaf); one that is not indexed goes to `orphans`, for the caller to release unless
 /// something else holds it (a pin, a move).
@@ -129,6 +130,7 @@ pub(super) fn drop_refs(
     pools: PoolMap,
     prefix_aware: bool,
     blocks: &[u32],
+    released: bool,
     orphans: &mut Vec<u32>,
 ) {
     let Some(&first) = blocks.first() else {
@@ -155,6 +157,7 @@ pub(super) fn drop_refs(
             if row.refcount != 0 {
                 continue; // still referenced: it was not cached and is not now
             }
+            row.released = released;
             if !row.indexed {
                 orphans.push(b);
                 continue;

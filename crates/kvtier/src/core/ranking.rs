@@ -62,9 +62,13 @@ impl Ranking<'_> {
     /// be loaded again, which its decayed accesses tell (its write counting as one, so that a
     /// block saved now outranks one read once long ago); how much attention needs its
     /// precision, which importance tells, decides its level (`key`: demotion and offload
-    /// order).
+    /// order). A released block (its client said its conversation ended) will not be loaded
+    /// again: it ranks below every block that is not, the least recently used first.
     #[inline(always)]
     pub(crate) fn evict_key(&self, b: usize, row: &BlockRow) -> Key {
+        if row.released {
+            return Key::first(row.last_access);
+        }
         match self.cfg.policy {
             PolicyKind::Importance => Key::new(
                 // An unread block's count is 0 as of the step that wrote it.

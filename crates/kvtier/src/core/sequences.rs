@@ -1,9 +1,12 @@
-//! Sequences: added (salted or not), forked, freed (their blocks cached or released), and
-//! prefix lookups; blocks forgotten out of the prefix index.
+//! Sequences: added (salted or not), forked, freed (their blocks cached, or freed with them), and
+//! prefix lookups; blocks forgotten out of the prefix index; conversations a client ends
+//! (`release` of a live sequence, `release_cached` of a freed chain), whose blocks eviction
+//! takes first.
 
 use crate::config::PolicyKind;
 use crate::error::{Error, Result};
 
+use super::blocks::NOT_CACHED;
 use super::passes::drop_refs;
 use super::ranking::Ranking;
 use super::{Core, Forked, Sequence};
@@ -81,6 +84,7 @@ impl Core {
             self.refresh_evictable(b);
         }
         let mut child = s.clone();
+        child.released = false; // it goes on with the conversation
         let copy = partial.map(|src| {
             let row = &self.blocks.rows[src as usize];
             let dst = self.new_device_block(row.position, row.fill, None);
@@ -126,6 +130,7 @@ impl Core {
             pools,
             cfg.prefix_aware,
             &s.blocks,
+            s.released,
             &mut orphans,
         );
         for &b in &orphans {
@@ -137,6 +142,63 @@ impl Core {
         blocks.clear();
         self.spare_block_lists.push(blocks);
         Ok(())
+    }
+
+    /// Says that the conversation of live sequence `seq` has ended: nothing will read its
+    /// blocks again. When it is freed, each block it is the last to hold is *released*: a
+    /// prefix-aware core evicts a released cached leaf before every block that is not (leaves
+    /// only still: a released chain goes leaf first, and a block another sequence still holds
+    /// stays until that one lets go, released then only if that one was too). A released block
+    /// read again is not released any more, nor one shared again once its new holder lets go
+    /// unreleased (while held it is never evicted). Demotion and offload order is unchanged
+    /// (importance decides precision), and a plain core (`prefix_aware` off, whose cached
+    /// blocks are ranked in one queue for every move) ranks them by the policy alone.
+    pub fn release(&mut self, seq: u32) -> Result<()> {
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(Error::UnknownSequence { seq })?;
+        s.released = true;
+        Ok(())
+    }
+
+    /// [`Core::release`] for a chain already cached, its sequence freed: releases the blocks of
+    /// the longest indexed prefix of `hashes` and returns how many there are. A block a live
+    /// sequence holds is released or not as that sequence is when it lets go.
+    pub fn release_cached(&mut self, hashes: &[u64]) -> usize {
+        let blocks = self.index.longest_prefix(hashes);
+        self.release_blocks(&blocks)
+    }
+
+    /// [`Core::release_cached`] of a token sequence (full blocks only).
+    pub fn release_cached_tokens(&mut self, tokens: &[u32]) -> usize {
+        let blocks = self.lookup_tokens(tokens);
+        self.release_blocks(&blocks)
+    }
+
+    /// [`Core::release_cached_tokens`] for a sequence salted with `salt` (see
+    /// [`Core::add_sequence_salted`]): only blocks of sequences with the same salt match.
+    pub fn release_cached_tokens_salted(
+        &mut self,
+        tokens: &[u32],
+        salt: Option<&str>,
+    ) -> Result<usize> {
+        let blocks = self.lookup_tokens_salted(tokens, salt)?;
+        Ok(self.release_blocks(&blocks))
+    }
+
+    /// Marks indexed blocks released; a cached one takes its new eviction key.
+    fn release_blocks(&mut self, blocks: &[u32]) -> usize {
+        for &b in blocks {
+            let row = &mut self.blocks.rows[b as usize];
+            if !row.released {
+                row.released = true;
+                if row.cached_in != NOT_CACHED {
+                    self.refresh_evictable(b);
+                }
+            }
+        }
+        blocks.len()
     }
 
     /// Takes blocks out of the prefix index (their bytes are incomplete and must not be shared

@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["BlockKeys", "KVTierMetadata", "LoadSpec", "SaveSpec"]
+__all__ = ["BlockKeys", "KVTierMetadata", "LoadSpec", "ReleaseSpec", "SaveSpec"]
 
 
 @dataclass
@@ -67,9 +67,22 @@ class SaveSpec:
 
 
 @dataclass
+class ReleaseSpec:
+    """A finished request's conversation has ended (its ``kv_transfer_params`` said
+    ``{"kvtier": {"release": true}}``): the tiers evict the blocks they hold of ``tokens``
+    (whole blocks, as its saves wrote them) before every block not released."""
+
+    req_id: str
+    salt: str | None
+    tokens: list[int]
+
+
+@dataclass
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: finished requests whose chains are released, after the steps that saved them
+    releases: list[ReleaseSpec] = field(default_factory=list)
     #: the step runs no forward pass (what it scheduled waits for background loads, or
     #: nothing): the worker may wait for a load to end instead of returning at once
     idle: bool = False

@@ -60,6 +60,8 @@ class Counters:
     save_failures: int = 0
     #: blocks a save skipped because level 0 was full while the background step made room
     shed_blocks: int = 0
+    #: blocks of finished requests that ended their conversations, released: evicted first
+    released_blocks: int = 0
     #: bytes of vLLM's KV the loads wrote and the saves read (its blocks, at its dtype)
     loaded_bytes: int = 0
     saved_bytes: int = 0
@@ -224,6 +226,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             "saved_blocks": "Blocks saved into kvtier's tiers.",
             "save_failures": "Saves kvtier's tiers refused (a later miss).",
             "shed_blocks": "Blocks a save skipped, the tiers' level 0 full (a later miss).",
+            "released_blocks": "Blocks of ended conversations, released (evicted first).",
             "loaded_bytes": "Bytes of vLLM's KV loaded from kvtier's tiers.",
             "saved_bytes": "Bytes of vLLM's KV saved into kvtier's tiers.",
             "load_seconds": "Seconds kvtier's loads took (beside the forward pass).",

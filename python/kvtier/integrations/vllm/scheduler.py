@@ -12,6 +12,10 @@ When vLLM publishes KV events (``--kv-events-config``), each save carries vLLM's
 blocks (:func:`~.events.block_keys`), the worker announces what it stored and what its tiers
 dropped (:mod:`.events`), and this side hands vLLM the workers' events (``take_events``).
 
+A request whose ``kv_transfer_params`` say ``{"kvtier": {"release": true}}`` ends its
+conversation (:func:`release_requested`): once it finishes, the next step's metadata has the
+workers release its chain (:class:`~.metadata.ReleaseSpec`), which the tiers then evict first.
+
 State, per request: its ``cache_salt`` and vLLM's request (from lookup to finish), the lookup's
 hit until vLLM allocates, the admitted load until vLLM asks for its sources (the same step), and,
 once scheduled, its blocks and how far they are saved. A request of unknown salt is never saved.
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import ConfigError, KvtierError
 from .events import KVTierEvents, block_keys
 from .link import Held, Link, link_to_worker
-from .metadata import KVTierMetadata, LoadSpec, SaveSpec
+from .metadata import KVTierMetadata, LoadSpec, ReleaseSpec, SaveSpec
 from .metrics import CounterReports, Counters, connector_stats, hit_sources
 
 if TYPE_CHECKING:
@@ -45,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.vllm")
 
-__all__ = ["KVTierScheduler"]
+__all__ = ["KVTierScheduler", "release_requested"]
 
 
 @dataclass
@@ -78,6 +82,29 @@ def keyed_by_tokens(request: Request) -> bool:
     )
 
 
+def release_requested(request: Request) -> bool:
+    """Whether ``request`` ends its conversation: its ``kv_transfer_params`` (vLLM's
+    per-request connector parameters, a server request's ``kv_transfer_params`` field, or
+    ``SamplingParams(extra_args={"kv_transfer_params": ...})``) hold ``{"kvtier": {"release":
+    true}}``. Its chain will not be read again, so the tiers evict it first. A ``kvtier`` entry
+    of another shape is ignored, with a warning."""
+    params = getattr(request, "kv_transfer_params", None)
+    entry = params.get("kvtier") if isinstance(params, dict) else None
+    if entry is None:
+        return False
+    if not (isinstance(entry, dict) and set(entry) <= {"release"}) or not isinstance(
+        entry.get("release", False), bool
+    ):
+        log.warning(
+            "kvtier: request %s: kv_transfer_params['kvtier'] is %r; expected "
+            '{"release": true} or {"release": false}: ignored',
+            request.request_id,
+            entry,
+        )
+        return False
+    return bool(entry.get("release", False))
+
+
 class KVTierScheduler:
     """The scheduler side of :class:`~.connector.KVTierConnector`: lookups, the loads and saves
     of each step, and the counts of lookups and hit tokens (by where they lay)."""
@@ -104,6 +131,8 @@ class KVTierScheduler:
         #: each admitted request's cache_salt (a request of unknown salt is never saved)
         self._salts: dict[str, str | None] = {}
         self._loads: list[LoadSpec] = []
+        #: finished requests whose chains the next step's metadata releases
+        self._releases: list[ReleaseSpec] = []
         #: a reset asked for and not yet in a step's metadata: lookups miss until the worker
         #: has it (it forgets before that step's loads)
         self._reset_pending = False
@@ -186,10 +215,10 @@ class KVTierScheduler:
         return hit_sources(held.places(start, start + num_external_tokens), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads)
+        meta = KVTierMetadata(loads=self._loads, releases=self._releases)
         meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         meta.reset, self._reset_pending = self._reset_pending, False
-        self._loads = []
+        self._loads, self._releases = [], []
         self._admitted.clear()  # vLLM asks for a load's sources in the step that admits it
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -245,7 +274,15 @@ class KVTierScheduler:
         (vLLM schedules a step before it has the outputs of the one before), is saved by the
         step running as vLLM finishes the request, within that step, before a later one can
         write to its blocks. Nothing waits for a later step, so a prefix-cache reset right
-        after ``generate()`` finds no block held."""
+        after ``generate()`` finds no block held.
+
+        A request that ends its conversation (:func:`release_requested`) has the next step's
+        workers release what the tiers hold of its tokens, prompt and output: every save of
+        it has run by then."""
+        if keyed_by_tokens(request) and release_requested(request):
+            tokens = list(request.all_token_ids)
+            salt = request.cache_salt or None
+            self._releases.append(ReleaseSpec(request.request_id, salt, tokens))
         self._requests.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self._salts.pop(request.request_id, None)

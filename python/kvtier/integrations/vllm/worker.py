@@ -14,7 +14,9 @@ pieces there. The scheduler's step that moves the saved blocks down the ladder (
 on a thread of its own after vLLM's step; a save that finds level 0 full while it runs is shed
 (counted), never waited for. A block it cannot load is handed to vLLM as a load error (vLLM
 recomputes it); a save that fails or is shed is a later miss. When vLLM publishes KV events,
-rank 0 announces the blocks its saves wrote and those its tiers dropped (:mod:`.events`).
+rank 0 announces the blocks its saves wrote and those its tiers dropped (:mod:`.events`). A
+finished request that ended its conversation has its chain released at the next step's start,
+after every save of it: the tiers evict those blocks first.
 
 State: the tiers (from registration to shutdown), this step's layer loads and layer saves, the
 saves left for the end of the forward pass, the background step, background loads done and not
@@ -40,7 +42,7 @@ from ...manager import BlockManager
 from .config import backend_name, engine_namespace, tiers_config, tp_rank
 from .events import KVTierEvents, TierEvents
 from .link import Held, forget, serve
-from .metadata import KVTierMetadata, LoadSpec, SaveSpec
+from .metadata import KVTierMetadata, LoadSpec, ReleaseSpec, SaveSpec
 from .metrics import FAILURES, LOOKUP_COUNTS, CounterReports, Counters, connector_stats
 from .paged import layout_for_backend
 from .tiers import LayerLoads, WorkerTiers
@@ -209,14 +211,17 @@ class KVTierWorker:
         )
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
-        """Starts this step's loads: background ones on their own thread (their requests wait
-        for them), the others a layer at a time on the layer thread, while the forward pass
-        runs (each attention layer waits for its own, in :meth:`wait_for_layer_load`)."""
+        """Releases the chains of requests that ended their conversations, then starts this
+        step's loads: background ones on their own thread (their requests wait for them), the
+        others a layer at a time on the layer thread, while the forward pass runs (each
+        attention layer waits for its own, in :meth:`wait_for_layer_load`)."""
         self._finish_layer_loads()  # a step whose loads no one waited for (no save pass)
         if meta.reset:
             forgotten = self.tiers.manager.clear_prefix_cache()
             self._reset = True  # the host tier's use moved
             log.info("kvtier: reset, %d stored blocks forgotten", forgotten)
+        for release in meta.releases:
+            self._release(release)
         self._idle = meta.idle
         now = []
         for load in meta.loads:
@@ -423,6 +428,16 @@ class KVTierWorker:
             finally:
                 manager.free(seq)
         return ok, load.block_ids[ok:]
+
+    def _release(self, release: ReleaseSpec) -> None:
+        """Releases what the tiers hold of a finished request's tokens (its saves all ran in
+        the steps before): evicted first, unless a later request shares them again."""
+        try:
+            tokens = self.tiers.manager.release_cached(release.tokens, salt=release.salt)
+        except KvtierError as exc:  # a hint: failing it costs a later eviction order only
+            log.warning("kvtier: release of request %s failed (%s)", release.req_id, exc)
+            return
+        self.counters.released_blocks += tokens // self.settings.block_size
 
     # -- saves -------------------------------------------------------------------------------
 
