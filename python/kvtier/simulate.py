@@ -239,13 +239,7 @@ def _replay(
         },
         "allocated_blocks": counters["allocated"],
         "released_blocks": counters["released"],
-        "prefill": {
-            "baseline_s": baseline_s,
-            "with_cache_s": baseline_s - saved_s,
-            "saved_s": saved_s,
-            "saved_fraction": saved_s / baseline_s if baseline_s else 0.0,
-            "cost_model": config.cost.describe(shape),
-        },
+        "prefill": _prefill(baseline_s, saved_s, config.cost.describe(shape)),
         "wall_s": wall,
         "timeline": _timeline(sim, trace, ladder),
     }
@@ -368,13 +362,7 @@ def _replay_peer(
         "peak_bytes_by_tier": {"device": int(run.held.max(initial=0)) * block_bytes},
         "moves": {"evictions": run.evictions},
         "allocated_blocks": run.stored,
-        "prefill": {
-            "baseline_s": baseline_s,
-            "with_cache_s": baseline_s - saved_s,
-            "saved_s": saved_s,
-            "saved_fraction": saved_s / baseline_s if baseline_s else 0.0,
-            "cost_model": config.cost.describe(shape),
-        },
+        "prefill": _prefill(baseline_s, saved_s, config.cost.describe(shape)),
         "wall_s": wall,
         "timeline": {
             "request": points,
@@ -456,4 +444,15 @@ def run(
             {"tier": t, "budget_bytes": b, "gbps": config.gbps(t)} for t, b in config.tiers()
         ],
         "results": results,
+    }
+
+
+def _prefill(baseline_s: float, saved_s: float, cost_model: str) -> dict[str, Any]:
+    """A result's prefill estimate: the time without the cache, with it, and saved."""
+    return {
+        "baseline_s": baseline_s,
+        "with_cache_s": baseline_s - saved_s,
+        "saved_s": saved_s,
+        "saved_fraction": saved_s / baseline_s if baseline_s else 0.0,
+        "cost_model": cost_model,
     }
