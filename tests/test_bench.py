@@ -263,4 +263,16 @@ def test_bench_vllm_is_a_bench_suite() -> None:
         check=True,
         timeout=60,
     ).stdout
-    assert "--quick" in out and "--json" in out and "--host-blocks" in out
+    assert "--quick" in out and "--json" in out and "--host-blocks" in out and "--release" in out
+
+
+def test_bench_vllm_releases_each_conversation_at_its_last_turn_only() -> None:
+    from kvtier.bench.vllm import last_turn_indices
+    from kvtier.bench.vllm.workload import Turn
+
+    def turn(conversation: int, t: int) -> Turn:
+        return Turn(0, conversation, t, (), ())
+
+    # Turns of conversations 7 and 9 interleave, as the trace's order sends them.
+    turns = [turn(7, 0), turn(9, 0), turn(7, 1), turn(9, 1), turn(9, 2), turn(7, 2), turn(4, 0)]
+    assert last_turn_indices(turns) == {4, 5, 6}

@@ -106,6 +106,7 @@ from .workload import (
     conversations,
     corpus_tokens_used,
     distinct_blocks,
+    last_turn_indices,
     make_workload,
     max_model_len,
     scaled_length,
@@ -133,6 +134,7 @@ __all__ = [
     "conversations",
     "corpus_tokens_used",
     "distinct_blocks",
+    "last_turn_indices",
     "main",
     "make_workload",
     "max_model_len",
@@ -199,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         help="more kv_connector_extra_config for both kvtier configurations, e.g. "
         '\'{"policy": "lru"}\' (--ladder-config wins for the ladder)',
     )
+    ap.add_argument(
+        "--release",
+        action="store_true",
+        help="kvtier configurations: each conversation's last turn carries kvtier's release "
+        'hint (kv_transfer_params {"kvtier": {"release": true}})',
+    )
     args = ap.parse_args(argv)
     base = QUICK if args.quick else FULL
     settings = Settings(
@@ -231,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             log,
             dict(args.kvtier_config),
             default_limits=not args.no_default_limits,
+            release=args.release,
         ),
         table,
         args.json,

@@ -29,7 +29,15 @@ from ...integrations.vllm.engines import (
     scheduler_connector,
 )
 from ...traces import bundled_trace_path
-from .workload import BLOCK, Settings, Turn, distinct_blocks, make_workload, max_model_len
+from .workload import (
+    BLOCK,
+    Settings,
+    Turn,
+    distinct_blocks,
+    last_turn_indices,
+    make_workload,
+    max_model_len,
+)
 
 __all__ = [
     "CONFIGS",
@@ -119,10 +127,20 @@ def _running(
         close_engine(llm)
 
 
-def _generate(llm: Any, tokens: Sequence[int], max_tokens: int) -> Any:
+#: What a client sends with a conversation's last turn to say the conversation ends (a
+#: server request's ``kv_transfer_params``; ``extra_args`` for an offline engine).
+RELEASE = {"kv_transfer_params": {"kvtier": {"release": True}}}
+
+
+def _generate(llm: Any, tokens: Sequence[int], max_tokens: int, release: bool = False) -> Any:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        extra_args=RELEASE if release else None,
+    )
     return llm.generate([{"prompt_token_ids": list(tokens)}], params, use_tqdm=False)[0]
 
 
@@ -264,9 +282,12 @@ def run_config(
     extra: dict[str, Any],
     log: Callable[..., None],
     then: Callable[[Any], None] | None = None,
+    release: bool = False,
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """Runs the workload through one engine, then ``then(llm)`` if given; returns the
-    workload's figures and each request's output."""
+    workload's figures and each request's output. With ``release`` (kvtier configurations),
+    each conversation's last turn carries kvtier's release hint."""
+    last_turns = last_turn_indices(turns) if release and config in LADDERS else set()
     budget = settings.host_blocks * _block_bytes(model_dir)
     storage = None
     if config == "example":
@@ -295,7 +316,7 @@ def run_config(
             load = [os.getloadavg()[0]]
             t1 = time.perf_counter()
             for n, turn in enumerate(turns):
-                out = _generate(llm, turn.tokens, settings.output_tokens)
+                out = _generate(llm, turn.tokens, settings.output_tokens, n in last_turns)
                 ttfts.append(_ttft(out))
                 cached += int(out.num_cached_tokens or 0)
                 outputs.append(list(out.outputs[0].token_ids))
@@ -471,6 +492,7 @@ def _workload_pass(
     extras: dict[str, dict[str, Any]],
     log: Callable[..., None],
     hooks: Mapping[str, Callable[[Any], None]],
+    release: bool = False,
 ) -> dict[str, Any]:
     """The workload through one engine per configuration (``recompute`` first: the others'
     outputs are compared with its)."""
@@ -479,7 +501,15 @@ def _workload_pass(
     for config in configs:
         log(f"{config}: starting an engine")
         result, outputs = run_config(
-            config, model_dir, settings, turns, warm, extras.get(config, {}), log, hooks.get(config)
+            config,
+            model_dir,
+            settings,
+            turns,
+            warm,
+            extras.get(config, {}),
+            log,
+            hooks.get(config),
+            release,
         )
         if config == "recompute":
             reference = outputs
@@ -524,11 +554,13 @@ def run(
     log: Callable[..., None],
     kvtier_extra: dict[str, Any] | None = None,
     default_limits: bool = True,
+    release: bool = False,
 ) -> dict[str, Any]:
     """The whole benchmark: ``extra`` is the ladder's own extra config, ``kvtier_extra`` both
     kvtier configurations' (the ladder's wins where they overlap). With ``default_limits`` (and
     cut-down settings), the workload runs again at vLLM's default scheduling limits
-    (:data:`DEFAULT_LIMITS_CONFIGS`)."""
+    (:data:`DEFAULT_LIMITS_CONFIGS`). With ``release``, the kvtier configurations send kvtier's
+    release hint with each conversation's last turn (in the workload: the last turn it keeps)."""
     import vllm
 
     t0 = time.perf_counter()
@@ -568,7 +600,7 @@ def run(
     hooks = {"recompute": probe_recompute, "kvtier-ladder": probe_kvtier} if reuse else {}
     both = dict(kvtier_extra or {})
     extras = {"kvtier-bf16": both, "kvtier-ladder": {**both, **extra}}
-    configs = _workload_pass(CONFIGS, model_dir, settings, turns, warm, extras, log, hooks)
+    configs = _workload_pass(CONFIGS, model_dir, settings, turns, warm, extras, log, hooks, release)
     default_pass = None
     if default_limits and settings.step_tokens is not None:
         log("the workload again at vLLM's default scheduling limits")
@@ -581,6 +613,7 @@ def run(
             extras,
             log,
             {},
+            release,
         )
         default_pass = {
             "scheduling_limits": at_default["recompute"]["scheduling_limits"],
@@ -616,6 +649,7 @@ def run(
         "ladder_extra_config": extra,
         "kvtier_extra_config": both,
         "workload": workload,
+        "release_last_turns": release,
         "configs": configs,
         "over_recompute": over_recompute(configs),
         "default_limits": default_pass,

@@ -24,6 +24,7 @@ __all__ = [
     "conversations",
     "corpus_tokens_used",
     "distinct_blocks",
+    "last_turn_indices",
     "make_workload",
     "max_model_len",
     "scaled_length",
@@ -179,6 +180,12 @@ def build_workload(
             tokens += corpus[c * s : (c + 1) * s]
         turns.append(Turn(i, first, t, hashes, tuple(tokens[: length(i)])))
     return turns
+
+
+def last_turn_indices(turns: Sequence[Turn]) -> set[int]:
+    """The positions in ``turns`` of each conversation's last turn."""
+    last = {t.conversation: n for n, t in enumerate(turns)}
+    return set(last.values())
 
 
 def corpus_tokens_used(turns: Sequence[Turn], tokens_per_trace_block: int) -> int:

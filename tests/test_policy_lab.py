@@ -1,0 +1,41 @@
+"""``benchmarks/policy_lab.py``, the fast model policies are tried in before the core gets them,
+is only worth trusting if it is the core's cache: under ``lru`` it must give ``kvtier
+simulate``'s hits exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from kvtier.simulate import SimulationConfig, run
+from kvtier.traces import bundled_trace_path, load_trace
+
+LAB_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "policy_lab.py"
+
+
+def lab():
+    spec = importlib.util.spec_from_file_location("policy_lab", LAB_PATH)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("capacity", [100, 1000])
+def test_the_labs_lru_is_the_cores_hit_for_hit_on_the_bundled_slice(capacity: int) -> None:
+    policy_lab = lab()
+    requests = policy_lab.load_trace(str(bundled_trace_path()))
+    model = policy_lab.replay(requests, capacity, policy_lab.Lru())
+    config = SimulationConfig(dtype="bf16", device_blocks=capacity, ladder=("bf16",))
+    core = run(load_trace(bundled_trace_path()), config, ["lru:bf16"])["results"][0]
+    assert (model.hits, model.refs) == (core["hit_blocks"], core["ref_blocks"])
+    assert model.hits > 0
+
+
+def test_age_buckets_cover_every_age_once() -> None:
+    policy_lab = lab()
+    for age in [*range(64), 1000, 12345, 1 << 30]:
+        b = policy_lab.age_bucket(age)
+        assert policy_lab.bucket_start(b) <= age < policy_lab.bucket_start(b + 1)
