@@ -21,11 +21,17 @@ Policies:
 from __future__ import annotations
 
 import argparse
+import datetime
 import gzip
 import heapq
 import json
+import os
+import platform
+import subprocess
+import sys
 from collections import deque
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 # Issue 59's bar on the conversation trace: the best of its table's columns at each capacity.
 TARGETS = {
@@ -205,6 +211,24 @@ def make_policy(name: str, args: argparse.Namespace) -> Lru:
     raise SystemExit(f"error: unknown policy {name!r}; expected lru or freq")
 
 
+def provenance() -> dict[str, object]:
+    """What a saved result needs to be checked against: command, date, commit, machine."""
+    root = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    models = (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    cpu = next(models, platform.processor())
+    return {
+        "command": " ".join(["python", *sys.argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit or None,
+        "machine": {"cpus": os.cpu_count(), "cpu": cpu, "gpu": None},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace")
@@ -213,17 +237,33 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=8)
     parser.add_argument("--quantile", type=float, default=0.9)
     parser.add_argument("--memory", type=int, default=1 << 17, help="new blocks a sighting is kept")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     trace = load_trace(args.trace)
     capacities = [int(c) for c in args.capacities.split(",")]
-    print("blocks  " + "  ".join(f"{c:>7}" for c in capacities))
+    results: dict[str, list[dict[str, float]]] = {}
+    if not args.json:
+        print("blocks  " + "  ".join(f"{c:>7}" for c in capacities))
     for name in args.policy.split(","):
-        rates = [replay(trace, c, make_policy(name, args)).hit_rate() for c in capacities]
-        print(f"{name:<7} " + "  ".join(f"{r:6.2f}%" for r in rates), flush=True)
-    print(
-        "target  "
-        + "  ".join(f"{TARGETS[c]:6.2f}%" if c in TARGETS else "      -" for c in capacities)
-    )
+        rows = results[name] = []
+        for c in capacities:
+            cache = replay(trace, c, make_policy(name, args))
+            rows.append(
+                {"blocks": c, "hits": cache.hits, "refs": cache.refs, "hit_rate": cache.hit_rate()}
+            )
+        if not args.json:
+            print(f"{name:<7} " + "  ".join(f"{r['hit_rate']:6.2f}%" for r in rows), flush=True)
+    if args.json:
+        settings = {"classes": args.classes, "quantile": args.quantile, "memory": args.memory}
+        print(
+            json.dumps(
+                {**provenance(), "trace": args.trace, "freq": settings, "results": results},
+                indent=2,
+            )
+        )
+    else:
+        targets = (f"{TARGETS[c]:6.2f}%" if c in TARGETS else "      -" for c in capacities)
+        print("target  " + "  ".join(targets))
 
 
 if __name__ == "__main__":
