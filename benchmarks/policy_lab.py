@@ -9,11 +9,17 @@ building into the core.
 
 Policies:
 - `lru`: the least recently used leaf goes first.
-- `freq`: frequency classes with measured aging. A block's class is how often it has been seen
-  (capped at `--classes` - 1), remembered past its eviction for `--memory` new blocks; eviction
-  takes the least recently used leaf of the lowest class, except that a block idle longer than
-  its class's `--quantile` of observed reuse distances counts as class 0 (its conversation has
-  likely ended). The reuse distances are measured online, per class, decayed as they age.
+- `freq`: frequency classes with measured aging, three rules:
+  1. A block's class is how often it has been seen (capped at `--classes` - 1), remembered past
+     its eviction for `--memory` new blocks; eviction takes the least recently used leaf of
+     the lowest class.
+  2. A block idle longer than its class's `--quantile` of the reuse distances observed for that
+     class (online, decayed as they age) has likely seen its conversation end: it ranks with
+     the first-seen blocks, as if read that much later than it was.
+  3. When the leaf to go is a first-seen block idle for less than `--young-quantile` of the
+     first-seen blocks' reuse distances (so it would likely be evicted before its reuse
+     anyway), the youngest first-seen leaf goes instead: admission, by eviction order, only
+     where the cache is too small to catch a first-seen block's reuse.
 
     python benchmarks/policy_lab.py ../shared/data/traces/mooncake_conversation.jsonl --policy lru,freq
 """
@@ -70,22 +76,39 @@ class Lru:
     classes = 1
 
     def seen(self, block: int, clock: int) -> int:
+        """Counts a sighting of ``block`` at ``clock``; returns its class."""
         return 0
 
-    def effective_class(self, cls: int, age: int) -> int:
-        return cls
+    def rank(self, cls: int, age: int, tick: int) -> tuple[int, int]:
+        """What a leaf of class ``cls``, idle for ``age``, last read at ``tick``, is evicted
+        by: the lowest first."""
+        return (cls, tick)
+
+    def young_first(self, age: int) -> bool:
+        """Whether the youngest first-seen leaf goes in place of the eviction candidate, a
+        first-seen block idle for ``age``."""
+        return False
 
 
 class Freq(Lru):
     """Frequency classes, aged by the measured reuse distances (see the module docstring)."""
 
-    def __init__(self, classes: int = 8, quantile: float = 0.9, memory: int = 1 << 17) -> None:
+    def __init__(
+        self,
+        classes: int = 8,
+        quantile: float = 0.9,
+        memory: int = 1 << 17,
+        young_quantile: float = 0.25,
+    ) -> None:
         self.classes, self.quantile, self.memory = classes, quantile, memory
+        self.young_quantile = young_quantile
         self.sightings: dict[int, int] = {}
         self.last: dict[int, tuple[int, int]] = {}  # block -> (clock, class) at its last sighting
         self.forget: deque[tuple[int, int]] = deque()  # (clock, block), oldest first
         self.reuse = [[0.0] * (age_bucket(1 << 40) + 1) for _ in range(classes)]
-        self.expiry = [1 << 62] * classes
+        self.expiry = [NEVER] * classes
+        # First-seen blocks younger than this are rarely read again yet (until measured: all).
+        self.young_age = NEVER
         self.next_update = 4096
 
     def seen(self, block: int, clock: int) -> int:
@@ -102,36 +125,58 @@ class Freq(Lru):
             if self.last.get(b, (None,))[0] == t:
                 del self.last[b], self.sightings[b]
         if clock >= self.next_update:
-            self.update_expiry()
+            self.update()
             self.next_update = clock + 4096
         return cls
 
-    def update_expiry(self) -> None:
+    def update(self) -> None:
+        """The ages that the rules compare with, from the reuse distances seen so far (which
+        then decay: recent ones weigh most)."""
         for cls, hist in enumerate(self.reuse):
-            total = sum(hist)
-            self.expiry[cls] = 1 << 62
-            if total > 50:
-                acc = 0.0
-                for b, n in enumerate(hist):
-                    acc += n
-                    if acc >= self.quantile * total:
-                        self.expiry[cls] = bucket_start(b + 1)
-                        break
+            self.expiry[cls] = quantile(hist, self.quantile)
+        self.young_age = quantile(self.reuse[0], self.young_quantile)
+        for hist in self.reuse:
             hist[:] = [n * 0.9 for n in hist]
 
-    def effective_class(self, cls: int, age: int) -> int:
-        return 0 if age > self.expiry[cls] else cls
+    def rank(self, cls: int, age: int, tick: int) -> tuple[int, int]:
+        if age <= self.expiry[cls]:
+            return (cls, tick)
+        # Past its class's expiry: with the first-seen blocks, as if read that much later.
+        return (0, tick + self.expiry[cls] if cls else tick)
+
+    def young_first(self, age: int) -> bool:
+        return age < self.young_age
+
+
+NEVER = 1 << 62
+
+
+def quantile(hist: list[float], q: float) -> int:
+    """The age below which a share ``q`` of the distances in ``hist`` fall (``NEVER`` with
+    too few to say)."""
+    total = sum(hist)
+    if total <= 50:
+        return NEVER
+    acc = 0.0
+    for b, n in enumerate(hist):
+        acc += n
+        if acc >= q * total:
+            return bucket_start(b + 1)
+    return NEVER
 
 
 class PrefixCache:
-    """Cached blocks in prefix trees; eviction takes leaves, by the policy's class, then LRU."""
+    """Cached blocks in prefix trees; eviction takes leaves, by the policy's rank."""
 
     def __init__(self, capacity: int, policy: Lru) -> None:
         self.capacity, self.policy = capacity, policy
         self.entry: dict[int, tuple[int, int, int]] = {}  # block -> (class, clock, tick)
         self.parent: dict[int, int | None] = {}
         self.children: dict[int, int] = {}
+        # The cached leaves of each class, oldest first, and the first-seen ones youngest first
+        # (all of them may hold stale entries).
         self.queues: list[list[tuple[int, int]]] = [[] for _ in range(policy.classes)]
+        self.young: list[tuple[int, int]] = []
         self.clock = 0  # new blocks so far: ages are measured in it
         self.tick = 0  # accesses so far: recency ranks by it
         self.hits = self.refs = 0
@@ -139,24 +184,35 @@ class PrefixCache:
     def _queue(self, block: int) -> None:
         cls, _, tick = self.entry[block]
         heapq.heappush(self.queues[cls], (tick, block))
+        if cls == 0:
+            heapq.heappush(self.young, (-tick, block))
+
+    def _front(self, queue: list[tuple[int, int]], sign: int, pinned: set[int]) -> int | None:
+        """The first block of ``queue`` that is still a cached, unpinned leaf queued with its
+        current access (``sign``: -1 for a youngest-first queue); stale entries are dropped."""
+        while queue:
+            tick, block = queue[0]
+            entry = self.entry.get(block)
+            leaf = entry and entry[2] == sign * tick and not self.children.get(block)
+            if leaf and block not in pinned:
+                return block
+            heapq.heappop(queue)
+        return None
 
     def _evict_one(self, pinned: set[int]) -> bool:
-        best = None
-        for queue in self.queues:
-            while queue:
-                tick, block = queue[0]
-                entry = self.entry.get(block)
-                if entry is None or entry[2] != tick or self.children.get(block) or block in pinned:
-                    heapq.heappop(queue)  # stale, not a leaf, or in use
-                    continue
-                cls = self.policy.effective_class(entry[0], self.clock - entry[1])
-                if best is None or (cls, tick) < best[0]:
-                    best = ((cls, tick), queue, block)
-                break
-        if best is None:
+        candidates = (self._front(q, 1, pinned) for q in self.queues)
+        ranked = [
+            (self.policy.rank(cls, self.clock - clock, tick), block)
+            for block in candidates
+            if block is not None
+            for cls, clock, tick in [self.entry[block]]
+        ]
+        if not ranked:
             return False
-        _, queue, block = best
-        heapq.heappop(queue)
+        _, block = min(ranked)
+        cls, clock, _ = self.entry[block]
+        if cls == 0 and self.policy.young_first(self.clock - clock):
+            block = self._front(self.young, -1, pinned) or block
         del self.entry[block]
         parent = self.parent.pop(block)
         if parent is not None:
@@ -207,7 +263,7 @@ def make_policy(name: str, args: argparse.Namespace) -> Lru:
     if name == "lru":
         return Lru()
     if name == "freq":
-        return Freq(args.classes, args.quantile, args.memory)
+        return Freq(args.classes, args.quantile, args.memory, args.young_quantile)
     raise SystemExit(f"error: unknown policy {name!r}; expected lru or freq")
 
 
@@ -237,6 +293,7 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=8)
     parser.add_argument("--quantile", type=float, default=0.9)
     parser.add_argument("--memory", type=int, default=1 << 17, help="new blocks a sighting is kept")
+    parser.add_argument("--young-quantile", type=float, default=0.25)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     trace = load_trace(args.trace)
@@ -254,7 +311,12 @@ def main() -> None:
         if not args.json:
             print(f"{name:<7} " + "  ".join(f"{r['hit_rate']:6.2f}%" for r in rows), flush=True)
     if args.json:
-        settings = {"classes": args.classes, "quantile": args.quantile, "memory": args.memory}
+        settings = {
+            "classes": args.classes,
+            "quantile": args.quantile,
+            "memory": args.memory,
+            "young_quantile": args.young_quantile,
+        }
         print(
             json.dumps(
                 {**provenance(), "trace": args.trace, "freq": settings, "results": results},

@@ -39,3 +39,14 @@ def test_age_buckets_cover_every_age_once() -> None:
     for age in [*range(64), 1000, 12345, 1 << 30]:
         b = policy_lab.age_bucket(age)
         assert policy_lab.bucket_start(b) <= age < policy_lab.bucket_start(b + 1)
+
+
+def test_freq_beats_lru_on_the_bundled_slice_where_the_cache_is_small() -> None:
+    """The lab's candidate for the adaptive default (issue 59) must at least beat recency where
+    recency fails: most first-seen blocks are never read again before LRU drops them."""
+    policy_lab = lab()
+    requests = policy_lab.load_trace(str(bundled_trace_path()))
+    for capacity in (500, 2000):
+        lru = policy_lab.replay(requests, capacity, policy_lab.Lru())
+        freq = policy_lab.replay(requests, capacity, policy_lab.Freq())
+        assert freq.hits > 1.3 * lru.hits, capacity
