@@ -1,8 +1,8 @@
 """The figures of docs/quality.md are the saved results' own: every number in its tables equals,
 to the digits it shows, the figure of ``docs/quality.json`` (``kvtier eval cache``, 8 windows;
 several runs merged with ``--from-json``) or ``docs/quality-speed.json`` (the speed run) it
-stands for. No model runs here: a figure edited by hand, or a result saved without the table
-being brought along, fails."""
+stands for; so are README.md's hit-rate tables, those of ``docs/results/``. No model runs here:
+a figure edited by hand, or a result saved without the table being brought along, fails."""
 
 from __future__ import annotations
 
@@ -122,3 +122,42 @@ def test_every_figure_of_a_quality_table_is_its_saved_results(
                 f"docs/quality.md, {method}, column {index}: shows {cells[index]!r}, "
                 f"docs/{source} says {figure(rows[method], rows)}"
             )
+
+
+#: README's hit-rate tables by device blocks: each row's label, its results file (under
+#: docs/results) and the policy the file names it by.
+HIT_RATE_ROWS = {
+    "| LRU (kvtier, prefix-aware) |": ("simulate-peers", "lru"),
+    "| vLLM's LRU (`vllm-lru`) |": ("simulate-peers", "vllm-lru"),
+    "| vLLM's ARC (`vllm-arc`) |": ("simulate-peers", "vllm-arc"),
+    "| optimal (offline) |": ("simulate-peers", "optimal"),
+    "| `lru` (the lab; the core's) |": ("policy-lab", "lru"),
+    "| `freq` (the lab) |": ("policy-lab", "freq"),
+}
+CAPACITIES = [500, 1000, 2000, 5000, 10000, 20000, 50000]
+
+
+def _saved_hit_rate(results: str, policy: str, blocks: int) -> float:
+    """Percent, as the saved result of ``results`` gives it for ``policy`` at ``blocks``."""
+    if results == "policy-lab":
+        rows = json.loads((DOCS / "results" / results / "full-trace.json").read_text())
+        return next(r["hit_rate"] for r in rows["results"][policy] if r["blocks"] == blocks)
+    path = DOCS / "results" / results / f"full-trace-{blocks}.json"
+    saved = json.loads(path.read_text())["results"]
+    return 100 * next(r["block_hit_rate"] for r in saved if r["policy"] == policy)
+
+
+def test_every_figure_of_the_readmes_hit_rate_tables_is_its_saved_result() -> None:
+    readme = (DOCS.parent / "README.md").read_text().splitlines()
+    seen = set()
+    for line in readme:
+        label = next((k for k in HIT_RATE_ROWS if line.startswith(k)), None)
+        if label is None:
+            continue
+        seen.add(label)
+        cells = [c.strip() for c in line[len(label) :].strip(" |").split("|")]
+        assert len(cells) == len(CAPACITIES), line
+        for cell, blocks in zip(cells, CAPACITIES, strict=True):
+            saved = _saved_hit_rate(*HIT_RATE_ROWS[label], blocks)
+            assert cell == f"{saved:.2f} %", (label, blocks, saved)
+    assert seen == set(HIT_RATE_ROWS)
