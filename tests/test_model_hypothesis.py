@@ -945,8 +945,9 @@ def test_a_committed_drop_takes_the_descendants_out_of_the_index() -> None:
 
 
 def test_eviction_ranks_importance_leaves_by_reuse_first() -> None:
-    """Under ``importance`` a prefix-aware core evicts the cached leaf read least, not the
-    least important one (which the demotion order ranks first)."""
+    """Under ``importance`` a prefix-aware core evicts the cached leaf whose prefix came back
+    least often (sequences that took it), not the least important one (which the demotion
+    order ranks first), nor the least recently read."""
     pair = _pair(
         level_bytes=[8],
         block_size=1,
@@ -957,16 +958,15 @@ def test_eviction_ranks_importance_leaves_by_reuse_first() -> None:
     )
     kept: list[int] = []
     gone: list[int] = []
-    for hashes, magnitude, reads in (([1, 2], [0.0, 1.0], 0), ([3, 4], [1.0, 0.0], 3)):
-        seq, _ = pair.both("add_sequence")
-        pair._append_blocks(int(seq), hashes)
-        blocks = np.array(pair.model.seqs[seq].blocks, dtype=np.uint32)
-        pair.both("set_magnitude", blocks, np.array(magnitude, dtype=np.float32))
-        for _ in range(reads):
-            pair.both("record_reads", blocks)
-        pair.both("free_sequence", seq)
-        (kept if reads else gone).append(int(blocks[1]))
-    assert pair.model.key(kept[0]) < pair.model.key(gone[0])  # less important, read more
+    for hashes, magnitude, turns in (([3, 4], [1.0, 0.0], 2), ([1, 2], [0.0, 1.0], 1)):
+        for _ in range(turns):
+            seq, _ = pair.both("add_sequence")
+            pair._append_blocks(int(seq), hashes)
+            blocks = np.array(pair.model.seqs[seq].blocks, dtype=np.uint32)
+            pair.both("set_magnitude", blocks, np.array(magnitude, dtype=np.float32))
+            pair.both("free_sequence", seq)
+        (kept if turns > 1 else gone).append(int(blocks[1]))
+    assert pair.model.key(kept[0]) < pair.model.key(gone[0])  # less important, older
     pair.both("set_budget", "device", 24)
     pair.checked_plan()
     assert pair.pending is not None and pair.pending[0].block.tolist() == gone

@@ -1018,9 +1018,16 @@ const POLICIES: [PolicyKind; 5] = [
     PolicyKind::Scissorhands,
 ];
 
+/// An earlier turn of a conversation: a sequence that takes the chain and lets go of it.
+fn earlier_turn(core: &mut Core, base: u64, n: u64) {
+    let (turn, _) = seq_with(core, base, n);
+    core.free_sequence(turn).unwrap();
+}
+
 /// A client that says a conversation ended (`release`) has its chain's cached blocks evicted
 /// before any other, under every policy: here before an older chain that every policy would
-/// evict first otherwise (all blocks unread and unscored: the least recent goes). Leaves
+/// evict first otherwise (all blocks unread and unscored: the least recent goes; under
+/// `importance`, a chain seen once goes before one an earlier turn took too). Leaves
 /// still go first (the rest of the chain stays loadable), and the blocks' ranking for
 /// demotion (`block_score`) is unchanged.
 #[test]
@@ -1030,6 +1037,7 @@ fn a_released_chain_is_evicted_before_an_older_unreleased_one() {
             let mut c = one_level(policy, 6);
             let (old, _) = seq_with(&mut c, 100, 3);
             c.free_sequence(old).unwrap();
+            earlier_turn(&mut c, 200, 3);
             let (ended, blocks) = seq_with(&mut c, 200, 3);
             let scores: Vec<_> = blocks.iter().map(|&b| c.block_score(b).unwrap()).collect();
             if released {
@@ -1067,6 +1075,7 @@ fn a_released_block_read_or_shared_again_is_not_released() {
             let mut c = one_level(policy, 6);
             let (old, _) = seq_with(&mut c, 100, 3);
             c.free_sequence(old).unwrap();
+            earlier_turn(&mut c, 200, 3);
             let (ended, blocks) = seq_with(&mut c, 200, 3);
             c.free_sequence(ended).unwrap();
             assert_eq!(c.release_cached(&[200, 201, 202, 203]), 3, "the chain held");

@@ -25,6 +25,7 @@ from kvtier.errors import (
     PlanError,
 )
 
+from .frequency import Frequency
 from .xxh3 import chain_hash, chain_seed, namespace_seed
 
 __all__ = ["KINDS", "POLICIES", "ModelCore", "ModelPlan"]
@@ -141,7 +142,7 @@ class ModelCore:
     Prefix trees (``prefix_aware``, the default, as in the core): each indexed block links to its
     parent, the block indexed under the hash before its own, and is indexed only while it has
     one (a block at position 0 is a root). Eviction takes leaves only, lowest *eviction key*
-    first (the policy's key, except under ``importance``: reuse first, then importance); a
+    first (the policy's key, except under ``importance``: see :class:`Frequency`); a
     plan's eviction parks the leaf (out of the tree, still indexed) so that its parent may go in
     the same plan, and commit cancels it if the block was pinned, shared again or given a child
     meanwhile (linked back, as an abort does); a write short of level-0 slots evicts the lowest
@@ -299,6 +300,8 @@ class ModelCore:
         self.fill: list[int] = []
         #: the block's conversation ended (see ``release``): evicted first
         self.released: list[bool] = []
+        #: how often a sequence took its hash before, capped (``importance``, prefix-aware)
+        self.reuse_class: list[int] = []
         # The prefix trees (prefix-aware): each indexed block's parent (-1: a root, or not in a
         # tree) and its indexed children, the one linked last first (the core's `first_child`).
         self.parent: list[int] = []
@@ -327,6 +330,9 @@ class ModelCore:
         self.next_plan = 1
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._key = self._key_function()
+        #: eviction adapts to measured reuse (see :class:`Frequency`)
+        self.adaptive = self.prefix_aware and self.policy == "importance"
+        self.frequency = Frequency()
 
     # ---- ranking keys --------------------------------------------------------------------------
 
@@ -357,19 +363,15 @@ class ModelCore:
         return self._key(b)
 
     def evict_key(self, b: int) -> Key:
-        """The key a prefix-aware core evicts cached leaves by, lowest first: :meth:`key`, but
-        under ``importance`` the decayed accesses first (the write counting as one), then the
-        importance (whether a block will be loaded again decides its eviction; its importance,
-        its level). A released block goes before every other: no other key has -inf in both
-        of its first places (only ``lfu``'s unread blocks have it in the first)."""
+        """The key a prefix-aware core queues cached leaves under, lowest first: :meth:`key`,
+        but under ``importance`` the block's reuse class, then its last access (eviction ranks
+        by :meth:`Frequency.rank` then). A released block goes before every other: no other
+        key has -inf in both of its first places (only ``lfu``'s unread blocks have it in the
+        first)."""
         if self.released[b]:
             return (-math.inf, -math.inf, self.last_access[b])
         if self.policy == "importance":
-            # The block's write counts as one access: an unread block's count is 0 as of the
-            # step that wrote it.
-            reads = max(self.reads[b], 1.0)
-            reuse = math.log(reads) + self.reads_step[b] * self._log_inv
-            return (reuse, self.importance[b], self.last_access[b])
+            return (float(self.reuse_class[b]), 0.0, self.last_access[b])
         return self._key(b)
 
     def score(self, b: int) -> float:
@@ -434,7 +436,8 @@ class ModelCore:
             b = len(self.live)
             columns: tuple[list[Any], ...] = (
                 self.live, self.refcount, self.pins, self.moving, self.level, self.hash,
-                self.indexed, self.position, self.fill, self.released, self.reads, self.reads_step,
+                self.indexed, self.position, self.fill, self.released, self.reuse_class,
+                self.reads, self.reads_step,
                 self.last_access, self.attn_ema, self.attn_sum, self.attn_history,
                 self.magnitude, self.learned, self.known, self.importance,
             )  # fmt: skip
@@ -453,6 +456,7 @@ class ModelCore:
         self.indexed[b] = False
         self.fill[b] = 0
         self.released[b] = False
+        self.reuse_class[b] = 0
         self.position[b] = position
         self.reads[b] = 0.0
         self.reads_step[b] = self.step
@@ -502,17 +506,33 @@ class ModelCore:
 
     def _lowest_evictable(self, levels: Iterable[int]) -> int | None:
         """What eviction takes first among ``levels``: the cached leaf lowest by eviction key
-        (prefix-aware), else the cached block lowest by key."""
+        (prefix-aware), else the cached block lowest by key. Under ``importance`` (adaptive),
+        the key is :meth:`Frequency.rank`'s, and in each level where the lowest leaf is a
+        first-seen block too young to be reused before it goes, the youngest first-seen leaf
+        of that level goes instead (under the same key, against the other levels)."""
         if not self.prefix_aware:
             return self._lowest(levels, self._key)
-        allowed = set(levels)
-        best: tuple[Key, int] | None = None
-        for b in self.cached:
-            if self.level[b] in allowed and not self.children[b]:
-                c = (self.evict_key(b), b)
-                if best is None or c < best:
-                    best = c
-        return None if best is None else best[1]
+        if not self.adaptive:
+            allowed = set(levels)
+            best: tuple[Key, int] | None = None
+            for b in self.cached:
+                if self.level[b] in allowed and not self.children[b]:
+                    c = (self.evict_key(b), b)
+                    if best is None or c < best:
+                        best = c
+            return None if best is None else best[1]
+        freq, now = self.frequency, self.clock
+        la, cls, rel = self.last_access, self.reuse_class, self.released
+        candidates = []
+        for level in dict.fromkeys(levels):
+            leaves = [b for b in self.cached if self.level[b] == level and not self.children[b]]
+            if not leaves:
+                continue
+            key, b = min((freq.rank(cls[b], la[b], rel[b], now), b) for b in leaves)
+            if freq.young_first(cls[b], la[b], rel[b], now):  # (b itself is first-seen)
+                b = max((la[y], y) for y in leaves if cls[y] == 0 and not rel[y])[1]
+            candidates.append((key, b))
+        return min(candidates)[1] if candidates else None
 
     def _evict_now(self, b: int) -> None:
         self.counters["evictions"] += 1
@@ -721,6 +741,14 @@ class ModelCore:
                 leaf = self.children[leaf][0]
         self._evict_now(leaf)
 
+    def _see(self, blocks: list[int]) -> None:
+        """Counts a sighting of each hashed block a sequence just took, new or shared, at the
+        access clock after the append (adaptive cores only): its reuse class."""
+        if self.adaptive:
+            for b in blocks:
+                if self.hash[b]:
+                    self.reuse_class[b] = self.frequency.seen(self.hash[b], self.clock)
+
     def _share(self, b: int) -> None:
         self.refcount[b] += 1
         self.counters["shared_hits"] += 1
@@ -773,6 +801,7 @@ class ModelCore:
         s.tokens += bs * len(hs)
         if hs:
             s.chain = hs[-1]
+        self._see(blocks)
         return blocks, shared
 
     def _link_new_blocks(
@@ -862,6 +891,7 @@ class ModelCore:
             blocks.append(b)
             shared.append(p is not None)
         s.tokens += len(toks)
+        self._see(blocks)
         return blocks, shared
 
     def fork(self, parent: int) -> tuple[int, tuple[int, int] | None]:

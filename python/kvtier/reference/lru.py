@@ -4,8 +4,8 @@
   table, the way LMCache's simulator (and anyone without kvtier) would write it: the baseline
   ``kvtier bench core`` times the core's plain-LRU replay against, and the LMCache peer's hit
   rates are compared with;
-- :func:`model_replay` — the same replay as ``kvtier simulate --policy lru`` (``plain-lru``),
-  call for call, through :class:`~kvtier.reference.core.ModelCore`.
+- :func:`model_replay` — the same replay as ``kvtier simulate --policy lru`` (``plain-lru``,
+  ``importance``), call for call, through :class:`~kvtier.reference.core.ModelCore`.
 """
 
 from __future__ import annotations
@@ -95,10 +95,11 @@ def lru_replay(trace: Trace, capacity_blocks: int | None) -> LruResult:
 
 
 def model_replay(
-    trace: Trace, capacity_blocks: int, prefix_aware: bool = True
+    trace: Trace, capacity_blocks: int, prefix_aware: bool = True, policy: str = "lru"
 ) -> dict[str, int | float]:
-    """What ``kvtier simulate`` does for a full-precision LRU replay of ``trace`` on a device of
-    ``capacity_blocks`` blocks (policy ``lru``, or ``plain-lru`` with ``prefix_aware=False``),
+    """What ``kvtier simulate`` does for a full-precision replay of ``trace`` under ``policy``
+    on a device of ``capacity_blocks`` blocks (``lru``, or ``plain-lru`` with
+    ``prefix_aware=False``; ``importance`` adapts its eviction to the reuse it measures),
     through :class:`ModelCore` instead of the core: per request a sequence appends the
     request's blocks (the hits are its leading shared ones), records a read of each, plans and
     commits, and is freed. The same work as the core's replay, call for call.
@@ -107,7 +108,7 @@ def model_replay(
     plain, sorts) the cached blocks at each eviction, so its time grows with the cache. Time it
     on a short trace.
     """
-    config = KvtierConfig(policy="lru", prefix_aware=prefix_aware)
+    config = KvtierConfig(policy=policy, prefix_aware=prefix_aware)
     m = ModelCore(
         [1],  # a byte a block: the device's budget is its capacity in blocks
         **config.core_arguments(

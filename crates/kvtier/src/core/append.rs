@@ -40,6 +40,20 @@ impl Core {
         b
     }
 
+    /// Counts a sighting of each hashed block a sequence just took, new or shared, at tick
+    /// `now` (see `frequency`): its class. Under `importance`, prefix-aware, only.
+    fn see_blocks(&mut self, blocks: &[u32], now: u64) {
+        if !self.ranking().adaptive() {
+            return;
+        }
+        for &b in blocks {
+            let row = &mut self.blocks.rows[b as usize];
+            if row.hash != 0 {
+                row.class = self.freq.seen(row.hash, now);
+            }
+        }
+    }
+
     fn share(&mut self, b: u32) {
         self.blocks.rows[b as usize].refcount += 1;
         self.counters.shared_hits += 1;
@@ -116,6 +130,8 @@ impl Core {
         let counts = self.decay.if_counted(self.cfg.policy);
         let (rows, index) = (&mut self.blocks.rows, &mut self.index);
         self.clock = fresh.fill_in(rows, index, out, hashes, read, counts);
+        // Sighted as of the allocations, before the reads: as an append without them would be.
+        self.see_blocks(&out.blocks, fresh.clock + missing);
         self.reset_stats(&ids);
         self.counters.allocated += missing;
         ids.clear();
@@ -213,6 +229,7 @@ impl Core {
         self.release_recycled();
         s.tokens += tokens.len() as u64;
         self.seqs.insert(seq, s);
+        self.see_blocks(&out.blocks, self.clock);
         Ok(out)
     }
 

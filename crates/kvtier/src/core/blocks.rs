@@ -39,6 +39,9 @@ pub(crate) struct BlockRow {
     /// holder that was not released letting go last (sharing alone does not: a failed append
     /// that shared it changes nothing).
     pub(crate) released: bool,
+    /// How often a sequence took its hash before, capped (see `frequency`): under
+    /// `importance` on a prefix-aware core, what eviction ranks a cached leaf by first.
+    pub(crate) class: u8,
 }
 
 // The hot row stays one cache line.
@@ -111,6 +114,7 @@ impl Default for BlockRow {
             indexed: false,
             reclaimable: false,
             released: false,
+            class: 0,
         }
     }
 }

@@ -9,23 +9,26 @@
 use crate::config::PolicyKind;
 use crate::evict::{EvictionQueue, Ticket};
 use crate::prefix::PrefixIndex;
-use crate::types::NO_BLOCK;
+use crate::types::{Key, NO_BLOCK};
 
 use super::blocks::{BlockRow, Link, NOT_CACHED};
+use super::frequency::CLASSES;
 use super::ranking::{with_policy_key, PoolMap, Ranking};
 
-/// The cached blocks of one pool: how many, and three queues in key order (which may also hold
-/// stale entries): every cached block but the sinks, and the cached sinks, what demotion and
-/// offload take (the sinks after all the others, see [`Ranking::is_sink`]); and the cached
-/// leaves, what eviction takes (prefix-aware cores; a plain core evicts from the first, and
-/// has no sinks).
+/// The cached blocks of one pool: how many, and queues in key order (which may also hold stale
+/// entries): every cached block but the sinks, and the cached sinks, what demotion and offload
+/// take (the sinks after all the others, see [`Ranking::is_sink`]); and the cached leaves, what
+/// eviction takes (prefix-aware cores; a plain core evicts from the first, and has no sinks),
+/// one queue per class (see `frequency`: all in the first but under `importance`) and, under
+/// `importance`, the first-seen ones youngest first too.
 #[derive(Debug, Clone)]
 pub(crate) struct PoolCache {
     pub(super) cached: EvictionQueue,
     /// Apart from `cached`, not ranked above it by a term of the key: each queue's fast path
     /// wants keys that arrive in order, which a sink arriving first in each sequence breaks.
     pub(super) sinks: EvictionQueue,
-    pub(super) leaves: EvictionQueue,
+    pub(super) leaves: [EvictionQueue; CLASSES],
+    pub(super) young: EvictionQueue,
     pub(super) count: u64,
     /// Of them, those evicting leaf after leaf can free (see `BlockRow::reclaimable`).
     pub(super) reclaimable: u64,
@@ -48,7 +51,8 @@ impl PoolCache {
         PoolCache {
             cached: EvictionQueue::default(),
             sinks: EvictionQueue::default(),
-            leaves: EvictionQueue::default(),
+            leaves: Default::default(),
+            young: EvictionQueue::default(),
             count: 0,
             reclaimable: 0,
             slot_bytes,
@@ -56,11 +60,12 @@ impl PoolCache {
         }
     }
 
+    /// The queue of `Any` or `Sinks` (the leaves are several: see `Core::peek_cached`).
     pub(super) fn queue(&mut self, which: Cached) -> &mut EvictionQueue {
         match which {
             Cached::Any => &mut self.cached,
             Cached::Sinks => &mut self.sinks,
-            Cached::Leaves => &mut self.leaves,
+            Cached::Leaves => unreachable!("the leaf queues are read one by one"),
         }
     }
 
@@ -84,16 +89,19 @@ impl PoolCache {
                 queue.retain(|e| entry_valid(rows, p, e));
             }
         }
-        if self.leaves.len() as u64 > bound {
-            self.leaves.retain(|e| leaf_valid(rows, links, p, e));
+        for queue in self.leaves.iter_mut().chain([&mut self.young]) {
+            if queue.len() as u64 > bound {
+                queue.retain(|e| leaf_valid(rows, links, p, e));
+            }
         }
         // A push adds at most one entry to each queue: neither passes the bound sooner than
         // this (give or take the live count shrinking meanwhile, which the next check catches).
-        let longest = self
-            .cached
-            .len()
-            .max(self.sinks.len())
-            .max(self.leaves.len()) as u64;
+        let longest = [&self.cached, &self.sinks, &self.young]
+            .into_iter()
+            .chain(&self.leaves)
+            .map(EvictionQueue::len)
+            .max()
+            .unwrap_or(0) as u64;
         self.pushes_to_check = (bound + 1).saturating_sub(longest).max(1);
     }
 
@@ -203,7 +211,14 @@ pub(super) fn enqueue_if_cached(
     q.reclaimable += u64::from(row.reclaimable);
     q.ranked(ranking.is_sink(row)).push(key, ticket);
     if leaves && links[i].is_leaf() {
-        q.leaves.push(evict_key, ticket);
+        push_leaf(
+            &mut q.leaves,
+            &mut q.young,
+            row,
+            evict_key,
+            ticket,
+            ranking.adaptive(),
+        );
     }
     q.pushed(rows, links, p, 1);
 }
@@ -241,6 +256,41 @@ pub(super) fn pop_evictable(
             table.remove(row.hash, b);
         }
     }
+}
+
+/// Queues a cached leaf of a pool (its `leaves` and `young`) under its eviction key `key`: in
+/// its class's queue, and with the first-seen ones youngest first where eviction takes those
+/// (`adaptive`, see [`Ranking::adaptive`]).
+#[inline(always)]
+pub(super) fn push_leaf(
+    leaves: &mut [EvictionQueue; CLASSES],
+    young: &mut EvictionQueue,
+    row: &BlockRow,
+    key: Key,
+    ticket: Ticket,
+    adaptive: bool,
+) {
+    leaves[leaf_queue(row)].push(key, ticket);
+    if adaptive && leaf_queue(row) == 0 && !row.released {
+        young.push(youngest_first(row), ticket);
+    }
+}
+
+/// The leaf queue of a cached leaf: its class's, a released one the first's (its key ranks it
+/// below every other there).
+#[inline(always)]
+pub(super) fn leaf_queue(row: &BlockRow) -> usize {
+    if row.released {
+        0
+    } else {
+        usize::from(row.class)
+    }
+}
+
+/// A first-seen leaf's key in the youngest-first queue.
+#[inline(always)]
+pub(super) fn youngest_first(row: &BlockRow) -> Key {
+    Key::first(u64::MAX - row.last_access)
 }
 
 /// Whether a cache-index entry of `pool` still stands for its block.

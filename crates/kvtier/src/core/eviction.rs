@@ -9,8 +9,8 @@ use crate::types::Key;
 
 use super::blocks::NOT_CACHED;
 use super::cache::{
-    enqueue_if_cached, entry_valid, leaf_valid, pop_evictable, settle_reclaimable, Cached,
-    PoolCache,
+    enqueue_if_cached, entry_valid, leaf_valid, pop_evictable, settle_reclaimable, youngest_first,
+    Cached, PoolCache,
 };
 use super::ranking::Ranking;
 use super::Core;
@@ -91,7 +91,9 @@ impl Core {
     }
 
     /// The lowest-ranked block of a pool's queue `which` (for `Any`, of the blocks but the
-    /// sinks), left in place.
+    /// sinks), left in place. For `Leaves`, what eviction takes: the lowest front of the class
+    /// queues, ranked by `Frequency::rank` under `importance` (the young-first rule may name
+    /// another block, under the same rank).
     #[inline]
     pub(crate) fn peek_cached(&mut self, pool: usize, which: Cached) -> Option<(Key, u32)> {
         let ranking = Ranking {
@@ -100,18 +102,40 @@ impl Core {
             stats: &self.stats,
         }; // not self.ranking(): the queue below is borrowed mutably
         let (rows, links) = (&self.blocks.rows, &self.blocks.links);
-        let queue = self.caches[pool].queue(which);
-        let top = match which {
-            Cached::Any | Cached::Sinks => queue.peek_valid(
+        if which != Cached::Leaves {
+            let top = self.caches[pool].queue(which).peek_valid(
                 |t| entry_valid(rows, pool, t),
                 |b| ranking.key(b as usize, &rows[b as usize]),
-            ),
-            Cached::Leaves => queue.peek_valid(
-                |t| leaf_valid(rows, links, pool, t),
-                |b| ranking.evict_key(b as usize, &rows[b as usize]),
-            ),
-        };
-        top.map(|e| (e.key, e.ticket.block))
+            );
+            return top.map(|e| (e.key, e.ticket.block));
+        }
+        let valid = |t: &Ticket| leaf_valid(rows, links, pool, t);
+        let cache = &mut self.caches[pool];
+        let adaptive = ranking.adaptive();
+        let (freq, now) = (&self.freq, self.clock);
+        let mut lowest: Option<(Key, u32)> = None;
+        for queue in &mut cache.leaves {
+            let key_of = |b: u32| ranking.evict_key(b as usize, &rows[b as usize]);
+            if let Some(e) = queue.peek_valid(valid, key_of) {
+                let b = e.ticket.block;
+                let key = if adaptive {
+                    freq.rank(&rows[b as usize], now)
+                } else {
+                    e.key
+                };
+                if lowest.is_none_or(|l| (key, b) < l) {
+                    lowest = Some((key, b));
+                }
+            }
+        }
+        let (key, b) = lowest?;
+        if adaptive && freq.young_first(&rows[b as usize], now) {
+            let youngest = |b: u32| youngest_first(&rows[b as usize]);
+            if let Some(e) = cache.young.peek_valid(valid, youngest) {
+                return Some((key, e.ticket.block));
+            }
+        }
+        Some((key, b))
     }
 
     /// Takes the lowest-ranked entry of a pool's cached blocks out of its queue, the sinks

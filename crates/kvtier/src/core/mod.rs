@@ -32,6 +32,7 @@ mod append;
 mod blocks;
 mod cache;
 mod eviction;
+mod frequency;
 mod ids;
 mod index_log;
 mod inspect;
@@ -55,6 +56,7 @@ use crate::stats::{BlockStats, DecayTable};
 
 use self::blocks::Blocks;
 use self::cache::PoolCache;
+use self::frequency::Frequency;
 use self::ranking::{PoolMap, Ranking};
 
 pub(crate) use self::cache::Cached;
@@ -179,6 +181,8 @@ pub struct Core {
     clock: u64,
     /// The cache index of each pool, by pool index.
     caches: Vec<PoolCache>,
+    /// How often each block hash came back (`importance`, prefix-aware: see `frequency`).
+    freq: Frequency,
     /// Position of each tier in the config (`usize::MAX` if absent), by `Tier as usize`.
     tier_at: [usize; 4],
     pub(crate) pending: Option<crate::Plan>,
@@ -231,6 +235,7 @@ impl Core {
                 .map(|p| PoolCache::new(cfg.level_bytes[usize::from(p.level())]))
                 .collect(),
             decay: DecayTable::new(cfg.decay),
+            freq: Frequency::default(),
             tier_bytes: vec![0; cfg.tiers.len()],
             pools,
             blocks: Blocks::with_capacity(expected_blocks),

@@ -10,7 +10,7 @@ use crate::stats::DecayTable;
 use crate::types::NO_SLOT;
 
 use super::blocks::{BlockRow, Link};
-use super::cache::{enqueue_if_cached, settle_reclaimable, PoolCache};
+use super::cache::{enqueue_if_cached, push_leaf, settle_reclaimable, PoolCache};
 use super::ranking::{with_policy_key, PoolMap, Ranking};
 use super::Appended;
 
@@ -147,10 +147,11 @@ pub(super) fn drop_refs(
             cached,
             sinks,
             leaves,
+            young,
             ..
         } = &mut queues[p0];
         let mut pusher = cached.pusher(blocks.len());
-        let mut leaf_pusher = prefix_aware.then(|| leaves.pusher(blocks.len()));
+        let adaptive = ranking.adaptive();
         for &b in blocks {
             let row = &mut rows[b as usize];
             row.refcount -= 1;
@@ -181,8 +182,9 @@ pub(super) fn drop_refs(
             } else {
                 pusher.push(k, ticket);
             }
-            if let Some(leaves) = leaf_pusher.as_mut().filter(|_| links[b as usize].is_leaf()) {
-                leaves.push(ranking.evict_key(b as usize, row), ticket);
+            if prefix_aware && links[b as usize].is_leaf() {
+                let key = ranking.evict_key(b as usize, row);
+                push_leaf(leaves, young, row, key, ticket, adaptive);
             }
             pushed += 1;
         }

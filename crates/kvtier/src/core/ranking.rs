@@ -57,27 +57,30 @@ impl Ranking<'_> {
         self.cfg.prefix_aware && row.position < self.cfg.sink_blocks
     }
 
-    /// The key eviction ranks a cached leaf by (prefix-aware cores): [`Ranking::key`], but
-    /// under `importance`, reuse first, then importance. Eviction decides whether a block will
-    /// be loaded again, which its decayed accesses tell (its write counting as one, so that a
-    /// block saved now outranks one read once long ago); how much attention needs its
-    /// precision, which importance tells, decides its level (`key`: demotion and offload
-    /// order). A released block (its client said its conversation ended) will not be loaded
-    /// again: it ranks below every block that is not, the least recently used first.
+    /// The key eviction queues a cached leaf under (prefix-aware cores): [`Ranking::key`], but
+    /// under `importance` its class, then its last access (`frequency` says why; eviction then
+    /// ranks the front of each class's queue by `Frequency::rank`). Eviction decides whether a
+    /// block will be loaded again, which how often its prefix came back tells; how much
+    /// attention needs its precision, which importance tells, decides its level (`key`:
+    /// demotion and offload order). A released block (its client said its conversation ended)
+    /// will not be loaded again: it ranks below every block that is not, the least recently
+    /// used first.
     #[inline(always)]
     pub(crate) fn evict_key(&self, b: usize, row: &BlockRow) -> Key {
         if row.released {
             return Key::first(row.last_access);
         }
         match self.cfg.policy {
-            PolicyKind::Importance => Key::new(
-                // An unread block's count is 0 as of the step that wrote it.
-                self.decay.log_count(row.reads.max(1.0), row.reads_step),
-                f64::from(self.stats[b].importance),
-                row.last_access,
-            ),
+            PolicyKind::Importance => Key::new(f64::from(row.class), 0.0, row.last_access),
             _ => self.key(b, row),
         }
+    }
+
+    /// Whether eviction adapts to measured reuse (see `frequency`): `importance` on a
+    /// prefix-aware core.
+    #[inline(always)]
+    pub(crate) fn adaptive(&self) -> bool {
+        self.cfg.prefix_aware && self.cfg.policy == PolicyKind::Importance
     }
 }
 
