@@ -89,6 +89,25 @@ class Lru:
         first-seen block idle for ``age``."""
         return False
 
+    def admits(self, block: int, clock: int) -> bool:
+        """Whether ``block``, missed at new-block ``clock``, is cached at all."""
+        return True
+
+
+class Admit(Lru):
+    """Issue 59's `LRU + admission` peer: a missed block is cached only the second time it is
+    seen within the last ``window`` new blocks (3 N for a cache of N); else neither it nor
+    the rest of its request is (a cached block's prefix is cached)."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.missed: dict[int, int] = {}  # block -> new-block clock of its last miss
+
+    def admits(self, block: int, clock: int) -> bool:
+        last = self.missed.get(block)
+        self.missed[block] = clock
+        return last is not None and clock - last <= self.window
+
 
 class Freq(Lru):
     """Frequency classes, aged by the measured reuse distances (see the module docstring)."""
@@ -227,6 +246,12 @@ class PrefixCache:
             hits += 1
         self.refs += len(blocks)
         self.hits += hits
+        admitted = hits
+        for i in range(hits, len(blocks)):  # every miss is seen; the first refused ends it
+            if self.policy.admits(blocks[i], self.clock + i - hits + 1) and admitted == i:
+                admitted += 1
+        self.clock += len(blocks) - admitted  # (the admitted ones count below)
+        blocks = blocks[:admitted]
         pinned = set(blocks)
         if len(pinned) > self.capacity:
             return  # refused before anything changes (as the core's append): it cannot fit
@@ -259,12 +284,14 @@ def replay(trace: Iterable[Sequence[int]], capacity: int, policy: Lru) -> Prefix
     return cache
 
 
-def make_policy(name: str, args: argparse.Namespace) -> Lru:
+def make_policy(name: str, args: argparse.Namespace, capacity: int) -> Lru:
     if name == "lru":
         return Lru()
     if name == "freq":
         return Freq(args.classes, args.quantile, args.memory, args.young_quantile)
-    raise SystemExit(f"error: unknown policy {name!r}; expected lru or freq")
+    if name == "admit":
+        return Admit(3 * capacity)
+    raise SystemExit(f"error: unknown policy {name!r}; expected lru, freq or admit")
 
 
 def provenance() -> dict[str, object]:
@@ -288,7 +315,7 @@ def provenance() -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace")
-    parser.add_argument("--policy", default="lru,freq", help="comma-separated: lru, freq")
+    parser.add_argument("--policy", default="lru,freq", help="comma-separated: lru, freq, admit")
     parser.add_argument("--capacities", default=",".join(map(str, TARGETS)), help="device blocks")
     parser.add_argument("--classes", type=int, default=8)
     parser.add_argument("--quantile", type=float, default=0.9)
@@ -304,7 +331,7 @@ def main() -> None:
     for name in args.policy.split(","):
         rows = results[name] = []
         for c in capacities:
-            cache = replay(trace, c, make_policy(name, args))
+            cache = replay(trace, c, make_policy(name, args, c))
             rows.append(
                 {"blocks": c, "hits": cache.hits, "refs": cache.refs, "hit_rate": cache.hit_rate()}
             )

@@ -13,7 +13,7 @@ UPDATE_EVERY = 1 << 13
 DECAY = 0.9
 EXPIRY_QUANTILE = 0.9
 YOUNG_QUANTILE = 0.25
-MIN_SAMPLES = 50.0
+MIN_SAMPLES = 100.0
 
 
 def age_bucket(age: int) -> int:

@@ -114,7 +114,7 @@ impl Core {
         let adaptive = ranking.adaptive();
         let (freq, now) = (&self.freq, self.clock);
         let mut lowest: Option<(Key, u32)> = None;
-        for queue in &mut cache.leaves {
+        for queue in cache.leaves.iter_mut().filter(|q| q.len() > 0) {
             let key_of = |b: u32| ranking.evict_key(b as usize, &rows[b as usize]);
             if let Some(e) = queue.peek_valid(valid, key_of) {
                 let b = e.ticket.block;

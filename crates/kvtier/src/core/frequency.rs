@@ -16,9 +16,12 @@
 //!
 //! The reference model (`kvtier.reference.core`) does the same, step for step.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
+use std::hash::BuildHasherDefault;
 
 use super::blocks::BlockRow;
+use super::IdHasher;
 use crate::types::Key;
 
 /// Classes of sightings: 0 (first seen) to `CLASSES - 1` (seen that often or more).
@@ -27,10 +30,11 @@ pub(crate) const CLASSES: usize = 8;
 pub(crate) const NEVER: u64 = 1 << 62;
 /// Four buckets an octave up to 2^40 ticks.
 const BUCKETS: usize = age_bucket(1 << 40) + 1;
-/// Ticks a sighting is remembered after it. These five constants are one setting for every
-/// workload: on the conversation trace its neighbours (memory 2^17 to 2^19, updates every 2^12
-/// to 2^14, young quantile 0.2 to 0.3) move the hit rate by a few hundredths to tenths of a
-/// point at each capacity; an expiry quantile of 0.95 costs up to 0.6 points at 20k blocks.
+/// Ticks a sighting is remembered after it. These constants are one setting for every
+/// workload, chosen on the conversation trace and its bundled slice: their neighbours (memory
+/// 2^17 to 2^19, updates every 2^12 to 2^14, young quantile 0.2 to 0.3, 20 to 400 samples)
+/// move the hit rate by hundredths to a few tenths of a point at each capacity; an expiry
+/// quantile of 0.95 costs up to 0.6 points at 20k blocks.
 const MEMORY: u64 = 1 << 17;
 /// Ticks between updates of the ages the rules compare with (then the histograms decay).
 const UPDATE_EVERY: u64 = 1 << 13;
@@ -38,7 +42,7 @@ const DECAY: f64 = 0.9;
 const EXPIRY_QUANTILE: f64 = 0.9;
 const YOUNG_QUANTILE: f64 = 0.25;
 /// Distances a histogram needs (decayed) before its quantiles say anything.
-const MIN_SAMPLES: f64 = 50.0;
+const MIN_SAMPLES: f64 = 100.0;
 
 /// The bucket of an age: exact below 8, then four per octave.
 pub(crate) const fn age_bucket(age: u64) -> usize {
@@ -78,7 +82,7 @@ fn quantile(hist: &[f64; BUCKETS], q: f64) -> u64 {
 #[derive(Debug, Clone)]
 pub(crate) struct Frequency {
     /// Each remembered hash: the tick of its last sighting and how many it had.
-    last: HashMap<u64, (u64, u32)>,
+    last: HashMap<u64, (u64, u32), BuildHasherDefault<IdHasher>>,
     /// (tick, hash) of every sighting, oldest first: what to forget when.
     forget: VecDeque<(u64, u64)>,
     reuse: Box<[[f64; BUCKETS]; CLASSES]>,
@@ -90,7 +94,7 @@ pub(crate) struct Frequency {
 impl Default for Frequency {
     fn default() -> Self {
         Frequency {
-            last: HashMap::new(),
+            last: HashMap::default(),
             forget: VecDeque::new(),
             reuse: Box::new([[0.0; BUCKETS]; CLASSES]),
             expiry: [NEVER; CLASSES],
@@ -109,19 +113,25 @@ impl Frequency {
                 break;
             }
             self.forget.pop_front();
-            if self.last.get(&h).is_some_and(|l| l.0 == tick) {
-                self.last.remove(&h);
+            if let Entry::Occupied(last) = self.last.entry(h) {
+                if last.get().0 == tick {
+                    last.remove(); // not seen since: forgotten
+                }
             }
         }
-        let count = match self.last.get(&hash) {
-            Some(&(tick, count)) => {
+        let count = match self.last.entry(hash) {
+            Entry::Occupied(mut last) => {
+                let (tick, count) = *last.get();
                 let before = (count as usize - 1).min(CLASSES - 1);
                 self.reuse[before][age_bucket(now - tick)] += 1.0;
+                *last.get_mut() = (now, count + 1);
                 count
             }
-            None => 0,
+            Entry::Vacant(last) => {
+                last.insert((now, 1));
+                0
+            }
         };
-        self.last.insert(hash, (now, count + 1));
         self.forget.push_back((now, hash));
         if now >= self.next_update {
             self.update();
@@ -199,7 +209,7 @@ mod tests {
         assert_eq!((f.expiry[0], f.young_age), (NEVER, NEVER));
         // Hashes seen twice, 100 ticks apart: first-seen blocks come back after 100.
         let mut now = 0;
-        for h in 0..200 {
+        for h in 0..400 {
             f.seen(h, now);
             f.seen(h, now + 100);
             now += 101;

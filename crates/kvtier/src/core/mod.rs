@@ -63,13 +63,14 @@ pub(crate) use self::cache::Cached;
 pub use self::index_log::IndexChange;
 pub use crate::types::{Key, Loc, NO_SLOT};
 
-/// Hashes a sequence id by one multiply. Ids are handed out in order, and the low bits of
-/// `id * odd` run through every value as the id does, so consecutive ids fill distinct
-/// buckets; SipHash would cost more than the lookup it serves.
+/// Hashes an id by one multiply: a sequence id, or a block hash (a trace's may be a small
+/// integer). Sequence ids are handed out in order, and the low bits of `id * odd` run through
+/// every value as the id does, so consecutive ids fill distinct buckets; SipHash would cost
+/// more than the lookup it serves.
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct SeqIdHasher(u64);
+pub(crate) struct IdHasher(u64);
 
-impl Hasher for SeqIdHasher {
+impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
         self.0
     }
@@ -83,10 +84,14 @@ impl Hasher for SeqIdHasher {
     fn write_u32(&mut self, id: u32) {
         self.0 = u64::from(id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
 }
 
 /// Live sequences by id (unordered: see [`Core::sequence_ids`] for id order).
-pub(crate) type Sequences = HashMap<u32, Sequence, BuildHasherDefault<SeqIdHasher>>;
+pub(crate) type Sequences = HashMap<u32, Sequence, BuildHasherDefault<IdHasher>>;
 
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Sequence {
@@ -393,9 +398,15 @@ impl Core {
         self.ranking().key(b, &self.blocks.rows[b])
     }
 
-    /// The eviction key of a block (see [`Ranking::evict_key`]).
+    /// What eviction ranks a block by now, as `peek_cached` ranks a leaf: its eviction key
+    /// (see [`Ranking::evict_key`]), or where eviction adapts, `Frequency::rank`.
     #[inline(always)]
     pub(crate) fn evict_key(&self, b: usize) -> Key {
-        self.ranking().evict_key(b, &self.blocks.rows[b])
+        let (ranking, row) = (self.ranking(), &self.blocks.rows[b]);
+        if ranking.adaptive() {
+            self.freq.rank(row, self.clock)
+        } else {
+            ranking.evict_key(b, row)
+        }
     }
 }
