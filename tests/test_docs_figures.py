@@ -124,40 +124,61 @@ def test_every_figure_of_a_quality_table_is_its_saved_results(
             )
 
 
-#: README's hit-rate tables by device blocks: each row's label, its results file (under
-#: docs/results) and the policy the file names it by.
+#: README's hit-rate tables by device blocks, one per trace (its header: ``| device blocks
+#: (full trace) |`` or ``(bundled slice)``, then the capacities): each row's label, the saved
+#: results it quotes and the policy they name it by.
 HIT_RATE_ROWS = {
-    "| LRU (kvtier, prefix-aware) |": ("simulate-peers", "lru"),
-    "| vLLM's LRU (`vllm-lru`) |": ("simulate-peers", "vllm-lru"),
-    "| vLLM's ARC (`vllm-arc`) |": ("simulate-peers", "vllm-arc"),
-    "| optimal (offline) |": ("simulate-peers", "optimal"),
-    "| `lru` (the lab; the core's) |": ("policy-lab", "lru"),
-    "| `freq` (the lab) |": ("policy-lab", "freq"),
+    "| LRU (kvtier, prefix-aware) |": ("simulate", "lru"),
+    "| importance (kvtier's default) |": ("simulate", "importance"),
+    "| vLLM's LRU (`vllm-lru`) |": ("simulate", "vllm-lru"),
+    "| vLLM's ARC (`vllm-arc`) |": ("simulate", "vllm-arc"),
+    "| LRU + admission (`admit`, the lab) |": ("policy-lab", "admit"),
+    "| fixed decay (`lfu`, `KVTIER_DECAY=0.999`) |": ("decay-0.999", "lfu"),
+    "| optimal (offline) |": ("simulate", "optimal"),
 }
-CAPACITIES = [500, 1000, 2000, 5000, 10000, 20000, 50000]
+#: Where each trace's saved results are: the simulate runs by capacity, the lab's in one file.
+TRACES = {
+    "full trace": ("simulate-peers/full-trace-{blocks}", "policy-lab/full-trace.json"),
+    "bundled slice": ("simulate-bundled/slice-{blocks}", "policy-lab/bundled-slice.json"),
+}
 
 
-def _saved_hit_rate(results: str, policy: str, blocks: int) -> float:
-    """Percent, as the saved result of ``results`` gives it for ``policy`` at ``blocks``."""
+def _saved_hit_rate(trace: str, results: str, policy: str, blocks: int) -> float:
+    """Percent, as the saved result of ``results`` on ``trace`` gives it for ``policy`` at
+    ``blocks``."""
+    runs, lab = TRACES[trace]
     if results == "policy-lab":
-        rows = json.loads((DOCS / "results" / results / "full-trace.json").read_text())
+        rows = json.loads((DOCS / "results" / lab).read_text())
         return next(r["hit_rate"] for r in rows["results"][policy] if r["blocks"] == blocks)
-    path = DOCS / "results" / results / f"full-trace-{blocks}.json"
+    suffix = "" if results == "simulate" else f"-lfu-{results}"
+    path = DOCS / "results" / (runs.format(blocks=blocks) + suffix + ".json")
     saved = json.loads(path.read_text())["results"]
     return 100 * next(r["block_hit_rate"] for r in saved if r["policy"] == policy)
+
+
+def _blocks(cell: str) -> int:
+    return int(float(cell.rstrip("k")) * 1000) if cell.endswith("k") else int(cell)
 
 
 def test_every_figure_of_the_readmes_hit_rate_tables_is_its_saved_result() -> None:
     readme = (DOCS.parent / "README.md").read_text().splitlines()
     seen = set()
+    trace, capacities = None, []
     for line in readme:
+        header = re.match(r"\| device blocks \((.+?)\) \|(.*)", line)
+        if header:
+            trace = header[1]
+            capacities = [_blocks(c.strip()) for c in header[2].strip(" |").split("|")]
+            assert trace in TRACES, line
+            continue
         label = next((k for k in HIT_RATE_ROWS if line.startswith(k)), None)
         if label is None:
             continue
-        seen.add(label)
+        assert trace is not None, f"{label} outside a table of device blocks"
+        seen.add((trace, label))
         cells = [c.strip() for c in line[len(label) :].strip(" |").split("|")]
-        assert len(cells) == len(CAPACITIES), line
-        for cell, blocks in zip(cells, CAPACITIES, strict=True):
-            saved = _saved_hit_rate(*HIT_RATE_ROWS[label], blocks)
-            assert cell == f"{saved:.2f} %", (label, blocks, saved)
-    assert seen == set(HIT_RATE_ROWS)
+        assert len(cells) == len(capacities), line
+        for cell, blocks in zip(cells, capacities, strict=True):
+            saved = _saved_hit_rate(trace, *HIT_RATE_ROWS[label], blocks)
+            assert cell.strip("*") == f"{saved:.2f} %", (trace, label, blocks, saved)
+    assert seen == {(t, label) for t in TRACES for label in HIT_RATE_ROWS}

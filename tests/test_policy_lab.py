@@ -50,3 +50,23 @@ def test_freq_beats_lru_on_the_bundled_slice_where_the_cache_is_small() -> None:
         lru = policy_lab.replay(requests, capacity, policy_lab.Lru())
         freq = policy_lab.replay(requests, capacity, policy_lab.Freq())
         assert freq.hits > 1.3 * lru.hits, capacity
+
+
+def test_admit_caches_a_missed_block_only_when_it_was_missed_within_its_window() -> None:
+    """The issue's `LRU + admission` peer: a block missed for the first time is not cached,
+    nor is the rest of its request; missed again within the window (3 N new blocks), it is."""
+    policy_lab = lab()
+    cache = policy_lab.PrefixCache(10, policy_lab.Admit(window=30))
+    cache.request([1, 2, 3])
+    assert cache.hits == 0 and not cache.entry
+    cache.request([1, 2, 4])  # 1 and 2 seen before: cached; 4 is new, so it ends there
+    assert set(cache.entry) == {1, 2}
+    cache.request([1, 2, 4])  # hits 1 and 2; 4 missed before: cached now
+    assert cache.hits == 2 and set(cache.entry) == {1, 2, 4}
+    cache.request([1, 2, 4])
+    assert cache.hits == 5
+    far = policy_lab.PrefixCache(10, policy_lab.Admit(window=2))
+    far.request([7])
+    far.request([8, 9, 10])  # three new blocks: 7's sighting falls out of a 2-block window
+    far.request([7])
+    assert 7 not in far.entry

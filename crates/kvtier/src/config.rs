@@ -49,6 +49,9 @@ impl fmt::Display for Tier {
 pub enum PolicyKind {
     /// `w_mag*magnitude + w_learned*learned + w_attn*attention`, normalised per sequence; blocks
     /// with none of the three signals (trace replay) fall back on decayed access frequency.
+    /// That ranks demotion and offload; eviction of a prefix-aware core's cached leaves goes by
+    /// how often each block's prefix came back, adapted to the reuse it measures (see
+    /// `core::frequency`).
     Importance,
     /// Least recently read first.
     Lru,
