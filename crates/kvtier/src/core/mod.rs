@@ -21,8 +21,9 @@
 //!
 //! The state is split by what it is, each part in a module below `Core` that never names it:
 //! `blocks` (the block table: rows, prefix-tree links, ids), `ranking` (a block's key under the
-//! policy), `cache` (each pool's cached blocks in key order), and `passes` (the batch passes of
-//! an append or a free over those parts). `Core`'s methods are grouped by what they do: pools
+//! policy), `cache` (each pool's cached blocks in key order), `frequency` (how often each block
+//! hash came back: what adaptive eviction ranks leaves by), and `passes` (the batch passes of an
+//! append or a free over those parts). `Core`'s methods are grouped by what they do: pools
 //! and bytes (here), block ids (`ids`), the prefix tree (`tree`), the cache index and making
 //! room (`eviction`), appends (`append`), sequences and lookups (`sequences`), statistics and
 //! pins (`signals`), inspection (`inspect`), the log of index changes (`index_log`); plans are
