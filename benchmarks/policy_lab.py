@@ -21,7 +21,13 @@ Policies:
      anyway), the youngest first-seen leaf goes instead: admission, by eviction order, only
      where the cache is too small to catch a first-seen block's reuse.
 
-    python benchmarks/policy_lab.py ../shared/data/traces/mooncake_conversation.jsonl --policy lru,freq
+- `admit`: issue 59's `LRU + admission` peer: a missed block is cached only the second time it is
+  seen within the last 3 N new blocks (N the capacity).
+
+The core's default, `importance`, evicts by `freq`'s rules (`crates/kvtier/src/core/frequency.rs`,
+with ages on its access clock).
+
+    python benchmarks/policy_lab.py ../shared/data/traces/mooncake_conversation.jsonl --policy lru,freq,admit
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ import sys
 from collections import deque
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from kvtier.reference.frequency import NEVER, age_bucket, quantile
 
 # Issue 59's bar on the conversation trace: the best of its table's columns at each capacity.
 TARGETS = {
@@ -58,16 +66,8 @@ def load_trace(path: str) -> list[list[int]]:
         return [json.loads(line)["hash_ids"] for line in f if line.strip()]
 
 
-def age_bucket(age: int) -> int:
-    """Four buckets per octave of age (exact below 8): a histogram of distances up to 2^40."""
-    if age < 8:
-        return age
-    e = age.bit_length() - 1
-    return 4 * (e - 1) + ((age >> (e - 2)) & 3)
-
-
-def bucket_start(b: int) -> int:
-    return b if b < 8 else (4 + b % 4) << (b // 4 - 1)
+#: Distances a class's histogram needs before its quantiles count here (the core waits for 100).
+LAB_SAMPLES = 50.0
 
 
 class Lru:
@@ -152,8 +152,8 @@ class Freq(Lru):
         """The ages that the rules compare with, from the reuse distances seen so far (which
         then decay: recent ones weigh most)."""
         for cls, hist in enumerate(self.reuse):
-            self.expiry[cls] = quantile(hist, self.quantile)
-        self.young_age = quantile(self.reuse[0], self.young_quantile)
+            self.expiry[cls] = quantile(hist, self.quantile, LAB_SAMPLES)
+        self.young_age = quantile(self.reuse[0], self.young_quantile, LAB_SAMPLES)
         for hist in self.reuse:
             hist[:] = [n * 0.9 for n in hist]
 
@@ -165,23 +165,6 @@ class Freq(Lru):
 
     def young_first(self, age: int) -> bool:
         return age < self.young_age
-
-
-NEVER = 1 << 62
-
-
-def quantile(hist: list[float], q: float) -> int:
-    """The age below which a share ``q`` of the distances in ``hist`` fall (``NEVER`` with
-    too few to say)."""
-    total = sum(hist)
-    if total <= 50:
-        return NEVER
-    acc = 0.0
-    for b, n in enumerate(hist):
-        acc += n
-        if acc >= q * total:
-            return bucket_start(b + 1)
-    return NEVER
 
 
 class PrefixCache:

@@ -31,13 +31,13 @@ def bucket_start(b: int) -> int:
 BUCKETS = age_bucket(1 << 40) + 1
 
 
-def quantile(hist: list[float], q: float) -> int:
-    """The age below which a share ``q`` of the distances in ``hist`` fall (``NEVER`` with too
-    few to say)."""
+def quantile(hist: list[float], q: float, min_samples: float = MIN_SAMPLES) -> int:
+    """The age below which a share ``q`` of the distances in ``hist`` fall (``NEVER`` with
+    ``min_samples`` or fewer to say)."""
     total = 0.0
     for n in hist:  # in order, as the core's iterator sums
         total += n
-    if total <= MIN_SAMPLES:
+    if total <= min_samples:
         return NEVER
     acc = 0.0
     for b, n in enumerate(hist):
