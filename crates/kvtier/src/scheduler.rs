@@ -1161,7 +1161,7 @@ impl Core {
                 }
                 MoveKind::Evict => {
                     self.blocks.rows[i].moving = false;
-                    self.counters.evictions += 1;
+                    self.count_eviction(b);
                     self.release_block(b);
                     continue;
                 }

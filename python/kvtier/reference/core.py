@@ -528,7 +528,14 @@ class ModelCore:
             leaves = [b for b in self.cached if self.level[b] == level and not self.children[b]]
             if not leaves:
                 continue
-            key, b = min((freq.rank(cls[b], la[b], rel[b], now), b) for b in leaves)
+            # Each class's least recently used leaf is its candidate (the core's leaf queues).
+            # Released leaves share a queue, ahead of the first-seen ones.
+            oldest: dict[int, tuple[int, int]] = {}
+            for b in leaves:
+                queue = -1 if rel[b] else cls[b]
+                if queue not in oldest or (la[b], b) < oldest[queue]:
+                    oldest[queue] = (la[b], b)
+            key, b = min((freq.rank(cls[b], la[b], rel[b], now), b) for _, b in oldest.values())
             if freq.young_first(cls[b], la[b], rel[b], now):  # (b itself is first-seen)
                 b = max((la[y], y) for y in leaves if cls[y] == 0 and not rel[y])[1]
             candidates.append((key, b))
@@ -536,6 +543,7 @@ class ModelCore:
 
     def _evict_now(self, b: int) -> None:
         self.counters["evictions"] += 1
+        self.frequency.evicted(max(self.clock - self.last_access[b], 0))
         self._release(b)
 
     # ---- the prefix trees ------------------------------------------------------------------------

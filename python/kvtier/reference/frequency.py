@@ -4,6 +4,7 @@ The same steps in the same order, so the float sums and quantiles come out bit f
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 CLASSES = 8
@@ -14,6 +15,7 @@ DECAY = 0.9
 EXPIRY_QUANTILE = 0.9
 YOUNG_QUANTILE = 0.25
 MIN_SAMPLES = 100.0
+CHANCE_STEP = 0.01
 
 
 def age_bucket(age: int) -> int:
@@ -47,6 +49,26 @@ def quantile(hist: list[float], q: float, min_samples: float = MIN_SAMPLES) -> i
     return NEVER
 
 
+def reuse_chances(hist: list[float], entered: float, horizon: int) -> list[float]:
+    """A class's chance of a reuse within ``horizon`` more ticks by idle age bucket, in steps of
+    ``CHANCE_STEP`` rounded down (the core's ``reuse_chances``)."""
+    before = [0.0]
+    for n in hist:
+        before.append(before[-1] + n)
+    chance = []
+    for b in range(BUCKETS):
+        waiting = entered - before[b]
+        if entered <= MIN_SAMPLES or waiting <= 0.0:
+            chance.append(0.0)
+            continue
+        end = (
+            BUCKETS if horizon == NEVER else min(age_bucket(bucket_start(b) + horizon) + 1, BUCKETS)
+        )
+        p = min((before[end] - before[b]) / waiting, 1.0)
+        chance.append(math.floor(p / CHANCE_STEP) * CHANCE_STEP)
+    return chance
+
+
 class Frequency:
     """The sightings of block hashes and the ages measured from them."""
 
@@ -54,7 +76,11 @@ class Frequency:
         self.last: dict[int, tuple[int, int]] = {}  # hash -> (tick of last sighting, count)
         self.forget: deque[tuple[int, int]] = deque()  # (tick, hash), oldest first
         self.reuse = [[0.0] * BUCKETS for _ in range(CLASSES)]
+        self.entered = [0.0] * CLASSES  # blocks that entered each class
+        self.evicted_idle = 0.0  # idle ages of the evicted leaves, summed
+        self.evicted_count = 0.0
         self.expiry = [NEVER] * CLASSES
+        self.chance = [[0.0] * BUCKETS for _ in range(CLASSES)]
         self.young_age = NEVER
         self.next_update = UPDATE_EVERY
 
@@ -69,17 +95,32 @@ class Frequency:
             tick, count = self.last[h]
             self.reuse[min(count - 1, CLASSES - 1)][age_bucket(now - tick)] += 1.0
         self.last[h] = (now, count + 1)
+        cls = min(count, CLASSES - 1)
+        self.entered[cls] += 1.0
         self.forget.append((now, h))
         if now >= self.next_update:
             self._update()
             self.next_update = now + UPDATE_EVERY
-        return min(count, CLASSES - 1)
+        return cls
+
+    def evicted(self, idle: int) -> None:
+        """Counts an evicted block, idle ``idle`` ticks when it went."""
+        self.evicted_idle += float(idle)
+        self.evicted_count += 1.0
 
     def _update(self) -> None:
         self.expiry = [quantile(hist, EXPIRY_QUANTILE) for hist in self.reuse]
         self.young_age = quantile(self.reuse[0], YOUNG_QUANTILE)
+        horizon = int(self.evicted_idle / self.evicted_count) if self.evicted_count > 0.0 else NEVER
+        self.chance = [
+            reuse_chances(hist, entered, horizon)
+            for hist, entered in zip(self.reuse, self.entered, strict=True)
+        ]
         for hist in self.reuse:
             hist[:] = [n * DECAY for n in hist]
+        self.entered = [n * DECAY for n in self.entered]
+        self.evicted_idle *= DECAY
+        self.evicted_count *= DECAY
 
     def rank(
         self, cls: int, last_access: int, released: bool, now: int
@@ -87,10 +128,16 @@ class Frequency:
         """What a cached leaf is evicted by, lowest first (the core's ``Frequency::rank``)."""
         if released:
             return (-float("inf"), -float("inf"), last_access)
+        idle = max(now - last_access, 0)
+        if cls == 0:
+            return (self._chance_at(0, idle), 0.0, last_access)
         expiry = self.expiry[cls]
-        if cls == 0 or max(now - last_access, 0) <= expiry:
-            return (float(cls), 0.0, last_access)
-        return (0.0, 0.0, last_access + expiry)
+        if idle <= expiry:
+            return (1.0 + cls, 0.0, last_access)  # above any chance
+        return (self._chance_at(cls, idle), 0.0, last_access + expiry)
+
+    def _chance_at(self, cls: int, idle: int) -> float:
+        return self.chance[cls][min(age_bucket(idle), BUCKETS - 1)]
 
     def young_first(self, cls: int, last_access: int, released: bool, now: int) -> bool:
         """Whether the youngest first-seen leaf goes instead of this one."""

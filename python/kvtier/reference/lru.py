@@ -136,4 +136,6 @@ def model_replay(
         "ref_blocks": len(ids),
         "block_hit_rate": hit_blocks / len(ids) if ids else 0.0,
         "rejected": rejected,
+        # Classes whose measured chance of a reuse ranks some of their blocks (importance).
+        "ranked_classes": sum(any(c > 0 for c in chance) for chance in m.frequency.chance),
     }

@@ -385,8 +385,18 @@ impl Core {
     pub(crate) fn evict_now(&mut self, b: u32) {
         debug_assert!(self.is_cached(b as usize));
         debug_assert!(!self.prefix_aware() || self.blocks.links[b as usize].is_leaf());
-        self.counters.evictions += 1;
+        self.count_eviction(b);
         self.release_block(b);
+    }
+
+    /// Counts the eviction of `b`, and the age it goes at: how long the cache keeps a block
+    /// unread, what `Frequency` weighs the chance of a reuse over.
+    pub(crate) fn count_eviction(&mut self, b: u32) {
+        self.counters.evictions += 1;
+        let idle = self
+            .clock
+            .saturating_sub(self.blocks.rows[b as usize].last_access);
+        self.freq.evicted(idle);
     }
 
     /// Evicts cached blocks until one level-0 slot of the device is free: its lowest-ranked
