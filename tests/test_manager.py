@@ -650,6 +650,31 @@ def test_a_fork_on_a_full_device_makes_room_for_its_partial_block() -> None:
     assert_gathers(bm, child, x)
 
 
+def test_a_prompt_saved_in_pieces_through_a_small_full_level_0_is_never_refused() -> None:
+    """A connector's save: each piece of a prompt shares what the pieces before it stored and
+    writes two blocks more, through a level 0 of two slots, with the levels below full of
+    other prompts. The blocks a piece shares sit at level 0, cached: the room its new blocks
+    need is made by moving them (they are about to be shared) and evicting other prompts'
+    blocks, never by evicting them (room for one block too few, a refused save; issue 59)."""
+    bm = manager(
+        device_blocks=16, recent_window=128, pool_shares=(2 / 16, 0.07, 0.805), evict_on_full=True
+    )
+    assert bm.slots[("device", 0)] == 2
+    for prompt in range(40):
+        tokens = np.arange(6 * BS) + 10_000 * prompt
+        x = kv(6 * BS, seed=prompt)
+        for end in (2 * BS, 4 * BS, 6 * BS):
+            seq = bm.add_sequence(tokens[:end])
+            held = bm.num_tokens(seq)
+            assert held == end - 2 * BS, (prompt, end)  # the pieces before it, all there
+            for layer in range(LAYERS):
+                blocks = x[layer, :, held:end].reshape(2, 2, BS, HEADS, DIM).transpose(0, 1)
+                bm.append_blocks(seq, layer, blocks.transpose(2, 3))
+            bm.free(seq)
+        assert bm.lookup(tokens) == 6 * BS
+        bm.step()
+
+
 def test_budgets_the_pools_cannot_have_are_config_errors_naming_the_budget() -> None:
     from kvtier import ConfigError
 

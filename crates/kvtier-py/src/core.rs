@@ -561,12 +561,25 @@ impl PyCore {
 
     /// Plans moves and holds them pending until `commit(plan.id)` or `abort(plan.id)`.
     /// `room_bytes`: also free that much of the device budget for blocks about to be allocated
-    /// (demoting and offloading before anything is evicted).
-    #[pyo3(signature = (room_bytes = 0))]
-    fn plan(&self, py: Python<'_>, room_bytes: i64) -> PyResult<PyPlan> {
+    /// (demoting and offloading before anything is evicted). `keep`: cached blocks the call
+    /// the room is for will share (a prompt's cached prefix): moved if need be, never evicted.
+    #[pyo3(signature = (room_bytes = 0, *, keep = None))]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        room_bytes: i64,
+        keep: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyPlan> {
         let room_bytes = int_arg("room_bytes", room_bytes.into())?;
+        let keep = keep
+            .map(|k| array::<u32>(k, "keep", "uint32"))
+            .transpose()?;
+        let kept = match &keep {
+            Some(k) => k.as_slice()?,
+            None => &[],
+        };
         // Columns are built from the pending plan in place: no copy of the move list.
-        self.with(py, |c| c.plan_with_room(room_bytes).map(PyPlan::from))
+        self.with(py, |c| c.plan_keeping(room_bytes, kept).map(PyPlan::from))
             .py_err()
     }
 

@@ -160,12 +160,21 @@ impl Core {
     /// the device is `room` under its soft budget, so that the allocation then evicts nothing a
     /// lower level or tier could keep. Nothing is evicted or dropped for the room itself.
     pub fn plan_with_room(&mut self, room: u64) -> Result<&crate::Plan> {
+        self.plan_keeping(room, &[])
+    }
+
+    /// [`Core::plan_with_room`] for a call about to share the cached blocks `keep` (a prompt's
+    /// cached prefix, which the call will reference): the plan moves them as it moves live
+    /// blocks (demoted or offloaded, not where the call writes) but evicts none of them. Room
+    /// made by evicting a block the call then lacks would be room for one block too few.
+    pub fn plan_keeping(&mut self, room: u64, keep: &[u32]) -> Result<&crate::Plan> {
+        self.check_blocks(keep)?;
         let plan = match self.open_plan(room)? {
             (id, None) => Plan {
                 id,
                 ..Plan::default()
             },
-            (id, Some(reserved)) => self.busy_plan(id, reserved),
+            (id, Some(reserved)) => self.busy_plan(id, reserved, keep),
         };
         Ok(self.pending.insert(plan))
     }
@@ -176,7 +185,7 @@ impl Core {
         match self.open_plan(room)? {
             (_, None) => Ok(()), // an empty plan commits nothing
             (id, Some(reserved)) => {
-                let plan = self.busy_plan(id, reserved);
+                let plan = self.busy_plan(id, reserved, &[]);
                 self.pending = Some(plan);
                 self.commit(id)
             }
@@ -201,8 +210,8 @@ impl Core {
     }
 
     /// A plan that may not be empty, its deferred and no-op moves counted.
-    fn busy_plan(&mut self, id: u64, reserved: [u64; Tier::ALL.len()]) -> Plan {
-        let (pass, unmet) = self.run_passes(reserved);
+    fn busy_plan(&mut self, id: u64, reserved: [u64; Tier::ALL.len()], keep: &[u32]) -> Plan {
+        let (pass, unmet) = self.run_passes(reserved, keep);
         self.counters.noop_promotions += pass.noop_promotions;
         self.counters.deferred_moves += pass.deferred;
         Plan {
@@ -217,22 +226,50 @@ impl Core {
         }
     }
 
-    /// Passes 1 to 3 of a plan that may not be empty.
-    fn run_passes(&mut self, reserved: [u64; Tier::ALL.len()]) -> (Pass, u64) {
+    /// Passes 1 to 3 of a plan that may not be empty. The cached blocks of `keep` are live
+    /// for the pressure passes: referenced while they run (no eviction takes them), wishing
+    /// for the level they are at (no promotion or fetch comes of it).
+    fn run_passes(&mut self, reserved: [u64; Tier::ALL.len()], keep: &[u32]) -> (Pass, u64) {
         let cap = self.cfg.max_move_bytes.unwrap_or(u64::MAX);
         let mut pass = Pass::new(self.tier_bytes.clone(), cap, reserved);
-        let wishes = self.level_wishes();
+        let mut wishes = self.level_wishes();
         self.move_live_blocks(&mut pass, &wishes);
+        let mut kept: Vec<u32> = keep
+            .iter()
+            .copied()
+            .filter(|&b| self.is_cached(b as usize))
+            .collect();
+        kept.sort_unstable();
+        kept.dedup();
+        for &b in &kept {
+            self.blocks.rows[b as usize].refcount += 1;
+            self.refresh_evictable(b);
+            wishes.push(Wish {
+                block: b,
+                level: self.blocks.rows[b as usize].loc.level,
+                protected: false,
+            });
+        }
+        let unmet = self.relieve_all(&mut pass, &wishes);
+        for &b in &kept {
+            self.blocks.rows[b as usize].refcount -= 1;
+            self.refresh_evictable(b);
+        }
+        (pass, unmet)
+    }
+
+    /// The pressure passes of a plan, tier by tier.
+    fn relieve_all(&mut self, pass: &mut Pass, wishes: &[Wish]) -> u64 {
         let mut unmet = 0;
         for t in 0..self.cfg.tiers.len() {
-            unmet += self.relieve_pressure(&mut pass, t, &wishes);
+            unmet += self.relieve_pressure(pass, t, wishes);
             if self.cfg.pool_headroom {
                 for level in 0..self.cfg.num_levels() {
-                    self.relieve_pool(&mut pass, t, level as u8, &wishes);
+                    self.relieve_pool(pass, t, level as u8, wishes);
                 }
             }
         }
-        (pass, unmet)
+        unmet
     }
 
     pub fn pending_plan(&self) -> Option<&Plan> {

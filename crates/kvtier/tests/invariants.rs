@@ -33,8 +33,9 @@ enum Op {
     Unpin(usize),
     PlanCommit,
     PlanAbort,
-    /// A plan that makes room for this many new level-0 blocks (then committed or aborted).
-    PlanRoom(u64, bool),
+    /// A plan that makes room for this many new level-0 blocks (then committed or aborted),
+    /// keeping the cached blocks of these hashes (a prompt's cached prefix).
+    PlanRoom(u64, bool, Vec<u64>),
     /// A live sequence's conversation ends (`release`), or a cached chain's (`release_cached`).
     Release(usize),
     ReleaseCached(Vec<u64>),
@@ -53,7 +54,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..64usize).prop_map(Op::Unpin),
         3 => Just(Op::PlanCommit),
         1 => Just(Op::PlanAbort),
-        2 => (1..8u64, any::<bool>()).prop_map(|(n, commit)| Op::PlanRoom(n, commit)),
+        2 => (1..8u64, any::<bool>(), prop::collection::vec(0..24u64, 0..4))
+            .prop_map(|(n, commit, keep)| Op::PlanRoom(n, commit, keep)),
         1 => (0..8usize).prop_map(Op::Release),
         1 => prop::collection::vec(0..24u64, 1..6).prop_map(Op::ReleaseCached),
     ]
@@ -404,8 +406,14 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
             Op::PlanCommit | Op::PlanAbort | Op::PlanRoom(..) => {
                 let before = core.tier_bytes().to_vec();
                 let (usage, released) = (core.usage(), core.counters().released);
+                let kept: Vec<u32> = match &op {
+                    Op::PlanRoom(_, _, hashes) => {
+                        hashes.iter().flat_map(|&h| core.lookup(&[h])).collect()
+                    }
+                    _ => Vec::new(),
+                };
                 let plan = match op {
-                    Op::PlanRoom(n, _) => core.plan_with_room(n * cfg.level_bytes[0]),
+                    Op::PlanRoom(n, ..) => core.plan_keeping(n * cfg.level_bytes[0], &kept),
                     _ => core.plan(),
                 }
                 .unwrap()
@@ -413,6 +421,11 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
                 check_state(&core);
                 let mut seen = HashSet::new();
                 for m in &plan.moves {
+                    prop_assert!(
+                        !(kept.contains(&m.block) && m.kind == MoveKind::Evict),
+                        "kept block {} evicted",
+                        m.block
+                    );
                     prop_assert!(!pinned.contains(&m.block), "pinned block {} moved", m.block);
                     if m.kind != MoveKind::Backup {
                         prop_assert!(
@@ -422,7 +435,7 @@ fn run(ops: Vec<Op>, cfg: Config) -> std::result::Result<(), TestCaseError> {
                         );
                     }
                 }
-                if matches!(op, Op::PlanCommit | Op::PlanRoom(_, true)) {
+                if matches!(op, Op::PlanCommit | Op::PlanRoom(_, true, _)) {
                     core.commit(plan.id).unwrap();
                     for (t, tc) in cfg.tiers.iter().enumerate() {
                         if let Some(budget) = tc.budget_bytes {

@@ -251,10 +251,12 @@ class BlockManager:
             state = _Seq(np.zeros(self.shape.layers, dtype=np.int64))
             self._seqs[seq] = state
             if tokens is not None and len(tokens):
-                cached = len(self.core.lookup_tokens(tokens, salt))
                 try:
                     self._grow(
-                        seq, lambda: self.core.append_tokens(seq, tokens), len(tokens), cached
+                        seq,
+                        lambda: self.core.append_tokens(seq, tokens),
+                        len(tokens),
+                        lambda: self.core.lookup_tokens(tokens, salt),
                     )
                 except BaseException:
                     del self._seqs[seq]
@@ -1059,25 +1061,38 @@ class BlockManager:
         self.attention_tables.invalidate()
         self.ledger.mark_lost(blocks)
 
-    def _grow(self, seq: int, call: Callable[[], Any], tokens: int, shared: int = 0) -> None:
-        """Runs a core call that allocates blocks for ``tokens`` more tokens of ``seq`` (of
-        which the first ``shared`` blocks may come from the prefix cache) and tracks the new
-        blocks, pinned until complete."""
+    def _grow(
+        self,
+        seq: int,
+        call: Callable[[], Any],
+        tokens: int,
+        shared: Callable[[], np.ndarray] | None = None,
+    ) -> None:
+        """Runs a core call that allocates blocks for ``tokens`` more tokens of ``seq`` (the
+        first of them the cached blocks ``shared()`` names, as the prefix cache holds them at
+        the time) and tracks the new blocks, pinned until complete."""
         have = len(self.core.sequence_blocks(seq))
         total = -(-(self.core.sequence_tokens(seq) + tokens) // self.block_size)
-        added, is_shared = self._with_room(call, max(0, total - have - shared))
+        added, is_shared = self._with_room(call, total - have, shared)
         new = added[~is_shared]
         self.ledger.track(new)
         self.ledger.pin(new)
         self.attention_tables.invalidate()  # the sequence has new blocks: its table is stale
 
-    def _with_room(self, call: Callable[[], _T], blocks: int) -> _T:
-        """Runs a core call that needs at most ``blocks`` new level-0 blocks on the device. When
-        they do not fit: a plan demotes and offloads to make room (run only if it, with the
-        cached blocks an eviction may take, makes enough; else aborted, nothing moved), then
-        the call is retried, evicting cached blocks lowest-ranked first when ``evict_on_full``.
-        If it still fails, :class:`OutOfCapacityError` says what holds the device, and nothing
-        changed but the count of the aborted plan. Called with the lock held."""
+    def _with_room(
+        self,
+        call: Callable[[], _T],
+        blocks: int,
+        shared: Callable[[], np.ndarray] | None = None,
+    ) -> _T:
+        """Runs a core call that needs at most ``blocks`` blocks, new level-0 ones on the device
+        but the cached ones ``shared()`` names (which it shares). When they do not fit: a plan
+        demotes and offloads to make room (run only if it, with the cached blocks an eviction
+        may take, makes enough; else aborted, nothing moved), then the call is retried, evicting
+        cached blocks lowest-ranked first when ``evict_on_full``. The plan keeps the blocks the
+        call will share: room made by evicting one would be room for one block too few. If it
+        still fails, :class:`OutOfCapacityError` says what holds the device, and nothing changed
+        but the count of the aborted plan. Called with the lock held."""
         try:
             return call()
         except OutOfCapacityError:
@@ -1086,16 +1101,19 @@ class BlockManager:
             self._free_orphans()
             with contextlib.suppress(OutOfCapacityError):
                 return call()
+        keep = shared or (lambda: np.zeros(0, np.uint32))
+        new = max(0, blocks - len(keep()))
         self._lock.release()  # the step lock comes first: never wait for it holding this one
         try:
-            self._make_room(blocks)
+            self._make_room(new, keep)
         finally:
             self._lock.acquire()
         self.core.evict_on_full = self.config.evict_on_full
         try:
             return call()
-        except OutOfCapacityError:
-            raise OutOfCapacityError(self._full(blocks)) from None
+        except OutOfCapacityError as exc:
+            # The core's own words name the limit that stopped it (bytes or slots, which pool).
+            raise OutOfCapacityError(f"{self._full(new)} (the core: {exc})") from None
         finally:
             self.core.evict_on_full = False
 
@@ -1107,14 +1125,17 @@ class BlockManager:
             self.config.evict_on_full, layout.tier_bytes("device"),
         )  # fmt: skip
 
-    def _make_room(self, blocks: int) -> None:
+    def _make_room(
+        self, blocks: int, keep: Callable[[], np.ndarray] = lambda: np.zeros(0, np.uint32)
+    ) -> None:
         """Runs a plan that frees ``blocks`` level-0 device slots by demoting and offloading,
         if it (with the cached blocks an eviction may then take) frees enough. When it does
         not, but the live blocks and the new ones fit in the tiers together
         (:func:`room.fits_in_tiers`), plans run one after another, each taking the slots the
         last freed (a slot a move frees is free only once the plan commits: room two levels or
         two tiers away takes a cascade), while each moves something. A write that cannot fit
-        moves nothing."""
+        moves nothing. ``keep()``: the cached blocks the write will share, which the plans may
+        move but never evict."""
         compress = self.config.enable_compression and len(self.codecs) > 1
         with self._step_lock:
             if self._sharing.pending:
@@ -1126,7 +1147,7 @@ class BlockManager:
                     # of level 0 go) as far as the config allows eviction at all.
                     self.core.evict_on_full = self.config.evict_on_full
                     try:
-                        plan = self.core.plan(blocks * self.level_bytes[0])
+                        plan = self.core.plan(blocks * self.level_bytes[0], keep=keep())
                     finally:
                         self.core.evict_on_full = False
                     enough = slots_after(self.core, plan, self.config.evict_on_full) >= blocks

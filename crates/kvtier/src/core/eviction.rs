@@ -17,7 +17,7 @@ use super::Core;
 
 impl Core {
     #[inline]
-    pub(super) fn is_cached(&self, b: usize) -> bool {
+    pub(crate) fn is_cached(&self, b: usize) -> bool {
         self.blocks.rows[b].is_cached()
     }
 
