@@ -129,15 +129,9 @@ class Frequency:
         if released:
             return (-float("inf"), -float("inf"), last_access)
         idle = max(now - last_access, 0)
-        if cls == 0:
-            return (self._chance_at(0, idle), 0.0, last_access)
-        expiry = self.expiry[cls]
-        if idle <= expiry:
+        if cls > 0 and idle <= self.expiry[cls]:
             return (1.0 + cls, 0.0, last_access)  # above any chance
-        return (self._chance_at(cls, idle), 0.0, last_access + expiry)
-
-    def _chance_at(self, cls: int, idle: int) -> float:
-        return self.chance[cls][min(age_bucket(idle), BUCKETS - 1)]
+        return (self.chance[cls][min(age_bucket(idle), BUCKETS - 1)], 0.0, last_access)
 
     def young_first(self, cls: int, last_access: int, released: bool, now: int) -> bool:
         """Whether the youngest first-seen leaf goes instead of this one."""
