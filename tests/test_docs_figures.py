@@ -182,3 +182,47 @@ def test_every_figure_of_the_readmes_hit_rate_tables_is_its_saved_result() -> No
             saved = _saved_hit_rate(trace, *HIT_RATE_ROWS[label], blocks)
             assert cell.strip("*") == f"{saved:.2f} %", (trace, label, blocks, saved)
     assert seen == {(t, label) for t in TRACES for label in HIT_RATE_ROWS}
+
+
+#: README's table of the ladder at equal bytes (full trace): each row's label, the policy and
+#: ladder it quotes, and what of that result (the hit rate, or the share of hit tokens served
+#: at a level, ``hits_by_place``).
+LADDER_HEADER = "| bf16 blocks' bytes (full trace, bf16→int8→int4) |"
+LADDER_ROWS: dict[str, tuple[str, str, str | None]] = {
+    "| LRU, bf16 only |": ("lru", "bf16", None),
+    "| LRU, ladder |": ("lru", "bf16+int8+int4", None),
+    "| importance, ladder |": ("importance", "bf16+int8+int4", None),
+    "| importance's hit tokens served at bf16 |": ("importance", "bf16+int8+int4", "bf16"),
+    "| the same at int4 |": ("importance", "bf16+int8+int4", "int4"),
+}
+
+
+def test_every_figure_of_the_readmes_ladder_table_is_its_saved_result() -> None:
+    readme = (DOCS.parent / "README.md").read_text().splitlines()
+    start = readme.index(next(line for line in readme if line.startswith(LADDER_HEADER)))
+    capacities = [
+        _blocks(c.strip()) for c in readme[start][len(LADDER_HEADER) :].strip(" |").split("|")
+    ]
+    seen = set()
+    for line in readme[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        label = next(k for k in LADDER_ROWS if line.startswith(k))
+        seen.add(label)
+        policy, ladder, level = LADDER_ROWS[label]
+        cells = [c.strip().strip("*") for c in line[len(label) :].strip(" |").split("|")]
+        assert len(cells) == len(capacities), line
+        for cell, blocks in zip(cells, capacities, strict=True):
+            path = DOCS / "results" / "simulate-ladder" / f"full-trace-{blocks}.json"
+            r = next(
+                r
+                for r in json.loads(path.read_text())["results"]
+                if r["policy"] == policy and "+".join(r["ladder"]) == ladder
+            )
+            if level is None:
+                assert cell == f"{100 * r['block_hit_rate']:.2f} %", (label, blocks)
+            else:
+                tokens = {p["level"]: p["tokens"] for p in r["hits_by_place"]}
+                share = 100 * tokens.get(level, 0) / sum(tokens.values())
+                assert cell == f"{share:.1f} %", (label, blocks)
+    assert seen == set(LADDER_ROWS)

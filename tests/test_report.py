@@ -47,7 +47,7 @@ def test_table_compares_policies_side_by_side() -> None:
     assert row("device/int8")[-1] == "40 (4.0 %)"
     assert row("host/bf16") == ["11 (1.1 %)", "14 (1.4 %)"]
     assert row("demotions") == ["120", "120"]
-    assert row("no-op promotions") == ["2", "2"]
+    assert row("lossy, no copy to promote") == ["2", "2"]
     assert row("bytes moved") == ["5.00 GiB", "5.00 GiB"]
     assert row("time saved") == ["4.10 %", "8.40 %"]
     assert row("wall time") == ["12.3 ms", "12.3 ms"]

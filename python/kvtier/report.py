@@ -236,12 +236,12 @@ def render_table(result: Mapping[str, Any], *, color: bool) -> str:
 
     section("moves")
     for key, label in (
-        ("promotions", "promotions"),
+        ("promotions", "promotions (from an exact copy)"),
         ("demotions", "demotions"),
         ("offloads", "offloads"),
         ("fetches", "fetches"),
         ("evictions", "evictions"),
-        ("noop_promotions", "no-op promotions"),
+        ("noop_promotions", "lossy, no copy to promote"),
     ):
         row(f"  {label}", [_count((r.get("moves") or {}).get(key)) for r in results])
     row("  bytes moved", [human_bytes((r.get("moves") or {}).get("bytes_moved")) for r in results])
