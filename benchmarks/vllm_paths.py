@@ -22,6 +22,7 @@ import time
 import torch
 
 from kvtier import BlockManager, KvtierConfig
+from kvtier.cli import positive_int
 from kvtier.integrations.vllm.paged import PagedLayout
 from kvtier.integrations.vllm.tiers import WorkerTiers
 
@@ -54,7 +55,7 @@ def main() -> None:
         choices=["channels", "cpu-vec", "cpu-amx"],
         help="channels (CUDA backends), cpu-vec or cpu-amx (vLLM's CPU backend by ISA)",
     )
-    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--blocks", type=positive_int, default=64)
     ap.add_argument("--ladder", default="bf16", help="the tiers' ladder, e.g. bf16,int8")
     ap.add_argument(
         "--encode",
@@ -62,7 +63,7 @@ def main() -> None:
         default=None,
         help="encode saves where the caches are (default: on a GPU)",
     )
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=positive_int, default=5)
     args = ap.parse_args()
     split = args.layout or ("channels" if args.device.startswith("cuda") else "cpu-amx")
     layout = PagedLayout(split, H, N, D)

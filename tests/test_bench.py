@@ -276,3 +276,15 @@ def test_bench_vllm_releases_each_conversation_at_its_last_turn_only() -> None:
     # Turns of conversations 7 and 9 interleave, as the trace's order sends them.
     turns = [turn(7, 0), turn(9, 0), turn(7, 1), turn(9, 1), turn(9, 2), turn(7, 2), turn(4, 0)]
     assert last_turn_indices(turns) == {4, 5, 6}
+
+
+@pytest.mark.parametrize("capacity", ["0", "-3", "many"])
+def test_the_lmcache_peer_refuses_a_capacity_that_is_not_a_positive_count(
+    capacity: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvtier.bench.lmcache_peer import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--capacities", "1000", capacity])
+    assert exited.value.code == 2
+    assert f"expected a positive integer, got {capacity!r}" in capsys.readouterr().err

@@ -60,3 +60,18 @@ def test_bad_options_are_refused_before_an_engine_starts(
 
     assert main(["eval", "vllm", *options]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_run_as_a_module_a_bad_option_is_an_error_line_not_a_traceback() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.eval.vllm", "--prefix", "100"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert "error: --prefix: expected a multiple of 32" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -45,6 +45,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from kvtier.cli import positive_int
 from kvtier.reference.lru import lru_replay
 from kvtier.traces import Trace, bundled_trace_path, load_trace, to_lmcache_format
 
@@ -181,7 +182,7 @@ def _default_trace() -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=None, help="trace file (default: Mooncake)")
-    ap.add_argument("--capacities", type=int, nargs="+", default=[1000, 10000, 50000])
+    ap.add_argument("--capacities", type=positive_int, nargs="+", default=[1000, 10000, 50000])
     ap.add_argument("--no-full", action="store_true", help="skip LMCache's slower non-fast mode")
     args = ap.parse_args(argv)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -361,4 +362,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Through the kvtier command, whose parser makes a bad option an error: line, not a traceback.
+    from ..cli import main as kvtier_main
+
+    raise SystemExit(kvtier_main(["eval", "vllm", *sys.argv[1:]]))
