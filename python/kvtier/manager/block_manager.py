@@ -1125,9 +1125,7 @@ class BlockManager:
             self.config.evict_on_full, layout.tier_bytes("device"),
         )  # fmt: skip
 
-    def _make_room(
-        self, blocks: int, keep: Callable[[], np.ndarray] = lambda: np.zeros(0, np.uint32)
-    ) -> None:
+    def _make_room(self, blocks: int, keep: Callable[[], np.ndarray]) -> None:
         """Runs a plan that frees ``blocks`` level-0 device slots by demoting and offloading,
         if it (with the cached blocks an eviction may then take) frees enough. When it does
         not, but the live blocks and the new ones fit in the tiers together
