@@ -13,6 +13,7 @@ import pytest
 from vllm_engines import (
     BLOCK,
     EventSubscriber,
+    PoolCopies,
     cached_by_source,
     close,
     connector,
@@ -70,11 +71,14 @@ def test_a_tensor_parallel_server_saves_and_loads_each_ranks_shard(
 
 
 def test_blocks_offloaded_to_disk_load_back_exactly_and_a_deleted_file_is_recomputed(
-    vllm_model_dir: Any, prompts: list[list[int]], tmp_path: Any
+    vllm_model_dir: Any, prompts: list[list[int]], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A host tier of a few blocks, a disk tier behind it: the core offloads cold blocks to the
-    directory, a second pass loads them from there exactly; files deleted behind the manager's
-    back are load errors, recomputed."""
+    directory, a second pass loads them from there into vLLM's cache, byte for byte what the
+    first pass saved of the same blocks; files deleted behind the manager's back are load
+    errors, recomputed. (Greedy tokens are compared loosely: the first pass computed every
+    block, the second reads most of them, and vLLM's batches differ as loads end at their own
+    times, so on this CPU's kernels a near-tie may flip one token.)"""
     llm = make_engine(
         vllm_model_dir,
         host_budget="5MiB",
@@ -84,6 +88,7 @@ def test_blocks_offloaded_to_disk_load_back_exactly_and_a_deleted_file_is_recomp
     )
     try:
         conn = connector(llm)
+        copies = PoolCopies().install(monkeypatch)
         want = generate(llm, prompts)
         pools = {
             (p["tier"], p["level"]): p["blocks"] for p in conn.get_compression_stats()["pools"]
@@ -95,7 +100,10 @@ def test_blocks_offloaded_to_disk_load_back_exactly_and_a_deleted_file_is_recomp
         got = generate(llm, prompts)
         stats = dict(conn.get_compression_stats()["connector"])
         assert stats["load_errors"] == 0 and stats["loaded_blocks"] > 0
-        assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
+        layers = len(copies.saved) // sum(loadable_blocks(p) for p in prompts)
+        assert len(copies.loaded) == stats["loaded_blocks"] * layers
+        assert copies.mismatched() == []
+        assert same_tokens(got, want) >= 0.95
         # vLLM counts hits from disk (the rest from host memory), adding up to its external
         # hits; the connector's figures say the same.
         sources = gained(cached_by_source(llm), sources_before)
@@ -109,12 +117,25 @@ def test_blocks_offloaded_to_disk_load_back_exactly_and_a_deleted_file_is_recomp
         for f in files:
             f.unlink()
         llm.reset_prefix_cache()
+        copies.loaded.clear()
         got = generate(llm, prompts)
         after = conn.get_compression_stats()["connector"]
         assert after["load_errors"] > 0
-        assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
+        assert copies.mismatched() == []  # what still loaded (from host memory) is exact
+        assert same_tokens(got, want) >= 0.95
     finally:
         close(llm)
+
+
+def same_tokens(got: list[Any], want: list[Any]) -> float:
+    """The share of generated tokens at which two passes over the same prompts agree (wrong
+    K/V derails a greedy continuation from the first token it reaches)."""
+    pairs = [
+        (a, b)
+        for g, w in zip(got, want, strict=True)
+        for a, b in zip(g.token_ids, w.token_ids, strict=True)
+    ]
+    return sum(a == b for a, b in pairs) / len(pairs)
 
 
 # Slow (15 s): `kvtier eval vllm` measures what int8 and int4 loads cost inside vLLM (its

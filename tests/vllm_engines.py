@@ -201,6 +201,69 @@ class EventSubscriber:
         self._socket.close(linger=0)
 
 
+class PoolCopies:
+    """What the worker's tiers copy between vLLM's paged caches and the manager, block by
+    block, in an in-process engine: each block's bytes as a save read them and as a load wrote
+    them, under the block's layer and its token prefix (salt included). Installed on the
+    worker's :class:`~kvtier.integrations.vllm.tiers.WorkerTiers` by :meth:`install`."""
+
+    def __init__(self) -> None:
+        self.saved: dict[tuple[Any, ...], Any] = {}
+        self.loaded: dict[tuple[Any, ...], Any] = {}
+        self._tokens: dict[int, tuple[Any, ...]] = {}  # manager sequence -> (salt, tokens)
+
+    def install(self, monkeypatch: Any) -> PoolCopies:
+        from vllm.distributed.kv_transfer import kv_transfer_state
+
+        from kvtier.integrations.vllm.paged import PagedBlocks
+
+        tiers = kv_transfer_state.get_kv_transfer_group().worker.tiers
+        manager, bs = tiers.manager, tiers.layout.block_size
+        add_sequence, save_layer, load_layer = (
+            manager.add_sequence,
+            tiers.save_layer,
+            tiers.load_layer,
+        )
+
+        def copies(layer: int, seq: int, first: int, block_ids: Any) -> dict[Any, Any]:
+            salt, tokens = self._tokens[seq]
+            blocks = PagedBlocks.of(tiers.layout, tiers.caches[layer], block_ids).read()
+            return {
+                (layer, salt, tokens[: (first + i + 1) * bs]): blocks[i].clone()
+                for i in range(len(block_ids))
+            }
+
+        def spy_add(token_ids: Any = None, *, salt: str | None = None) -> int:
+            seq = add_sequence(token_ids, salt=salt)
+            self._tokens[seq] = (salt, tuple(int(t) for t in token_ids))
+            return seq
+
+        def spy_save(layer: int, seq: int, block_ids: Any, *args: Any) -> int:
+            first = manager.num_tokens(seq, layer) // bs
+            if first < len(block_ids):
+                self.saved.update(copies(layer, seq, first, block_ids[first:]))
+            return save_layer(layer, seq, block_ids, *args)
+
+        def spy_load(layer: int, seq: int, start: int, block_ids: Any) -> None:
+            load_layer(layer, seq, start, block_ids)
+            if len(block_ids):
+                self.loaded.update(copies(layer, seq, start // bs, block_ids))
+
+        monkeypatch.setattr(manager, "add_sequence", spy_add)
+        monkeypatch.setattr(tiers, "save_layer", spy_save)
+        monkeypatch.setattr(tiers, "load_layer", spy_load)
+        return self
+
+    def mismatched(self) -> list[tuple[Any, ...]]:
+        """The loaded blocks that are not, byte for byte, what was saved under their prefix."""
+        import torch
+
+        saved = self.saved
+        return [
+            k for k, got in self.loaded.items() if k not in saved or not torch.equal(got, saved[k])
+        ]
+
+
 def relative_error(got: Any, want: Any) -> float:
     """Mean |got - want| over mean |want|."""
     return float((got.float() - want).abs().mean() / want.abs().mean())
