@@ -112,6 +112,10 @@ def test_blocks_offloaded_to_disk_load_back_exactly_and_a_deleted_file_is_recomp
         assert sources["disk"] + sources["host"] == hits
         by_tier = stats["hit_tokens_by_tier"]
         assert by_tier["disk"] > 0 and sum(by_tier.values()) == stats["hit_tokens"]
+        # What the lookups weigh (loads were offered where they cost less than a recompute):
+        # the worker's timing of its prefill steps and of its loads, by where they read.
+        costs = conn.get_compression_stats()["seconds_per_token"]
+        assert costs["recompute"] > 0 and costs["load"]["disk"]["bf16"] > 0, costs
         files = [f for f in tmp_path.rglob("*") if f.is_file()]
         assert files
         for f in files:

@@ -512,6 +512,50 @@ def test_hits_are_reported_by_the_tier_and_level_the_lookup_found_them_in(
     assert after["hit_tokens_by_level"] == {"bf16": after["hit_tokens"]}
 
 
+def test_blocks_slower_to_load_than_to_recompute_are_recomputed(
+    engine_factory: Callable[..., Engine], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connector offers vLLM only the leading tokens whose load has been faster than their
+    recompute, by what the worker measured (its prefill steps, its loads by place). Here
+    loads pay by far, so the disk is made slow: the worker's measured disk figure raised to
+    ten recomputes a token, as on a machine whose disk is slower than its prefill. Each
+    prompt then loads the blocks in host memory before its first block on disk and no more;
+    vLLM recomputes the rest (the stand-in model checks every token's K/V), and the
+    connector counts what it held and did not offer."""
+    from kvtier.integrations.vllm.link import LoadCosts
+
+    engine = engine_factory(
+        num_blocks=64, host_budget="24KiB", disk_budget="16MiB", disk_path=str(tmp_path)
+    )
+    a, b = prompt(14, 3), prompt(15, 3)
+    saved_and_forgotten(engine, a, b)
+    worker = engine.worker.worker
+    measured = worker.costs()
+    assert measured.recompute is not None and measured.recompute > 0  # timed, not assumed
+    load = (
+        *(p for p in measured.load if p[0] != "disk"),
+        ("disk", "bf16", 10 * measured.recompute),
+    )
+    monkeypatch.setattr(worker, "costs", lambda: LoadCosts(load, measured.recompute))
+    held = [engine.tiers.lookup(p[:-1]) for p in (a, b)]
+    assert any(h.resident < h.tokens for h in held), held  # some block on disk
+    before, checked = stats(engine), engine.checked_tokens
+    engine.external_hits, engine.hits_by_source = 0, {}
+    engine.add("a", a)
+    engine.add("b", b)
+    engine.run()
+    after = stats(engine)
+    assert engine.external_hits == sum(h.resident for h in held)
+    assert engine.hits_by_source.get("disk", 0) == 0
+    assert after["unpaid_tokens"] - before["unpaid_tokens"] == sum(
+        h.tokens - h.resident for h in held
+    )
+    assert (
+        after["loaded_blocks"] - before["loaded_blocks"] == sum(h.resident for h in held) // BLOCK
+    )
+    assert after["load_errors"] == 0 and engine.checked_tokens > checked
+
+
 def test_hit_sources_name_each_tier_as_vllm_does_and_ranks_load_from_the_farthest() -> None:
     """Without an engine: the connector's tiers as vLLM's source labels (the server, a store,
     is ``external_unspecified``; tokens no tier accounts for too), the split of a hit by
@@ -520,7 +564,7 @@ def test_hit_sources_name_each_tier_as_vllm_does_and_ranks_load_from_the_farthes
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     from kvtier.integrations.vllm import hit_sources
-    from kvtier.integrations.vllm.link import Held
+    from kvtier.integrations.vllm.link import Held, LoadCosts
     from kvtier.integrations.vllm.metrics import Counters
 
     places = {
@@ -552,6 +596,25 @@ def test_hit_sources_name_each_tier_as_vllm_does_and_ranks_load_from_the_farthes
     assert both.runs == (("host", "bf16", BLOCK), ("disk", "int8", BLOCK), ("host", "int4", BLOCK))
     assert (both.tokens, both.resident) == (3 * BLOCK, BLOCK)
     assert Held.slowest([rank0, Held()]).tokens == 0
+
+    # What pays: a token saves 1 s loaded from host memory, costs 3 s more from disk.
+    costs = LoadCosts((("host", "int4", 1.0), ("disk", "int4", 5.0)), recompute=2.0)
+    places = [("host", "int4"), ("disk", "int4")] + [("host", "int4")] * 3
+    held = Held.of_blocks(places, BLOCK, costs)
+    assert held.paying(0) == 5 * BLOCK  # the three after the disk block make up for it
+    assert Held.of_blocks(places[:4], BLOCK, costs).paying(0) == BLOCK  # two do not
+    assert held.paying(BLOCK) == 5 * BLOCK  # from vLLM's own hit on: even, the longer
+    assert Held.of_blocks(places[1:2], BLOCK, costs).paying(0) == 0
+    assert held.paying(6 * BLOCK) == 6 * BLOCK  # vLLM holds more than the tiers
+    assert Held.of_blocks(places, BLOCK).paying(0) == 5 * BLOCK  # nothing measured: all
+    other = LoadCosts((("disk", "int4", 7.0), ("disk", "int8", 1.0)), recompute=1.0)
+    both_costs = Held.slowest([held, Held.of_blocks(places, BLOCK, other)]).costs
+    assert {(t, lv): s for t, lv, s in both_costs.load} == {
+        ("host", "int4"): 1.0,
+        ("disk", "int4"): 7.0,
+        ("disk", "int8"): 1.0,
+    }
+    assert both_costs.recompute == 2.0
 
     counters = Counters()
     counters.count_hits(rank0.places(BLOCK, 4 * BLOCK))

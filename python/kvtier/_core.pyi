@@ -197,6 +197,8 @@ class Simulator:
         *,
         step_every: int = 1,
         timeline_every: int = 0,
+        recompute_seconds: float | None = None,
+        load_seconds: Sequence[float] | None = None,
     ) -> Simulator: ...
     def run(self, n: int) -> int: ...
     @property

@@ -56,8 +56,9 @@ class PrefillCost:
     """Prefill cost model: ``2 * params`` FLOPs per prompt token on a GPU of ``peak_tflops``
     at ``mfu`` utilisation (attention's quadratic term ignored, so long prompts are
     under-costed and savings are conservative). Loading a cached block from a slower tier costs
-    its bytes over that tier's bandwidth; where that is slower than recomputing, the block is
-    recomputed, so a hit never costs more than a miss."""
+    its bytes over that tier's bandwidth; a request loads the leading hits whose load saves the
+    most time over recomputing them (none when no load saves any), and recomputes the rest, as
+    the vLLM connector's lookup does, so a hit never costs more than a miss."""
 
     peak_tflops: float = 989.0  # H100 SXM dense bf16
     mfu: float = 0.5
@@ -70,5 +71,5 @@ class PrefillCost:
         return (
             f"prefill = 2*{shape.params:.3g} FLOP/token at {self.peak_tflops:g} TFLOP/s x "
             f"{self.mfu:g} MFU = {us:.1f} us/token; a hit in a slower tier costs its bytes / "
-            "tier bandwidth (capped at the recompute cost)"
+            "tier bandwidth; a request loads the leading hits that save the most time"
         )

@@ -2,7 +2,7 @@
 
 use std::sync::Mutex;
 
-use kvtier::sim::{Simulator, Trace};
+use kvtier::sim::{LoadCosts, Simulator, Trace};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -26,8 +26,14 @@ impl PySimulator {
     /// A replay of a trace (CSR `offsets` into chained block `hashes`, `input_tokens` per
     /// request) through a fresh core configured like `core` (whose own state is not touched),
     /// sampling its timeline every `timeline_every` requests and after the last (0: never).
+    /// With `recompute_seconds` (per token) and `load_seconds` (per block, by tier of
+    /// `Tier::ALL` and level), a request counts only the leading hits whose load pays.
     #[new]
-    #[pyo3(signature = (core, offsets, hashes, input_tokens, *, step_every = 1, timeline_every = 0))]
+    #[pyo3(signature = (
+        core, offsets, hashes, input_tokens, *, step_every = 1, timeline_every = 0,
+        recompute_seconds = None, load_seconds = None
+    ))]
+    #[allow(clippy::too_many_arguments)] // Python keywords
     fn new(
         core: &PyCore,
         offsets: &Bound<'_, PyAny>,
@@ -35,6 +41,8 @@ impl PySimulator {
         input_tokens: &Bound<'_, PyAny>,
         step_every: u64,
         timeline_every: usize,
+        recompute_seconds: Option<f64>,
+        load_seconds: Option<Vec<f64>>,
     ) -> PyResult<Self> {
         let offsets = array::<u64>(offsets, "offsets", "uint64")?
             .as_array()
@@ -48,6 +56,22 @@ impl PySimulator {
         let trace = Trace::new(offsets, hashes, input_tokens).py_err()?;
         let mut sim = Simulator::new(core.config(), trace, step_every).py_err()?;
         sim.sample_every(timeline_every);
+        match (recompute_seconds, load_seconds) {
+            (Some(recompute_per_token), Some(load_per_block)) => sim
+                .set_costs(LoadCosts {
+                    recompute_per_token,
+                    load_per_block,
+                })
+                .py_err()?,
+            (None, None) => {}
+            _ => {
+                return Err(kvtier::Error::InvalidArgument {
+                    what: "recompute_seconds, load_seconds",
+                    reason: "expected both or neither".into(),
+                })
+                .py_err()
+            }
+        }
         Ok(PySimulator {
             inner: Mutex::new(sim),
         })

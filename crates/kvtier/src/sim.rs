@@ -3,7 +3,9 @@
 //! A trace is a list of requests, each a run of prefix-chained block hashes (equal hash ⇒ equal
 //! prefix, as in Mooncake traces) plus its token counts. Per request, in order:
 //! 1. the longest cached prefix is looked up; each hit block is counted by the (tier, level) it
-//!    was found at — a lower-precision or lower-tier hit is still a hit, and the report says so;
+//!    was found at — a lower-precision or lower-tier hit is still a hit, and the report says so.
+//!    With [`LoadCosts`], only the leading hits whose load saves the most time over their
+//!    recompute count (the rule of the vLLM connector's lookup): the rest are recomputed;
 //! 2. a sequence takes every block of the request (hits shared, misses allocated at level 0 on
 //!    the device), and reads are recorded. When the new blocks do not fit, the scheduler first
 //!    plans room for them (demoting and offloading cached blocks where the ladder or a lower
@@ -83,6 +85,30 @@ pub struct SimStats {
     pub peak_tier_bytes: Vec<u64>,
 }
 
+/// What a hit saves, for [`Simulator::set_costs`]: seconds to recompute a token, and to load one
+/// block from each place (flat at `tier * levels + level`, [`Tier::ALL`] order).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadCosts {
+    pub recompute_per_token: f64,
+    pub load_per_block: Vec<f64>,
+}
+
+impl LoadCosts {
+    /// How many of the leading hits, each `(place, tokens)`, to load: the prefix that saves
+    /// the most seconds (the longest of equals; 0 when no load saves anything). A slow place
+    /// between fast ones is loaded where what follows it makes up for it.
+    pub fn paying(&self, hits: &[(usize, u64)]) -> usize {
+        let (mut cut, mut best, mut gained) = (0, 0.0, 0.0);
+        for (k, &(place, tokens)) in hits.iter().enumerate() {
+            gained += tokens as f64 * self.recompute_per_token - self.load_per_block[place];
+            if gained >= best {
+                (cut, best) = (k + 1, gained);
+            }
+        }
+        cut
+    }
+}
+
 /// The replay's state after its first `requests` requests: one point of the timeline that
 /// `kvtier simulate --plot` draws.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,6 +142,10 @@ pub struct Simulator {
     /// Requests done when the next sample is due.
     next_sample: usize,
     timeline: Vec<Sample>,
+    /// Hits that pay only (None: every hit counts).
+    costs: Option<LoadCosts>,
+    /// Reused by every request: its leading hits' places and tokens.
+    hits: Vec<(usize, u64)>,
 }
 
 impl Simulator {
@@ -142,6 +172,8 @@ impl Simulator {
             sample_every: 0,
             next_sample: usize::MAX,
             timeline: Vec::new(),
+            costs: None,
+            hits: Vec::new(),
             stats: SimStats {
                 hit_blocks_at: vec![vec![0; levels]; Tier::ALL.len()],
                 hit_tokens_at: vec![vec![0; levels]; Tier::ALL.len()],
@@ -157,6 +189,30 @@ impl Simulator {
 
     pub fn total(&self) -> usize {
         self.trace.len()
+    }
+
+    /// Counts only the hits whose load pays (see [`LoadCosts::paying`]) from the next request
+    /// on; `load_per_block` takes one entry per tier of [`Tier::ALL`] and level.
+    pub fn set_costs(&mut self, costs: LoadCosts) -> Result<()> {
+        let places = Tier::ALL.len() * self.levels;
+        if costs.load_per_block.len() != places {
+            return Err(Error::InvalidArgument {
+                what: "load_per_block",
+                reason: format!(
+                    "expected {places} entries (tiers x levels), got {}",
+                    costs.load_per_block.len()
+                ),
+            });
+        }
+        let seconds = std::iter::once(&costs.recompute_per_token).chain(&costs.load_per_block);
+        if !seconds.into_iter().all(|s| s.is_finite() && *s >= 0.0) {
+            return Err(Error::InvalidArgument {
+                what: "costs",
+                reason: "expected finite seconds >= 0".into(),
+            });
+        }
+        self.costs = Some(costs);
+        Ok(())
     }
 
     /// The counters of the requests replayed so far.
@@ -232,6 +288,8 @@ impl Simulator {
             appended,
             hits_at,
             levels,
+            costs,
+            hits,
             ..
         } = self;
         let bs = u64::from(core.config().block_size);
@@ -255,7 +313,7 @@ impl Simulator {
             }
             Err(e) => return Err(e),
         };
-        let mut hit_tokens = 0;
+        hits.clear();
         for (k, &b) in appended.blocks[..n_hits].iter().enumerate() {
             // Live: the append just returned it.
             let loc = core.blocks.rows[b as usize].loc;
@@ -265,9 +323,13 @@ impl Simulator {
             } else {
                 input.saturating_sub(bs * k as u64).min(bs)
             };
-            let place = &mut hits_at[loc.tier as usize * *levels + usize::from(loc.level)];
-            place[0] += 1;
-            place[1] += tokens;
+            hits.push((loc.tier as usize * *levels + usize::from(loc.level), tokens));
+        }
+        let n_hits = costs.as_ref().map_or(n_hits, |c| c.paying(hits));
+        let mut hit_tokens = 0;
+        for &(place, tokens) in &hits[..n_hits] {
+            hits_at[place][0] += 1;
+            hits_at[place][1] += tokens;
             hit_tokens += tokens;
         }
         stats.hit_blocks += n_hits as u64;
@@ -350,6 +412,67 @@ mod tests {
             split.run(n).unwrap();
         }
         assert_eq!(split.timeline(), whole.timeline());
+    }
+
+    #[test]
+    fn a_request_loads_the_leading_hits_that_save_the_most_time() {
+        // One second a token to recompute; places 0 (free), 1 (2 s a block), 2 (9 s a block).
+        let costs = LoadCosts {
+            recompute_per_token: 1.0,
+            load_per_block: vec![0.0, 2.0, 9.0],
+        };
+        let block = |place| (place, 4); // 4 tokens: 4 s to recompute
+        assert_eq!(costs.paying(&[]), 0);
+        assert_eq!(costs.paying(&[block(0), block(1), block(1)]), 3);
+        assert_eq!(costs.paying(&[block(0), block(2)]), 1); // the slow one last: recomputed
+        assert_eq!(costs.paying(&[block(2)]), 0);
+        // A slow block that what follows makes up for (-5 + 3 + 3 > 0) is loaded.
+        assert_eq!(costs.paying(&[block(2), block(0), block(0)]), 3);
+        assert_eq!(costs.paying(&[block(2), block(0), block(2)]), 0);
+        // Equal: the longer (a hit that loads as fast as it computes spares the compute).
+        let even = LoadCosts {
+            recompute_per_token: 0.5,
+            load_per_block: vec![2.0],
+        };
+        assert_eq!(even.paying(&[(0, 4), (0, 4)]), 2);
+    }
+
+    #[test]
+    fn hits_that_do_not_pay_are_not_counted_and_bad_costs_are_refused() {
+        let mut all = small_sim();
+        all.run(usize::MAX).unwrap();
+        assert!(all.stats().hit_blocks > 0);
+        let places = Tier::ALL.len(); // one level
+        let mut none = small_sim();
+        let slow = LoadCosts {
+            recompute_per_token: 1.0,
+            load_per_block: vec![17.0; places], // a block of 16 tokens recomputes in 16 s
+        };
+        none.set_costs(slow).unwrap();
+        none.run(usize::MAX).unwrap();
+        assert_eq!((none.stats().hit_blocks, none.stats().hit_tokens), (0, 0));
+        // What the core did is the same: the rule only says which hits a request loads.
+        assert_eq!(none.core.counters(), all.core.counters());
+        let mut fast = small_sim();
+        let cheap = LoadCosts {
+            recompute_per_token: 1.0,
+            load_per_block: vec![1.0; places],
+        };
+        fast.set_costs(cheap).unwrap();
+        fast.run(usize::MAX).unwrap();
+        assert_eq!(fast.stats().hit_blocks, all.stats().hit_blocks);
+
+        let mut sim = small_sim();
+        for bad in [vec![0.0; places + 1], vec![f64::NAN; places], vec![-1.0; places]] {
+            let costs = LoadCosts {
+                recompute_per_token: 1.0,
+                load_per_block: bad,
+            };
+            assert!(matches!(
+                sim.set_costs(costs),
+                Err(Error::InvalidArgument { .. })
+            ));
+        }
     }
 
     #[test]

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -53,6 +54,7 @@ from .sharing import PrefixSharing
 from .sizing import make_core, size_pools
 from .stats import ManagerStats, collect
 from .tiers import BlocksLost, StoreRefused, Tiers, row_addresses
+from .timing import DecayedRate
 
 if TYPE_CHECKING:
     import torch
@@ -209,6 +211,9 @@ class BlockManager:
         self._encodable = all(c.layer_major for c in self.codecs[1:])
         # Whether an encoded append placed blocks below level 0 yet (token appends check then)
         self._placed_below_0 = False
+        # What load_blocks took per block and layer, by (tier, level) (about the last 100
+        # pools' reads: a load of one pool is one per layer)
+        self._load_times: dict[tuple[str, int], DecayedRate] = {}
 
     def close(self) -> None:
         """Deletes this manager's blocks from its disk and remote tiers and closes them. The
@@ -697,12 +702,15 @@ class BlockManager:
                         f"sequence {seq}: block {int(ids[0])} was dropped (level "
                         f"{self.ladder[level]!r}): its K/V is gone"
                     )
+                start = time.perf_counter()
                 try:
                     self._tiers.read_layer_into(tier, level, slots, layer, ids, into, pick)
                 except BlocksLost as exc:
                     self._mark_lost(exc.blocks.astype(np.uint32))
                     self.ledger.check_not_lost(seq, blocks)
                     raise
+                took = self._load_times.setdefault((tier, level), DecayedRate(0.99))
+                took.add(time.perf_counter() - start, len(ids))
             if len(blocks):
                 self.core.record_reads(blocks)
 
@@ -1210,6 +1218,18 @@ class BlockManager:
                 self.core, self.ladder, self.level_bytes, self.drop_level, self._seqs, tokens,
                 self._sharing.counters,
             )  # fmt: skip
+
+    def load_seconds(self) -> dict[tuple[str, str], float]:
+        """Seconds :meth:`load_blocks` has been taking to write one block at every layer into an
+        engine's cache (read, decode, copy), by the (tier, level name) it read from: recent
+        loads weigh the most. Places it has not read from are absent."""
+        with self._lock:
+            rates = [(place, took.rate) for place, took in self._load_times.items()]
+        return {
+            (tier, self.ladder[level]): rate * self._layers
+            for (tier, level), rate in rates
+            if rate is not None
+        }
 
     def get_compression_stats(self) -> dict[str, Any]:
         """``memory_saved_mb``, ``avg_compression_ratio``, per-pool blocks and bytes, and the

@@ -312,13 +312,13 @@ def run_config(
                 for child in storage.iterdir():
                     shutil.rmtree(child, ignore_errors=True)
             before, histograms_before = _counters(llm), _histograms(llm)
-            ttfts, outputs, cached = [], [], 0
+            ttfts, outputs, cached = [], [], []
             load = [os.getloadavg()[0]]
             t1 = time.perf_counter()
             for n, turn in enumerate(turns):
                 out = _generate(llm, turn.tokens, settings.output_tokens, n in last_turns)
                 ttfts.append(_ttft(out))
-                cached += int(out.num_cached_tokens or 0)
+                cached.append(int(out.num_cached_tokens or 0))
                 outputs.append(list(out.outputs[0].token_ids))
                 log(
                     f"  {config}: request {n + 1}/{len(turns)}, {len(turn.tokens)} tokens, "
@@ -350,6 +350,8 @@ def run_config(
                     "promotions": stats["promotions"],
                     "evictions": stats["evictions"],
                     "avg_compression_ratio": stats["avg_compression_ratio"],
+                    # what the worker measured a token to cost, to load by place and to compute
+                    "seconds_per_token": stats["seconds_per_token"],
                 }
             elif storage is not None:
                 held = _example_held(storage)
@@ -379,7 +381,10 @@ def run_config(
         "external_hits_over_queries": ext_hits / queries if queries else 0.0,
         "vllm_prefix_hit_tokens": int(local_hits),
         "vllm_prefix_hit_rate": local_hits / prompt,
-        "cached_tokens": cached,
+        "cached_tokens": sum(cached),
+        # each request's prompt tokens vLLM did not compute (its own prefix hit and the
+        # connector's)
+        "cached_tokens_per_request": cached,
         "scheduling_limits": limits,
         "ttft_s": _stats(ttfts),
         "ttft_per_request_s": ttfts,
@@ -391,7 +396,7 @@ def run_config(
         # The machine's pace while this configuration ran: prompt tokens vLLM computed per
         # second of TTFT, and the 1-minute load average before and after (other processes
         # slow every figure of a configuration alike).
-        "computed_tokens_per_ttft_s": (prompt - cached) / sum(ttfts),
+        "computed_tokens_per_ttft_s": (prompt - sum(cached)) / sum(ttfts),
         "loadavg_1m": load,
         "held": held,
         "kvtier": details,

@@ -158,6 +158,12 @@ class KVTierConnector(KVConnectorBase_V1):
         if state.has_kv_transfer_group() and state.get_kv_transfer_group() is self:
             state.ensure_kv_transfer_shutdown()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's metadata, as its forward pass is about to start (the worker times it)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._metadata())
 

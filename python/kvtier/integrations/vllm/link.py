@@ -7,8 +7,9 @@ default) the worker is a process of its own. So the worker answers on a Unix soc
 process (local only, named after the engine id, authenticated with it), and a scheduler in the
 same process takes the direct path. Either way the scheduler sees one :class:`Link`.
 
-Only questions cross the socket: how many leading tokens of a prompt the tiers can load and where
-they lie (tier and level, in runs: :class:`Held`), and their figures. Bytes never do, and the
+Only questions cross the socket: how many leading tokens of a prompt the tiers can load, where
+they lie (tier and level, in runs: :class:`Held`) and what the worker measured a token to cost to
+load from each place and to recompute (:class:`LoadCosts`), and their figures. Bytes never do, and the
 scheduler never changes the tiers: what it decides goes to the worker in vLLM's connector
 metadata. Nothing here needs vLLM.
 """
@@ -34,6 +35,7 @@ __all__ = [
     "CONNECTOR_TIERS",
     "Held",
     "Link",
+    "LoadCosts",
     "Place",
     "forget",
     "link_to_worker",
@@ -52,22 +54,57 @@ Place = tuple[str, str]
 
 
 @dataclass(frozen=True)
+class LoadCosts:
+    """What a token costs the worker, in seconds, as it measured them: to load it from each place
+    (``load``: ``(tier, level, seconds)``, the reads, decodes and copies of its own loads) and to
+    compute it (``recompute``: its engine's prefill steps). A place not measured yet costs
+    nothing; with no recompute measured, every hit pays."""
+
+    load: tuple[tuple[str, str, float], ...] = ()
+    recompute: float | None = None
+
+    def gain(self, place: Place) -> float:
+        """Seconds a token from ``place`` saves by being loaded rather than recomputed."""
+        assert self.recompute is not None
+        for tier, level, seconds in self.load:
+            if (tier, level) == place:
+                return self.recompute - seconds
+        return self.recompute
+
+    @classmethod
+    def slowest(cls, costs: Sequence[LoadCosts]) -> LoadCosts:
+        """Tensor-parallel ranks' together: a step waits for its slowest rank, loading or
+        computing."""
+        load: dict[Place, float] = {}
+        for c in costs:
+            for tier, level, seconds in c.load:
+                load[tier, level] = max(load.get((tier, level), 0.0), seconds)
+        measured = [c.recompute for c in costs if c.recompute is not None]
+        return cls(
+            tuple((t, lv, s) for (t, lv), s in load.items()), max(measured) if measured else None
+        )
+
+
+@dataclass(frozen=True)
 class Held:
     """What the tiers hold of a prompt: its leading tokens they can load (whole blocks), as runs
     ``(tier, level name, tokens)`` of consecutive tokens in one place, in prompt order; the tier
     in the connector's words (``host``, ``disk``, ``remote``)."""
 
     runs: tuple[tuple[str, str, int], ...] = ()
+    #: what the worker measured loads and recomputes to cost
+    costs: LoadCosts = LoadCosts()
 
     @classmethod
-    def of_blocks(cls, places: Iterable[Place], block_size: int) -> Held:
+    def of_blocks(
+        cls, places: Iterable[Place], block_size: int, costs: LoadCosts | None = None
+    ) -> Held:
         """From each held block's place, in prompt order."""
-        return cls(
-            tuple(
-                (tier, level, block_size * sum(1 for _ in run))
-                for (tier, level), run in groupby(places)
-            )
+        runs = tuple(
+            (tier, level, block_size * sum(1 for _ in run))
+            for (tier, level), run in groupby(places)
         )
+        return cls(runs, costs or LoadCosts())
 
     @property
     def tokens(self) -> int:
@@ -82,6 +119,24 @@ class Held:
                 break
             resident += n
         return resident
+
+    def paying(self, start: int) -> int:
+        """The end of the held prefix worth loading past ``start`` (vLLM's own hit): the one
+        whose tokens from ``start`` save the most time loaded rather than recomputed, by
+        :attr:`costs` (the longest of equals); ``start`` itself when no load from there pays.
+        Loads are prefixes: a slow place between fast ones is loaded where what follows it
+        makes up for it."""
+        costs = self.costs
+        if costs.recompute is None:
+            return max(start, self.tokens)
+        end, best, gained, at = start, 0.0, 0.0, 0
+        for tier, level, n in self.runs:
+            lo, at = max(start, at), at + n
+            if lo < at:
+                gained += (at - lo) * costs.gain((tier, level))
+                if gained >= best:
+                    end, best = at, gained
+        return end
 
     def places(self, start: int, end: int) -> dict[Place, int]:
         """How many of the prompt's tokens ``[start, end)`` lie in each place (tokens past the
@@ -124,7 +179,7 @@ class Held:
             (tier, level, sum(n for *_, n in run))
             for (tier, level), run in groupby(pieces, key=lambda p: (p[0], p[1]))
         ]
-        return cls(tuple(runs))
+        return cls(tuple(runs), LoadCosts.slowest([h.costs for h in helds]))
 
 
 class Link(Protocol):
@@ -199,8 +254,9 @@ def _answer(conn: Connection, worker: Link) -> None:
             except (EOFError, OSError):
                 return
             try:
-                if op == "lookup":  # plain tuples cross the socket: (tier, level, tokens) runs
-                    conn.send(("ok", worker.lookup(*arg).runs))
+                if op == "lookup":  # plain tuples cross the socket
+                    held = worker.lookup(*arg)
+                    conn.send(("ok", (held.runs, held.costs.load, held.costs.recompute)))
                 elif op == "stats":
                     conn.send(("ok", worker.stats()))
                 else:
@@ -243,8 +299,12 @@ class _SocketLink:
         return value
 
     def lookup(self, tokens: list[int], salt: str | None = None) -> Held:
-        runs = self._ask("lookup", (tokens, salt))
-        return Held(tuple((str(tier), str(level), int(n)) for tier, level, n in runs))
+        runs, load, recompute = self._ask("lookup", (tokens, salt))
+        costs = LoadCosts(
+            tuple((str(tier), str(level), float(s)) for tier, level, s in load),
+            None if recompute is None else float(recompute),
+        )
+        return Held(tuple((str(tier), str(level), int(n)) for tier, level, n in runs), costs)
 
     def stats(self) -> dict[str, Any]:
         value: dict[str, Any] = self._ask("stats", None)

@@ -86,6 +86,8 @@ class KVTierMetadata(KVConnectorMetadata):
     #: the step runs no forward pass (what it scheduled waits for background loads, or
     #: nothing): the worker may wait for a load to end instead of returning at once
     idle: bool = False
+    #: the tokens the step computes (vLLM's scheduled tokens: the worker times its prefill)
+    tokens: int = 0
     #: the tiers forget what they store before this step's loads (vLLM's
     #: ``reset_prefix_cache(reset_connector=True)``, ``/reset_prefix_cache?reset_connector=true``)
     reset: bool = False

@@ -54,6 +54,9 @@ class Counters:
 
     lookups: int = 0
     hit_tokens: int = 0
+    #: tokens the tiers held that a lookup did not offer: loading them had been costing more
+    #: than recomputing them (:meth:`~.link.Held.paying`)
+    unpaid_tokens: int = 0
     loaded_blocks: int = 0
     load_errors: int = 0
     saved_blocks: int = 0
@@ -127,7 +130,7 @@ GAUGES = ("host_held_bytes", "host_capacity_bytes")
 
 #: The scheduler's counts: its lookups and the tokens they found (a worker looks nothing up: its
 #: figures leave them out rather than claim zeros).
-LOOKUP_COUNTS = ("lookups", "hit_tokens")
+LOOKUP_COUNTS = ("lookups", "hit_tokens", "unpaid_tokens")
 
 #: The worker's counts of what failed. Tensor-parallel ranks load and save the same blocks, so
 #: rank 0 counts the blocks for all of them; but a block any rank fails to load is recomputed on
@@ -221,6 +224,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         helps = {
             "lookups": "Prompts looked up in kvtier's tiers.",
             "hit_tokens": "Prompt tokens kvtier's tiers could load.",
+            "unpaid_tokens": "Prompt tokens kvtier held but recomputing was faster.",
             "loaded_blocks": "Blocks loaded from kvtier's tiers into vLLM's.",
             "load_errors": "Blocks kvtier could not give back (recomputed by vLLM).",
             "saved_blocks": "Blocks saved into kvtier's tiers.",

@@ -155,9 +155,10 @@ class KVTierScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens beyond vLLM's own hit the tiers can load; loaded in the background (the
-        request waits, others run) when some of them are on disk or on the server
-        (``async_loads``: ``auto``), or always, or never."""
+        """Tokens beyond vLLM's own hit the tiers can load, as far as loading them has been
+        faster than computing them (:meth:`~.link.Held.paying`, by the worker's timing);
+        loaded in the background (the request waits, others run) when some of them are on
+        disk or on the server (``async_loads``: ``auto``), or always, or never."""
         salt = self._salts[request.request_id] = request.cache_salt or None
         if not keyed_by_tokens(request):
             return 0, False  # neither loaded nor saved (not in _vllm_requests)
@@ -173,7 +174,8 @@ class KVTierScheduler:
             return 0, False
         counters = self.counters
         counters.lookups += 1
-        hit = held.tokens
+        hit = held.paying(num_computed_tokens)  # only what loads faster than it computes
+        counters.unpaid_tokens += max(0, held.tokens - hit)
         if hit <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
             return 0, False
@@ -216,7 +218,8 @@ class KVTierScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads, releases=self._releases)
-        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        meta.tokens = scheduler_output.total_num_scheduled_tokens
+        meta.idle = meta.tokens == 0
         meta.reset, self._reset_pending = self._reset_pending, False
         self._loads, self._releases = [], []
         self._admitted.clear()  # vLLM asks for a load's sources in the step that admits it

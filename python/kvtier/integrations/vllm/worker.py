@@ -31,7 +31,7 @@ import os
 import queue
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,9 +39,10 @@ import torch
 
 from ...errors import ConfigError, KvtierError
 from ...manager import BlockManager
+from ...manager.timing import DecayedRate
 from .config import backend_name, engine_namespace, tiers_config, tp_rank
 from .events import KVTierEvents, TierEvents
-from .link import Held, forget, serve
+from .link import CONNECTOR_TIERS, Held, LoadCosts, Place, forget, serve
 from .metadata import KVTierMetadata, LoadSpec, ReleaseSpec, SaveSpec
 from .metrics import FAILURES, LOOKUP_COUNTS, CounterReports, Counters, connector_stats
 from .paged import layout_for_backend
@@ -62,6 +63,13 @@ log = logging.getLogger("kvtier.vllm")
 IDLE_WAIT_S = 0.05
 
 __all__ = ["KVTierWorker"]
+
+
+def _timing_event() -> Any:
+    """A CUDA event the current stream passes now, to time what it runs until another."""
+    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    event.record()
+    return event
 
 
 @dataclass
@@ -126,6 +134,13 @@ class KVTierWorker:
         self._reset = False  # a reset since the last stats report
         #: what the tiers stored and dropped, for vLLM's KV events (rank 0, with events on)
         self.events: TierEvents | None = None
+        #: seconds per token of the engine's prefill steps (what a recompute costs)
+        self._prefill = DecayedRate()
+        #: when this step's forward pass began, the save seconds counted by then, and on a
+        #: GPU an event the stream passed then
+        self._step_began: tuple[float, float, Any] | None = None
+        #: on a GPU: a timed step's events and tokens, read once the stream has passed both
+        self._gpu_step: tuple[Any, Any, int] | None = None
 
     @property
     def tiers(self) -> WorkerTiers:
@@ -137,8 +152,20 @@ class KVTierWorker:
     # -- what the scheduler asks (link.Link) -------------------------------------------------
 
     def lookup(self, tokens: list[int], salt: str | None = None) -> Held:
-        """What the tiers hold of ``tokens`` (:meth:`WorkerTiers.lookup`)."""
-        return self.tiers.lookup(tokens, salt)
+        """What the tiers hold of ``tokens`` (:meth:`WorkerTiers.lookup`), with what loading
+        and recomputing a token have cost here (:meth:`costs`)."""
+        return replace(self.tiers.lookup(tokens, salt), costs=self.costs())
+
+    def costs(self) -> LoadCosts:
+        """Seconds a token has been costing to load from each place (the manager's timing of
+        its loads: :meth:`~kvtier.BlockManager.load_seconds`) and to compute (this engine's
+        prefill steps, timed by :meth:`begin_step` and :meth:`wait_for_save`)."""
+        bs = self.tiers.layout.block_size
+        load: dict[Place, float] = {}
+        for (tier, level), seconds in self.tiers.manager.load_seconds().items():
+            place = (CONNECTOR_TIERS[tier], level)  # the manager's device tier is host memory
+            load[place] = max(load.get(place, 0.0), seconds / bs)
+        return LoadCosts(tuple((t, lv, s) for (t, lv), s in load.items()), self._prefill.rate)
 
     def stats(self) -> dict[str, Any]:
         """The tiers' figures (once the background step is over) and, under ``worker``, this
@@ -146,6 +173,11 @@ class KVTierWorker:
         self._settle()
         stats = self.tiers.manager.get_compression_stats()
         stats["worker"] = self.counters.as_dict(without=LOOKUP_COUNTS)
+        costs = self.costs()
+        load: dict[str, dict[str, float]] = {}
+        for tier, level, seconds in costs.load:
+            load.setdefault(tier, {})[level] = seconds
+        stats["seconds_per_token"] = {"recompute": costs.recompute, "load": load}
         return stats
 
     # -- vLLM's worker-side hooks ------------------------------------------------------------
@@ -209,6 +241,33 @@ class KVTierWorker:
             [t for t, _ in manager.core.tiers],
             ",".join(manager.ladder),
         )
+
+    def begin_step(self) -> None:
+        """vLLM bound a step's metadata: its forward pass starts now (on a GPU, once what the
+        stream holds has run: an event, read a step later)."""
+        if self._gpu_step is not None and self._gpu_step[1].query():
+            start, end, tokens = self._gpu_step
+            self._prefill.add(start.elapsed_time(end) / 1000, tokens)
+            self._gpu_step = None
+        cuda = self._tiers is not None and self._tiers.caches[0].device.type == "cuda"
+        event = _timing_event() if cuda else None
+        self._step_began = (time.perf_counter(), self.counters.save_seconds, event)
+
+    def _time_prefill(self, meta: KVTierMetadata) -> None:
+        """Takes the forward pass that just ended as what computing its tokens costs (on the
+        CPU, less the saves within it; on a GPU, the stream's time). Not timed: a step with
+        loads (its attention may wait for them, and they compete for the CPU), nor one of
+        fewer tokens than a block (decode steps, whose fixed costs dwarf a token's: a prompt's
+        block is what a load saves)."""
+        began, self._step_began = self._step_began, None
+        if began is None or meta.loads or meta.tokens < self.settings.block_size:
+            return
+        start, saving, event = began
+        if event is None:
+            seconds = time.perf_counter() - start - (self.counters.save_seconds - saving)
+            self._prefill.add(seconds, meta.tokens)
+        elif self._gpu_step is None:
+            self._gpu_step = (event, _timing_event(), meta.tokens)
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         """Releases the chains of requests that ended their conversations, then starts this
@@ -288,6 +347,7 @@ class KVTierWorker:
         """Runs the saves the layers did not (all of them if no layer saved: a forward pass
         without vLLM's attention hooks; else those longer than half of level 0), then hands the
         manager's step, which moves the saved blocks down the ladder, to a thread of its own."""
+        self._time_prefill(meta)
         self._finish_layer_loads()
         self._end_layer_saves()
         start = time.perf_counter()
