@@ -463,7 +463,11 @@ mod tests {
         assert_eq!(fast.stats().hit_blocks, all.stats().hit_blocks);
 
         let mut sim = small_sim();
-        for bad in [vec![0.0; places + 1], vec![f64::NAN; places], vec![-1.0; places]] {
+        for bad in [
+            vec![0.0; places + 1],
+            vec![f64::NAN; places],
+            vec![-1.0; places],
+        ] {
             let costs = LoadCosts {
                 recompute_per_token: 1.0,
                 load_per_block: bad,
