@@ -226,3 +226,23 @@ def test_every_figure_of_the_readmes_ladder_table_is_its_saved_result() -> None:
                 share = 100 * tokens.get(level, 0) / sum(tokens.values())
                 assert cell == f"{share:.1f} %", (label, blocks)
     assert seen == set(LADDER_ROWS)
+
+
+def test_the_loads_tables_figures_are_the_saved_rounds() -> None:
+    """docs/results/vllm-loads: each round's prefill means, ratio and counts are
+    ``loads.json``'s, and the median README.md quotes is its median."""
+    saved = json.loads((DOCS / "results" / "vllm-loads" / "loads.json").read_text())
+    text = (DOCS / "results" / "vllm-loads" / "README.md").read_text()
+    rows = _table_rows(text, "| round |")
+    assert len(rows) == len(saved["rounds"])
+    for row, r in zip(rows, saved["rounds"], strict=True):
+        means = r["prefill_mean_s"]
+        for cell, want in zip(
+            row[1:4], (means["recompute"], means["kvtier-ladder"], r["prefill_ratio"]), strict=True
+        ):
+            got, digits = _shown(cell)
+            assert got == round(want, digits), (row, want)
+        assert int(row[4]) == r["hit_requests"] and int(row[5]) == r["slower_hit_requests"]
+        assert row[6] == f"{r['same_output']}/17"
+    median = f"**{saved['median_prefill_ratio']:.3f}**"
+    assert median in text and median in (DOCS.parent / "README.md").read_text()

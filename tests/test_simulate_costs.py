@@ -49,7 +49,7 @@ def test_blocks_slower_to_load_than_to_recompute_are_recomputed() -> None:
 
 def test_a_remote_block_is_loaded_where_it_pays_at_a_lower_level() -> None:
     # At 1.25 GB/s a bf16 block loads in 54 ms, an int4 one (a quarter of the bytes, and its
-    # scales) in about 14 ms: under the 16.6 ms recompute, so int4 blocks are loaded.
+    # scales) in 15.2 ms: under the 16.6 ms recompute, so int4 blocks are loaded.
     config = SimulationConfig(
         dtype="bf16",
         device_blocks=200,
