@@ -461,6 +461,16 @@ class CoreVsModel(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(pinned), max_size=3, unique=True))
         self.both("unpin", np.array(ids, dtype=np.uint32))
 
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data(), n=st.integers(0, 4))
+    def evict_cached(self, data: st.DataObject, n: int) -> None:
+        """A cache asks for ``n`` victims (vLLM's offloading ``CachePolicy.evict``), some
+        blocks protected: the same ones from both, in the same order, or none from either."""
+        protected = self.some_blocks(data, 3) if self.model.live_blocks() else []
+        got, want = self.both("evict_cached", n, np.array(protected, dtype=np.uint32))
+        if self.last_err is None:
+            assert (None if got is None else got.tolist()) == want
+
     @rule(data=st.data(), what=st.integers(0, 11))
     def bad_call(self, data: st.DataObject, what: int) -> None:
         """A call that must fail (the model says which error) and change nothing."""

@@ -545,6 +545,26 @@ impl PyCore {
         self.with(py, |c| c.unpin(b)).py_err()
     }
 
+    /// Evicts `n` cached level-0 device blocks as making room does, none of `protected`;
+    /// returns their hashes (uint64), or None, with nothing evicted, if fewer than `n` could go.
+    #[pyo3(signature = (n, protected = None))]
+    fn evict_cached<'py>(
+        &self,
+        py: Python<'py>,
+        n: u64,
+        protected: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyArray1<u64>>>> {
+        let protected = protected
+            .map(|p| array::<u32>(p, "protected", "uint32"))
+            .transpose()?;
+        let ids = match &protected {
+            Some(p) => p.as_slice()?,
+            None => &[],
+        };
+        let evicted = self.with(py, |c| c.evict_cached(n, ids)).py_err()?;
+        Ok(evicted.map(|hashes| PyArray1::from_vec(py, hashes)))
+    }
+
     /// Places new blocks of a save (pinned, unwritten, held by one sequence) where a cached
     /// block settles: each at the most precise level below 0 with a free device slot, but the
     /// sinks and those no slot is left for, which stay at level 0. Returns each one's level.

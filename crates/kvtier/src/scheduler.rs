@@ -16,9 +16,10 @@
 //!    rest are ranked per sequence and split between levels 1 and 2 by `compression_ratio`, with
 //!    hysteresis at the boundary. A shared block takes the most precise wish of its owners.
 //! 2. those wishes become demotions (least important first), then promotions and fetches (most
-//!    important first) admitted while the device budget and the move cap allow. A lossy level
-//!    cannot give back precision: a promotion restores from a write-through copy when one
-//!    exists, otherwise it is counted as a no-op.
+//!    important first) admitted while the device budget and the move cap allow, but in a plan
+//!    that makes room for new blocks (they would take its slots). A lossy level cannot give
+//!    back precision: a promotion restores from a write-through copy when one exists,
+//!    otherwise it is counted as a no-op.
 //! 3. pressure, tier by tier: above `budget * (1 - headroom)` the lowest-ranked blocks are
 //!    demoted one level or offloaded to the next tier (a cached prefix's sink blocks after
 //!    every other cached block); above the budget itself, cached blocks are evicted and, if
@@ -709,6 +710,13 @@ impl Core {
         down.sort_unstable();
         for (_, b, level) in down {
             self.demote_to(pass, b, level);
+        }
+        // A plan that makes room brings nothing up: each block it would bring takes a slot the
+        // room needs (a fetch there and an offload to make up for it, plan after plan, made
+        // no room at all). The next plan brings them.
+        if pass.reserved.iter().any(|&r| r > 0) {
+            pass.deferred += up.len() as u64;
+            return;
         }
         up.sort_unstable_by(|a, b| b.cmp(a));
         for (_, b, wished) in up {

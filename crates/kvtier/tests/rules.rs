@@ -1159,3 +1159,55 @@ fn a_released_block_a_live_sequence_shares_stays_until_it_lets_go() {
         }
     }
 }
+
+#[test]
+fn a_plan_that_makes_room_brings_nothing_up_and_the_next_plan_does() {
+    // Device pools of 3 level-0 slots (and room in bytes to spare), a host behind. A live
+    // block pushed to the host by a squeezed budget wants to come back; a plan making room for
+    // one new level-0 block leaves it there (fetched, it would take the slot the room needs:
+    // a fetch and an offload to make up for it, plan after plan, made none), the next brings it.
+    let mut cfg = cfg();
+    cfg.enable_compression = false;
+    cfg.pressure_only = true;
+    cfg.headroom = 0.0;
+    cfg.recent_window = 0;
+    cfg.sink_blocks = 0;
+    cfg.pool_slots = vec![
+        (Tier::Device, 0, 3),
+        (Tier::Device, 1, 3),
+        (Tier::Device, 2, 3),
+    ];
+    let device_bytes = 3 * (64 + 32 + 16);
+    cfg.tiers = vec![
+        TierConfig {
+            tier: Tier::Device,
+            budget_bytes: Some(device_bytes),
+        },
+        TierConfig {
+            tier: Tier::Host,
+            budget_bytes: None,
+        },
+    ];
+    let mut c = core(cfg);
+    let (_s, blocks) = seq_with(&mut c, 1, 3);
+    c.set_budget(Tier::Device, Some(2 * 64)).unwrap();
+    commit(&mut c);
+    let on_host = |c: &Core| {
+        blocks
+            .iter()
+            .filter(|&&b| c.block_loc(b).unwrap().tier == Tier::Host)
+            .count()
+    };
+    assert_eq!(on_host(&c), 1);
+    c.set_budget(Tier::Device, Some(device_bytes)).unwrap();
+    let plan = c.plan_with_room(64).unwrap().clone();
+    assert!(
+        plan.moves.iter().all(|m| m.kind != MoveKind::Fetch),
+        "{plan:?}"
+    );
+    c.commit(plan.id).unwrap();
+    assert_eq!(on_host(&c), 1);
+    let plan = commit(&mut c);
+    assert!(plan.moves.iter().any(|m| m.kind == MoveKind::Fetch));
+    assert_eq!(on_host(&c), 0);
+}

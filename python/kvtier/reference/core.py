@@ -733,11 +733,24 @@ class ModelCore:
             per_level[self.level[b]].pop()
             self._evict_now(b)
 
-    def _evict_level0_slot(self) -> None:
+    def evict_cached(self, n: int, protected: Iterable[int] | None = None) -> list[int] | None:
+        """``Core.evict_cached``: ``n`` blocks evicted as making room for new level-0 blocks
+        does, none of ``protected`` (pinned meanwhile); their hashes, or None, with nothing
+        evicted, when fewer than ``n`` could go."""
+        ids = _as_list(protected or [])
+        self.pin(ids)
+        try:
+            if sum(1 for b in self._reclaimable() if self.level[b] == 0) < n:
+                return None
+            return [self._evict_level0_slot() for _ in range(n)]
+        finally:
+            self.unpin(ids)
+
+    def _evict_level0_slot(self) -> int:
         """Evicts one block towards a free level-0 slot: the lowest level-0 leaf by eviction
         key, else the first leaf down (first children) from the lowest-ranked reclaimable
         level-0 block, sinks after the others (its subtree sits at lower levels; there is one:
-        room was checked)."""
+        room was checked). Returns its hash."""
         leaf = self._lowest_evictable([0])
         if leaf is None:
             reclaimable = self._reclaimable()
@@ -747,7 +760,9 @@ class ModelCore:
             leaf = top
             while self.children[leaf]:
                 leaf = self.children[leaf][0]
+        hash_ = self.hash[leaf]
         self._evict_now(leaf)
+        return hash_
 
     def _see(self, blocks: list[int]) -> None:
         """Counts a sighting of each hashed block a sequence just took, new or shared, at the

@@ -268,7 +268,7 @@ impl Core {
         if self.prefix_aware() {
             // Leaves only: level-0 slots first (each such eviction frees bytes too), then bytes.
             while n > u64::from(self.pools[pool0].free_count()) {
-                let freed = self.evict_level0_slot();
+                let freed = self.evict_level0_slot().is_some();
                 debug_assert!(freed, "room was checked before evicting");
                 if !freed {
                     break;
@@ -399,18 +399,40 @@ impl Core {
         self.freq.evicted(idle);
     }
 
+    /// Evicts `n` cached blocks of the device's level-0 pool as making room for new blocks
+    /// does (one slot at a time: [`Core::evict_level0_slot`]), none of `protected` (pinned
+    /// meanwhile), and returns their hashes. All or nothing: None, with nothing evicted, when
+    /// fewer than `n` could go. For a cache that asks its policy for victims, as vLLM's CPU
+    /// offloading asks its `CachePolicy`.
+    pub fn evict_cached(&mut self, n: u64, protected: &[u32]) -> Result<Option<Vec<u64>>> {
+        self.pin(protected)?;
+        let pool = self.pool_index(Tier::Device, 0);
+        let evicted = (self.caches[pool].reclaimable >= n).then(|| {
+            (0..n)
+                .map(|_| {
+                    self.evict_level0_slot()
+                        .expect("reclaimable blocks were counted")
+                })
+                .collect()
+        });
+        self.unpin(protected)?;
+        Ok(evicted)
+    }
+
     /// Evicts cached blocks until one level-0 slot of the device is free: its lowest-ranked
     /// leaf, else (its reclaimable blocks all have children elsewhere) the lowest-ranked of
-    /// them, leaves of its subtree first. False if the pool holds nothing reclaimable.
-    fn evict_level0_slot(&mut self) -> bool {
+    /// them, leaves of its subtree first. Returns the evicted block's hash; None if the pool
+    /// holds nothing reclaimable.
+    fn evict_level0_slot(&mut self) -> Option<u64> {
         let pool = self.pool_index(Tier::Device, 0);
         let which = self.victims();
         if let Some((_, b)) = self.peek_cached(pool, which) {
+            let hash = self.blocks.rows[b as usize].hash;
             self.evict_now(b);
-            return true;
+            return Some(hash);
         }
         if self.caches[pool].reclaimable == 0 {
-            return false;
+            return None;
         }
         // The lowest-ranked reclaimable block: entries that are not are set aside and put back.
         let mut aside = Vec::new();
@@ -426,15 +448,13 @@ impl Core {
         for (key, ticket) in aside {
             self.restore_cached(pool, key, ticket);
         }
-        let Some(top) = found else {
-            return false;
-        };
         // Every descendant of a reclaimable block is cached: the first leaf down goes.
-        let mut leaf = top;
+        let mut leaf = found?;
         while !self.blocks.links[leaf as usize].is_leaf() {
             leaf = self.blocks.links[leaf as usize].first_child;
         }
+        let hash = self.blocks.rows[leaf as usize].hash;
         self.evict_now(leaf);
-        true
+        Some(hash)
     }
 }
