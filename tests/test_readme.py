@@ -46,7 +46,8 @@ untagged blocks (output, not commands)
     A vLLM ``--kv-transfer-config`` value: it must parse, its ``kv_connector_extra_config`` must
     make a valid :func:`kvtier.integrations.vllm.connector_config` (every key a config field,
     every value of the right kind), and, when vLLM is installed, it must name the connector
-    class of the module it names.
+    class of the module it names. For vLLM's own ``OffloadingConnector``: vLLM must resolve
+    the cache policy it names (kvtier's, out of tree) to a ``CachePolicy``.
 
 Any other block (another language, other output) fails: run it or give it a rule here.
 Cases that need transformers are marked ``hf``, those that need redis-server ``redis``.
@@ -438,11 +439,29 @@ def check_kv_transfer_config(block: Block, env: dict[str, str]) -> None:
     import json
 
     config = json.loads(block.text)
+    if config["kv_connector"] == "OffloadingConnector":
+        check_offloading_config(config)
+        return
     assert config["kv_connector"] == "KVTierConnector", f"README.md:{block.line}"
     module = pytest.importorskip(config["kv_connector_module_path"])
     module.connector_config(config["kv_connector_extra_config"], block_size=16, environ=env)
     pytest.importorskip("vllm")  # the connector class is imported with vLLM
     assert hasattr(module, config["kv_connector"])
+
+
+def check_offloading_config(config: dict[str, Any]) -> None:
+    """vLLM's own offloading with kvtier's cache policy: vLLM resolves the policy it names, a
+    ``CachePolicy``, and the CPU tier has bytes."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+    extra = config["kv_connector_extra_config"]
+    assert int(extra["cpu_bytes_to_use"]) > 0
+    policy = CachePolicyFactory.get_cache_policy_cls(
+        extra["eviction_policy"], extra.get("cache_policy_module_path")
+    )
+    assert issubclass(policy, CachePolicy)
 
 
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=_marks(b)) for b in BLOCKS])

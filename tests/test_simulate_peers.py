@@ -214,7 +214,7 @@ def test_without_vllm_its_peers_name_the_extra_to_install(
     argv = ["simulate", "--limit", "20", "--no-progress", "--compare", "lru,vllm-lru"]
     assert main(argv) == 2
     error, hint = error_and_hint(capsys.readouterr().err)
-    assert "vllm-lru and vllm-arc" in error and "kvtier[vllm]" in hint
+    assert "vllm-lru, vllm-arc and vllm-kvtier" in error and "kvtier[vllm]" in hint
     assert main(["simulate", "--limit", "20", "--no-progress", "--compare", "lru,optimal"]) == 0
 
 

