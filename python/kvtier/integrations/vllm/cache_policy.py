@@ -224,12 +224,11 @@ class KvtierCachePolicy(CachePolicy):
         (released first when it ended its conversation)."""
         state = self._request(req_context)
         if not state.stored:
-            hits = [[k for k in group if k in reused_keys] for group in key_groups]
-            for group_keys in hits:
-                if group_keys and all(k in self._block for k in group_keys):
-                    seq = self.core.add_sequence()
-                    state.chains[-1 - len(state.chains)] = _Chain(seq, len(group_keys))
-                    self.core.record_reads(self._append(seq, group_keys))
+            for group, keys in enumerate(key_groups):
+                hits = [k for k in keys if k in reused_keys]
+                if hits and all(k in self._block for k in hits):
+                    state.chains[group] = _Chain(self.core.add_sequence(), len(hits))
+                    self.core.record_reads(self._append(state.chains[group].seq, hits))
         plan = self.core.plan()
         self.core.commit(plan.id)
         release = release_asked(req_context.kv_transfer_params, req_context.req_id)
