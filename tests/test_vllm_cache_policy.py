@@ -34,9 +34,10 @@ def bundled() -> Trace:
     return load_trace(bundled_trace_path())
 
 
-def simulated_hits(trace: Trace, policy: str, capacity: int) -> list[int]:
+def simulated_hits(trace: Trace, policy: str, capacity: int) -> tuple[list[int], int]:
     """Each request's hit blocks in ``kvtier simulate``'s replay (bf16 only, ``capacity``
-    blocks): the cumulative hits its timeline samples after every request, differenced."""
+    blocks): the cumulative hits its timeline samples after every request, differenced; and
+    the requests whose new blocks it refused."""
     config = SimulationConfig(dtype="bf16", device_blocks=capacity, ladder=("bf16",))
     sim = Simulator(
         build_core(config, policy, ("bf16",)),
@@ -47,23 +48,28 @@ def simulated_hits(trace: Trace, policy: str, capacity: int) -> list[int]:
     )
     sim.run(len(trace))
     cumulative = [hits for _, hits, _, _ in sim.timeline()]
-    return np.diff([0, *cumulative]).tolist()
+    return np.diff([0, *cumulative]).tolist(), sim.stats()["rejected"]
 
 
-@pytest.mark.parametrize("policy", ["importance", "lru"])
-@pytest.mark.parametrize("capacity", [300, 2000])
+@pytest.mark.parametrize(
+    ("policy", "capacity"),
+    [("importance", 30), ("importance", 300), ("importance", 2000), ("lru", 300), ("lru", 2000)],
+)
 def test_vllms_manager_with_kvtiers_policy_hits_what_simulate_hits(
     policy: str, capacity: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Request by request, the same hits as ``kvtier simulate`` of the same policy (the default
     ``importance``, or ``KVTIER_POLICY``'s) and capacity: the policy evicts what the core
-    evicts, a request's own prefix included never."""
+    evicts, a request's own prefix never, and a request whose new blocks do not fit beside its
+    prefix stores none of them (at 30 blocks, a quarter of the requests)."""
     if policy != "importance":
         monkeypatch.setenv("KVTIER_POLICY", policy)
     trace = bundled()
     run = vllm_replay(trace, "vllm-kvtier", capacity)
-    assert run.hits.tolist() == simulated_hits(trace, policy, capacity)
-    assert run.evicted_own_prefix == 0 and run.rejected == 0
+    hits, rejected = simulated_hits(trace, policy, capacity)
+    assert run.hits.tolist() == hits
+    assert run.rejected == rejected and (rejected > 0) == (capacity == 30)
+    assert run.evicted_own_prefix == 0
     assert run.held.max() == capacity  # full, and never over
 
 

@@ -109,6 +109,8 @@ class KvtierCachePolicy(CachePolicy):
         self._evicted: list[tuple[OffloadKey, ChunkStatus]] = []
         #: keys a store appended, for vLLM's `insert` that follows
         self._appended: set[OffloadKey] = set()
+        #: the core found no room for the store ``on_store_miss`` announced: `evict` refuses
+        self._refused = False
         #: chunks vLLM holds that the core lost track of (after a failed store before them)
         self._untracked: set[OffloadKey] = set()
 
@@ -167,6 +169,7 @@ class KvtierCachePolicy(CachePolicy):
         new = set(keys)
         state = self._request(req_context)
         state.stored = True
+        self._refused = False
         for group, chain in self._chains(req_context, keys).items():
             held = state.chains.get(group)
             start = 0 if held is None else held.held
@@ -182,7 +185,10 @@ class KvtierCachePolicy(CachePolicy):
             try:
                 blocks = self._append(held.seq, run)
             except OutOfCapacityError:
-                continue  # vLLM finds no room either: its `evict` gets None
+                # No room but the request's own prefix: vLLM's `evict` for this store gets
+                # None (as a replay keeps a request's hits and refuses its new blocks).
+                self._refused = True
+                continue
             held.held += len(run)
             self.core.record_reads(blocks)  # the request reads its whole chain
             self._appended.update(k for k in run if k in new)
@@ -193,10 +199,13 @@ class KvtierCachePolicy(CachePolicy):
         self, n: int, protected: set[OffloadKey]
     ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         """``n`` chunks, none of ``protected``, or None with nothing changed: those the core
-        evicted for the store ``on_store_miss`` announced, else its lowest-ranked leaves now
-        (``Core.evict_cached``). (More than ``n`` only while a failed store's chunk, which vLLM
+        evicted for the store ``on_store_miss`` announced (None if it found no room beside the
+        request's own prefix), else its lowest-ranked leaves now (``Core.evict_cached``). (More than ``n`` only while a failed store's chunk, which vLLM
         freed, is still held by its request's core sequence: vLLM frees the extra ones too.)"""
         evicted, self._evicted = self._evicted, []
+        if self._refused:
+            self._refused = False
+            return None
         if len(evicted) < n:
             keep = self._blocks([k for k in protected if k in self._block])
             hashes = self.core.evict_cached(n - len(evicted), keep)
