@@ -246,3 +246,26 @@ def test_the_loads_tables_figures_are_the_saved_rounds() -> None:
         assert row[6] == f"{r['same_output']}/17"
     median = f"**{saved['median_prefill_ratio']:.3f}**"
     assert median in text and median in (DOCS.parent / "README.md").read_text()
+
+
+def test_the_vllm_policy_tables_figures_are_the_saved_runs() -> None:
+    """README.md's table of vLLM's CPU tier under kvtier's policy and vLLM's own: each figure is
+    its saved run's (docs/results/vllm-kvtier-policy), and kvtier's policy inside vLLM's manager
+    hits what kvtier's replay of the same policy hits, in every run."""
+    rows = _table_rows(
+        (DOCS.parent / "README.md").read_text(), "| vLLM CPU tier blocks (full trace) |"
+    )
+    labels = {
+        "kvtier's policy (`vllm-kvtier`)": "vllm-kvtier",
+        "vLLM's own LRU": "vllm-lru",
+        "vLLM's own ARC": "vllm-arc",
+    }
+    assert [row[0] for row in rows] == list(labels)
+    capacities = [500, 1000, 2000, 5000, 10000, 20000, 50000]
+    for blocks in capacities:
+        path = DOCS / "results" / "vllm-kvtier-policy" / f"full-trace-{blocks}.json"
+        saved = {r["policy"]: r for r in json.loads(path.read_text())["results"]}
+        assert saved["vllm-kvtier"]["hit_blocks"] == saved["importance"]["hit_blocks"]
+        for row in rows:
+            cell = row[1 + capacities.index(blocks)]
+            assert cell == f"{100 * saved[labels[row[0]]]['block_hit_rate']:.2f} %", (row, blocks)
