@@ -20,6 +20,18 @@ import pytest
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
+@pytest.fixture
+def no_kvtier_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``KVTIER_*`` variable (and its alias) cleared: the library's documented defaults,
+    whatever the shell running the tests has set."""
+    from kvtier.config import ENV_VARS
+
+    for var in ENV_VARS:
+        monkeypatch.delenv(var.name, raising=False)
+        if var.alias:
+            monkeypatch.delenv(var.alias, raising=False)
+
+
 #: The one skip reason CI accepts, and how every test that needs a GPU skips on a machine
 #: without one, before it asks for anything else (CuPy, NVRTC): so a CPU runner passes while a
 #: GPU runner without CuPy fails rather than skipping its GPU tests.

@@ -21,18 +21,13 @@ from bad_traces import BAD_TRACES
 from sample_result import sample_result
 
 from kvtier.cli import DEFAULT_DEVICE_BYTES, main
-from kvtier.config import ENV_VARS
 from kvtier.shapes import model_shape
 
 GiB = 2**30
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ENV_VARS:
-        monkeypatch.delenv(var.name, raising=False)
-        if var.alias:
-            monkeypatch.delenv(var.alias, raising=False)
+def _clean_env(no_kvtier_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NO_COLOR", raising=False)
 
 

@@ -35,13 +35,7 @@ ALIASED = [
     ),
 ]
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ENV_VARS:
-        monkeypatch.delenv(var.name, raising=False)
-        if var.alias:
-            monkeypatch.delenv(var.alias, raising=False)
+pytestmark = pytest.mark.usefixtures("no_kvtier_env")
 
 
 def test_defaults_are_the_documented_ones() -> None:

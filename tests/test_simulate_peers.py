@@ -15,19 +15,13 @@ import pytest
 
 from kvtier._core import Simulator
 from kvtier.cli import main
-from kvtier.config import ENV_VARS, POLICIES
+from kvtier.config import POLICIES
 from kvtier.peers import optimal_replay, vllm_replay
 from kvtier.report import render_table
 from kvtier.simulate import SimulationConfig, build_core, run
 from kvtier.traces import Trace, bundled_trace_path, load_trace
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ENV_VARS:
-        monkeypatch.delenv(var.name, raising=False)
-        if var.alias:
-            monkeypatch.delenv(var.alias, raising=False)
+pytestmark = pytest.mark.usefixtures("no_kvtier_env")
 
 
 @cache

@@ -5,34 +5,20 @@ side drives it: :func:`kvtier.peers.vllm_replay`), on the bundled Mooncake slice
 from __future__ import annotations
 
 import os
-from functools import cache
 from typing import Any
 
 import numpy as np
 import pytest
+from test_simulate_peers import bundled
 
 from kvtier._core import Simulator
-from kvtier.config import ENV_VARS
 from kvtier.peers import vllm_replay
 from kvtier.simulate import SimulationConfig, build_core
-from kvtier.traces import Trace, bundled_trace_path, load_trace
+from kvtier.traces import Trace
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("no_kvtier_env")]
 
 MODULE = "kvtier.integrations.vllm"
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ENV_VARS:
-        monkeypatch.delenv(var.name, raising=False)
-        if var.alias:
-            monkeypatch.delenv(var.alias, raising=False)
-
-
-@cache
-def bundled() -> Trace:
-    return load_trace(bundled_trace_path())
 
 
 def simulated_hits(trace: Trace, policy: str, capacity: int) -> tuple[list[int], int]:
