@@ -1071,6 +1071,32 @@ def test_an_engine_takes_the_prompt_blocks_another_engine_published(redis_server
 
 
 @pytest.mark.redis
+def test_blocks_saved_encoded_below_level_0_are_not_published(redis_server: Any) -> None:
+    """An encoded save places blocks below level 0 before a byte is written: only their
+    codec's bytes exist, so they are not published (their slot number names a row of another
+    pool); the sink that stayed at level 0 is, exactly, and another engine takes that one."""
+    shape = BlockShape(LAYERS, HEADS, BS, DIM, "bf16")
+    int8 = 2.5 * get_codec("int8").bytes_per_block(shape) / (64 * shape.fp16_bytes)
+    a2, b2 = sharing(
+        redis_server.url,
+        dtype=torch.bfloat16,
+        ladder=("bf16", "int8", "int4"),
+        pool_shares=(0.4, int8, 0.6 - int8),
+    )
+    x, ids = kv(4 * BS, seed=46, dtype=torch.bfloat16), np.arange(4 * BS) + 500
+    seq = a2.add_sequence(ids)
+    for layer in range(LAYERS):
+        a2.append_blocks(seq, layer, as_blocks(x, layer, 0, 4), encode=True)
+    assert a2.core.block_info(a2.core.sequence_blocks(seq))["level"].tolist() == [0, 1, 1, 2]
+    a2.step()
+    assert a2.stats().counters["prefix_published"] == 1
+    got = b2.add_sequence(ids)
+    assert b2.num_tokens(got) == BS
+    for layer in range(LAYERS):
+        assert torch.equal(b2.gather_blocks(got, layer)[0], as_blocks(x, layer, 0, 1)[0])
+
+
+@pytest.mark.redis
 def test_a_prompt_freed_and_pressed_out_before_the_step_is_still_published(
     redis_server: Any,
 ) -> None:

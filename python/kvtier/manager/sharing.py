@@ -59,9 +59,12 @@ class PrefixSharing:
 
     def queue(self, done: np.ndarray) -> None:
         """Queues complete blocks that have a prefix hash (under the lock), pinned again (the
-        core counts pins) until published."""
-        hashes = self.core.block_info(done)["hash"]
-        hashed = hashes != 0
+        core counts pins) until published. Only blocks whose exact K/V a level-0 device slot
+        holds: a block an encoded append placed below level 0 holds its codec's bytes only,
+        and is not shared."""
+        info = self.core.block_info(done)
+        hashes = info["hash"]
+        hashed = (hashes != 0) & (info["level"] == 0) & (info["tier"] == 0)
         self.core.pin(done[hashed])
         self.pending.update(zip(done[hashed].tolist(), hashes[hashed].tolist(), strict=True))
 
@@ -94,12 +97,14 @@ class PrefixSharing:
 
     # -- fetching -------------------------------------------------------------------------------
 
-    def held(self, tokens: np.ndarray, salt: str | None, skip: int) -> int:
-        """Blocks of ``tokens`` after the first ``skip`` that the server holds, up to the first
-        it lacks (one round trip, outside the lock)."""
+    def hashes_of(self, tokens: np.ndarray, salt: str | None) -> np.ndarray:
+        """The prefix hashes of the whole blocks of ``tokens`` (a sequence of ``salt``)."""
+        return prefix_hashes(tokens, self.ledger.block_size, self.namespace, salt)
+
+    def held(self, hashes: np.ndarray) -> int:
+        """The leading blocks of ``hashes`` that the server holds, up to the first it lacks
+        (one round trip, outside the lock)."""
         assert self.store is not None
-        bs = self.ledger.block_size
-        hashes = prefix_hashes(tokens, bs, self.namespace, salt)[skip:]
         found = [*self.store.contains_many([int(h) for h in hashes]), False]
         return found.index(False)
 
