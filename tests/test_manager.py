@@ -1070,6 +1070,49 @@ def test_an_engine_takes_the_prompt_blocks_another_engine_published(redis_server
     assert c.num_tokens(c.add_sequence(ids)) == 5 * BS  # what a published outlives it
 
 
+def test_a_sequence_named_by_block_hashes_is_cached_and_found_by_them() -> None:
+    """An engine that knows its blocks by hash (vLLM's offloading tiers) declares them so: a
+    hash names its block wherever it sat, a later sequence shares what the cache holds, and
+    bad hashes are refused with nothing added."""
+    bm = manager()
+    x = kv(3 * BS, seed=60)
+    seq = bm.add_sequence(block_hashes=[11, 22, 33])
+    assert bm.num_tokens(seq) == 0
+    append_all(bm, seq, x)
+    bm.free(seq)
+    assert bm.lookup(block_hashes=[11, 22, 33, 44]) == 3 * BS
+    assert bm.lookup(block_hashes=[22]) == BS and bm.lookup(block_hashes=[44, 11]) == 0
+    again = bm.add_sequence(block_hashes=np.array([22, 33], dtype=np.uint64))
+    assert bm.num_tokens(again) == 2 * BS
+    for layer in range(LAYERS):
+        k, v = bm.gather(again, layer)
+        assert torch.equal(k, x[layer, 0, BS:]) and torch.equal(v, x[layer, 1, BS:])
+    before = bm.sequences()
+    for bad, match in [
+        ({"block_hashes": [0]}, "0 is no block's hash"),
+        ({"block_hashes": [-1]}, r"expected hashes in \[1, 2\*\*64\)"),
+        ({"block_hashes": [[1, 2]]}, "expected a 1-D sequence of integer hashes"),
+        ({"token_ids": np.arange(BS), "block_hashes": [5]}, "give no token_ids or salt"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=match):
+            bm.add_sequence(**bad)
+    with pytest.raises(InvalidArgumentError, match="give no token_ids or salt"):
+        bm.lookup(salt="tenant", block_hashes=[5])
+    assert bm.sequences() == before
+
+
+@pytest.mark.redis
+def test_blocks_named_by_hash_are_shared_through_the_server(redis_server: Any) -> None:
+    a, b = sharing(redis_server.url)
+    x, hashes = kv(3 * BS, seed=61), [101, 102, 103]
+    append_all(a, a.add_sequence(block_hashes=hashes), x)
+    a.step()
+    assert b.lookup(block_hashes=hashes) == 3 * BS and b.lookup(block_hashes=[102]) == BS
+    seq = b.add_sequence(block_hashes=hashes[1:])
+    assert b.num_tokens(seq) == 2 * BS and b.stats().counters["prefix_fetched"] == 2
+    assert torch.equal(b.gather(seq, 1)[1], x[1, 1, BS:])
+
+
 @pytest.mark.redis
 def test_blocks_saved_encoded_below_level_0_are_not_published(redis_server: Any) -> None:
     """An encoded save places blocks below level 0 before a byte is written: only their

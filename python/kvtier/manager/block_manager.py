@@ -41,6 +41,7 @@ from .checks import (
     check_kv,
     check_layer,
     check_query,
+    hash_array,
     key_norms,
     refusal,
     sequence_ids,
@@ -238,7 +239,9 @@ class BlockManager:
 
     # -- sequences ------------------------------------------------------------------------------
 
-    def add_sequence(self, token_ids: Any = None, *, salt: str | None = None) -> int:
+    def add_sequence(
+        self, token_ids: Any = None, *, salt: str | None = None, block_hashes: Any = None
+    ) -> int:
         """A new sequence; with ``token_ids`` (its prompt), the longest cached prefix of them is
         shared rather than stored again: :meth:`num_tokens` then says how many leading tokens
         already have their K/V, and appends start after them. With ``share_prefixes``, the
@@ -248,27 +251,41 @@ class BlockManager:
         ``salt`` (a non-empty ``str``: a tenant id, vLLM's ``cache_salt``) keeps the sequence's
         blocks, here and on the remote server, apart from those of sequences with another salt
         or none: it shares only with sequences of the same salt (its forks keep it). Without a
-        salt, the blocks' hashes and keys are those of earlier versions."""
-        tokens = None if token_ids is None else token_array(token_ids)
+        salt, the blocks' hashes and keys are those of earlier versions.
+
+        ``block_hashes`` instead of ``token_ids``: whole blocks named by the caller's own
+        hashes (nonzero 64-bit ints, already chained: an engine's block hashes), for an engine
+        that knows its blocks by hash rather than by tokens (vLLM's offloading tiers). A hash
+        the cache holds shares that block, wherever it is in the sequence, as a token prefix
+        would; nothing is salted (the hashes say all)."""
+        if block_hashes is not None:
+            if token_ids is not None or salt is not None:
+                raise InvalidArgumentError(
+                    "add_sequence: block_hashes name the blocks: give no token_ids or salt"
+                )
+            hashes = hash_array(block_hashes)
+            declare = lambda seq: self.core.append_blocks(seq, hashes)  # noqa: E731
+            shared = lambda: self.core.lookup(hashes)  # noqa: E731
+            n = len(hashes) * self.block_size
+        else:
+            tokens = token_array([] if token_ids is None else token_ids)
+            declare = lambda seq: self.core.append_tokens(seq, tokens)  # noqa: E731
+            shared = lambda: self.core.lookup_tokens(tokens, salt)  # noqa: E731
+            n = len(tokens)
         with self._lock:
             self._free_orphans()
             seq = self.core.add_sequence(salt)
             state = _Seq(np.zeros(self.shape.layers, dtype=np.int64))
             self._seqs[seq] = state
-            if tokens is not None and len(tokens):
+            if n:
                 try:
-                    self._grow(
-                        seq,
-                        lambda: self.core.append_tokens(seq, tokens),
-                        len(tokens),
-                        lambda: self.core.lookup_tokens(tokens, salt),
-                    )
+                    self._grow(seq, lambda: declare(seq), n, shared)
                 except BaseException:
                     del self._seqs[seq]
                     self.core.free_sequence(seq)
                     raise
                 state.lengths[:] = self.ledger.cached_prefix(self.core.sequence_blocks(seq))
-        if self._sharing.active and tokens is not None:
+        if self._sharing.active and n:
             self._fetch_shared(seq)
         return seq
 
@@ -297,19 +314,32 @@ class BlockManager:
             self._free_orphans()
             return list(self._seqs)
 
-    def lookup(self, token_ids: Any, *, salt: str | None = None) -> int:
+    def lookup(
+        self, token_ids: Any = None, *, salt: str | None = None, block_hashes: Any = None
+    ) -> int:
         """How many leading tokens of ``token_ids`` have their K/V cached (whole blocks), for a
-        sequence that :meth:`add_sequence` would add with this ``salt``. With
-        ``share_prefixes``, the blocks after those that the server holds count too (one round
-        trip; a value is checked only when :meth:`add_sequence` takes it, so a damaged one can
-        make that take fewer)."""
-        tokens = token_array(token_ids)
+        sequence that :meth:`add_sequence` would add with this ``salt``; or of the blocks
+        ``block_hashes`` names (:meth:`add_sequence`'s). With ``share_prefixes``, the blocks
+        after those that the server holds count too (one round trip; a value is checked only
+        when :meth:`add_sequence` takes it, so a damaged one can make that take fewer)."""
+        if block_hashes is not None:
+            if token_ids is not None or salt is not None:
+                raise InvalidArgumentError(
+                    "lookup: block_hashes name the blocks: give no token_ids or salt"
+                )
+            hashes = hash_array(block_hashes)
+            cached = lambda: self.core.lookup(hashes)  # noqa: E731
+            remote = lambda: hashes  # noqa: E731
+        else:
+            tokens = token_array(token_ids)
+            cached = lambda: self.core.lookup_tokens(tokens, salt)  # noqa: E731
+            remote = lambda: self._sharing.hashes_of(tokens, salt)  # noqa: E731
         with self._lock:
-            here = self.ledger.cached_prefix(self.core.lookup_tokens(tokens, salt))
+            here = self.ledger.cached_prefix(cached())
         if not self._sharing.active:
             return here
         bs = self.block_size
-        return here + self._sharing.held(tokens, salt, here // bs) * bs
+        return here + self._sharing.held(remote()[here // bs :]) * bs
 
     def clear_prefix_cache(self) -> int:
         """Forgets what is stored (a reset): every block leaves the prefix index, so no later

@@ -25,6 +25,7 @@ __all__ = [
     "check_kv",
     "check_layer",
     "check_query",
+    "hash_array",
     "key_norms",
     "sequence_ids",
     "softmax_scale",
@@ -194,6 +195,24 @@ def softmax_scale(scale: Any) -> float:
     if number and math.isfinite(scale):
         return float(scale)
     raise InvalidArgumentError(f"scale: expected a finite number or None, got {scale!r}")
+
+
+def hash_array(block_hashes: Any) -> np.ndarray:
+    """Block hashes (a list or numpy array of nonzero 64-bit ints) as a uint64 numpy array."""
+    arr = np.asarray(block_hashes)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgumentError(
+            f"block_hashes: expected a 1-D sequence of integer hashes, got {arr.dtype} "
+            f"{list(arr.shape)}"
+        )
+    if arr.dtype != np.uint64 and (arr.min() < 0 or arr.max() > np.iinfo(np.uint64).max):
+        raise InvalidArgumentError("block_hashes: expected hashes in [1, 2**64)")
+    hashes = arr.astype(np.uint64)
+    if not hashes.all():
+        raise InvalidArgumentError("block_hashes: 0 is no block's hash (it means none)")
+    return hashes
 
 
 def token_array(token_ids: Any) -> np.ndarray:
