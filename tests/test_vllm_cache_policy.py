@@ -4,7 +4,6 @@ side drives it: :func:`kvtier.peers.vllm_replay`), on the bundled Mooncake slice
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 from test_simulate_peers import bundled
 
 from kvtier._core import Simulator
+from kvtier.bench.tiering import ChunkGeometry, replay
 from kvtier.peers import vllm_replay
 from kvtier.simulate import SimulationConfig, build_core
 from kvtier.traces import Trace
@@ -163,80 +163,15 @@ def test_a_failed_store_leaves_the_rest_consistent() -> None:
     assert set(store(m, "d", keys_of("d", 5))) == set(a) | set(keys_of("c", 2))
 
 
-def tiering_replay(trace: Trace, capacity: int, secondary: bool) -> list[int]:
-    """Each request's hit blocks through vLLM's ``TieringOffloadingManager``: a CPU primary tier
-    of ``capacity`` chunks (a real ``SharedOffloadRegion``, 4 KiB a chunk) under kvtier's
-    policy, with vLLM's in-memory example tier behind it or none; driven as vLLM's connector
-    drives it, a lookup that starts a promotion retried after the step's end."""
-    from vllm.v1.kv_offload.base import (
-        LookupResult,
-        ReqContext,
-        ScheduleEndContext,
-        make_offload_key,
-    )
-    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-    from vllm.v1.kv_offload.tiering.example.manager import ExampleSecondaryTierManager
-    from vllm.v1.kv_offload.tiering.manager import (
-        CPUPrimaryTierOffloadingManager,
-        TieringOffloadingManager,
-    )
-
-    region = SharedOffloadRegion(
-        engine_id=f"kvtier-test-{os.getpid()}-{secondary}",
-        num_chunks=capacity,
-        rank=None,
-        kv_bytes_per_chunk=4096,
-        cpu_page_size=4096,
-    )
-    primary = CPUPrimaryTierOffloadingManager(
-        num_chunks=capacity,
-        mmap_region=region,
-        cache_policy="KvtierCachePolicy",
-        cache_policy_module_path=MODULE,
-    )
-    view = primary.get_kv_memoryview()
-    tiers = [ExampleSecondaryTierManager(None, view, "example")] if secondary else []
-    m = TieringOffloadingManager(primary, tiers)
-    offsets, ids = trace.hash_offsets.tolist(), trace.hash_ids
-    hits = []
-    try:
-        for r in range(len(trace)):
-            keys = [
-                make_offload_key(int(h).to_bytes(8, "big"), 0)
-                for h in ids[offsets[r] : offsets[r + 1]]
-            ]
-            ctx = ReqContext(req_id=str(r))
-            m.on_new_request(ctx)
-            for i, key in enumerate(keys, start=1):
-                ctx.set_offload_key_position(key, 512 * i)
-            for _ in range(4):  # a promotion from the secondary tier lands by the step's end
-                h = 0
-                while h < len(keys) and (found := m.lookup(keys[h], ctx)) is LookupResult.HIT:
-                    h += 1
-                if h == len(keys) or found is LookupResult.MISS:
-                    break
-                m.on_schedule_end(ScheduleEndContext((), ()))
-            hits.append(h)
-            if h:
-                m.prepare_load(keys[:h], ctx)
-                m.complete_load(keys[:h], ctx)
-            out = m.prepare_store(keys[h:], ctx) if h < len(keys) else None
-            if out is not None and out.keys_to_store:
-                m.complete_store(out.keys_to_store, ctx)
-            m.on_request_finished(ctx)
-            m.on_schedule_end(ScheduleEndContext((str(r),), ()))
-    finally:
-        m.shutdown()
-    return hits
-
-
 def test_through_vllms_tiering_manager_too_and_with_a_tier_behind() -> None:
-    """The same policy as the primary tier of vLLM's ``TieringOffloadingManager``: alone, it
-    hits what ``kvtier simulate`` hits; with a tier behind it (vLLM's example tier, which keeps
-    every chunk the primary lets go), the chunks it evicts cascade there and come back on a
-    hit: more hits, every one through vLLM's own promotion path."""
+    """The same policy as the primary tier of vLLM's ``TieringOffloadingManager`` (over a real
+    ``SharedOffloadRegion``, the chunks' bytes written into it): alone, it hits what ``kvtier
+    simulate`` hits; with a tier behind it (vLLM's example tier, which keeps every chunk the
+    primary stores), chunks it evicted come back on a hit through vLLM's promotion path: more
+    hits."""
     trace = bundled()
-    alone = tiering_replay(trace, 300, secondary=False)
-    assert alone == simulated_hits(trace, "importance", 300)[0]
-    behind = tiering_replay(trace, 300, secondary=True)
-    assert sum(behind) > 1.5 * sum(alone)
+    geometry = ChunkGeometry(layers=1, kv_heads=1, head_dim=64)
+    alone, _ = replay(trace, geometry, 300, policy="kvtier")
+    assert alone.tolist() == simulated_hits(trace, "importance", 300)[0]
+    behind, _ = replay(trace, geometry, 300, policy="kvtier", tiers=[{"type": "example"}])
+    assert behind.sum() > 1.5 * alone.sum()

@@ -315,13 +315,19 @@ class BlockManager:
             return list(self._seqs)
 
     def lookup(
-        self, token_ids: Any = None, *, salt: str | None = None, block_hashes: Any = None
+        self,
+        token_ids: Any = None,
+        *,
+        salt: str | None = None,
+        block_hashes: Any = None,
+        local: bool = False,
     ) -> int:
         """How many leading tokens of ``token_ids`` have their K/V cached (whole blocks), for a
         sequence that :meth:`add_sequence` would add with this ``salt``; or of the blocks
         ``block_hashes`` names (:meth:`add_sequence`'s). With ``share_prefixes``, the blocks
         after those that the server holds count too (one round trip; a value is checked only
-        when :meth:`add_sequence` takes it, so a damaged one can make that take fewer)."""
+        when :meth:`add_sequence` takes it, so a damaged one can make that take fewer), unless
+        ``local`` asks for this manager's own only."""
         if block_hashes is not None:
             if token_ids is not None or salt is not None:
                 raise InvalidArgumentError(
@@ -336,7 +342,7 @@ class BlockManager:
             remote = lambda: self._sharing.hashes_of(tokens, salt)  # noqa: E731
         with self._lock:
             here = self.ledger.cached_prefix(cached())
-        if not self._sharing.active:
+        if local or not self._sharing.active:
             return here
         bs = self.block_size
         return here + self._sharing.held(remote()[here // bs :]) * bs

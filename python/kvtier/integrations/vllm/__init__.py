@@ -81,6 +81,7 @@ if TYPE_CHECKING:
     from .metadata import KVTierMetadata, LoadSpec, SaveSpec
     from .metrics import HIT_SOURCES, KVTierPromMetrics, KVTierStats, hit_sources
     from .scheduler import KVTierScheduler
+    from .tier import KvtierTier
     from .worker import KVTierWorker
 
 __all__ = [
@@ -97,6 +98,7 @@ __all__ = [
     "KVTierStats",
     "KVTierWorker",
     "KvtierCachePolicy",
+    "KvtierTier",
     "LoadSpec",
     "SaveSpec",
     "connector_config",
@@ -108,6 +110,7 @@ __all__ = [
 _NEEDS_VLLM = {
     "KVTierConnector": "connector",
     "KvtierCachePolicy": "cache_policy",
+    "KvtierTier": "tier",
     "KVTierMetadata": "metadata",
     "LoadSpec": "metadata",
     "SaveSpec": "metadata",

@@ -37,12 +37,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from vllm.v1.kv_offload.base import get_offload_block_hash, get_offload_group_idx
+from vllm.v1.kv_offload.base import get_offload_group_idx
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
 from ..._core import Core
 from ...config import KvtierConfig
 from ...errors import KvtierError, OutOfCapacityError
+from .offload import chunk_hash
 from .scheduler import release_asked
 
 if TYPE_CHECKING:
@@ -301,9 +302,7 @@ class KvtierCachePolicy(CachePolicy):
         mixed in; never another key's."""
         h = self._hash.get(key)
         if h is None:
-            group = get_offload_group_idx(key)
-            h = int.from_bytes(get_offload_block_hash(key)[:8].ljust(8, b"\0"), "big")
-            h ^= (group * 0x9E3779B97F4A7C15) & _U64
+            h = chunk_hash(key)
             while h in self._key:
                 h = (h + 1) & _U64
             self._hash[key] = h

@@ -118,7 +118,7 @@ class WorkerTiers:
             on_keys(layer, (blocks if self.encode else source.read())[:, 0].transpose(1, 2))
         return len(source)
 
-    def load(self, seq: int, start: int, end: int, block_ids: Sequence[int]) -> int:
+    def load(self, seq: int, start: int, end: int, block_ids: Sequence[int] | np.ndarray) -> int:
         """Writes the K/V of tokens ``start:end`` of manager sequence ``seq`` (decoded to the
         model dtype) into whole paged blocks ``block_ids``, as far as the sequence holds them.
         Returns how many of ``block_ids`` were written, from the first: the rest must be
