@@ -5,8 +5,9 @@
 #
 #   pytest-gpu      every `gpu` test but the vLLM engine's (kernels, attention, manager, stores,
 #                   the connector's paged caches on CUDA)
-#   pytest-vllm     the `gpu and vllm` tests: a vLLM engine with KVTierConnector on FLASH_ATTN
-#                   whose loads generate what the recompute did, at bf16 (tests/test_vllm_gpu.py;
+#   pytest-vllm     the `gpu and vllm` tests: a vLLM engine with KVTierConnector on FLASH_ATTN,
+#                   and one with vLLM's native offloading under KvtierCachePolicy with KvtierTier
+#                   behind it, whose loads generate what the recompute did, at bf16 (tests/test_vllm_gpu.py;
 #                   it skips, and says so below, where vLLM's CUDA build or the model is absent)
 #   bench-codecs, bench-attend, bench-manager: `kvtier bench ...` on the GPU
 #   bench-vllm-paths: the connector's save and load paths, benchmarks/vllm_paths.py --device cuda
@@ -65,9 +66,9 @@ PYTEST=(python3 -m pytest -p no:cacheprovider -o addopts="--strict-markers -ra"
 # Budgets (s), 445 in all; the vLLM step is mostly vLLM's import and its engine's start.
 run env 20 python3 -c 'import torch, cupy, kvtier; print("torch", torch.__version__, "cupy",
 cupy.__version__, "kvtier", kvtier.__file__, torch.cuda.get_device_name())'
-run pytest-gpu "${GPU_CHECK_PYTEST_TIMEOUT:-190}" "${PYTEST[@]}" -m "gpu and not vllm" \
+run pytest-gpu "${GPU_CHECK_PYTEST_TIMEOUT:-170}" "${PYTEST[@]}" -m "gpu and not vllm" \
     ${GPU_CHECK_TESTS:-tests}
-run pytest-vllm "${GPU_CHECK_VLLM_TIMEOUT:-120}" "${PYTEST[@]}" -m "gpu and vllm" -rs \
+run pytest-vllm "${GPU_CHECK_VLLM_TIMEOUT:-140}" "${PYTEST[@]}" -m "gpu and vllm" -rs \
     ${GPU_CHECK_TESTS:-tests}
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
     run bench-codecs 35 python3 -m kvtier bench codecs --no-quanto --no-cpu

@@ -269,3 +269,46 @@ def test_the_vllm_policy_tables_figures_are_the_saved_runs() -> None:
         for row in rows:
             cell = row[1 + capacities.index(blocks)]
             assert cell == f"{100 * saved[labels[row[0]]]['block_hit_rate']:.2f} %", (row, blocks)
+
+
+#: README.md's table of vLLM's two tiers: each row's label, and its configuration in the saved
+#: runs (docs/results/vllm-tiering/hits-B.json).
+TIERING_ROWS = {
+    "one bf16 CPU tier of 2B, vLLM's LRU": "vllm-lru 2B",
+    "one bf16 CPU tier of 2B, vLLM's ARC": "vllm-arc 2B",
+    "one bf16 CPU tier of 2B, kvtier's policy": "kvtier-policy 2B",
+    "B, vLLM's LRU + `KvtierTier`": "vllm-lru B + KvtierTier B",
+    "B, vLLM's ARC + `KvtierTier`": "vllm-arc B + KvtierTier B",
+    "B, kvtier's policy + `KvtierTier`": "kvtier-policy B + KvtierTier B",
+    "B, vLLM's LRU + a bf16-only `KvtierTier`": "vllm-lru B + bf16 KvtierTier B",
+}
+
+
+def test_the_vllm_tiering_tables_figures_are_the_saved_runs() -> None:
+    """README.md's tables of vLLM's native offloading with ``KvtierTier``: each hit rate is its
+    saved run's, each held-tokens ratio and throughput the saved measurement's."""
+    results = DOCS / "results" / "vllm-tiering"
+    readme = (DOCS.parent / "README.md").read_text()
+    header = "| vLLM CPU tier B (full trace, 64-token chunks) |"
+    start = next(line for line in readme.splitlines() if line.startswith(header))
+    sizes = [
+        int(c.strip().removeprefix("B = ").rstrip("k")) * 1000
+        for c in start[len(header) :].strip(" |").split("|")
+    ]
+    rows = _table_rows(readme, header)
+    assert [row[0] for row in rows] == list(TIERING_ROWS)
+    for i, chunks in enumerate(sizes):
+        saved = json.loads((results / f"hits-{chunks}.json").read_text())["configs"]
+        for row in rows:
+            rate = saved[TIERING_ROWS[row[0]]]["block_hit_rate"]
+            assert row[1 + i].strip("*") == f"{100 * rate:.2f} %", (row[0], chunks)
+    held = json.loads((results / "held.json").read_text())
+    for key, row in held.items():
+        if isinstance(row, dict) and row["ladder"] != "bf16":
+            ratio = f"{row['tokens_held_over_bf16']:.2f}\u00d7"
+            assert f"{ratio} at {row['chunk_tokens']}-token chunks" in readme, key
+    speed = json.loads((results / "throughput.json").read_text())
+    for ladder, row in speed.items():
+        if isinstance(row, dict):
+            for figure in ("store_GBps", "load_GBps"):
+                assert f"{row[figure]:.2f} GB/s" in readme, (ladder, figure)

@@ -451,10 +451,16 @@ def check_kv_transfer_config(block: Block, env: dict[str, str]) -> None:
 
 def check_offloading_config(config: dict[str, Any]) -> None:
     """vLLM's own offloading with kvtier's cache policy: vLLM resolves the policy it names, a
-    ``CachePolicy``, and the CPU tier has bytes."""
+    ``CachePolicy``, and the CPU tier has bytes; each secondary tier it names resolves to a
+    ``SecondaryTierManager``, kvtier's with keys that make a valid config of its tiers."""
     pytest.importorskip("vllm")
     from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
     from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    from kvtier.integrations.vllm import connector_config
 
     extra = config["kv_connector_extra_config"]
     assert int(extra["cpu_bytes_to_use"]) > 0
@@ -462,6 +468,12 @@ def check_offloading_config(config: dict[str, Any]) -> None:
         extra["eviction_policy"], extra.get("cache_policy_module_path")
     )
     assert issubclass(policy, CachePolicy)
+    OffloadingSpecFactory.get_spec_cls(extra)  # a spec vLLM knows
+    for tier in extra.get("secondary_tiers", []):
+        assert issubclass(SecondaryTierFactory.get_tier_class(tier), SecondaryTierManager)
+        if tier["type"] == "KvtierTier":
+            own = {"type", "module_path", "attention_backend", "head_dim"}
+            connector_config({k: v for k, v in tier.items() if k not in own}, block_size=16)
 
 
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=_marks(b)) for b in BLOCKS])

@@ -26,6 +26,7 @@ from vllm_engines import (  # noqa: E402
     generate,
     loadable_blocks,
     make_engine,
+    make_llm,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
@@ -75,6 +76,55 @@ def test_flash_attention_engine_loads_saved_prompts_and_generates_what_the_recom
         assert stats["load_errors"] == 0, stats
         assert stats["loaded_blocks"] == loadable, stats
         assert counter(llm, "vllm:external_prefix_cache_hits") - hits == BLOCK * loadable
+        assert [list(o.token_ids) for o in loaded] == [list(o.token_ids) for o in recompute]
+    finally:
+        close(llm)
+
+
+def test_vllms_own_offloading_with_kvtiers_policy_and_tier_generates_what_the_recompute_did(
+    torch_cuda: Any, vllm_model_dir: Path
+) -> None:
+    """vLLM's native offloading (``kv_offloading_size``: its ``OffloadingConnector``, its CUDA
+    copies between the GPU and a CPU tier) with ``TieringOffloadingSpec``, kvtier's policy for
+    the CPU tier (8 chunks) and ``KvtierTier`` (bf16) behind it: after vLLM's prefix cache is
+    reset and other prompts took the CPU tier, the prompts' chunks come back through the tier
+    and generate the greedy tokens the recompute generated."""
+    from vllm.config import KVTransferConfig
+
+    module = "kvtier.integrations.vllm"
+    chunk = -(-30 * 2 * BLOCK * 3 * 64 * 2 // 4096) * 4096  # SmolLM2: 30 layers, 3 KV heads of 64
+    transfer = KVTransferConfig(
+        kv_connector_extra_config={
+            "spec_name": "TieringOffloadingSpec",
+            "eviction_policy": "KvtierCachePolicy",
+            "cache_policy_module_path": module,
+            "secondary_tiers": [
+                {
+                    "type": "KvtierTier",
+                    "module_path": module,
+                    "host_budget": "64MiB",
+                    "ladder": "bf16",
+                }
+            ],
+        }
+    )
+    llm = make_llm(
+        vllm_model_dir,
+        kv_offloading_size=8 * chunk / (1 << 30),
+        kv_transfer_config=transfer,
+        **ENGINE,
+    )
+    try:
+        windows = readme_prompts(vllm_model_dir, [(2 + i) * BLOCK + 7 for i in range(7)])
+        prompts, others = windows[:4], windows[4:]
+        recompute = generate(llm, prompts)
+        generate(llm, others)
+        llm.reset_prefix_cache()
+        hits = counter(llm, "vllm:external_prefix_cache_hits")
+        loaded = generate(llm, prompts)
+        assert counter(llm, "vllm:external_prefix_cache_hits") > hits
+        tier = connector(llm).connector_scheduler.manager.secondary_tiers[0]
+        assert tier.manager.stats().counters["shared_hits"] > 0  # loads from the tier
         assert [list(o.token_ids) for o in loaded] == [list(o.token_ids) for o in recompute]
     finally:
         close(llm)

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_simulate_peers import bundled
 
-from kvtier.bench.tiering import ChunkGeometry, TwoTiers, kvtier_tier, offloading_spec
+from kvtier.bench.tiering import ChunkGeometry, TwoTiers, kvtier_tier, offloading_spec, replay
 from kvtier.errors import ConfigError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("no_kvtier_env")]
@@ -344,3 +345,21 @@ def test_reads_the_head_size_from_the_models_config(vllm_model_dir: Path) -> Non
     spec = offloading_spec(geometry, 4, model=str(vllm_model_dir))
     layout = ChunkLayout.from_spec(spec, attention_backend="FLASH_ATTN")
     assert (layout.paged.num_kv_heads, layout.paged.head_dim, layout.layers) == (3, 64, 30)
+
+
+def test_behind_a_cpu_tier_it_holds_3x_the_tokens_and_hits_more_than_a_cpu_tier_twice_as_big() -> (
+    None
+):
+    """Issue 57's capacity target on the bundled conversation slice: behind a CPU tier of B
+    chunks, ``KvtierTier`` with ``bf16,int8,int4`` in B chunks' bytes holds at least 3x the
+    tokens a bf16 copy would (64-token chunks; at 16 tokens int4's scales cap it at 2.91x, see
+    benchmarks/vllm_tiering.py), and the two tiers hit more than one bf16 CPU tier of 2B chunks
+    under vLLM's LRU and under its ARC."""
+    g = ChunkGeometry(layers=1, kv_heads=2, head_dim=64, block_size=64, blocks_per_chunk=4)
+    trace, b = bundled().head(800), 150
+    tier = kvtier_tier(g, host_budget=budget(b, g), ladder="bf16,int8,int4")
+    behind, held = replay(trace, g, b, policy="lru", tiers=[tier])
+    assert held["chunks"] >= 3.0 * b
+    for policy in ("lru", "arc"):
+        alone, _ = replay(trace, g, 2 * b, policy=policy)
+        assert behind.sum() > 1.2 * alone.sum(), policy

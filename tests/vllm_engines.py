@@ -38,7 +38,6 @@ def make_engine(
 ) -> Any:
     """An in-process engine with the connector (``extra`` its extra config); ``engine``: more
     ``LLM`` arguments."""
-    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     transfer = KVTransferConfig(
@@ -47,6 +46,14 @@ def make_engine(
         kv_role=role,
         kv_connector_extra_config=extra,
     )
+    return make_llm(model_dir, kv_transfer_config=transfer, **(engine or {}))
+
+
+def make_llm(model_dir: Any, **engine: Any) -> Any:
+    """An in-process engine of the tests' settings (bf16, blocks of ``BLOCK``, eager, seeded,
+    with stats), ``engine`` more or other ``LLM`` arguments."""
+    from vllm import LLM
+
     args: dict[str, Any] = {
         "dtype": "bfloat16",
         "max_model_len": 1024,
@@ -54,9 +61,8 @@ def make_engine(
         "enforce_eager": True,
         "disable_log_stats": False,
         "seed": 0,
-        "kv_transfer_config": transfer,
     }
-    return LLM(model=str(model_dir), **{**args, **(engine or {})})
+    return LLM(model=str(model_dir), **{**args, **engine})
 
 
 def close(llm: Any) -> None:

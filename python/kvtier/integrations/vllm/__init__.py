@@ -57,6 +57,11 @@ The package, bottom up (imports point down only):
 - :mod:`.scheduler` and :mod:`.worker`: the two sides;
 - :mod:`.connector`: the class vLLM loads, a facade over the side of its role.
 
+Beside the connector, two plug-ins for vLLM's own offloading (``OffloadingConnector``, whose CUDA
+path moves the bytes): :mod:`.cache_policy`'s ``KvtierCachePolicy`` decides what its CPU tier
+evicts, and :mod:`.tier`'s ``KvtierTier`` keeps what that tier stores in kvtier's ladder behind
+it (:mod:`.offload`: vLLM's chunk keys, and where K and V sit in its CPU tier).
+
 The first four need no vLLM (the data path is tested and benchmarked without it); the names of
 the others are imported, with vLLM, when first asked for.
 """
