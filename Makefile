@@ -61,8 +61,8 @@ model: develop ## convert SmolLM2 once per machine: float32 and bf16 copies in ~
 
 test: test-rust test-py ## build, then run the Rust and the Python tests
 
-test-rust: ## run the Rust tests: the core, the attention kernel, the store engines
-	$(CARGO) test -p kvtier -p kvtier-attend -p kvtier-store
+test-rust: ## run the Rust tests: the core, the attention kernel, the paged-cache data path, the store engines
+	$(CARGO) test -p kvtier -p kvtier-attend -p kvtier-paged -p kvtier-store
 
 test-py: develop model ## run the Python tests (pytest; slow ones with: make test-py PYTEST_ARGS='-m slow')
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

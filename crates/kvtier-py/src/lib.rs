@@ -1,6 +1,6 @@
 //! Python bindings of kvtier: `kvtier._core`. Bindings only — one file per class or group of
-//! functions over the core (`kvtier`), the attention kernel (`kvtier-attend`) and the store
-//! engines (`kvtier-store`); errors mapped in `errors.rs`, numpy arrays in through `arrays.rs`.
+//! functions over the core (`kvtier`), the attention kernel (`kvtier-attend`), the paged-cache
+//! data path (`kvtier-paged`) and the store engines (`kvtier-store`); errors mapped in `errors.rs`, numpy arrays in through `arrays.rs`.
 
 mod arrays;
 mod attend;
@@ -16,7 +16,6 @@ mod sealed;
 mod sim;
 mod store_index;
 mod store_stats;
-mod tokens;
 
 use pyo3::prelude::*;
 
@@ -103,11 +102,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sealed::add_constants(m)?;
     m.add_function(wrap_pyfunction!(files::write_checksummed, m)?)?;
     m.add_function(wrap_pyfunction!(files::write_stored, m)?)?;
-    m.add_function(wrap_pyfunction!(tokens::write_token, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::write_token, m)?)?;
     m.add_function(wrap_pyfunction!(paged::paged_copy, m)?)?;
     m.add_function(wrap_pyfunction!(paged::paged_scan, m)?)?;
     m.add_function(wrap_pyfunction!(paged::copy_rows, m)?)?;
-    m.add_function(wrap_pyfunction!(tokens::block_key_norms, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::block_key_norms, m)?)?;
     m.add_function(wrap_pyfunction!(codec::quantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(codec::dequantize_rows, m)?)?;
     m.add_function(wrap_pyfunction!(codec::transcode_rows, m)?)?;

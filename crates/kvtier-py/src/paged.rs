@@ -1,352 +1,38 @@
-//! Whole blocks between a paged KV cache, in the layout its attention backend packs them, and
-//! kvtier's block form `[2, H, N, D]` (K then V, token-major per head): the vLLM connector's
-//! CPU data path, one pass over the bytes (`kvtier.integrations.vllm.paged` says which layout
-//! is whose). A block of the cache holds, per head `h` and token `n` of its `N` tokens:
-//!
-//! - `channels`: K at `[h, n, 0..D]`, V at `[h, n, D..2D]` (heads and tokens strided);
-//! - `cpu-vec`: per head a region of K column-major `[D, N]`, then one of V row-major `[N, D]`;
-//! - `cpu-amx`: per head K in tiles `[N/16, D/2, 16, 2]` (16 tokens a tile, channel pairs as
-//!   32-bit words), then V in tiles `[D/16, N/2, 16, 2]` (16 channels a tile, token pairs).
+//! The paged-cache data path (`kvtier-paged`) bound to Python: whole blocks between a paged
+//! cache and kvtier's form, their check and key norms, one token's write into a pool row. The
+//! addresses come from torch's `data_ptr()` of tensors the caller (`kvtier.manager`,
+//! `kvtier.integrations.vllm.paged`) checked and keeps alive: these trust them. The GIL is
+//! released while the kernels run.
 
+use kvtier_paged::{Beyond, Blocks, Error, Geometry, Layout};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use rayon::prelude::*;
 
-use crate::tokens::{each_dtype, Bits};
-
-/// Bytes below which a call runs on the calling thread: waking the pool costs more.
-pub(crate) const PARALLEL_BYTES: usize = 1 << 19;
-
-/// Runs `f` over the items of `items`, on rayon's pool when they hold `bytes` or more, with
-/// the first error any returns.
-fn for_each<T: Send, E: Send>(
-    items: Vec<T>,
-    bytes: usize,
-    f: impl Fn(T) -> Result<(), E> + Sync + Send,
-) -> Result<(), E> {
-    if bytes < PARALLEL_BYTES {
-        items.into_iter().try_for_each(f)
-    } else {
-        items.into_par_iter().with_min_len(2).try_for_each(f)
-    }
+fn value_error(e: Error) -> PyErr {
+    PyValueError::new_err(e.0)
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Layout {
-    Channels,
-    CpuVec,
-    CpuAmx,
-}
-
-/// A cache block's geometry, in elements: heads, tokens a block, head_dim, and the strides of
-/// a head and a token (`channels` only; the CPU layouts' heads are `2 * N * D` apart).
-#[derive(Clone, Copy, Debug)]
-pub struct Geometry {
-    pub heads: usize,
-    pub tokens: usize,
-    pub dim: usize,
-    pub head_stride: usize,
-    pub token_stride: usize,
-}
-
-impl Geometry {
-    /// A block's `(heads, tokens, head_dim)` and the cache's `(head, token)` strides.
-    fn of((heads, tokens, dim): (usize, usize, usize), strides: (usize, usize)) -> Self {
-        Geometry {
-            heads,
-            tokens,
-            dim,
-            head_stride: strides.0,
-            token_stride: strides.1,
-        }
-    }
-}
-
-/// Copies one element or run between the cache and the block, towards the cache when
-/// `TO_CACHE`.
-///
-/// # Safety
-/// Both pointers valid for `len` elements, not overlapping.
-#[inline(always)]
-unsafe fn run<T: Copy, const TO_CACHE: bool>(cache: *mut T, block: *mut T, len: usize) {
-    if TO_CACHE {
-        std::ptr::copy_nonoverlapping(block, cache, len);
-    } else {
-        std::ptr::copy_nonoverlapping(cache, block, len);
-    }
-}
-
-/// Moves one block between the cache (`cache`: the block's first element) and kvtier's form
-/// (`block`: `2 * H * N * D` contiguous elements of `E` bytes), towards the cache when
-/// `TO_CACHE`.
-///
-/// # Safety
-/// `cache` valid for the block's elements under `g`, `block` for `2 * H * N * D` elements;
-/// they do not overlap; `cpu-amx` needs 2-byte elements and N, D multiples of 16.
-#[inline(always)]
-unsafe fn move_block<const TO_CACHE: bool>(
-    layout: Layout,
-    g: Geometry,
+/// The cache's blocks `ids` of the layout named `layout`, checked (`kvtier_paged::Blocks`).
+fn blocks_of<'a>(
+    layout: &str,
+    (shape, strides): ((usize, usize, usize), (usize, usize)),
     elem: usize,
-    cache: *mut u8,
-    block: *mut u8,
-) {
-    for h in 0..g.heads {
-        move_head::<TO_CACHE>(layout, g, elem, cache, block, h);
-    }
+    at: (usize, usize),
+    ids: &'a [i64],
+) -> PyResult<Blocks<'a>> {
+    let layout = Layout::parse(layout).map_err(value_error)?;
+    Blocks::new(layout, Geometry::of(shape, strides), elem, at, ids).map_err(value_error)
 }
 
-/// Head `h` of [`move_block`], and a prefetch of the next head's runs.
-///
-/// # Safety
-/// As [`move_block`]'s.
-#[inline(always)]
-unsafe fn move_head<const TO_CACHE: bool>(
-    layout: Layout,
-    g: Geometry,
-    elem: usize,
-    cache: *mut u8,
-    block: *mut u8,
-    h: usize,
-) {
-    let (h_n, n, d) = (g.heads, g.tokens, g.dim);
-    let plane = n * d * elem; // bytes of one head's K (or V) in either form
-    if layout != Layout::Channels {
-        // the next head's source and destination runs
-        let more = h + 1 < h_n;
-        let (next_k, next_v) = (block.add((h + 1) * plane), block.add((h_n + h + 1) * plane));
-        prefetch(cache.add((h + 1) * 2 * plane), 2 * plane, more);
-        prefetch(next_k, plane, more);
-        prefetch(next_v, plane, more);
-    }
-    let k_block = block.add(h * plane);
-    let v_block = block.add((h_n + h) * plane);
-    match layout {
-        Layout::Channels => {
-            for t in 0..n {
-                let at = cache.add((h * g.head_stride + t * g.token_stride) * elem);
-                run::<u8, TO_CACHE>(at, k_block.add(t * d * elem), d * elem);
-                run::<u8, TO_CACHE>(at.add(d * elem), v_block.add(t * d * elem), d * elem);
-            }
-        }
-        Layout::CpuVec => {
-            let k_cache = cache.add(h * 2 * plane);
-            run::<u8, TO_CACHE>(k_cache.add(plane), v_block, plane);
-            if elem == 2 {
-                transpose::<u16, TO_CACHE>(k_cache.cast(), k_block.cast(), d, n);
-            } else {
-                transpose::<u32, TO_CACHE>(k_cache.cast(), k_block.cast(), d, n);
-            }
-        }
-        Layout::CpuAmx => {
-            let k_cache = cache.add(h * 2 * plane);
-            // K: per tile of 16 tokens, [D/2, 16] words of two channels -> [16, D/2].
-            let words = d / 2;
-            for tile in 0..n / 16 {
-                let at = tile * 16 * words;
-                transpose::<u32, TO_CACHE>(
-                    k_cache.cast::<u32>().add(at),
-                    k_block.cast::<u32>().add(at),
-                    words,
-                    16,
-                );
-            }
-            // V: per tile of 16 channels and pair of tokens, 16 words of (token 2p, token
-            // 2p + 1) of one channel each: the low halves are row 2p's 16 channels.
-            let (v_cache, v_block) = (k_cache.add(plane).cast::<u32>(), v_block.cast::<u16>());
-            for tile in 0..d / 16 {
-                for pair in 0..n / 2 {
-                    let words = v_cache.add((tile * n / 2 + pair) * 16);
-                    let even = v_block.add(2 * pair * d + tile * 16);
-                    deinterleave::<TO_CACHE>(words, even, even.add(d));
-                }
-            }
-        }
-    }
-}
-
-/// Asks for the `bytes` at `at` (the next head's runs) to be brought into the core's cache
-/// ahead of their reads and writes, when `wanted`: a block's heads lie in runs of a few KiB,
-/// and the hardware's prefetchers do not cross pages.
-#[inline(always)]
-fn prefetch(at: *const u8, bytes: usize, wanted: bool) {
-    #[cfg(target_arch = "x86_64")]
-    if wanted {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        for line in (0..bytes).step_by(64) {
-            // SAFETY: a prefetch never faults, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(line).cast()) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (at, bytes, wanted);
-}
-
-/// 16 words of two 16-bit halves and two rows of 16: the low halves are `even`'s, the high
-/// ones `odd`'s (towards the words when `TO_CACHE`).
-///
-/// # Safety
-/// `words` valid for 16 (4-byte aligned) words, `even` and `odd` for 16 elements each.
-#[inline(always)]
-unsafe fn deinterleave<const TO_CACHE: bool>(words: *mut u32, even: *mut u16, odd: *mut u16) {
-    let (mut w, mut e, mut o) = ([0u32; 16], [0u16; 16], [0u16; 16]);
-    if TO_CACHE {
-        e = even.cast::<[u16; 16]>().read_unaligned();
-        o = odd.cast::<[u16; 16]>().read_unaligned();
-        for j in 0..16 {
-            w[j] = u32::from(e[j]) | u32::from(o[j]) << 16;
-        }
-        words.cast::<[u32; 16]>().write_unaligned(w);
-    } else {
-        w = words.cast::<[u32; 16]>().read_unaligned();
-        for j in 0..16 {
-            e[j] = w[j] as u16;
-            o[j] = (w[j] >> 16) as u16;
-        }
-        even.cast::<[u16; 16]>().write_unaligned(e);
-        odd.cast::<[u16; 16]>().write_unaligned(o);
-    }
-}
-
-/// The cache's `[rows, cols]` (row-major) is the block's `[cols, rows]`: element `(r, c)` of
-/// the cache is `(c, r)` of the block. 2- and 4-byte elements go in square tiles of vector
-/// registers where the sides allow.
-///
-/// # Safety
-/// Both valid for `rows * cols` elements, not overlapping.
-#[inline(always)]
-unsafe fn transpose<T: Copy, const TO_CACHE: bool>(
-    cache: *mut T,
-    block: *mut T,
-    rows: usize,
-    cols: usize,
-) {
-    // The copy reads a `[src_rows, src_cols]` matrix and writes its transpose.
-    let (src, dst, src_rows, src_cols) = if TO_CACHE {
-        (block, cache, cols, rows)
-    } else {
-        (cache, block, rows, cols)
-    };
-    #[cfg(target_arch = "x86_64")]
-    {
-        let tile = 16 / std::mem::size_of::<T>(); // elements of a 128-bit register
-        if matches!(tile, 4 | 8) && src_rows.is_multiple_of(tile) && src_cols.is_multiple_of(tile) {
-            for r in (0..src_rows).step_by(tile) {
-                for c in (0..src_cols).step_by(tile) {
-                    let from = src.add(r * src_cols + c).cast::<u8>();
-                    let to = dst.add(c * src_rows + r).cast::<u8>();
-                    let (from_stride, to_stride) = (src_cols * 16 / tile, src_rows * 16 / tile);
-                    if tile == 4 {
-                        simd::transpose_4x4_u32(from, from_stride, to, to_stride);
-                    } else {
-                        simd::transpose_8x8_u16(from, from_stride, to, to_stride);
-                    }
-                }
-            }
-            return;
-        }
-    }
-    for r in 0..src_rows {
-        for c in 0..src_cols {
-            *dst.add(c * src_rows + r) = *src.add(r * src_cols + c);
-        }
-    }
-}
-
-/// Square transposes in SSE2 registers (every x86-64 CPU has them): rows of 16 bytes,
-/// `stride` bytes apart, read at `from` and written transposed at `to`.
-#[cfg(target_arch = "x86_64")]
-mod simd {
-    use std::arch::x86_64::*;
-
-    #[inline(always)]
-    unsafe fn rows<const N: usize>(at: *const u8, stride: usize) -> [__m128i; N] {
-        std::array::from_fn(|i| _mm_loadu_si128(at.add(i * stride).cast()))
-    }
-
-    #[inline(always)]
-    unsafe fn store<const N: usize>(at: *mut u8, stride: usize, rows: [__m128i; N]) {
-        for (i, r) in rows.into_iter().enumerate() {
-            _mm_storeu_si128(at.add(i * stride).cast(), r);
-        }
-    }
-
-    /// # Safety
-    /// 4 rows of 4 u32 at each end.
-    #[inline(always)]
-    pub unsafe fn transpose_4x4_u32(from: *const u8, fs: usize, to: *mut u8, ts: usize) {
-        let [a0, a1, a2, a3] = rows::<4>(from, fs);
-        let (t0, t1) = (_mm_unpacklo_epi32(a0, a1), _mm_unpacklo_epi32(a2, a3));
-        let (t2, t3) = (_mm_unpackhi_epi32(a0, a1), _mm_unpackhi_epi32(a2, a3));
-        let out = [
-            _mm_unpacklo_epi64(t0, t1),
-            _mm_unpackhi_epi64(t0, t1),
-            _mm_unpacklo_epi64(t2, t3),
-            _mm_unpackhi_epi64(t2, t3),
-        ];
-        store(to, ts, out);
-    }
-
-    /// # Safety
-    /// 8 rows of 8 u16 at each end.
-    #[inline(always)]
-    pub unsafe fn transpose_8x8_u16(from: *const u8, fs: usize, to: *mut u8, ts: usize) {
-        let a = rows::<8>(from, fs);
-        // pairs of rows interleaved, then pairs of those, then halves
-        let b: [__m128i; 8] = std::array::from_fn(|i| {
-            let (x, y) = (a[2 * (i / 2)], a[2 * (i / 2) + 1]);
-            if i % 2 == 0 {
-                _mm_unpacklo_epi16(x, y)
-            } else {
-                _mm_unpackhi_epi16(x, y)
-            }
-        });
-        // c[0..4] from rows 0-3 (b0..b3), c[4..8] from rows 4-7 (b4..b7)
-        let c: [__m128i; 8] = std::array::from_fn(|i| {
-            let base = 4 * (i / 4);
-            let (x, y) = (b[base + (i % 4) / 2], b[base + 2 + (i % 4) / 2]);
-            if i % 2 == 0 {
-                _mm_unpacklo_epi32(x, y)
-            } else {
-                _mm_unpackhi_epi32(x, y)
-            }
-        });
-        let out: [__m128i; 8] = std::array::from_fn(|j| {
-            let (x, y) = (c[j / 2], c[4 + j / 2]);
-            if j % 2 == 0 {
-                _mm_unpacklo_epi64(x, y)
-            } else {
-                _mm_unpackhi_epi64(x, y)
-            }
-        });
-        store(to, ts, out);
-    }
-}
-
-/// Refuses what `layout` cannot hold: elements of 2 or 4 bytes; `cpu-amx` tiles of 16 tokens
-/// and 16 channels of 2-byte elements.
-fn check_geometry(layout: Layout, elem: usize, tokens: usize, dim: usize) -> PyResult<()> {
-    if !matches!(elem, 2 | 4)
-        || (layout == Layout::CpuAmx
-            && (elem != 2 || !tokens.is_multiple_of(16) || !dim.is_multiple_of(16)))
-    {
-        return Err(PyValueError::new_err(format!(
-            "{layout:?} with {elem}-byte elements, block size {tokens}, head_dim {dim}: expected \
-             2- or 4-byte elements (cpu-amx: 2-byte, block size and head_dim multiples of 16)"
-        )));
-    }
-    Ok(())
-}
-
-fn layout_of(name: &str) -> PyResult<Layout> {
-    match name {
-        "channels" => Ok(Layout::Channels),
-        "cpu-vec" => Ok(Layout::CpuVec),
-        "cpu-amx" => Ok(Layout::CpuAmx),
-        _ => Err(PyValueError::new_err(format!(
-            "layout: expected channels, cpu-vec or cpu-amx, got {name:?}"
-        ))),
+/// `(norms, 0)`, or an empty array and the refusal's code (1 K, 2 V).
+fn norms_or_code(
+    py: Python<'_>,
+    outcome: Result<Vec<f32>, Beyond>,
+) -> (Bound<'_, PyArray1<f32>>, u8) {
+    match outcome {
+        Ok(norms) => (PyArray1::from_vec(py, norms), 0),
+        Err(bad) => (PyArray1::from_vec(py, Vec::new()), bad as u8),
     }
 }
 
@@ -354,9 +40,7 @@ fn layout_of(name: &str) -> PyResult<Layout> {
 /// `block_ids[i]` (at `cache + block_ids[i] * block_stride` elements of `elem` bytes) and the
 /// `2 * H * N * D` contiguous elements at address `blocks[i]`; into the cache when
 /// `to_cache`, else out of it. `strides` are a head's and a token's in the cache (the
-/// `channels` layout; the CPU layouts' heads are contiguous). The GIL is released meanwhile.
-/// The addresses come from torch's `data_ptr()` of tensors the caller
-/// (`kvtier.integrations.vllm.paged`) checked and keeps alive: this trusts them.
+/// `channels` layout; the CPU layouts' heads are contiguous).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_copy(
@@ -371,236 +55,20 @@ pub fn paged_copy(
     shape: (usize, usize, usize),
     elem: usize,
 ) -> PyResult<()> {
-    let layout = layout_of(layout)?;
-    let (heads, tokens, dim) = shape;
-    check_geometry(layout, elem, tokens, dim)?;
-    let ids = block_ids.as_slice()?;
     let addrs = blocks.as_slice()?;
-    if ids.len() != addrs.len() || ids.iter().any(|&b| b < 0) {
-        return Err(PyValueError::new_err(
-            "paged_copy: expected one non-negative block id per block address",
-        ));
-    }
-    let g = Geometry::of(shape, strides);
-    let work: Vec<(usize, usize)> = ids
-        .iter()
-        .zip(addrs)
-        .map(|(&id, &addr)| (cache + id as usize * block_stride * elem, addr as usize))
-        .collect();
-    let bytes = work.len() * 2 * heads * tokens * dim * elem;
-    let wide = has_avx2();
-    py.detach(|| {
-        for_each(work, bytes, |(at, addr)| {
-            // SAFETY: the caller's tensors hold these blocks (see above), which do not overlap.
-            unsafe {
-                if to_cache {
-                    move_any::<true>(wide, layout, g, elem, at as *mut u8, addr as *mut u8);
-                } else {
-                    move_any::<false>(wide, layout, g, elem, at as *mut u8, addr as *mut u8);
-                }
-            }
-            Ok::<(), ()>(())
-        })
-    })
-    .ok();
-    Ok(())
-}
-
-/// Each token's key norm, averaged over heads, of one cache block of `layout` (`cache`: its
-/// first element), into `norms` (`N` values), read where the layout keeps K (the sums run
-/// along the memory, across tokens, wherever it can); Err(1) / Err(2) when K / V holds a NaN,
-/// an infinity or a value past `bound` ([`Bits::any_beyond`]). A norm past f32's range is
-/// f32's largest value. With `copy_to` not null,
-/// each head is also copied there (as [`move_block`] copies it) once checked, while it is in
-/// L1: on an error, the heads before it may have been.
-///
-/// # Safety
-/// `cache` valid for reading the block's elements under `g`; `copy_to` null or as
-/// [`move_block`]'s `block`.
-#[inline(always)]
-unsafe fn scan_block<T: Bits>(
-    layout: Layout,
-    g: Geometry,
-    cache: *const T,
-    norms: &mut [f32],
-    copy_to: *mut u8,
-    bound: u32,
-) -> Result<(), u8> {
-    let (n, d) = (g.tokens, g.dim);
-    let mut squares = vec![0.0f32; n];
-    norms.fill(0.0);
-    for h in 0..g.heads {
-        if layout != Layout::Channels && copy_to.is_null() {
-            let region = 2 * n * d;
-            let next = cache.add((h + 1) * region).cast::<u8>();
-            prefetch(next, region * std::mem::size_of::<T>(), h + 1 < g.heads);
-        }
-        squares.fill(0.0);
-        // A NaN or an infinity in K makes its token's sum of squares one: without a bound
-        // below the type's range, K is checked element by element only then (a finite value
-        // past 1.8e19 overflows it too).
-        let k_finite = match layout {
-            Layout::Channels => {
-                for (t, sq) in squares.iter_mut().enumerate() {
-                    let at = cache.add(h * g.head_stride + t * g.token_stride);
-                    let (k, v) = std::slice::from_raw_parts(at, 2 * d).split_at(d);
-                    if T::any_beyond(k, bound) {
-                        return Err(1);
-                    }
-                    if T::any_beyond(v, bound) {
-                        return Err(2);
-                    }
-                    let mut lanes = [0.0f32; 16];
-                    for c in k.chunks(16) {
-                        for (lane, x) in lanes.iter_mut().zip(c) {
-                            *lane += x.widen() * x.widen();
-                        }
-                    }
-                    *sq = lanes.iter().sum();
-                }
-                true
-            }
-            Layout::CpuVec | Layout::CpuAmx => {
-                let region = std::slice::from_raw_parts(cache.add(h * 2 * n * d), 2 * n * d);
-                let (k, v) = region.split_at(n * d);
-                if T::any_beyond(v, bound) {
-                    return Err(2);
-                }
-                if layout == Layout::CpuVec {
-                    // K column-major: row c holds channel c of every token; 16 tokens at a time
-                    // in registers.
-                    for (t, sq) in squares.chunks_mut(16).enumerate() {
-                        let mut lanes = [0.0f32; 16];
-                        for channel in k.chunks_exact(n) {
-                            let xs = &channel[16 * t..16 * t + sq.len()];
-                            for (lane, x) in lanes.iter_mut().zip(xs) {
-                                *lane += x.widen() * x.widen();
-                            }
-                        }
-                        sq.copy_from_slice(&lanes[..sq.len()]);
-                    }
-                } else {
-                    // Per tile of 16 tokens, D/2 rows of 16 words: token j's channel pair at
-                    // lanes 2j, 2j + 1 of every row.
-                    for (tile, sq) in k.chunks_exact(16 * d).zip(squares.chunks_exact_mut(16)) {
-                        let mut lanes = [0.0f32; 32];
-                        for row in tile.chunks_exact(32) {
-                            for (lane, x) in lanes.iter_mut().zip(row) {
-                                *lane += x.widen() * x.widen();
-                            }
-                        }
-                        for (j, s) in sq.iter_mut().enumerate() {
-                            *s = lanes[2 * j] + lanes[2 * j + 1];
-                        }
-                    }
-                }
-                let finite_enough = bound == T::FINITE && squares.iter().all(|s| s.is_finite());
-                finite_enough || !T::any_beyond(k, bound)
-            }
-        };
-        if !k_finite {
-            return Err(1);
-        }
-        if !copy_to.is_null() {
-            let elem = std::mem::size_of::<T>();
-            move_head::<false>(layout, g, elem, cache as *mut u8, copy_to, h);
-        }
-        for (norm, sq) in norms.iter_mut().zip(&squares) {
-            *norm += sq.sqrt();
-        }
-    }
-    let per_head = 1.0 / g.heads.max(1) as f32;
-    norms
-        .iter_mut()
-        .for_each(|x| *x = (*x * per_head).min(f32::MAX));
-    Ok(())
-}
-
-/// [`scan_block`] and [`move_block`] compiled for AVX2, which the CPU is checked for first
-/// ([`has_avx2`]): their loops vectorize twice as wide as the build's baseline (SSE2) allows.
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{Bits, Geometry, Layout};
-
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn scan_block<T: Bits>(
-        layout: Layout,
-        g: Geometry,
-        cache: *const T,
-        norms: &mut [f32],
-        copy_to: *mut u8,
-        bound: u32,
-    ) -> Result<(), u8> {
-        super::scan_block(layout, g, cache, norms, copy_to, bound)
-    }
-
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn move_block<const TO_CACHE: bool>(
-        layout: Layout,
-        g: Geometry,
-        elem: usize,
-        cache: *mut u8,
-        block: *mut u8,
-    ) {
-        super::move_block::<TO_CACHE>(layout, g, elem, cache, block);
-    }
-}
-
-/// Whether this CPU runs the [`avx2`] copies of the loops.
-fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return std::is_x86_feature_detected!("avx2");
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
-/// [`scan_block`], as wide as the CPU allows.
-///
-/// # Safety
-/// As [`scan_block`]'s.
-unsafe fn scan_any<T: Bits>(
-    wide: bool,
-    layout: Layout,
-    g: Geometry,
-    cache: *const T,
-    norms: &mut [f32],
-    copy_to: *mut u8,
-    bound: u32,
-) -> Result<(), u8> {
-    #[cfg(target_arch = "x86_64")]
-    if wide {
-        return avx2::scan_block(layout, g, cache, norms, copy_to, bound);
-    }
-    scan_block(layout, g, cache, norms, copy_to, bound)
-}
-
-/// [`move_block`], as wide as the CPU allows.
-///
-/// # Safety
-/// As [`move_block`]'s.
-unsafe fn move_any<const TO_CACHE: bool>(
-    wide: bool,
-    layout: Layout,
-    g: Geometry,
-    elem: usize,
-    cache: *mut u8,
-    block: *mut u8,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if wide {
-        return avx2::move_block::<TO_CACHE>(layout, g, elem, cache, block);
-    }
-    move_block::<TO_CACHE>(layout, g, elem, cache, block);
+    let ids = block_ids.as_slice()?;
+    let source = blocks_of(layout, (shape, strides), elem, (cache, block_stride), ids)?;
+    // SAFETY: the caller's tensors hold these blocks (see the module's docs).
+    py.detach(|| unsafe { source.copy(addrs, to_cache) })
+        .map_err(value_error)
 }
 
 /// Checks whole blocks of a paged cache on the CPU finite and measures their keys, in place:
 /// for cache blocks `block_ids` (as [`paged_copy`] reads them), each token's key norm averaged
 /// over heads, block by block, and 0; or an empty array and 1 / 2 when some K / V holds a NaN,
-/// an infinity or a value of magnitude past `limit` (the most the manager's ladder holds).
-/// `dtype` is the kernels' code (0 fp32, 1 fp16, 2 bf16). With `copy_to`
-/// (one address a block, as [`paged_copy`]'s `blocks`), each block is also copied out there
-/// once checked, while it is in the core's cache: on an error, some blocks may have been
-/// copied. The GIL is released meanwhile; the addresses are trusted as [`paged_copy`]'s are.
+/// an infinity or a value of magnitude past `limit`. `dtype` is the kernels' code (0 fp32, 1
+/// fp16, 2 bf16). With `copy_to` (one address a block, as [`paged_copy`]'s `blocks`), each
+/// block is also copied out there once checked: on a refusal, some may have been.
 #[pyfunction]
 #[pyo3(signature = (
     layout, cache, block_stride, strides, block_ids, shape, dtype, copy_to=None,
@@ -619,62 +87,22 @@ pub fn paged_scan<'py>(
     copy_to: Option<PyReadonlyArray1<'_, u64>>,
     limit: f32,
 ) -> PyResult<(Bound<'py, PyArray1<f32>>, u8)> {
-    let layout = layout_of(layout)?;
-    let elem = crate::tokens::element_bytes(dtype)?;
-    let (heads, tokens, dim) = shape;
-    check_geometry(layout, elem, tokens, dim)?;
-    let ids = block_ids.as_slice()?;
+    let elem = kvtier_paged::element_bytes(dtype).map_err(value_error)?;
     let dsts = match &copy_to {
         Some(addrs) => Some(addrs.as_slice()?),
         None => None,
     };
-    if ids.iter().any(|&b| b < 0) || dsts.is_some_and(|d| d.len() != ids.len()) {
-        return Err(PyValueError::new_err(
-            "paged_scan: expected non-negative block ids (and one address a block to copy to)",
-        ));
-    }
-    let g = Geometry::of(shape, strides);
-    let work: Vec<(usize, usize)> = ids
-        .iter()
-        .enumerate()
-        .map(|(i, &id)| {
-            let to = dsts.map_or(0, |d| d[i] as usize);
-            (cache + id as usize * block_stride * elem, to)
-        })
-        .collect();
-    let bytes = work.len() * 2 * heads * tokens * dim * elem;
-    let wide = has_avx2();
-    let outcome = py.detach(|| {
-        let mut norms = vec![0.0f32; work.len() * tokens];
-        let work: Vec<_> = work.into_iter().zip(norms.chunks_mut(tokens)).collect();
-        // SAFETY: the caller's cache holds these blocks, and its destinations (see above).
-        for_each(work, bytes, |((at, to), out)| unsafe {
-            each_dtype!(
-                dtype,
-                T,
-                scan_any::<T>(
-                    wide,
-                    layout,
-                    g,
-                    at as *const T,
-                    out,
-                    to as *mut u8,
-                    crate::tokens::bound_of::<T>(limit),
-                )
-            )
-        })
-        .map(|()| norms)
-    });
-    Ok(match outcome {
-        Ok(norms) => (PyArray1::from_vec(py, norms), 0),
-        Err(bad) => (PyArray1::from_vec(py, Vec::new()), bad),
-    })
+    let ids = block_ids.as_slice()?;
+    let source = blocks_of(layout, (shape, strides), elem, (cache, block_stride), ids)?;
+    // SAFETY: the caller's cache holds these blocks, and its destinations (see the module's docs).
+    let outcome = py
+        .detach(|| unsafe { source.scan(dtype, dsts, limit) })
+        .map_err(value_error)?;
+    Ok(norms_or_code(py, outcome))
 }
 
 /// Copies `bytes` bytes from each address of `srcs` to the address of `dsts` beside it (rows
-/// of pools or of staging tensors, whole blocks), the GIL released. The addresses come from
-/// torch's `data_ptr()` of tensors the caller checked and keeps alive, rows that do not
-/// overlap: this trusts them.
+/// of pools or of staging tensors, whole blocks), rows that do not overlap.
 #[pyfunction]
 pub fn copy_rows(
     py: Python<'_>,
@@ -682,123 +110,65 @@ pub fn copy_rows(
     dsts: PyReadonlyArray1<'_, u64>,
     bytes: usize,
 ) -> PyResult<()> {
-    let (srcs, dsts) = (srcs.as_slice()?.to_vec(), dsts.as_slice()?.to_vec());
-    if srcs.len() != dsts.len() {
-        return Err(PyValueError::new_err(
-            "copy_rows: expected one destination per source",
-        ));
-    }
-    let total = srcs.len() * bytes;
-    let work: Vec<(u64, u64)> = srcs.into_iter().zip(dsts).collect();
-    py.detach(|| {
-        for_each(work, total, |(src, dst)| {
-            // SAFETY: see above.
-            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes) };
-            Ok::<(), ()>(())
-        })
-    })
-    .ok();
-    Ok(())
+    let (srcs, dsts) = (srcs.as_slice()?, dsts.as_slice()?);
+    // SAFETY: see the module's docs.
+    py.detach(|| unsafe { kvtier_paged::copy_rows(srcs, dsts, bytes) })
+        .map_err(value_error)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Writes one token's K and V, `heads` rows of `head_dim` elements each (rows
+/// `src_head_stride` elements apart at `k_src` and `v_src`), to rows `dst_head_stride`
+/// elements apart at `k_dst` and `v_dst`, once both are known to be finite and within
+/// `limit` in magnitude. Returns `(key norm averaged over heads, 0)`, or `(0.0, 1)` /
+/// `(0.0, 2)` without writing anything when K / V holds a NaN, an infinity or a larger value.
+#[pyfunction]
+#[pyo3(signature = (
+    k_dst, v_dst, dst_head_stride, k_src, v_src, src_head_stride, heads, head_dim, dtype,
+    limit=f32::INFINITY,
+))]
+#[allow(clippy::too_many_arguments)]
+pub fn write_token(
+    k_dst: usize,
+    v_dst: usize,
+    dst_head_stride: usize,
+    k_src: usize,
+    v_src: usize,
+    src_head_stride: usize,
+    heads: usize,
+    head_dim: usize,
+    dtype: u8,
+    limit: f32,
+) -> PyResult<(f64, u8)> {
+    let dst = (k_dst, v_dst, dst_head_stride);
+    let src = (k_src, v_src, src_head_stride);
+    // SAFETY: see the module's docs.
+    let outcome = unsafe { kvtier_paged::write_token(dst, src, heads, head_dim, dtype, limit) }
+        .map_err(value_error)?;
+    Ok(match outcome {
+        Ok(norm) => (norm, 0),
+        Err(bad) => (0.0, bad as u8),
+    })
+}
 
-    /// Where `(kv, h, n, d)` is in a contiguous cache block of `layout`, by the formulas of
-    /// vLLM's `reshape_and_cache` (element by element, independent of the copy's loops).
-    fn cache_index(layout: Layout, g: Geometry, kv: usize, h: usize, n: usize, d: usize) -> usize {
-        let (nn, dd) = (g.tokens, g.dim);
-        let region = (2 * h + kv) * nn * dd;
-        match (layout, kv) {
-            (Layout::Channels, _) => h * g.head_stride + n * g.token_stride + kv * dd + d,
-            (Layout::CpuVec, 0) => region + d * nn + n,
-            (Layout::CpuVec, _) => region + n * dd + d,
-            (Layout::CpuAmx, 0) => {
-                region + 2 * ((n / 16) * 16 * (dd / 2) + (d / 2) * 16 + n % 16) + d % 2
-            }
-            (Layout::CpuAmx, _) => {
-                region + (d / 16) * nn * 16 + (n / 2) * 32 + (d % 16) * 2 + n % 2
-            }
-        }
-    }
-
-    #[test]
-    fn four_byte_elements_round_trip_in_the_layouts_that_take_them() {
-        let (h, n, d) = (2, 24, 40); // sides that are multiples of 4 and 8, and not
-        for (tokens, dim) in [(n, d), (16, 64), (5, 6)] {
-            let g = Geometry {
-                heads: h,
-                tokens,
-                dim,
-                head_stride: tokens * 2 * dim,
-                token_stride: 2 * dim,
-            };
-            for layout in [Layout::Channels, Layout::CpuVec] {
-                let block: Vec<u32> = (0..2 * h * tokens * dim).map(|i| i as u32 * 7).collect();
-                let mut cache = vec![0u32; block.len()];
-                let mut back = vec![0u32; block.len()];
-                unsafe {
-                    let mut src = block.clone();
-                    let (c, s) = (cache.as_mut_ptr().cast(), src.as_mut_ptr().cast());
-                    move_block::<true>(layout, g, 4, c, s);
-                    move_block::<false>(layout, g, 4, c, back.as_mut_ptr().cast());
-                }
-                assert_eq!(back, block, "{layout:?}");
-                for (kv, hh, t, ch) in [(0, 1, tokens - 1, 2), (1, 0, 3, dim - 1)] {
-                    let want = block[((kv * h + hh) * tokens + t) * dim + ch];
-                    assert_eq!(cache[cache_index(layout, g, kv, hh, t, ch)], want);
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn every_layout_round_trips_each_element_to_its_place() {
-        let (h, n, d) = (3, 32, 64);
-        let g = Geometry {
-            heads: h,
-            tokens: n,
-            dim: d,
-            head_stride: n * 2 * d,
-            token_stride: 2 * d,
-        };
-        for layout in [Layout::Channels, Layout::CpuVec, Layout::CpuAmx] {
-            let block: Vec<u16> = (0..2 * h * n * d).map(|i| i as u16).collect();
-            let mut cache = vec![0u16; 2 * h * n * d];
-            let mut back = vec![0u16; block.len()];
-            unsafe {
-                let mut src = block.clone();
-                move_block::<true>(
-                    layout,
-                    g,
-                    2,
-                    cache.as_mut_ptr().cast(),
-                    src.as_mut_ptr().cast(),
-                );
-                move_block::<false>(
-                    layout,
-                    g,
-                    2,
-                    cache.as_mut_ptr().cast(),
-                    back.as_mut_ptr().cast(),
-                );
-            }
-            assert_eq!(back, block, "{layout:?}");
-            for kv in 0..2 {
-                for hh in 0..h {
-                    for t in 0..n {
-                        for c in 0..d {
-                            let want = block[((kv * h + hh) * n + t) * d + c];
-                            assert_eq!(
-                                cache[cache_index(layout, g, kv, hh, t, c)],
-                                want,
-                                "{layout:?}"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
+/// Each token's key norm averaged over heads, for `num_blocks` blocks in kvtier's form at
+/// `blocks` (contiguous, each `2 * heads * tokens * dim` elements of `dtype`: K `[heads, tokens,
+/// dim]` then V), block by block, and 0; or an empty array and 1 / 2 when some K / V holds a
+/// NaN, an infinity or a value of magnitude past `limit`.
+#[pyfunction]
+#[pyo3(signature = (blocks, num_blocks, shape, dtype, limit=f32::INFINITY))]
+pub fn block_key_norms(
+    py: Python<'_>,
+    blocks: usize,
+    num_blocks: usize,
+    shape: (usize, usize, usize),
+    dtype: u8,
+    limit: f32,
+) -> PyResult<(Bound<'_, PyArray1<f32>>, u8)> {
+    // SAFETY: see the module's docs.
+    let outcome = py
+        .detach(|| unsafe {
+            kvtier_paged::blocks_key_norms(blocks, num_blocks, shape, dtype, limit)
+        })
+        .map_err(value_error)?;
+    Ok(norms_or_code(py, outcome))
 }

@@ -1,18 +1,19 @@
-//! K/V checked finite, with each token's key norm, on its way into a level-0 pool: one token
-//! written (the decode step's append, without the ~10 small numpy or torch operations, each a
-//! microsecond or more, that the same work costs from Python), or whole blocks checked in one
-//! pass (the vLLM connector's saves).
+//! Element types (bf16, fp16, f32 by the kernels' dtype code), their bound checks, and K/V
+//! checked finite with each token's key norm on its way into a level-0 pool: one token written
+//! (the decode step's append, without the ~10 small numpy or torch operations, each a
+//! microsecond or more, that the same work costs from Python), or whole blocks in kvtier's form
+//! checked in one pass.
 
 use kvtier_attend::{f16_to_f32, f32_to_f16};
-use numpy::PyArray1;
-use pyo3::prelude::*;
 
-/// Bits of one element, by the kernels' dtype code: 0 fp32, 1 fp16, 2 bf16.
-pub(crate) fn element_bytes(dtype: u8) -> PyResult<usize> {
+use crate::{Beyond, Error};
+
+/// Bytes of one element, by the kernels' dtype code: 0 fp32, 1 fp16, 2 bf16.
+pub fn element_bytes(dtype: u8) -> Result<usize, Error> {
     match dtype {
         0 => Ok(4),
         1 | 2 => Ok(2),
-        _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
+        _ => Err(Error(format!(
             "dtype: expected 0 (fp32), 1 (fp16) or 2 (bf16), got {dtype}"
         ))),
     }
@@ -33,63 +34,50 @@ unsafe fn row(ptr: usize, n: usize, dtype: u8) -> impl Iterator<Item = f32> {
 /// Writes one token's K and V, `heads` rows of `head_dim` elements each (rows
 /// `src_head_stride` elements apart at `k_src` and `v_src`), to rows `dst_head_stride`
 /// elements apart at `k_dst` and `v_dst`, once both are known to be finite and within
-/// `limit` in magnitude (the most the manager's ladder holds). Returns `(key norm averaged
-/// over heads, 0)`, or `(0.0, 1)` / `(0.0, 2)` without writing anything when K / V holds a
-/// NaN, an infinity or a larger value. The addresses come from torch's `data_ptr()` of
-/// tensors the caller (kvtier.manager) has checked and keeps alive: this trusts them.
-#[pyfunction]
-#[pyo3(signature = (
-    k_dst, v_dst, dst_head_stride, k_src, v_src, src_head_stride, heads, head_dim, dtype,
-    limit=f32::INFINITY,
-))]
+/// `limit` in magnitude (the most the manager's ladder holds). Returns the key norm averaged
+/// over heads, or which of K and V holds a NaN, an infinity or a larger value (then nothing
+/// is written).
+///
+/// # Safety
+/// The source rows valid for reading, the destination rows for writing, as described; no
+/// destination row overlaps a source row.
 #[allow(clippy::too_many_arguments)]
-pub fn write_token(
-    k_dst: usize,
-    v_dst: usize,
-    dst_head_stride: usize,
-    k_src: usize,
-    v_src: usize,
-    src_head_stride: usize,
+pub unsafe fn write_token(
+    (k_dst, v_dst, dst_head_stride): (usize, usize, usize),
+    (k_src, v_src, src_head_stride): (usize, usize, usize),
     heads: usize,
     head_dim: usize,
     dtype: u8,
     limit: f32,
-) -> PyResult<(f64, u8)> {
+) -> Result<Result<f64, Beyond>, Error> {
     let size = element_bytes(dtype)?;
     let held = |x: f32| x.is_finite() && x.abs() <= limit;
     let mut norm = 0.0f64;
     for h in 0..heads {
-        // SAFETY: the caller passes rows of `head_dim` elements of `dtype` `src_head_stride`
-        // elements apart for `heads` heads.
-        let k = unsafe { row(k_src + h * src_head_stride * size, head_dim, dtype) };
+        let k = row(k_src + h * src_head_stride * size, head_dim, dtype);
         let mut squares = 0.0f64;
         for x in k {
             if !held(x) {
-                return Ok((0.0, 1));
+                return Ok(Err(Beyond::Key));
             }
             squares += f64::from(x) * f64::from(x);
         }
         norm += squares.sqrt();
-        // SAFETY: as above, for V.
-        let v = unsafe { row(v_src + h * src_head_stride * size, head_dim, dtype) };
+        let v = row(v_src + h * src_head_stride * size, head_dim, dtype);
         if v.into_iter().any(|x| !held(x)) {
-            return Ok((0.0, 2));
+            return Ok(Err(Beyond::Value));
         }
     }
     for h in 0..heads {
         for (src, dst) in [(k_src, k_dst), (v_src, v_dst)] {
-            // SAFETY: source rows as above; destination rows of `head_dim` elements
-            // `dst_head_stride` apart inside the caller's pool, never overlapping a source.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    (src + h * src_head_stride * size) as *const u8,
-                    (dst + h * dst_head_stride * size) as *mut u8,
-                    head_dim * size,
-                );
-            }
+            std::ptr::copy_nonoverlapping(
+                (src + h * src_head_stride * size) as *const u8,
+                (dst + h * dst_head_stride * size) as *mut u8,
+                head_dim * size,
+            );
         }
     }
-    Ok((norm / heads.max(1) as f64, 0))
+    Ok(Ok(norm / heads.max(1) as f64))
 }
 
 /// An element type's bits: whether values stay within a bound of magnitude (NaN and the
@@ -145,11 +133,11 @@ macro_rules! each_dtype {
                 $body
             }
             1 => {
-                type $t = $crate::tokens::Fp16;
+                type $t = $crate::elements::Fp16;
                 $body
             }
             _ => {
-                type $t = $crate::tokens::Bf16;
+                type $t = $crate::elements::Bf16;
                 $body
             }
         }
@@ -208,7 +196,7 @@ impl Bits for f32 {
 }
 
 /// Each token's key norm averaged over heads, for one block in kvtier's form (`block`: K
-/// `[heads, tokens, dim]` then V), into `norms` (`tokens` values); Err(1) / Err(2) when K / V
+/// `[heads, tokens, dim]` then V), into `norms` (`tokens` values); `Beyond::Key` / `Beyond::Value` when K / V
 /// holds a NaN, an infinity or a value past `bound` ([`Bits::any_beyond`]). A norm past f32's
 /// range is f32's largest value.
 fn block_norms<T: Bits>(
@@ -216,13 +204,13 @@ fn block_norms<T: Bits>(
     (heads, tokens, dim): (usize, usize, usize),
     norms: &mut [f32],
     bound: u32,
-) -> Result<(), u8> {
+) -> Result<(), Beyond> {
     let (k, v) = block.split_at(heads * tokens * dim);
     if T::any_beyond(k, bound) {
-        return Err(1);
+        return Err(Beyond::Key);
     }
     if T::any_beyond(v, bound) {
-        return Err(2);
+        return Err(Beyond::Value);
     }
     norms.fill(0.0);
     for head in k.chunks_exact(tokens * dim) {
@@ -244,62 +232,40 @@ fn block_norms<T: Bits>(
     Ok(())
 }
 
-/// [`block_norms`] of the blocks at `blocks` of `dtype`, a share of them on each thread of
-/// rayon's pool when they are many.
-///
-/// # Safety
-/// `blocks` valid for reading `norms.len() / tokens` whole blocks.
-unsafe fn blocks_norms(
-    blocks: usize,
-    shape: (usize, usize, usize),
-    dtype: u8,
-    norms: &mut [f32],
-    limit: f32,
-) -> Result<(), u8> {
-    use rayon::prelude::*;
-    let (heads, tokens, dim) = shape;
-    let per_block = 2 * heads * tokens * dim;
-    let n = norms.len() / tokens.max(1);
-    each_dtype!(dtype, T, {
-        let all = std::slice::from_raw_parts(blocks as *const T, n * per_block);
-        let bound = bound_of::<T>(limit);
-        let (per_block, tokens) = (per_block.max(1), tokens.max(1));
-        if std::mem::size_of_val(all) < crate::paged::PARALLEL_BYTES {
-            let mut work = all.chunks_exact(per_block).zip(norms.chunks_mut(tokens));
-            return work.try_for_each(|(block, out)| block_norms(block, shape, out, bound));
-        }
-        let work = all
-            .par_chunks_exact(per_block)
-            .zip(norms.par_chunks_mut(tokens));
-        work.with_min_len(2)
-            .try_for_each(|(block, out)| block_norms(block, shape, out, bound))
-    })
-}
-
 /// Each token's key norm averaged over heads, for `num_blocks` blocks in kvtier's form at
 /// `blocks` (contiguous, each `2 * heads * tokens * dim` elements of `dtype`: K `[heads, tokens,
-/// dim]` then V), block by block, and 0; or an empty array and 1 / 2 when some K / V holds a
-/// NaN, an infinity or a value of magnitude past `limit` (the most the manager's ladder
-/// holds). The GIL is released meanwhile. The address comes from torch's `data_ptr()` of a
-/// tensor the caller (kvtier.manager) has checked and keeps alive: this trusts it.
-#[pyfunction]
-#[pyo3(signature = (blocks, num_blocks, shape, dtype, limit=f32::INFINITY))]
-pub fn block_key_norms(
-    py: Python<'_>,
+/// dim]` then V), block by block; or which of K and V holds a NaN, an infinity or a value of
+/// magnitude past `limit` (the most the manager's ladder holds). A share of the blocks on each
+/// thread of rayon's pool when they are many.
+///
+/// # Safety
+/// `blocks` valid for reading `num_blocks` whole blocks.
+pub unsafe fn blocks_key_norms(
     blocks: usize,
     num_blocks: usize,
     shape: (usize, usize, usize),
     dtype: u8,
     limit: f32,
-) -> PyResult<(Bound<'_, PyArray1<f32>>, u8)> {
+) -> Result<Result<Vec<f32>, Beyond>, Error> {
+    use rayon::prelude::*;
     element_bytes(dtype)?;
-    let outcome = py.detach(|| {
-        let mut norms = vec![0.0f32; num_blocks * shape.1];
-        // SAFETY: the tensor holds `num_blocks` whole blocks (see above).
-        unsafe { blocks_norms(blocks, shape, dtype, &mut norms, limit) }.map(|()| norms)
+    let (heads, tokens, dim) = shape;
+    let per_block = (2 * heads * tokens * dim).max(1);
+    let mut norms = vec![0.0f32; num_blocks * tokens];
+    let outcome = each_dtype!(dtype, T, {
+        let all = std::slice::from_raw_parts(blocks as *const T, num_blocks * per_block);
+        let bound = bound_of::<T>(limit);
+        let tokens = tokens.max(1);
+        if std::mem::size_of_val(all) < crate::layout::PARALLEL_BYTES {
+            let mut work = all.chunks_exact(per_block).zip(norms.chunks_mut(tokens));
+            work.try_for_each(|(block, out)| block_norms(block, shape, out, bound))
+        } else {
+            let work = all
+                .par_chunks_exact(per_block)
+                .zip(norms.par_chunks_mut(tokens));
+            work.with_min_len(2)
+                .try_for_each(|(block, out)| block_norms(block, shape, out, bound))
+        }
     });
-    Ok(match outcome {
-        Ok(norms) => (PyArray1::from_vec(py, norms), 0),
-        Err(bad) => (PyArray1::from_vec(py, Vec::new()), bad),
-    })
+    Ok(outcome.map(|()| norms))
 }
