@@ -204,14 +204,15 @@ def test_events_name_the_chunks_stored_and_those_that_left() -> None:
     ``OffloadingEvent``s of its own; hits from it count as host-memory hits."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    run = two_tiers(8, kvtier_tier(G, host_budget=budget(8), ladder="bf16"), events=True)
+    tier_cfg = kvtier_tier(G, host_budget=budget(8), ladder="bf16", locality="LOCAL")
+    run = two_tiers(8, tier_cfg, events=True)
     try:
         tier = run.tiers[0]
-        assert tier.cache_hit_source is CacheHitSource.HOST
+        assert tier.cache_hit_source is CacheHitSource.HOST and tier.locality.name == "LOCAL"
         first, second = keys(*range(1, 7)), keys(*range(11, 17))
         run.request("a", first)
         events = [e for e in run.manager.take_events() if e.ownership == "KvtierTier"]
-        assert [(e.keys, e.removed) for e in events] == [(first, False)]
+        assert [(e.keys, e.removed, e.locality) for e in events] == [(first, False, tier.locality)]
         run.request("b", second)
         events = [e for e in run.manager.take_events() if e.ownership == "KvtierTier"]
         stored = [k for e in events if not e.removed for k in e.keys]

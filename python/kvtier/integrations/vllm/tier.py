@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -90,9 +91,12 @@ class KvtierTier(SecondaryTierManager):
         *,
         attention_backend: str | None = None,
         head_dim: int | None = None,
+        locality: str | None = None,
         **config: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        # vLLM's tier key: whether the storage is the instance's own (LOCAL) or shared (REMOTE)
+        self.locality = Locality(locality) if locality is not None else None
         self.layout = ChunkLayout.from_spec(
             offloading_spec, attention_backend=attention_backend, head_dim=head_dim
         )
@@ -287,7 +291,11 @@ class KvtierTier(SecondaryTierManager):
 
     def _event(self, keys: list[OffloadKey], *, removed: bool) -> None:
         event = OffloadingEvent(
-            keys=keys, medium=Medium.CPU, removed=removed, ownership=self.tier_type
+            keys=keys,
+            medium=Medium.CPU,
+            removed=removed,
+            locality=self.locality,
+            ownership=self.tier_type,
         )
         with self._events_lock:
             self._events.append(event)
