@@ -110,7 +110,7 @@ def test_vllms_own_offloading_with_kvtiers_policy_and_tier_generates_what_the_re
     )
     llm = make_llm(
         vllm_model_dir,
-        kv_offloading_size=8 * chunk / (1 << 30),
+        kv_offloading_size=(8 * chunk + chunk // 2) / (1 << 30),  # 8 chunks, past rounding
         kv_transfer_config=transfer,
         **ENGINE,
     )
