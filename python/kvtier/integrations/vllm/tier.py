@@ -100,13 +100,14 @@ class KvtierTier(SecondaryTierManager):
         self.layout = ChunkLayout.from_spec(
             offloading_spec, attention_backend=attention_backend, head_dim=head_dim
         )
-        self.manager = _manager(self.layout, config, offloading_spec.config.model.name)
+        self.manager, self._staging = _manager(
+            self.layout, config, offloading_spec.config.model.name
+        )
         self.tiers = WorkerTiers(
             self.manager, self.layout.paged, self.layout.caches(primary_kv_view)
         )
         # this tier's own: its manager's tiers decide it
         self.cache_hit_source = _hit_source(self.manager)  # type: ignore[misc]
-        self._staging = "pool_shares" not in config and len(self.manager.ladder) > 1
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-tier")
         self._jobs: list[Future[None]] = []
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
@@ -118,7 +119,8 @@ class KvtierTier(SecondaryTierManager):
         if offloading_spec.kv_events_config.enable_kv_cache_events:
             self._keys = {}
             self.manager.core.set_index_log(True)
-        self._probes = _ServerProbes(self.manager, tier_type) if _shares(self.manager) else None
+        sharing = self.manager.config.share_prefixes
+        self._probes = _ServerProbes(self.manager, tier_type) if sharing else None
         log.info(
             "kvtier tier: chunks of %s, %d tokens, tiers %s, ladder %s",
             self.layout.name,
@@ -316,11 +318,13 @@ class _ServerProbes(AsyncLookupManager):
             return [False] * len(keys)
 
 
-def _manager(layout: ChunkLayout, extra: dict[str, Any], model: str) -> BlockManager:
+def _manager(layout: ChunkLayout, extra: dict[str, Any], model: str) -> tuple[BlockManager, bool]:
     """The tier's manager: the connector's config from the tier's keys, one block a chunk, one
     layer a (worker, layer), no sinks or recent window (a chunk is a cached entry, not part of
-    a running sequence), no headroom (a store makes its room by evicting), its own staging shares (small: level 0 and the middle levels only pass
-    a store's chunks down) unless given."""
+    a running sequence), no headroom (a store makes its room by evicting), and its own staging
+    shares (small: level 0 and the middle levels only pass a store's chunks down) unless the
+    config has some. Beside it, whether the shares are the tier's own (then each store's step
+    makes room at level 0 for the next)."""
     chunk = layout.block_size
     config = connector_config(extra, block_size=chunk)
     fixed = {"sink_blocks": 0, "recent_window": 0, "evict_on_full": True, "headroom": 0.0}
@@ -332,12 +336,13 @@ def _manager(layout: ChunkLayout, extra: dict[str, Any], model: str) -> BlockMan
         layout.paged.head_dim,
         layout.dtype,
     )
-    if config.pool_shares is None and config.enable_compression and config.levels > 1:
+    staging = config.pool_shares is None and config.enable_compression and config.levels > 1
+    if staging:
         budget = config.device_budget or 0
         stage = max(1, min(_STAGE_CHUNKS, budget // (128 * shape.fp16_bytes)))
         config = config.replace(pool_shares=staging_shares(config, shape, stage))
     namespace = f"{config.namespace}/vllm-tier/{model}/{layout.name}"
-    return BlockManager(
+    manager = BlockManager(
         config.replace(namespace=namespace),
         shape.layers,
         shape.kv_heads,
@@ -345,15 +350,12 @@ def _manager(layout: ChunkLayout, extra: dict[str, Any], model: str) -> BlockMan
         layout.dtype,
         device="cpu",
     )
+    return manager, staging
 
 
 def _hash(key: OffloadKey) -> int:
     """:func:`.offload.chunk_hash`, but never 0 (a manager's "no hash")."""
     return chunk_hash(key) or _ZERO
-
-
-def _shares(manager: BlockManager) -> bool:
-    return bool(manager.config.share_prefixes)
 
 
 def _hit_source(manager: BlockManager) -> CacheHitSource:
