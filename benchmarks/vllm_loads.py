@@ -5,7 +5,7 @@ one with kvtier's ladder (``bf16,int8,int4`` on the workload's host budget, load
 lookups offer: only what has been loading faster than it computes), in interleaved rounds, each
 starting with the other configuration, so that the machine's drift hits both alike.
 
-    python benchmarks/vllm_loads.py [--rounds 5]
+    python benchmarks/vllm_loads.py [--rounds 5] [--save PATH]
 
 Per round: vLLM's mean prefill time per request (``vllm:request_prefill_time_seconds``) of
 each, and the ladder's over the recompute's; their median over the rounds. Per request: its
@@ -13,7 +13,8 @@ TTFT with the ladder over its TTFT without a connector in the same round. The ma
 is that ratio over the requests the connector did not hit (they differ by its saves and by the
 machine alone); a request the connector hit is *slower* when its ratio is above the largest of
 those in its round. Prints each round's figures, then the JSON. Issue 59's targets: the median
-prefill ratio <= 1.0, and no hit request slower.
+prefill ratio <= 1.0, and no hit request slower. ``--save PATH`` writes the JSON with the run's
+provenance.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import statistics
 import sys
 
 from kvtier.integrations.vllm.engines import ENGINE_ENV
+from kvtier.results import add_save_option, save_if_asked
 
 for _name, _value in ENGINE_ENV.items():
     os.environ.setdefault(_name, _value)
@@ -73,10 +75,11 @@ def round_figures(base: dict, ladder: dict) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    add_save_option(ap)
+    args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds: expected at least 1, got {args.rounds}")
     settings = dataclasses.replace(FULL, step_tokens=None)  # vLLM's default limits
@@ -120,6 +123,7 @@ def main() -> None:
         f"{res['slower_hit_requests']} of {res['hit_requests']}"
     )
     print(json.dumps(res))
+    save_if_asked(args, res, "python benchmarks/vllm_loads.py", argv)
 
 
 if __name__ == "__main__":

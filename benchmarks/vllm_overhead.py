@@ -9,9 +9,11 @@ connector that does nothing (``kvtier.bench._null_connector``): what vLLM's conn
 alone costs, which no connector avoids.
 
     python benchmarks/vllm_overhead.py [--pairs 5] [--step-tokens 4096] [--consumer] [--null]
+        [--save PATH]
 
 Prints each pass's tokens/s, each pair's ratio to the baseline, their median and the ratio of
-the medians, then the JSON. Issue 44's target: the median ratio >= 0.97.
+the medians, then the JSON (``--save PATH``: also to PATH, with the run's provenance). Issue
+44's target: the median ratio >= 0.97.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import statistics
 import time
 
 from kvtier.integrations.vllm.engines import ENGINE_ENV
+from kvtier.results import add_save_option, save_if_asked
 
 for _name, _value in ENGINE_ENV.items():
     os.environ.setdefault(_name, _value)
@@ -53,13 +56,14 @@ def null_transfer() -> object:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--step-tokens", type=int, default=4096, help="max_num_batched_tokens")
     ap.add_argument("--consumer", action="store_true", help="also the connector as kv_consumer")
     ap.add_argument("--null", action="store_true", help="also a connector that does nothing")
-    args = ap.parse_args()
+    add_save_option(ap)
+    args = ap.parse_args(argv)
     settings = dataclasses.replace(FULL, step_tokens=args.step_tokens)
     work = make_workload(settings)
     budget = settings.host_blocks * driver._block_bytes(work.model_dir)
@@ -103,6 +107,7 @@ def main() -> None:
             f"medians {figures['ratio_of_medians']:.3f}"
         )
     print(json.dumps(res))
+    save_if_asked(args, res, "python benchmarks/vllm_overhead.py", argv)
 
 
 if __name__ == "__main__":

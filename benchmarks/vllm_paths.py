@@ -3,14 +3,15 @@ paged caches, beside a plain copy of the same bytes between the device and host 
 baseline: what moving the blocks costs with nothing else done).
 
     python benchmarks/vllm_paths.py [--device cuda] [--layout channels|cpu-vec|cpu-amx] [--blocks 64]
-        [--ladder bf16,int8] [--encode | --no-encode]
+        [--ladder bf16,int8] [--encode | --no-encode] [--save PATH]
 
 Shape: Llama-3-8B's KV (32 layers, 8 KV heads, head_dim 128, bf16), vLLM block size 16. With a
 ladder below bf16, saves are encoded where the caches are (the worker's way on a GPU, the default
 there: ``--encode``) and land at its level 1, or land at bf16 (``--no-encode``, the worker's way
 on the CPU: its tiers' step encodes them later); loads decode them into the paged caches. GB/s
 are always of the bf16 bytes the blocks hold in vLLM's cache, so that a path moving fewer bytes
-can beat the copy.
+can beat the copy. Each figure is the best of ``--repeats``; the JSON also carries every
+repeat's GB/s (``*_samples``), and ``--save PATH`` writes it with the run's provenance.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvtier import BlockManager, KvtierConfig
 from kvtier.cli import positive_int
 from kvtier.integrations.vllm.paged import PagedLayout
 from kvtier.integrations.vllm.tiers import WorkerTiers
+from kvtier.results import add_save_option, save_if_asked
 
 L, H, N, D = 32, 8, 16, 128
 
@@ -34,7 +36,8 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def best(fn, device: str, repeats: int) -> float:
+def best(fn, device: str, repeats: int) -> tuple[float, list[float]]:
+    """The best of ``repeats`` timed calls of ``fn`` after one untimed, and every call's."""
     fn()
     times = []
     for _ in range(repeats):
@@ -43,10 +46,10 @@ def best(fn, device: str, repeats: int) -> float:
         fn()
         sync(device)
         times.append(time.perf_counter() - t)
-    return min(times)
+    return min(times), times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
@@ -64,7 +67,8 @@ def main() -> None:
         help="encode saves where the caches are (default: on a GPU)",
     )
     ap.add_argument("--repeats", type=positive_int, default=5)
-    args = ap.parse_args()
+    add_save_option(ap)
+    args = ap.parse_args(argv)
     split = args.layout or ("channels" if args.device.startswith("cuda") else "cpu-amx")
     layout = PagedLayout(split, H, N, D)
     nb = args.blocks
@@ -96,14 +100,14 @@ def main() -> None:
         bm.free(seq)
         bm.core.forget(bm.core.lookup_tokens(tokens))  # the next repeat saves again
 
-    save_s = best(save, args.device, args.repeats)
+    save_s, save_all = best(save, args.device, args.repeats)
     seq = bm.add_sequence(tokens)
     tiers.save(seq, ids)
-    load_s = best(lambda: tiers.load(seq, 0, nb * N, dst), args.device, args.repeats)
+    load_s, load_all = best(lambda: tiers.load(seq, 0, nb * N, dst), args.device, args.repeats)
     src = torch.cat([c[:nb].reshape(-1) for c in caches])
     host = torch.empty(src.shape, dtype=src.dtype, pin_memory=args.device.startswith("cuda"))
-    d2h_s = best(lambda: host.copy_(src), args.device, args.repeats)
-    h2d_s = best(lambda: src.copy_(host), args.device, args.repeats)
+    d2h_s, d2h_all = best(lambda: host.copy_(src), args.device, args.repeats)
+    h2d_s, h2d_all = best(lambda: src.copy_(host), args.device, args.repeats)
     gb = nbytes / 1e9
     res = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
@@ -120,6 +124,13 @@ def main() -> None:
     }
     res["save_x_copy"] = res["save_gb_s"] / res["copy_to_host_gb_s"]
     res["load_x_copy"] = res["load_gb_s"] / res["copy_from_host_gb_s"]
+    for key, times in (
+        ("save_gb_s", save_all),
+        ("load_gb_s", load_all),
+        ("copy_to_host_gb_s", d2h_all),
+        ("copy_from_host_gb_s", h2d_all),
+    ):
+        res[f"{key}_samples"] = [gb / t for t in times]
     print(
         f"{res['device']} {split} {args.ladder}{' encoded' if encode else ''}: {nb} blocks, "
         f"{nbytes / 1e6:.0f} MB of bf16: save {res['save_gb_s']:.2f} GB/s "
@@ -128,6 +139,7 @@ def main() -> None:
         f"{res['copy_from_host_gb_s']:.2f})"
     )
     print(json.dumps(res))
+    save_if_asked(args, res, "python benchmarks/vllm_paths.py", argv)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,13 @@ held, and the tier's store and load throughput.
    ``submit_store``/``submit_load`` (level 0, then ``bf16,int8,int4`` demoting), in GB/s of
    chunk bytes, against a plain copy of the same rows (``numpy.copyto``) in the same run.
 
-Prints each figure as it goes and writes the JSON files to ``--out``.
+Prints each figure as it goes and writes the JSON files to ``--out``, each with the run's
+provenance (command, date, commit, machine, versions; :mod:`kvtier.results`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.bench.tiering import ChunkGeometry, TwoTiers, kvtier_tier, offloading_spec, replay
+from kvtier.results import command
+from kvtier.results import save as save_result
 from kvtier.traces import load_trace
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/data/traces/mooncake_conversation.jsonl"
@@ -208,14 +210,14 @@ def throughput(chunks: int = 256, per_job: int = 32) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--requests", type=int, default=None, help="the first N requests (all)")
     ap.add_argument("--chunks", default="2000,5000", help="primary sizes B, in chunks")
     ap.add_argument("--out", default=None, help="write the JSON files here")
     ap.add_argument("--only", default="hits,held,throughput")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -224,7 +226,7 @@ def main() -> None:
     def save(name: str, data: dict[str, Any]) -> None:
         data["loadavg_1m"] = os.getloadavg()[0]
         if out is not None:
-            (out / name).write_text(json.dumps(data, indent=1) + "\n")
+            save_result(out / name, data, command("python benchmarks/vllm_tiering.py", argv))
 
     if "throughput" in only:
         save("throughput.json", throughput())

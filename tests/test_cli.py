@@ -327,6 +327,52 @@ def test_simulate_plot(
     assert str(png) in capsys.readouterr().err
 
 
+def test_simulate_draws_hit_rate_by_capacity_from_saved_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Real replays of the bundled trace's first requests at two budgets, saved; read back with
+    ``--from-json``, each policy's curve has the saved hit rate at each budget, and ``--plot``
+    draws it. A file of another trace or no result at all is refused by name."""
+    pytest.importorskip("matplotlib", reason="plotting needs the plot extra")
+    saved = []
+    for blocks in (4, 400):
+        path = tmp_path / f"run-{blocks}.json"
+        args = ["simulate", "--limit", "150", "--device-blocks", str(blocks), "--no-progress"]
+        assert main([*args, "--compare", "lru,importance", "--json", "--save", str(path)]) == 0
+        saved.append((blocks, json.loads(path.read_text())))
+    capsys.readouterr()
+    png = tmp_path / "capacity.png"
+    files = [
+        a for blocks, _ in saved for a in ("--from-json", str(tmp_path / f"run-{blocks}.json"))
+    ]
+    assert main(["simulate", *files, "--json", "--plot", str(png)]) == 0
+    curves = json.loads(capsys.readouterr().out)
+    for label, policy in (
+        ("lru (bf16,int8,int4)", "lru"),
+        ("importance (bf16,int8,int4)", "importance"),
+    ):
+        want = [
+            [
+                blocks,
+                100 * next(r for r in result["results"] if r["policy"] == policy)["block_hit_rate"],
+            ]
+            for blocks, result in saved
+        ]
+        assert [b for b, _ in curves[label]] == [b for b, _ in want]
+        assert [r for _, r in curves[label]] == pytest.approx([r for _, r in want])
+        assert want[0][1] < want[1][1]  # the budgets differ where it shows
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+    other = json.loads((tmp_path / "run-4.json").read_text())
+    other["trace"]["requests"] = 99
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main(["simulate", *files[:2], "--from-json", str(tmp_path / "other.json")]) == 2
+    assert "different traces" in capsys.readouterr().err
+    (tmp_path / "junk.json").write_text("[1, 2]")
+    assert main(["simulate", "--from-json", str(tmp_path / "junk.json")]) == 2
+    assert "not a saved kvtier simulate result" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "case",
     [

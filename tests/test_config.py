@@ -1,18 +1,26 @@
-"""KvtierConfig: precedence of arguments and environment, parsing, validation, the README table."""
+"""KvtierConfig: precedence of arguments and environment, parsing, validation, the configuration page."""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import re
 from pathlib import Path
 
 import pytest
 
-from kvtier.config import ENV_VARS, POLICIES, KvtierConfig, env_table_markdown, parse_bytes
+from kvtier.config import (
+    CONFIGURATION_PAGE_COMMAND,
+    ENV_VARS,
+    POLICIES,
+    KvtierConfig,
+    configuration_page,
+    parse_bytes,
+)
 from kvtier.errors import ConfigError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+CONFIGURATION_PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 ALIASED = [
     # field, KVTIER_* var, VLLM_* alias, (alias text, value), (KVTIER text, value), explicit value
@@ -405,8 +413,8 @@ def test_every_field_has_one_variable_and_policies_are_listed() -> None:
     assert all(p in policy_var.help for p in POLICIES)
 
 
-def _readme_table_rows() -> list[list[str]]:
-    text = README.read_text(encoding="utf-8")
+def _page_table_rows() -> list[list[str]]:
+    text = CONFIGURATION_PAGE.read_text(encoding="utf-8")
     rows = []
     for line in text.splitlines():
         if re.match(r"^\|\s*`(KVTIER|VLLM)_", line):
@@ -414,17 +422,45 @@ def _readme_table_rows() -> list[list[str]]:
     return rows
 
 
-def test_readme_env_table_lists_exactly_the_config_variables() -> None:
-    rows = _readme_table_rows()
+def test_configuration_page_lists_exactly_the_config_variables() -> None:
+    rows = _page_table_rows()
     names = [row[0].strip("`") for row in rows]
     assert sorted(names) == sorted(v.name for v in ENV_VARS)
     aliases = {row[0].strip("`"): row[1].strip("`") or None for row in rows}
     assert aliases == {v.name: v.alias for v in ENV_VARS}
+    assert all(v.unit for v in ENV_VARS)
 
 
-def test_readme_env_table_is_the_generated_one() -> None:
-    # Regenerate with: python -c "from kvtier.config import env_table_markdown as t; print(t())"
-    assert env_table_markdown() in README.read_text(encoding="utf-8")
+def test_configuration_page_is_the_generated_one() -> None:
+    page = CONFIGURATION_PAGE.read_text(encoding="utf-8") if CONFIGURATION_PAGE.exists() else ""
+    generated = configuration_page()
+    if page != generated:
+        diff = difflib.unified_diff(
+            page.splitlines(),
+            generated.splitlines(),
+            "docs/configuration.md",
+            "generated",
+            n=1,
+            lineterm="",
+        )
+        pytest.fail(
+            "docs/configuration.md is not what kvtier.config.configuration_page() generates; "
+            f"regenerate it with\n    {CONFIGURATION_PAGE_COMMAND}\n" + "\n".join(list(diff)[:60])
+        )
+
+
+def test_configuration_page_names_the_connector_s_own_keys() -> None:
+    # The page is generated in kvtier.config, which may not import the vLLM integration (a
+    # floor above it): its words about the connector are checked against the connector here.
+    from kvtier.integrations.vllm.config import CONNECTOR_KEYS, DEFAULT_HOST_BUDGET, VLLM_OWNED
+
+    page = configuration_page()
+    section = page[page.index("## In vLLM") : page.index("## Every setting")]
+    named = set(re.findall(r"`(\w+)`", section))
+    assert named >= CONNECTOR_KEYS
+    assert named >= set(VLLM_OWNED)
+    assert parse_bytes(DEFAULT_HOST_BUDGET) == 2 * 2**30
+    assert "(2 GiB unless set)" in section
 
 
 def test_remote_tls_files_come_from_the_environment_and_are_checked(tmp_path: Path) -> None:

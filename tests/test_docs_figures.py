@@ -160,8 +160,8 @@ def _blocks(cell: str) -> int:
     return int(float(cell.rstrip("k")) * 1000) if cell.endswith("k") else int(cell)
 
 
-def test_every_figure_of_the_readmes_hit_rate_tables_is_its_saved_result() -> None:
-    readme = (DOCS.parent / "README.md").read_text().splitlines()
+def test_every_figure_of_the_hit_rate_tables_is_its_saved_result() -> None:
+    readme = (DOCS / "simulate.md").read_text().splitlines()
     seen = set()
     trace, capacities = None, []
     for line in readme:
@@ -197,8 +197,8 @@ LADDER_ROWS: dict[str, tuple[str, str, str | None]] = {
 }
 
 
-def test_every_figure_of_the_readmes_ladder_table_is_its_saved_result() -> None:
-    readme = (DOCS.parent / "README.md").read_text().splitlines()
+def test_every_figure_of_the_ladder_table_is_its_saved_result() -> None:
+    readme = (DOCS / "simulate.md").read_text().splitlines()
     start = readme.index(next(line for line in readme if line.startswith(LADDER_HEADER)))
     capacities = [
         _blocks(c.strip()) for c in readme[start][len(LADDER_HEADER) :].strip(" |").split("|")
@@ -252,9 +252,7 @@ def test_the_vllm_policy_tables_figures_are_the_saved_runs() -> None:
     """README.md's table of vLLM's CPU tier under kvtier's policy and vLLM's own: each figure is
     its saved run's (docs/results/vllm-kvtier-policy), and kvtier's policy inside vLLM's manager
     hits what kvtier's replay of the same policy hits, in every run."""
-    rows = _table_rows(
-        (DOCS.parent / "README.md").read_text(), "| vLLM CPU tier blocks (full trace) |"
-    )
+    rows = _table_rows((DOCS / "vllm.md").read_text(), "| vLLM CPU tier blocks (full trace) |")
     labels = {
         "kvtier's policy (`vllm-kvtier`)": "vllm-kvtier",
         "vLLM's own LRU": "vllm-lru",
@@ -288,7 +286,7 @@ def test_the_vllm_tiering_tables_figures_are_the_saved_runs() -> None:
     """README.md's tables of vLLM's native offloading with ``KvtierTier``: each hit rate is its
     saved run's, each held-tokens ratio and throughput the saved measurement's."""
     results = DOCS / "results" / "vllm-tiering"
-    readme = (DOCS.parent / "README.md").read_text()
+    readme = (DOCS / "vllm.md").read_text()
     header = "| vLLM CPU tier B (full trace, 64-token chunks) |"
     start = next(line for line in readme.splitlines() if line.startswith(header))
     sizes = [
@@ -312,3 +310,134 @@ def test_the_vllm_tiering_tables_figures_are_the_saved_runs() -> None:
         if isinstance(row, dict):
             for figure in ("store_GBps", "load_GBps"):
                 assert f"{row[figure]:.2f} GB/s" in readme, (ladder, figure)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every figure of the docs is in a results file its section links
+
+
+#: The pages whose figures are checked: the README and the guides.
+PAGES = [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+#: A figure: a number with decimals, or one with a unit of measure after it (``%``, times,
+#: ``GB/s``, ``ms``...). Integers alone are counts and sizes a reader can check by reading.
+_FIGURE = re.compile(
+    r"(?<![\w.\-/^])([-+\u2212]?\d[\d,]*(?:\.\d+)?)(?![\d.]*\.\d)"
+    r"(?=(\s?(%|\u00d7|x\b|GB/s|MB/s|TB/s|GiB/s|ms\b|s\b|\u00b5s|us\b|tokens/s|tok/s)|\.\d|\b))"
+)
+#: Words just before a number that make it a setting or a target, not a measurement.
+_NOT_MEASURED = re.compile(
+    r"(target|targets|aim|at least|at most|up to|default|ratio of|quantile|budget|shares?|"
+    r"ppl target|≤|≥|<=|>=|version|Python|vLLM|torch|transformers|kvpress|CUDA|hiredis)\W{0,3}$",
+    re.IGNORECASE,
+)
+
+
+#: Tables the tests above check cell by cell (figures derived from the saved results, such as
+#: a share of hit tokens, included): the generic check leaves them to those.
+CHECKED_TABLES = (
+    *(header for header, _, _ in TABLES),
+    "| device blocks (",
+    LADDER_HEADER,
+    "| vLLM CPU tier blocks (full trace) |",
+    "| vLLM CPU tier B (full trace, 64-token chunks) |",
+)
+
+
+def _sections(text: str) -> list[tuple[str, str]]:
+    """``(heading, body)`` of each section down to level 3, code blocks and the tables checked
+    above removed."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    for header in CHECKED_TABLES:
+        text = re.sub(rf"^{re.escape(header)}.*\n(?:\|.*\n)*", "", text, flags=re.M)
+    parts = re.split(r"^(#{1,3} .*)$", text, flags=re.M)
+    return [("(top)", parts[0]), *zip(parts[1::2], parts[2::2], strict=True)]
+
+
+def _sources(page: Path, body: str) -> list[Path]:
+    """The results a section links: a results folder's files, or a JSON file."""
+    found: list[Path] = []
+    for target in re.findall(r"\]\(([^)#\s]+)", body):
+        path = (page.parent / target).resolve()
+        if path.name == "README.md" and DOCS / "results" in path.parents:
+            path = path.parent
+        if path.is_dir():
+            found += sorted(path.glob("*.json"))
+        elif path.suffix == ".json" and path.is_file():
+            found.append(path)
+    return found
+
+
+def _numbers(value: Any) -> list[float]:
+    """Every number of a saved result but its timelines (a replay's hit rate after each request:
+    thousands of values, which would back any figure between them)."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [n for k, v in value.items() if k != "timeline" for n in _numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in _numbers(v)]
+    return []
+
+
+#: How a saved number may be shown: as it is, in percent, in thousandths or thousands, in
+#: millions or billions (bytes as MB/GB, seconds as ms/µs).
+_SCALES = (1.0, 100.0, 1e3, 1e-3, 1e6, 1e-6, 1e-9)
+
+
+def _figures(body: str) -> list[tuple[str, float, int]]:
+    """``(context, value, decimals)`` of each measured-looking figure in a section's prose."""
+    prose = re.sub(r"`[^`]*`", "``", body)  # code spans: names and settings
+    prose = re.sub(r"\]\([^)]*\)", "]", prose)  # link targets
+    out = []
+    for m in _FIGURE.finditer(prose):
+        digits = m.group(1).replace(",", "").replace("\u2212", "-")
+        has_unit = bool(m.group(3))
+        if "." not in digits and not has_unit:
+            continue
+        if _NOT_MEASURED.search(prose[max(0, m.start() - 24) : m.start()]):
+            continue
+        context = prose[max(0, m.start() - 40) : m.end() + 12].replace("\n", " ")
+        out.append((context, abs(float(digits)), len(digits.partition(".")[2])))
+    return out
+
+
+def _backed(value: float, decimals: int, saved: list[float]) -> bool:
+    """``value`` is a saved number at the digits shown, scaled, or the percent it leaves of a
+    whole (``46.8 % saved`` of a cache holding 0.532 of the bytes)."""
+    half = 10**-decimals / 2 + 1e-9
+    return any(
+        abs(abs(n) * s - value) <= half or (0 < n < 1 and abs(100 * (1 - n) - value) <= half)
+        for n in saved
+        for s in _SCALES
+    )
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.stem for p in PAGES])
+def test_every_figure_is_in_a_results_file_its_section_links(page: Path) -> None:
+    """A figure in prose or a table is the saved result of the command that measured it: each
+    number the section shows with decimals or a unit equals, at the digits shown, a number of a
+    results file (or folder) the section links or the page links before its first section, as
+    it is or scaled (percent, thousands, millions). Settings and targets (after "target",
+    "default", "≤" ...) are not figures. A tripwire for a figure typed with no result behind it,
+    not a proof of each figure's source: the tables above are checked cell by cell."""
+    unbacked = []
+    sections = _sections(page.read_text(encoding="utf-8"))
+    # what the page links before its first section: above its title, or under it (its lead)
+    page_wide = [
+        path
+        for heading, body in sections[:2]
+        if not heading.startswith("##")
+        for path in _sources(page, body)
+    ]
+    for heading, body in sections:
+        sources = {*page_wide, *_sources(page, body)}
+        saved = [n for path in sources for n in _numbers(json.loads(path.read_text()))]
+        for context, value, decimals in _figures(body):
+            if not _backed(value, decimals, saved):
+                unbacked.append(f"{heading.strip()}: {value} in …{context}…")
+    assert not unbacked, (
+        f"{page.name}: figures with no results file behind them (link the file that holds "
+        "each, in its section, or measure it again with --save):\n" + "\n".join(unbacked)
+    )

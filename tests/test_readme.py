@@ -1,13 +1,15 @@
-"""Every fenced block of README.md runs (or is checked against what it shows), so the README
-cannot drift from the API, the command line or the Makefile again.
+"""Every fenced block of README.md and of the guides under docs/ runs (or is checked against
+what it shows), so the docs cannot drift from the API, the command line or the Makefile again.
 
-Each fenced block is one test case, named by its line and heading (``L67-the-api-in-brief``;
-pytest's ``-k`` takes either). The rules, by the block's kind:
+Each fenced block is one test case, named by its file, line and heading
+(``README-L67-the-api-in-brief``, ``vllm-L30-extra-config-keys``; pytest's ``-k`` takes any of
+them). The heading is the nearest one above the block, of any level. The rules, by the block's
+kind:
 
 ``python``
     The block runs as one script (``exec``) in a fresh namespace, from the repository root, with
     every ``KVTIER_*`` and ``VLLM_*`` variable cleared (so ``from_env()`` gives the defaults the
-    README describes). Tracebacks name README.md and its line numbers. Before it runs:
+    docs describe). Tracebacks name the file and its line numbers. Before it runs:
 
     - Placeholders a CPU test machine cannot run are swapped by the rules in ``SUBSTITUTIONS``:
       textual, for the blocks under one heading, each asserted to match (a rule that no longer
@@ -28,7 +30,7 @@ pytest's ``-k`` takes either). The rules, by the block's kind:
       hashes of 64 tokens, and one int4-packed block of the namespace's shape per hash). A name
       neither defined nor given fails the case.
 
-``sh`` (or ``bash``, ``console``, ``shell``)
+``sh`` (or ``bash``, ``shell``)
     Each line is a command, run with bash from the repository root with the running Python's
     bin directory (``.venv/bin``) first on PATH and ``KVTIER_*``/``VLLM_*`` cleared; it must exit
     0. Exceptions, both by rule: ``make test`` is skipped (it runs this file: recursion), and
@@ -49,6 +51,22 @@ untagged blocks (output, not commands)
     class of the module it names. For vLLM's own ``OffloadingConnector``: vLLM must resolve
     the cache policy it names (kvtier's, out of tree) to a ``CachePolicy``.
 
+``console``
+    Commands that measure, too long for a test (a benchmark, an eval): each command (lines
+    ending in ``\\`` continue it; leading ``VAR=value`` words, a ``> file`` redirection and what
+    follows ``#`` aside) runs with every argparse parser it builds stopping the run once it has
+    parsed a command line with no ``REMAINDER`` left to hand on: the command exists and takes
+    those options, and nothing is measured.
+
+``schema``
+    The shape of ``kvtier simulate --json``'s result: every ``"key":`` it names is a key of a
+    real result (the bundled trace's first requests, with kvtier's policies and a peer of each
+    kind).
+
+``mermaid``
+    A diagram: it must start with ``flowchart`` or ``graph`` (what renders on GitHub and in the
+    docs site).
+
 Any other block (another language, other output) fails: run it or give it a rule here.
 Cases that need transformers are marked ``hf``, those that need redis-server ``redis``.
 """
@@ -59,6 +77,7 @@ import ast
 import builtins
 import os
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -71,6 +90,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+#: The files whose blocks run: the README and the guides (not the results' own READMEs, nor the
+#: generated API reference).
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 
 #: The terminal width the README's ``kvtier simulate --help`` listing was pasted at.
 HELP_COLUMNS = 100
@@ -84,7 +106,7 @@ VOCAB = 512
 #: Tokens behind the given prefix hashes (one hash per 16).
 HASHED_TOKENS = 64
 
-SH_LANGS = ("sh", "bash", "shell", "console")
+SH_LANGS = ("sh", "bash", "shell")
 
 # ---------------------------------------------------------------------------------------------
 # The blocks
@@ -94,18 +116,23 @@ SH_LANGS = ("sh", "bash", "shell", "console")
 class Block:
     line: int  # 1-based line of the opening fence
     lang: str  # the fence's tag, lower case; "" when untagged
-    heading: str  # the nearest ## heading above it, without the hashes and backticks
+    heading: str  # the nearest heading above it, without the hashes and backticks
     text: str
+    doc: str = "README.md"  # the file, relative to the repository
+
+    @property
+    def where(self) -> str:
+        return f"{self.doc}:{self.line}"
 
     @property
     def id(self) -> str:
         words = re.findall(r"[a-z0-9]+", self.heading.lower())
         while len("-".join(words)) > 40:
             words.pop()
-        return "-".join([f"L{self.line}", *words])
+        return "-".join([Path(self.doc).stem, f"L{self.line}", *words])
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, doc: str = "README.md") -> list[Block]:
     """The fenced blocks of ``text``, in order, with their tag, line and heading."""
     blocks: list[Block] = []
     heading = ""
@@ -113,22 +140,26 @@ def readme_blocks(text: str) -> list[Block]:
     i = 0
     while i < len(lines):
         line = lines[i]
-        if line.startswith("## "):
-            heading = line[3:].replace("`", "").strip()
+        if re.match(r"#{1,4} ", line):
+            heading = line.lstrip("#").replace("`", "").strip()
         fence = re.match(r"^(```+)\s*([\w+-]*)\s*$", line)
         if fence:
             end = next(
                 (j for j in range(i + 1, len(lines)) if lines[j].strip() == fence.group(1)), None
             )
-            assert end is not None, f"README.md:{i + 1}: fence never closed"
+            assert end is not None, f"{doc}:{i + 1}: fence never closed"
             body = "\n".join(lines[i + 1 : end]) + "\n"
-            blocks.append(Block(i + 1, fence.group(2).lower(), heading, body))
+            blocks.append(Block(i + 1, fence.group(2).lower(), heading, body, doc))
             i = end
         i += 1
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [
+    block
+    for path in DOCS
+    for block in readme_blocks(path.read_text(encoding="utf-8"), str(path.relative_to(REPO)))
+]
 
 # ---------------------------------------------------------------------------------------------
 # Substitutions and givens for the python blocks
@@ -140,7 +171,7 @@ class Sub:
 
     ``new`` may name ``{redis_url}``: the URL of the test's redis-server (``needs`` it)."""
 
-    section: str
+    section: str | tuple[str, ...]  # the start of the heading, or of any of several
     old: str
     new: str
     why: str
@@ -163,7 +194,7 @@ SUBSTITUTIONS: tuple[Sub, ...] = (
         "a BlockManager allocates each tier's pools at once",
     ),
     Sub(
-        "Hugging Face",
+        ("Hugging Face", "TieredCache"),
         "max_new_tokens=256",
         "max_new_tokens=8",
         "each token goes through a TieredCache step; 256 take a while on two CPU cores",
@@ -339,23 +370,23 @@ def run_python(block: Block, request: pytest.FixtureRequest) -> None:
         values["redis_url"] = request.getfixturevalue("redis_server").url
     source, unmatched = substituted(block, values)
     assert not unmatched, (
-        f"README.md:{block.line}: substitution(s) that no longer match the block: "
+        f"{block.where}: substitution(s) that no longer match the block: "
         + "; ".join(f"{s.old!r} -> {s.new!r}" for s in unmatched)
         + " (update SUBSTITUTIONS in tests/test_readme.py)"
     )
     names = free_names(source)
     unknown = [n for n in names if n not in GIVENS]
     assert not unknown, (
-        f"README.md:{block.line}: the block uses {', '.join(unknown)} without defining them; "
+        f"{block.where}: the block uses {', '.join(unknown)} without defining them; "
         "define them in the block or give them in GIVENS"
     )
     namespace: dict[str, Any] = {"__name__": "__readme__"}
     for name in names:
         namespace[name] = GIVENS[name][0](request)
     tree = ast.parse(source)
-    ast.increment_lineno(tree, block.line)  # tracebacks point at the README's lines
+    ast.increment_lineno(tree, block.line)  # tracebacks point at the doc's lines
     try:
-        exec(compile(tree, str(README), "exec"), namespace)
+        exec(compile(tree, str(REPO / block.doc), "exec"), namespace)
     finally:
         for value in namespace.values():
             if type(value).__module__.startswith("kvtier.") and callable(
@@ -382,11 +413,11 @@ def sh_commands(block: Block) -> list[tuple[int, str]]:
 
 def run_sh(block: Block, env: dict[str, str]) -> None:
     commands = sh_commands(block)
-    assert commands, f"README.md:{block.line}: no command to run"
+    assert commands, f"{block.where}: no command to run"
     for line, command in commands:
         proc = bash(command, env)
         assert proc.returncode == 0, (
-            f"README.md:{line}: {command!r} exited {proc.returncode}\n"
+            f"{block.doc}:{line}: {command!r} exited {proc.returncode}\n"
             f"stdout: {proc.stdout[-2000:]}\nstderr: {proc.stderr[-2000:]}"
         )
 
@@ -402,7 +433,7 @@ def check_options(block: Block, env: dict[str, str]) -> None:
     assert "\noptions:\n" in shown, shown
     printed = shown[shown.index("\noptions:\n") + 1 :]
     assert block.text == printed, (
-        f"README.md:{block.line}: the options block is not what `kvtier simulate --help` prints "
+        f"{block.where}: the options block is not what `kvtier simulate --help` prints "
         f"at COLUMNS={HELP_COLUMNS}; paste it again from:\n{printed}"
     )
 
@@ -442,7 +473,7 @@ def check_kv_transfer_config(block: Block, env: dict[str, str]) -> None:
     if config["kv_connector"] == "OffloadingConnector":
         check_offloading_config(config)
         return
-    assert config["kv_connector"] == "KVTierConnector", f"README.md:{block.line}"
+    assert config["kv_connector"] == "KVTierConnector", f"{block.where}"
     module = pytest.importorskip(config["kv_connector_module_path"])
     module.connector_config(config["kv_connector_extra_config"], block_size=16, environ=env)
     pytest.importorskip("vllm")  # the connector class is imported with vLLM
@@ -476,6 +507,110 @@ def check_offloading_config(config: dict[str, Any]) -> None:
             connector_config({k: v for k, v in tier.items() if k not in own}, block_size=16)
 
 
+#: Runs a command with every argparse parser stopping it once it has parsed a command line that
+#: hands nothing on (no ``REMAINDER`` words, its own or its subcommands', left for another
+#: parser): exit status 0 then, argparse's 2 on a bad option.
+PARSE_ONLY = """
+import argparse, runpy, sys
+parse = argparse.ArgumentParser.parse_known_args
+def remainders(parser):
+    for action in parser._actions:
+        if action.nargs == argparse.REMAINDER:
+            yield action.dest
+        for sub in (action.choices or {}).values() if action.nargs == argparse.PARSER else ():
+            yield from remainders(sub)
+def parse_only(self, args=None, namespace=None):
+    parsed = parse(self, args, namespace)
+    if not any(getattr(parsed[0], dest, None) for dest in remainders(self)):
+        raise SystemExit(0)
+    return parsed
+argparse.ArgumentParser.parse_known_args = parse_only
+sys.argv = sys.argv[1:]
+if sys.argv[0] == "kvtier":
+    from kvtier.cli import main
+    raise SystemExit(main(sys.argv[1:]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def console_commands(block: Block) -> list[tuple[int, list[str]]]:
+    """``(line, argv)`` of each command of a ``console`` block: continuations joined, leading
+    ``VAR=value`` words, a redirection and comments dropped, ``python`` itself too."""
+    out: list[tuple[int, list[str]]] = []
+    pending, first = "", 0
+    for n, line in enumerate(block.text.splitlines(), start=block.line + 1):
+        if not pending:
+            first = n
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1]
+            continue
+        command, pending = (pending + line).split(" #", 1)[0].strip(), ""
+        if not command:
+            continue
+        words = shlex.split(command.split(">", 1)[0])
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+            words.pop(0)
+        if words[0] in ("python", "python3"):
+            words.pop(0)
+        out.append((first, words))
+    return out
+
+
+def check_console(block: Block, env: dict[str, str]) -> None:
+    commands = console_commands(block)
+    assert commands, f"{block.where}: no command to check"
+    for line, argv in commands:
+        assert argv[0] == "kvtier" or argv[0].startswith("benchmarks/"), (
+            f"{block.doc}:{line}: a console block holds kvtier or benchmarks/ commands: {argv}"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", PARSE_ONLY, *argv],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        assert proc.returncode == 0, (
+            f"{block.doc}:{line}: {shlex.join(argv)} is not a command line it takes "
+            f"(exit {proc.returncode}):\n{proc.stderr[-2000:]}"
+        )
+
+
+def json_keys(value: Any) -> set[str]:
+    if isinstance(value, dict):
+        return set(value) | {k for v in value.values() for k in json_keys(v)}
+    if isinstance(value, list):
+        return {k for v in value for k in json_keys(v)}
+    return set()
+
+
+def check_schema(block: Block, env: dict[str, str]) -> None:
+    import json
+
+    proc = bash(
+        "kvtier simulate --limit 300 --device-blocks 50 --no-progress --json "
+        "--compare lru,importance,optimal,vllm-lru",
+        env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    named = set(re.findall(r'"(\w+)":', block.text))
+    missing = named - json_keys(json.loads(proc.stdout))
+    assert not missing, f"{block.where}: the schema names keys no result has: {sorted(missing)}"
+
+
+def check_mermaid(block: Block, env: dict[str, str]) -> None:
+    assert block.text.split(None, 1)[0] in ("flowchart", "graph"), block.where
+
+
+BLOCK_CHECKS: dict[str, Callable[[Block, dict[str, str]], None]] = {
+    "console": check_console,
+    "schema": check_schema,
+    "mermaid": check_mermaid,
+}
+
+
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=_marks(b)) for b in BLOCKS])
 def test_readme_block(
     block: Block, request: pytest.FixtureRequest, clean_env: dict[str, str]
@@ -486,10 +621,12 @@ def test_readme_block(
         run_sh(block, clean_env)
     elif block.lang == "json":
         check_kv_transfer_config(block, clean_env)
+    elif block.lang in BLOCK_CHECKS:
+        BLOCK_CHECKS[block.lang](block, clean_env)
     else:
         check = output_checker(block)
         assert check is not None, (
-            f"README.md:{block.line}: no rule runs or checks this ```{block.lang} block; "
+            f"{block.where}: no rule runs or checks this ```{block.lang} block; "
             "add one to tests/test_readme.py"
         )
         check(block, clean_env)

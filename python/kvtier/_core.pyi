@@ -1,4 +1,5 @@
-# Hand-written stub of the Rust extension (crates/kvtier-py); checked by `make stubtest`.
+# Hand-written stub of the Rust extension (crates/kvtier-py); checked by `make stubtest`. Its
+# docstrings are the Rust doc comments (tests/test_core_stub_docs.py): the docs site reads them here.
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Final, final
@@ -92,7 +93,8 @@ class Core:
     @property
     def block_size(self) -> int: ...
     @property
-    def prefix_aware(self) -> bool: ...
+    def prefix_aware(self) -> bool:
+        """Whether cached blocks form prefix trees and eviction takes leaves only."""
     @property
     def policy(self) -> str: ...
     @property
@@ -100,55 +102,102 @@ class Core:
     @property
     def tiers(self) -> list[tuple[str, int | None]]: ...
     @property
-    def step(self) -> int: ...
+    def step(self) -> int:
+        """The scheduler's step clock (number of plans made)."""
     @property
-    def evict_on_full(self) -> bool: ...
+    def evict_on_full(self) -> bool:
+        """Whether an allocation that does not fit evicts cached blocks (lowest-ranked first)
+        instead of failing."""
     @evict_on_full.setter
     def evict_on_full(self, on: bool) -> None: ...
-    def add_sequence(self, salt: str | None = None) -> int: ...
+    def add_sequence(self, salt: str | None = None) -> int:
+        """A new sequence; with `salt`, its blocks are shared only with sequences of that salt."""
     def append_tokens(
         self, seq: int, tokens: _Ids
-    ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.bool_]]: ...
+    ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.bool_]]:
+        """Appends token ids; returns `(block_ids, shared)` for the blocks added."""
     def append_blocks(
         self, seq: int, hashes: _Ids
-    ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.bool_]]: ...
-    def extend(self, seq: int, n: int) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.bool_]]: ...
-    def fork(self, seq: int) -> tuple[int, tuple[int, int] | None]: ...
-    def release(self, seq: int) -> None: ...
-    def release_cached(self, hashes: _Ids) -> int: ...
-    def release_cached_tokens(self, tokens: _Ids, salt: str | None = None) -> int: ...
+    ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.bool_]]:
+        """Appends whole blocks by their chained hashes; returns `(block_ids, shared)`."""
+    def extend(self, seq: int, n: int) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.bool_]]:
+        """Appends `n` tokens without ids (their K/V only); the sequence stops being hashed.
+        Returns `(block_ids, shared)` for the blocks added (none shared)."""
+    def fork(self, seq: int) -> tuple[int, tuple[int, int] | None]:
+        """Forks a sequence; returns `(child, copy)` where `copy` is `(src_block, dst_block)` of
+        the partial block whose bytes the engine must copy, or `None`."""
+    def release(self, seq: int) -> None:
+        """Says that a live sequence's conversation has ended: the blocks it is the last to hold
+        when freed are released, evicted before every block that is not (prefix-aware cores)."""
+    def release_cached(self, hashes: _Ids) -> int:
+        """Releases the blocks of the longest cached prefix of these chained hashes (a chain whose
+        sequence is freed); returns how many blocks that is."""
+    def release_cached_tokens(self, tokens: _Ids, salt: str | None = None) -> int:
+        """:meth:`release_cached` of the longest cached prefix of these token ids (of sequences
+        salted with `salt`, or of unsalted ones)."""
     def free_sequence(self, seq: int) -> None: ...
-    def forget(self, blocks: _Ids) -> None: ...
-    def indexed_blocks(self) -> npt.NDArray[np.uint32]: ...
-    def set_index_log(self, on: bool) -> None: ...
-    def take_index_log(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int8]]: ...
+    def forget(self, blocks: _Ids) -> None:
+        """Takes blocks out of the prefix index; each is freed once nothing references it."""
+    def indexed_blocks(self) -> npt.NDArray[np.uint32]:
+        """Every block in the prefix index, as uint32 ids."""
+    def set_index_log(self, on: bool) -> None:
+        """Starts (or stops, dropping what it holds) logging changes to the prefix index, for
+        :meth:`take_index_log`."""
+    def take_index_log(self) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int8]]:
+        """The changes to the prefix index since the last call, oldest first, as `(hashes,
+        tiers)`: each a block's prefix hash (uint64) and the tier it lies in now (int8, its
+        index in `Plan.TIERS`), or -1 where it left the index. Empty while the log is off."""
     def sequence_blocks(self, seq: int) -> npt.NDArray[np.uint32]: ...
     def sequence_tokens(self, seq: int) -> int: ...
     def sequences(self) -> list[int]: ...
-    def lookup(self, hashes: _Ids) -> npt.NDArray[np.uint32]: ...
-    def lookup_tokens(self, tokens: _Ids, salt: str | None = None) -> npt.NDArray[np.uint32]: ...
+    def lookup(self, hashes: _Ids) -> npt.NDArray[np.uint32]:
+        """Blocks of the longest cached prefix of these chained hashes."""
+    def lookup_tokens(self, tokens: _Ids, salt: str | None = None) -> npt.NDArray[np.uint32]:
+        """Blocks of the longest cached prefix of these token ids (of sequences salted with
+        `salt`, or of unsalted ones)."""
     def record_reads(self, blocks: _Ids) -> None: ...
     def record_attention(self, blocks: _Ids, mass: npt.ArrayLike) -> None: ...
     def set_magnitude(self, blocks: _Ids, values: npt.ArrayLike) -> None: ...
     def set_learned(self, blocks: _Ids, values: npt.ArrayLike) -> None: ...
     def pin(self, blocks: _Ids) -> None: ...
     def unpin(self, blocks: _Ids) -> None: ...
-    def evict_cached(
-        self, n: int, protected: _Ids | None = None
-    ) -> npt.NDArray[np.uint64] | None: ...
-    def place_saved(self, blocks: _Ids) -> npt.NDArray[np.uint8]: ...
-    def plan(self, room_bytes: int = 0, *, keep: _Ids | None = None) -> Plan: ...
+    def evict_cached(self, n: int, protected: _Ids | None = None) -> npt.NDArray[np.uint64] | None:
+        """Evicts `n` cached level-0 device blocks as making room does, none of `protected`;
+        returns their hashes (uint64), or None, with nothing evicted, if fewer than `n` could go."""
+    def place_saved(self, blocks: _Ids) -> npt.NDArray[np.uint8]:
+        """Places new blocks of a save (pinned, unwritten, held by one sequence) where a cached
+        block settles: each at the most precise level below 0 with a free device slot, but the
+        sinks and those no slot is left for, which stay at level 0. Returns each one's level."""
+    def plan(self, room_bytes: int = 0, *, keep: _Ids | None = None) -> Plan:
+        """Plans moves and holds them pending until `commit(plan.id)` or `abort(plan.id)`.
+        `room_bytes`: also free that much of the device budget for blocks about to be allocated
+        (demoting and offloading before anything is evicted). `keep`: cached blocks the call
+        the room is for will share (a prompt's cached prefix): moved if need be, never evicted."""
     def commit(self, plan_id: int) -> None: ...
-    def abort(self, plan_id: int, *, copied: bool = False) -> None: ...
+    def abort(self, plan_id: int, *, copied: bool = False) -> None:
+        """Drops the pending plan: every block stays where it was. ``copied``: some of its copies
+        ran (the engine failed midway), so the blocks it evicted to move others into their
+        slots are gone rather than given back."""
     def block_places(
         self, blocks: _Ids
-    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], npt.NDArray[np.uint32]]: ...
-    def block_info(self, blocks: _Ids) -> dict[str, npt.NDArray[Any]]: ...
-    def usage(self) -> _Usage: ...
-    def reclaimable(self) -> list[tuple[str, int, int, int]]: ...
-    def tier_bytes(self) -> list[tuple[str, int]]: ...
+    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], npt.NDArray[np.uint32]]:
+        """Where each of `blocks` is: `(tier, level, slot)` columns, [`Self::block_info`]'s first
+        three alone, for the hot paths (a save's or a load's blocks, a layer at a time)."""
+    def block_info(self, blocks: _Ids) -> dict[str, npt.NDArray[Any]]:
+        """Columns describing blocks: tier, level, slot, refcount, pinned, position, hash (0 for
+        a partial block), has_copy, score (the policy's primary ranking value), indexed (in the
+        prefix index), parent (in the prefix tree; -1 for a root, an unindexed block or a
+        plain core) and released (its conversation ended: evicted first)."""
+    def usage(self) -> _Usage:
+        """Occupancy per pool: `[(tier, level, used_slots, capacity_slots, bytes), ...]`."""
+    def reclaimable(self) -> list[tuple[str, int, int, int]]:
+        """What evicting could free now, per pool: `[(tier, level, blocks, bytes)]` of its cached
+        blocks whose every indexed descendant is cached too (eviction takes leaves)."""
+    def tier_bytes(self) -> list[tuple[str, int]]:
+        """Bytes in use per configured tier."""
     def set_budget(self, tier: str, budget: int | None) -> None: ...
-    def counters(self) -> dict[str, int]: ...
+    def counters(self) -> dict[str, int]:
+        """Event counters since creation."""
 
 @final
 class Plan:
@@ -167,7 +216,9 @@ class Plan:
     @property
     def unmet_bytes(self) -> int: ...
     @property
-    def released_copies(self) -> int: ...
+    def released_copies(self) -> int:
+        """Write-through copies the plan gives up at commit, for room (their slots take blocks
+        in the next plan)."""
     @property
     def block(self) -> npt.NDArray[np.uint32]: ...
     @property
@@ -184,7 +235,8 @@ class Plan:
     def dst_level(self) -> npt.NDArray[np.uint8]: ...
     @property
     def dst_slot(self) -> npt.NDArray[np.uint32]: ...
-    def summary(self) -> dict[str, int]: ...
+    def summary(self) -> dict[str, int]:
+        """Number of moves of each kind, by name."""
     def __len__(self) -> int: ...
 
 @final
@@ -239,31 +291,40 @@ class StoreStats:
 
     def __new__(cls) -> StoreStats: ...
     @property
-    def puts(self) -> int: ...
+    def puts(self) -> int:
+        """Values stored."""
     @property
-    def put_bytes(self) -> int: ...
+    def put_bytes(self) -> int:
+        """Payload bytes of the values stored."""
     @property
-    def put_failures(self) -> int: ...
+    def put_failures(self) -> int:
+        """Puts refused or failed: over budget, disk full, server unreachable."""
     @property
     def hits(self) -> int: ...
     @property
-    def hit_bytes(self) -> int: ...
+    def hit_bytes(self) -> int:
+        """Payload bytes of the values served."""
     @property
     def misses(self) -> int: ...
     @property
-    def corrupt(self) -> int: ...
+    def corrupt(self) -> int:
+        """Values that failed a check (truncated, bit-flipped, foreign); each also counts as a miss."""
     @property
-    def errors(self) -> int: ...
+    def errors(self) -> int:
+        """Backend errors (I/O, connection); gets that hit one also count as misses."""
     @property
     def evictions(self) -> int: ...
     @property
     def deletes(self) -> int: ...
-    def count_puts(self, stored: int, payload_bytes: int, failed: int) -> None: ...
-    def count_gets(self, hits: int, hit_bytes: int, misses: int, corrupt: int) -> None: ...
+    def count_puts(self, stored: int, payload_bytes: int, failed: int) -> None:
+        """A batch of puts: `stored` values of `payload_bytes` in all, `failed` refused or failed."""
+    def count_gets(self, hits: int, hit_bytes: int, misses: int, corrupt: int) -> None:
+        """A batch of gets: `corrupt` of the `misses` failed a check."""
     def count_errors(self, n: int = 1) -> None: ...
     def count_evictions(self, n: int) -> None: ...
     def count_deletes(self, n: int) -> None: ...
-    def as_dict(self) -> dict[str, int]: ...
+    def as_dict(self) -> dict[str, int]:
+        """The counters by name."""
 
 @final
 class HostValue:
@@ -325,7 +386,11 @@ def attend(
 
 def prefix_hashes(
     tokens: _Ids, block_size: int, namespace: str = "default", salt: str | None = None
-) -> npt.NDArray[np.uint64]: ...
+) -> npt.NDArray[np.uint64]:
+    """Chained 64-bit hashes of each full `block_size` block of `tokens` in a namespace — the
+    same hashes `Core.append_tokens` indexes (for a sequence added with `salt`, give the same
+    salt). Stable across processes and machines."""
+
 def namespace_seed(namespace: str) -> int: ...
 def kernel_sources() -> dict[str, str]:
     """The CUDA sources of kvtier's kernels (kernels/*.cu), by file name."""

@@ -1,8 +1,10 @@
 """The ``kvtier`` command: ``simulate``, ``bench``, ``eval`` and ``version``.
 
-Data goes to stdout (a table, or JSON with ``--json``); progress and logs go to stderr. Errors
-print two lines on stderr, ``error: ...`` and ``hint: ...``, and exit with status 2. The heavy
-parts (the simulator, the benchmarks, matplotlib) are imported only by the command that uses them.
+Data goes to stdout (a table, or JSON with ``--json``); progress and logs go to stderr; with
+``--save PATH`` a measuring command also writes its result with its provenance, for a doc to
+quote (:mod:`kvtier.results`; the path is checked before the run). Errors print two lines on
+stderr, ``error: ...`` and ``hint: ...``, and exit with status 2. The heavy parts (the
+simulator, the benchmarks, matplotlib) are imported only by the command that uses them.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from .config import (
     normalize_dtype,
     parse_bytes,
 )
-from .errors import ConfigError, KvtierError, require
+from .errors import ConfigError, InvalidArgumentError, KvtierError, require
 from .peers import PEERS
+from .results import add_save_option, json_default
+from .results import save as save_result
 from .shapes import MODELS, model_shape
 
 __all__ = ["main"]
@@ -279,7 +283,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the scheduler's step() every N requests (default: 1)",
     )
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_save_option(sim)
     sim.add_argument("--plot", metavar="PATH", help="also write hit rate and memory plots to PATH")
+    sim.add_argument(
+        "--from-json",
+        metavar="PATH",
+        type=Path,
+        action="append",
+        help="replay nothing: read saved results (--json or --save) of one trace at several "
+        "budgets and, with --plot, draw hit rate against capacity (given once per file)",
+    )
     sim.add_argument("--no-progress", action="store_true", help="draw no progress bar")
 
     bench = sub.add_parser(
@@ -295,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "options",
         nargs=argparse.REMAINDER,
-        help="passed to the benchmark (e.g. --json, --quick; `kvtier bench core --help`)",
+        help="passed to the benchmark (e.g. --json, --quick, --save PATH; "
+        "`kvtier bench core --help`)",
     )
 
     evaluate = sub.add_parser(
@@ -307,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "options",
         nargs=argparse.REMAINDER,
-        help="passed to the evaluation (e.g. --json; `kvtier eval codecs --help`)",
+        help="passed to the evaluation (e.g. --json, --save PATH; `kvtier eval codecs --help`)",
     )
 
     sub.add_parser("version", help="print the version")
@@ -338,7 +352,10 @@ def _resolve_dtype(args: argparse.Namespace, base: KvtierConfig) -> str:
     return MODEL_DTYPES.get(args.model, "fp16")
 
 
-def _cmd_simulate(args: argparse.Namespace) -> int:
+def _cmd_simulate(args: argparse.Namespace, argv: list[str]) -> int:
+    """``argv``: the command line, for the provenance of a ``--save``d result."""
+    if args.from_json:
+        return _capacity_from_saved(args)
     policies = list(args.compare) if args.compare else None
     first = policies[0].partition(":")[0] if policies else args.policy
     base = KvtierConfig.from_env(
@@ -432,14 +449,55 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             raise ConfigError(f"a value is out of the range the core takes: {exc}") from exc
 
     if args.json:
-        json.dump(result, sys.stdout, indent=2, default=_json_default)
+        json.dump(result, sys.stdout, indent=2, default=json_default)
         sys.stdout.write("\n")
     else:
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
         sys.stdout.write(render_table(result, color=color))
     sys.stdout.flush()
+    if args.save is not None:
+        saved = save_result(args.save, result, argv)
+        print(f"kvtier simulate: wrote {saved}", file=sys.stderr)
     if plot_path is not None:
         written = plot(result, plot_path)
+        print(f"kvtier simulate: wrote {written}", file=sys.stderr)
+    return 0
+
+
+def _capacity_from_saved(args: argparse.Namespace) -> int:
+    """``--from-json``: block hit rate by device budget over saved replays of one trace, printed
+    as a table (as JSON with ``--json``) and drawn with ``--plot``; nothing is replayed."""
+    from .report import capacity_curves, plot_capacity, resolve_plot_path
+
+    if args.plot:
+        require("matplotlib", "plot", purpose="--plot needs matplotlib")
+        resolve_plot_path(args.plot)  # before reading anything
+    saved = []
+    for path in args.from_json:
+        try:
+            result = json.loads(path.read_text(encoding="utf-8"))
+            if not {"trace", "model", "tiers", "results"} <= result.keys():
+                raise ValueError("it lacks trace, model, tiers or results")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise InvalidArgumentError(
+                f"--from-json {path}: not a saved kvtier simulate result ({exc})",
+                hint="give files written by kvtier simulate --json or --save",
+            ) from None
+        saved.append(result)
+    curves = capacity_curves(saved)
+    if args.json:
+        json.dump(curves, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        budgets = sorted({blocks for points in curves.values() for blocks, _ in points})
+        width = max(len(label) for label in curves)
+        print(f"{'device blocks':<{width}}" + "".join(f"{b:>10,.0f}" for b in budgets))
+        for label, points in curves.items():
+            rates = dict(points)
+            cells = (f"{rates[b]:>8.2f} %" if b in rates else f"{'-':>10}" for b in budgets)
+            print(f"{label:<{width}}" + "".join(cells))
+    if args.plot:
+        written = plot_capacity(saved, args.plot)
         print(f"kvtier simulate: wrote {written}", file=sys.stderr)
     return 0
 
@@ -472,12 +530,6 @@ def _policies_and_ladders(policies: list[str], ladder: tuple[str, ...]) -> str:
     )
 
 
-def _json_default(obj: object) -> object:
-    # numpy scalars and arrays have .tolist(); anything else is a bug worth seeing as a string.
-    tolist = getattr(obj, "tolist", None)
-    return tolist() if callable(tolist) else str(obj)
-
-
 # ---------------------------------------------------------------------------------------------
 # Entry point
 
@@ -490,7 +542,7 @@ def _hint_for(exc: BaseException, command: str | None) -> str:
     if isinstance(exc, FileNotFoundError):
         return "check the path, or give no trace to replay the bundled one"
     if isinstance(exc, ConfigError):
-        return f"see '{help_cmd}' and the KVTIER_* table in the README"
+        return f"see '{help_cmd}' and the KVTIER_* table in docs/configuration.md"
     if isinstance(exc, OSError):
         return "check that the path exists and is readable"
     return f"see '{help_cmd}' for what each option accepts"
@@ -508,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvtier`` command line; returns the exit status."""
     parser = build_parser()
     command: str | None = None
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
         command = args.command
@@ -517,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help(sys.stderr)
             raise _UsageError("no command given", hint="try 'kvtier simulate'")
         if command == "simulate":
-            return _cmd_simulate(args)
+            return _cmd_simulate(args, ["kvtier", *argv])
         return _cmd_suite(command, args)
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0

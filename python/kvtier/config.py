@@ -7,7 +7,8 @@
 
 Every value is checked in ``__post_init__``; a bad one raises :class:`kvtier.errors.ConfigError`
 naming the field (and the variable it came from) and what was expected. :data:`ENV_VARS` lists the
-variables; the README's configuration table is generated from it (:func:`env_table_markdown`).
+variables; the configuration page, ``docs/configuration.md``, is generated from it
+(:func:`configuration_page`, whose table is :func:`env_table_markdown`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import math
 import os
 import re
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -25,12 +27,14 @@ from typing import Any
 from .errors import ConfigError
 
 __all__ = [
+    "CONFIGURATION_PAGE_COMMAND",
     "ENV_VARS",
     "MAX_SIZE",
     "MAX_U32",
     "POLICIES",
     "EnvVar",
     "KvtierConfig",
+    "configuration_page",
     "env_table_markdown",
     "normalize_dtype",
     "parse_bytes",
@@ -177,11 +181,14 @@ class EnvVar:
     field: str
     alias: str | None
     kind: str
+    #: what the value counts or is, with its range: ``bytes``, ``blocks``, ``seconds, > 0``,
+    #: ``fraction in [0, 1]`` ...
+    unit: str
     help: str
     parse: Callable[[str], Any] = dataclasses.field(repr=False, compare=False)
 
 
-def _var(field_name: str, kind: str, help: str, alias: str | None = None) -> EnvVar:
+def _var(field_name: str, kind: str, unit: str, help: str, alias: str | None = None) -> EnvVar:
     parsers: dict[str, Callable[[str], Any]] = {
         "bool": _parse_bool,
         "int": _parse_int,
@@ -192,26 +199,31 @@ def _var(field_name: str, kind: str, help: str, alias: str | None = None) -> Env
         "shares": _parse_shares,
         "str": str.strip,
     }
-    return EnvVar(f"KVTIER_{field_name.upper()}", field_name, alias, kind, help, parsers[kind])
+    return EnvVar(
+        f"KVTIER_{field_name.upper()}", field_name, alias, kind, unit, help, parsers[kind]
+    )
 
 
-#: The variables :meth:`KvtierConfig.from_env` reads, in the order of the README table.
+#: The variables :meth:`KvtierConfig.from_env` reads, in the order of the configuration table.
 ENV_VARS: tuple[EnvVar, ...] = (
     _var(
         "enable_compression",
         "bool",
+        "boolean",
         "store blocks below level 0 at all (off: every block stays at the model dtype)",
         "VLLM_ENABLE_KV_COMPRESSION",
     ),
     _var(
         "compression_ratio",
         "float",
+        "fraction in [0, 1]",
         "fraction of the compressible blocks, by importance, kept at level 1 (the rest go lower)",
         "VLLM_KV_COMPRESSION_RATIO",
     ),
     _var(
         "drop_ratio",
         "float",
+        "fraction in [0, 1]",
         "with a `drop` level at the end of the ladder: fraction of the compressible blocks, "
         "lowest ranked first, that leave attention for good (never sent back: a drop is not "
         "recoverable)",
@@ -219,116 +231,174 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var(
         "levels",
         "int",
+        "levels, 1 to 3",
         "number of precision levels when no ladder is given: 1 = dtype, 2 = +int8, 3 = +int4",
         "VLLM_KV_COMPRESSION_LEVELS",
     ),
     _var(
-        "ladder", "list", "codec of each level, comma-separated, e.g. `fp16,int8,int4`; sets levels"
+        "ladder",
+        "list",
+        "codec names",
+        "codec of each level, comma-separated, e.g. `fp16,int8,int4`; sets levels",
     ),
-    _var("policy", "str", "scheduling policy: " + ", ".join(POLICIES)),
-    _var("block_size", "int", "tokens per block"),
-    _var("recent_window", "int", "most recent tokens of each sequence kept at level 0"),
+    _var("policy", "str", "name", "scheduling policy: " + ", ".join(POLICIES)),
+    _var("block_size", "int", "tokens, >= 1", "tokens per block"),
+    _var("recent_window", "int", "tokens", "most recent tokens of each sequence kept at level 0"),
     _var(
         "sink_blocks",
         "int",
+        "blocks",
         "first blocks of each sequence (attention sink) kept at level 0; in a cached prefix, "
         "demoted last",
     ),
-    _var("weights", "weights", "importance weights `magnitude,learned,attention`"),
+    _var(
+        "weights", "weights", "3 numbers >= 0", "importance weights `magnitude,learned,attention`"
+    ),
     _var(
         "device_budget",
         "size",
+        "bytes",
         "device tier budget in bytes (`8GiB`, `512MB`, `1e9`); unset: 64 GiB in `kvtier "
         "simulate`, half the free CUDA memory (1 GiB on a CPU) in a `BlockManager`",
     ),
     _var(
         "device_blocks",
         "int",
+        "blocks",
         "device tier budget in blocks at level 0 (instead of bytes; in `kvtier simulate` a "
         "block is one trace block, 512 tokens); unset = `device_budget`",
     ),
-    _var("host_budget", "size", "host (pinned DRAM) tier budget in bytes; unset = no host tier"),
-    _var("host_blocks", "int", "host tier budget in blocks at level 0 (instead of bytes)"),
+    _var(
+        "host_budget",
+        "size",
+        "bytes",
+        "host (pinned DRAM) tier budget in bytes; unset = no host tier",
+    ),
+    _var(
+        "host_blocks", "int", "blocks", "host tier budget in blocks at level 0 (instead of bytes)"
+    ),
     _var(
         "pool_shares",
         "shares",
+        "fractions that sum to 1",
         "fraction of each tier's budget given to each level's pool, e.g. `0.5,0.3,0.2`; "
         "unset = half to level 0, the rest by `compression_ratio`",
     ),
-    _var("disk_budget", "size", "disk tier budget in bytes; unset = no disk tier"),
+    _var("disk_budget", "size", "bytes", "disk tier budget in bytes; unset = no disk tier"),
     _var(
         "disk_path",
         "str",
+        "directory",
         "directory of the disk tier (a `BlockManager` needs it with `disk_budget`)",
     ),
     _var(
         "remote_budget",
         "size",
+        "bytes",
         "remote (Redis/Valkey) tier budget in bytes; unset = no remote tier",
     ),
     _var(
         "remote_url",
         "str",
+        "URL",
         "server of the remote tier: `redis://host:port`, `rediss://` for TLS; a Redis Cluster "
         "is detected",
     ),
-    _var("remote_timeout", "float", "seconds to wait for the remote server to connect or reply"),
+    _var(
+        "remote_timeout",
+        "float",
+        "seconds, > 0",
+        "seconds to wait for the remote server to connect or reply",
+    ),
     _var(
         "remote_ttl",
         "float",
+        "seconds, > 0",
         "seconds a remote-tier value lives after its write, so a crashed engine's values expire "
         "(a block left there longer is lost: its sequence recomputes); unset = until evicted",
     ),
     _var(
         "share_prefixes",
         "bool",
+        "boolean",
         "publish each complete prompt block to the remote server under its prefix hash, and "
         "take a new prompt's blocks from there when another engine published them (needs a "
         "`namespace` that names the model)",
     ),
-    _var("remote_tls_ca", "str", "CA certificate file that signed the server's (`rediss://` only)"),
+    _var(
+        "remote_tls_ca",
+        "str",
+        "file",
+        "CA certificate file that signed the server's (`rediss://` only)",
+    ),
     _var(
         "remote_tls_cert",
         "str",
+        "file",
         "client certificate file, for servers that require one (`rediss://` only)",
     ),
-    _var("remote_tls_key", "str", "private key file of `remote_tls_cert` (`rediss://` only)"),
-    _var("max_move_bytes", "size", "cap on bytes moved per `step()`; unset = no cap"),
+    _var(
+        "remote_tls_key", "str", "file", "private key file of `remote_tls_cert` (`rediss://` only)"
+    ),
+    _var(
+        "max_move_bytes",
+        "size",
+        "bytes per step",
+        "cap on bytes moved per `step()`; unset = no cap",
+    ),
     _var(
         "headroom",
         "float",
+        "fraction in [0, 1)",
         "fraction of each tier's budget (and of each `BlockManager` pool) kept free for new blocks",
     ),
     _var(
         "hysteresis",
         "float",
+        "score margin in [0, 1]",
         "score margin a block must clear before it is promoted or demoted back",
     ),
-    _var("decay", "float", "per-step decay of access counters"),
+    _var("decay", "float", "factor in (0, 1]", "per-step decay of access counters"),
     _var(
-        "attention_ema", "float", "weight of the newest attention observation in its moving average"
+        "attention_ema",
+        "float",
+        "weight in (0, 1]",
+        "weight of the newest attention observation in its moving average",
     ),
-    _var("scissorhands_window", "int", "steps over which `scissorhands` measures persistence"),
+    _var(
+        "scissorhands_window",
+        "int",
+        "steps, >= 1",
+        "steps over which `scissorhands` measures persistence",
+    ),
     _var(
         "write_through",
         "bool",
+        "boolean",
         "on demotion, keep the block's more precise bytes in the next tier (host), so a later "
         "promotion restores it exactly",
     ),
     _var(
         "evict_on_full",
         "bool",
+        "boolean",
         "when a new block does not fit even after demoting and offloading, evict cached "
         "blocks (those no live sequence references), lowest-ranked first; 0: keep them and fail",
     ),
     _var(
         "prefix_aware",
         "bool",
+        "boolean",
         "cached blocks form prefix trees: eviction takes leaves only (the policy ranks the "
         "leaves), so no cached block is stranded behind an evicted one; 0: plain, the policy "
         "ranks every cached block (LMCache's simulator does)",
     ),
-    _var("namespace", "str", "namespace of prefix hashes and stored keys (model, codec, tenant)"),
+    _var(
+        "namespace",
+        "str",
+        "text",
+        "namespace of prefix hashes and stored keys (model, codec, tenant)",
+    ),
 )
 
 _ENV_BY_FIELD = {var.field: var for var in ENV_VARS}
@@ -349,7 +419,8 @@ _SAME_BUDGET = {
 
 @dataclass(frozen=True)
 class KvtierConfig:
-    """Every knob of kvtier. See the README's configuration table for the matching variables."""
+    """Every knob of kvtier. ``docs/configuration.md`` lists the matching variables, units and
+    defaults."""
 
     enable_compression: bool = True
     compression_ratio: float = 0.5
@@ -771,16 +842,115 @@ def _format_default(value: object) -> str:
 
 
 def env_table_markdown() -> str:
-    """The README's configuration table (Markdown), generated from :data:`ENV_VARS`."""
+    """The configuration table (Markdown), generated from :data:`ENV_VARS`: one row a field,
+    with its variable, alias, default, unit and meaning."""
     defaults = KvtierConfig()
     rows = [
-        "| variable | alias | field | default | meaning |",
-        "|---|---|---|---|---|",
+        "| variable | alias | field | default | unit | meaning |",
+        "|---|---|---|---|---|---|",
     ]
     for var in ENV_VARS:
         default = _format_default(getattr(defaults, var.field))
         if var.field == "ladder":
             default = "from levels"
         alias = f"`{var.alias}`" if var.alias else ""
-        rows.append(f"| `{var.name}` | {alias} | `{var.field}` | `{default}` | {var.help} |")
+        rows.append(
+            f"| `{var.name}` | {alias} | `{var.field}` | `{default}` | {var.unit} | {var.help} |"
+        )
     return "\n".join(rows)
+
+
+#: The command that writes ``docs/configuration.md`` from :func:`configuration_page`, run from
+#: the repository's root.
+CONFIGURATION_PAGE_COMMAND = (
+    ".venv/bin/python -c 'from kvtier.config import configuration_page as p; "
+    'print(p(), end="")\' > docs/configuration.md'
+)
+
+
+def _error_example(environ: Mapping[str, str]) -> str:
+    """The message of the ConfigError that ``environ`` raises."""
+    try:
+        KvtierConfig.from_env(environ=environ)
+    except ConfigError as exc:
+        return str(exc)
+    raise AssertionError(f"expected a ConfigError from {dict(environ)}")
+
+
+def configuration_page() -> str:
+    """The configuration page, ``docs/configuration.md``, in Markdown: where a value comes from,
+    how values are written, what a bad one raises, the keys vLLM's connector takes, and
+    :func:`env_table_markdown`.
+
+    :data:`CONFIGURATION_PAGE_COMMAND` writes the file; ``tests/test_config.py`` fails when the
+    file and this function part ways."""
+    aliases = ", ".join(f"`{v.alias}`" for v in ENV_VARS if v.alias)
+    sizes = ", ".join(f"`{v.field}`" for v in ENV_VARS if v.kind == "size")
+    bad = {"KVTIER_HOST_BUDGET": "8 gigs", "KVTIER_HEADROOM": "1.5"}
+    errors = "\n".join(
+        f"- with `{name}={shlex.quote(text)}`: `{_error_example({name: text})}`"
+        for name, text in bad.items()
+    )
+    return f"""<!-- Generated from python/kvtier/config.py by configuration_page(): edit that, not
+this file. Regenerate it, from the repository's root, with
+    {CONFIGURATION_PAGE_COMMAND}
+tests/test_config.py fails while this file and the code differ. -->
+
+# Configuration
+
+Every setting of kvtier is a field of [`KvtierConfig`](reference/config.md): the scheduling
+policy and its knobs, the precision ladder, and each tier's budget. Each field can also be set
+by an environment variable, `KVTIER_<FIELD>`, and in vLLM by a key of the connector's extra
+config. The [table](#every-setting) at the end lists them all, with defaults and units.
+
+## Where a value comes from
+
+`KvtierConfig(...)` takes its arguments and nothing else: the environment is ignored.
+`KvtierConfig.from_env(**arguments)` is the config that a `BlockManager`, a `TieredCache`,
+vLLM's connector and its plug-ins, and `kvtier simulate` build when they are handed none. It
+takes each field from the first of these that sets it:
+
+1. an argument: a keyword of `from_env`, an option of `kvtier simulate` (`--policy`,
+   `--ladder`, `--host-bytes` ...), a key of vLLM's `kv_connector_extra_config`;
+2. its `KVTIER_<FIELD>` variable, e.g. `KVTIER_HOST_BUDGET=8GiB`;
+3. the original design's `VLLM_*` alias, for the fields that have one: {aliases};
+4. the default.
+
+An argument of `None` counts as not given, and an empty variable as unset. A budget given in
+bytes outranks the variable in blocks, and the other way round: `host_budget="8GiB"` wins over
+`KVTIER_HOST_BLOCKS`.
+
+## Writing values
+
+- **Sizes** in bytes ({sizes}) take `8GiB`, `512MB`, `1.5 KiB`, `1e9` or plain bytes
+  (`4096`). KiB, MiB, GiB and TiB are powers of 1024; KB, MB, GB and TB are powers of 1000;
+  units are case-insensitive (`kvtier.parse_bytes` reads them).
+- **Booleans** take `1`/`0`, `true`/`false`, `yes`/`no` or `on`/`off`, in any case.
+- **Lists** are comma-separated: a ladder `bf16,int8,int4`, the weights
+  `magnitude,learned,attention`, the pool shares one fraction a level (`0.5,0.3,0.2`).
+- **Fractions** are numbers from 0 to 1 and **seconds** numbers above 0; the table gives each
+  field's range.
+
+A value that does not parse or is out of range raises `kvtier.ConfigError` (a `ValueError`)
+when the config is built. Its message names the variable the value came from (or the field,
+for an argument) and what was expected. For example, `KvtierConfig.from_env()` raises
+
+{errors}
+
+## In vLLM
+
+The keys of `kv_connector_extra_config` for `KVTierConnector`, and of a `KvtierTier` entry in
+`secondary_tiers`, are these field names. A value is written as its variable's would be
+(`"host_budget": "8GiB"`, `"ladder": "bf16,int8,int4"`) or as JSON (numbers, booleans, lists).
+The keys count as arguments, so they win over the variables.
+
+The connector keeps its tiers in host memory, behind vLLM's own KV pool, so `host_budget`
+(2 GiB unless set) is the budget of its first tier. vLLM decides `block_size`,
+`device_budget` and `device_blocks` itself: a key that sets one is refused. A few keys are the
+connector's own rather than fields: `async_loads`, `load_failure_policy`, `scorer` and
+`shed_saves` ([vllm.md](vllm.md) covers them). `KvtierCachePolicy` reads the variables only.
+
+## Every setting
+
+{env_table_markdown()}
+"""

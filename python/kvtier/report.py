@@ -21,8 +21,11 @@ from .errors import InvalidArgumentError, MissingDependencyError
 
 __all__ = [
     "Progress",
+    "capacity_curves",
+    "device_blocks",
     "human_bytes",
     "plot",
+    "plot_capacity",
     "policy_label",
     "render_table",
     "resolve_plot_path",
@@ -422,6 +425,61 @@ def plot(result: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
         sub.set_ylabel("GiB")
         sub.grid(alpha=0.3)
 
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def device_blocks(result: Mapping[str, Any]) -> float:
+    """The device budget of a saved replay in full-precision blocks (level 0's bytes a block)."""
+    model, trace = result["model"], result["trace"]
+    level0 = next(iter(model["bytes_per_token"].values()))
+    device = next(t for t in result["tiers"] if t["tier"] == "device")
+    return float(device["budget_bytes"]) / (level0 * trace["block_tokens"])
+
+
+def capacity_curves(saved: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Block hit rate by device budget, one curve per policy (and ladder) over several saved
+    replays of one trace at several budgets: ``{label: [(device blocks, percent), ...]}``, each
+    sorted by budget. Raises :class:`InvalidArgumentError` when the replays are of different
+    traces or models (their budgets would not compare)."""
+    traces = {(r["trace"]["path"], r["trace"]["requests"], r["model"]["name"]) for r in saved}
+    if len(traces) > 1:
+        raise InvalidArgumentError(
+            "the saved results replay different traces or models: "
+            + "; ".join(f"{Path(p).name} ({n} requests, {m})" for p, n, m in sorted(traces)),
+            hint="plot the results of one trace and one model at a time",
+        )
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for result in saved:
+        blocks = device_blocks(result)
+        for r in result["results"]:
+            label = f"{policy_label(r)} ({','.join(r.get('ladder', []))})"
+            curves.setdefault(label, []).append((blocks, 100 * r["block_hit_rate"]))
+    return {label: sorted(points) for label, points in curves.items()}
+
+
+def plot_capacity(saved: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """Write the hit-rate-vs-capacity plot of several saved replays (:func:`capacity_curves`):
+    block hit rate against the device budget in full-precision blocks, log scale, one line per
+    policy. Returns the file written. Needs ``kvtier[plot]``."""
+    from matplotlib.figure import Figure
+
+    out = resolve_plot_path(path)
+    curves = capacity_curves(saved)
+    fig = Figure(figsize=(7.5, 4.6), layout="constrained")
+    ax = fig.add_subplot()
+    for i, (label, points) in enumerate(curves.items()):
+        xs, ys = zip(*points, strict=True)
+        ax.plot(
+            xs, ys, marker="o", markersize=3.5, linestyle=("-", "--", ":", "-.")[i % 4], label=label
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("device budget (full-precision blocks)")
+    ax.set_ylabel("block hit rate (%)")
+    trace = saved[0]["trace"] if saved else {}
+    ax.set_title(f"{Path(str(trace.get('path', ''))).name}: hit rate by capacity".lstrip(": "))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc="upper left", fontsize="small")
     fig.savefig(out, dpi=110)
     return out
 

@@ -42,6 +42,7 @@ from .. import attend as attend_mod
 from ..attend import PoolView
 from ..cli import positive_int
 from ..codecs import BlockShape, Codec, get_codec
+from ..results import save_if_asked
 from . import bench_parser
 from .core import cpu_time, gpu_time
 
@@ -235,12 +236,15 @@ def measure(
         "seqs": seqs,
         "backend": backend,
         "us": seconds * 1e6,
+        "us_samples": [t * 1e6 for t in seconds.samples],
         "pool_bytes": w.pool_bytes,
         "gb_per_s": w.pool_bytes / seconds / 1e9,
         "copy_us": copy * 1e6,
+        "copy_us_samples": [t * 1e6 for t in copy.samples],
         # a copy reads and writes the bytes: its rate counts both
         "copy_gb_per_s": 2 * w.pool_bytes / copy / 1e9,
         "sdpa_us": sdpa * 1e6,
+        "sdpa_us_samples": [t * 1e6 for t in sdpa.samples],
         "sdpa_cache_bytes": w.k.numel() * w.k.element_size() * 2,
         "speedup_vs_sdpa": sdpa / seconds,
     }
@@ -315,4 +319,5 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     print(json.dumps(result, indent=2))
+    save_if_asked(args, result, ap.prog, argv)
     return 0

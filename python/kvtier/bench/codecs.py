@@ -32,8 +32,9 @@ import torch
 
 from ..cli import positive_int
 from ..codecs import Backend, BlockShape, Codec, get_codec
+from ..results import save_if_asked
 from . import bench_parser
-from .core import Timer, cpu_time, gpu_time
+from .core import Seconds, Timer, cpu_time, gpu_time
 
 SHAPE = BlockShape(layers=32, kv_heads=8, block_size=16, head_dim=128, dtype="fp16")
 TOKENS = 1024
@@ -43,10 +44,11 @@ CODECS = ("int8", "int4")
 PEAK_GBPS = {"H100 SXM": 3350.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0}
 
 
-def _row(name: str, seconds: float, moved: int, **extra: Any) -> dict[str, Any]:
+def _row(name: str, seconds: Seconds, moved: int, **extra: Any) -> dict[str, Any]:
     return {
         "name": name,
         "us": seconds * 1e6,
+        "us_samples": [t * 1e6 for t in seconds.samples],
         "gb_per_s": moved / seconds / 1e9,
         "bytes_moved": moved,
         **extra,
@@ -306,4 +308,5 @@ def main(argv: list[str] | None = None) -> int:
         result["gpu"] = None
         log("gpu: none (torch.cuda.is_available() is False): GPU figures not measured")
     print(json.dumps(result, indent=2))
+    save_if_asked(args, result, ap.prog, argv)
     return 0

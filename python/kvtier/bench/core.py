@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from .._core import Core
 from ..cli import positive_int
 from ..reference.core import ModelCore
 from ..reference.lru import lru_replay, model_replay
+from ..results import save_if_asked
 from ..simulate import SimulationConfig, run
 from ..traces import Trace, bundled_trace_path, load_trace
 from . import bench_parser, run_as_script
@@ -37,26 +38,40 @@ from . import bench_parser, run_as_script
 MOONCAKE = "traces/mooncake_conversation.jsonl"
 
 
-def best_of(repeats: int, fn: Callable[[], Any]) -> float:
-    best = float("inf")
+class Seconds(float):
+    """A time in seconds (the best or the median of ``samples``) that keeps every sample, in
+    the order timed, so that a result can carry the spread beside its figure. Arithmetic on it
+    gives plain floats."""
+
+    samples: tuple[float, ...]
+
+    def __new__(cls, value: float, samples: Sequence[float]) -> Seconds:
+        self = super().__new__(cls, value)
+        self.samples = tuple(samples)
+        return self
+
+
+def best_of(repeats: int, fn: Callable[[], Any]) -> Seconds:
+    """The best of ``repeats`` calls of ``fn``, keeping each call's time."""
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return Seconds(min(times, default=float("inf")), times)
 
 
-#: A timer of the kernel benches: ``timer(fn, repeats)`` -> seconds per call.
-Timer = Callable[[Callable[[], Any], int], float]
+#: A timer of the kernel benches: ``timer(fn, repeats)`` -> seconds per call, with its samples.
+Timer = Callable[[Callable[[], Any], int], Seconds]
 
 
-def cpu_time(fn: Callable[[], Any], repeats: int) -> float:
+def cpu_time(fn: Callable[[], Any], repeats: int) -> Seconds:
     """Seconds of the best of ``repeats`` calls of ``fn``, after one warm-up call."""
     fn()
     return best_of(repeats, fn)
 
 
-def gpu_time(fn: Callable[[], Any], repeats: int) -> float:
+def gpu_time(fn: Callable[[], Any], repeats: int) -> Seconds:
     """Seconds of the median of ``repeats`` calls of ``fn`` timed by CUDA events on the current
     torch stream, after three warm-up calls."""
     import torch
@@ -72,7 +87,7 @@ def gpu_time(fn: Callable[[], Any], repeats: int) -> float:
         end.record()
         end.synchronize()
         times.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return Seconds(statistics.median(times), times)
 
 
 CORE_ARGS: dict[str, Any] = {"block_size": 16, "recent_window": 64}
@@ -120,6 +135,7 @@ def bench_stats(n_blocks: int, n_updates: int, py_updates: int) -> dict[str, Any
         "blocks": n_blocks,
         "updates": n_updates,
         "rust_updates_per_s": rust_rate,
+        "rust_updates_per_s_samples": [n_updates / t for t in rust_s.samples],
         "python_updates_per_s": py_rate,
         "python_updates_timed": py_updates,
         "speedup": rust_rate / py_rate,
@@ -143,7 +159,8 @@ def bench_plan(n_blocks: int, n_seqs: int, python: bool) -> dict[str, Any]:
         plan = core.plan()
         core.abort(plan.id)
 
-    rust_s = best_of(3, plan_and_abort) - abort_s
+    plans = best_of(3, plan_and_abort)
+    rust_s = plans - abort_s
     plan = core.plan()
     core.commit(plan.id)
     steady_s = best_of(STEADY_PLAN_REPEATS, plan_and_abort)
@@ -152,7 +169,9 @@ def bench_plan(n_blocks: int, n_seqs: int, python: bool) -> dict[str, Any]:
         "sequences": n_seqs,
         "moves": len(first),
         "rust_plan_ms": rust_s * 1e3,
+        "rust_plan_ms_samples": [(t - abort_s) * 1e3 for t in plans.samples],
         "rust_steady_plan_ms": steady_s * 1e3,
+        "rust_steady_plan_ms_samples": [t * 1e3 for t in steady_s.samples],
         "target_ms": 50.0,
     }
     if python:
@@ -191,16 +210,15 @@ def bench_model_replay(head: Trace, capacity: int, cfg: SimulationConfig) -> dic
     t0 = time.perf_counter()
     model = model_replay(head, capacity)
     model_s = time.perf_counter() - t0
-    rust = min(
-        (run(head, cfg, policies=["lru"])["results"][0] for _ in range(3)),
-        key=lambda r: r["wall_s"],
-    )
+    runs = [run(head, cfg, policies=["lru"])["results"][0] for _ in range(3)]
+    rust = min(runs, key=lambda r: r["wall_s"])
     return {
         "requests": len(head),
         "block_hit_rate": model["block_hit_rate"],
         "kvtier_block_hit_rate": rust["block_hit_rate"],  # same work: must be equal
         "wall_s": model_s,
         "kvtier_wall_s": rust["wall_s"],
+        "kvtier_wall_s_samples": [r["wall_s"] for r in runs],
         "speedup": model_s / rust["wall_s"],
     }
 
@@ -220,18 +238,25 @@ def bench_simulate(
             out["lmcache"] = f"skipped: {e}"
     rust = {"wall_s": float("inf")}
     fast: dict[str, Any] = {"wall_s": float("inf")}
+    walls: dict[str, list[float]] = {"kvtier": [], "fast": []}
     # Plain LRU: the work the plain-Python LRU and LMCache's simulator do.
     for _ in range(REPLAY_REPEATS):
         r = run(trace, lru_cfg, policies=["plain-lru"])["results"][0]
         rust = min(rust, r, key=lambda x: x["wall_s"])
+        walls["kvtier"].append(r["wall_s"])
         if events is not None:
             peer = run_lmcache(trace, capacity, fast=True, events=events)
             fast = min(fast, peer, key=lambda x: x["wall_s"])
+            walls["fast"].append(peer["wall_s"])
     t0 = time.perf_counter()
     py = lru_replay(trace, capacity)
     py_s = time.perf_counter() - t0
     out |= {
-        "kvtier_lru": {"block_hit_rate": rust["block_hit_rate"], "wall_s": rust["wall_s"]},
+        "kvtier_lru": {
+            "block_hit_rate": rust["block_hit_rate"],
+            "wall_s": rust["wall_s"],
+            "wall_s_samples": walls["kvtier"],
+        },
         "python_lru": {"block_hit_rate": py["block_hit_rate"], "wall_s": py_s},
         "speedup_vs_python": py_s / rust["wall_s"],
         "python_model": bench_model_replay(trace.head(model_requests), capacity, lru_cfg),
@@ -242,6 +267,7 @@ def bench_simulate(
             out[f"lmcache_{mode}"] = {
                 "block_hit_rate": peer["block_hit_rate"],
                 "wall_s": peer["wall_s"],
+                "wall_s_samples": walls["fast"] if mode == "fast" else [peer["wall_s"]],
             }
             out[f"speedup_vs_lmcache_{mode}"] = peer["wall_s"] / rust["wall_s"]
     full_cfg = SimulationConfig(
@@ -321,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     json.dump(result, sys.stdout, indent=2)
     sys.stdout.write("\n")
+    save_if_asked(args, result, ap.prog, argv)
     return 0
 
 

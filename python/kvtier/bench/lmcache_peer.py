@@ -47,6 +47,7 @@ from typing import Any
 
 from kvtier.cli import positive_int
 from kvtier.reference.lru import lru_replay
+from kvtier.results import add_save_option, command, save
 from kvtier.traces import Trace, bundled_trace_path, load_trace, to_lmcache_format
 
 INSTALL_HINT = "pip install --no-deps lmcache sortedcontainers"
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, default=None, help="trace file (default: Mooncake)")
     ap.add_argument("--capacities", type=positive_int, nargs="+", default=[1000, 10000, 50000])
     ap.add_argument("--no-full", action="store_true", help="skip LMCache's slower non-fast mode")
+    add_save_option(ap)
     args = ap.parse_args(argv)
 
     path = args.trace or _default_trace()
@@ -232,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     print(json.dumps(out, indent=2))
+    if args.save is not None:
+        saved = save(args.save, out, command("python benchmarks/lmcache_peer.py", argv))
+        print(f"wrote {saved}", file=sys.stderr)
     return 0
 
 

@@ -47,6 +47,7 @@ import torch
 from ..cli import positive_int
 from ..config import KvtierConfig
 from ..manager import BlockManager
+from ..results import save_if_asked
 from . import bench_parser, run_as_script
 from .core import best_of
 
@@ -279,7 +280,9 @@ def run_manager(
                         _sdpa(queries[0, i], *bm.gather(seq, layer))
             sync()
 
-        out["read_all_ms"] = best_of(read_repeats, read_all) * 1e3
+        read_s = best_of(read_repeats, read_all)
+        out["read_all_ms"] = read_s * 1e3
+        out["read_all_ms_samples"] = [t * 1e3 for t in read_s.samples]
     out["memory"] = _memory(bm, setting, work)
     if read == "attend":
         out["bandwidth"] = _bandwidth(out["memory"]["held_bytes"], out["read_all_ms"], device)
@@ -289,7 +292,7 @@ def run_manager(
 
 def _attend_overhead(
     bm: BlockManager, seqs: list[int], q: torch.Tensor, repeats: int, sync: Callable[[], None]
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """One layer's ``attend`` call against its kernel alone (the same tables and pools, as the
     manager keeps them): what the call adds to the kernel, per call."""
     from ..attend import run_attention
@@ -315,12 +318,19 @@ def _attend_overhead(
             )  # fmt: skip
         sync()
 
-    call = best_of(max(repeats, 3), manager_calls) / calls
-    kernel = best_of(max(repeats, 3), kernel_calls) / calls
-    return {"call_us": call * 1e6, "kernel_us": kernel * 1e6, "overhead_us": (call - kernel) * 1e6}
+    call_s = best_of(max(repeats, 3), manager_calls)
+    kernel_s = best_of(max(repeats, 3), kernel_calls)
+    call, kernel = call_s / calls, kernel_s / calls
+    return {
+        "call_us": call * 1e6,
+        "kernel_us": kernel * 1e6,
+        "overhead_us": (call - kernel) * 1e6,
+        "call_us_samples": [t / calls * 1e6 for t in call_s.samples],
+        "kernel_us_samples": [t / calls * 1e6 for t in kernel_s.samples],
+    }
 
 
-def _bandwidth(nbytes: int, read_ms: float, device: torch.device) -> dict[str, float]:
+def _bandwidth(nbytes: int, read_ms: float, device: torch.device) -> dict[str, Any]:
     """Pool bytes ``attend`` read per second, beside a plain copy of as many bytes."""
     sync = _syncer(device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
@@ -337,6 +347,7 @@ def _bandwidth(nbytes: int, read_ms: float, device: torch.device) -> dict[str, f
         "bytes": nbytes,
         "attend_gb_per_s": attend_gbs,
         "copy_gb_per_s": copy_gbs,
+        "copy_gb_per_s_samples": [nbytes / t / 1e9 for t in copy_s.samples],
         "ratio_vs_copy": attend_gbs / copy_gbs,
     }
 
@@ -406,12 +417,14 @@ def run_baseline(
         sync()
 
     allocated = 2 * work.sequences * LAYERS * math.prod(shape) * dtype.itemsize
+    read_s = best_of(read_repeats, read_all)
     return {
         **_throughput(f"contiguous torch cache, {_DTYPE_NAMES[dtype]}", work, total_s, prefill_s),
         "prefill_append": _ms(prefill_appends),
         "append": _ms(appends),
         "attention": _ms(reads),
-        "read_all_ms": best_of(read_repeats, read_all) * 1e3,
+        "read_all_ms": read_s * 1e3,
+        "read_all_ms_samples": [t * 1e3 for t in read_s.samples],
         "allocated_bytes": allocated,
         "allocated_bytes_per_token": allocated / work.tokens,
     }
@@ -629,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(_table(result))
+    save_if_asked(args, result, ap.prog, argv)
     return 0
 
 

@@ -38,6 +38,7 @@ from ..cli import positive_int
 from ..config import KvtierConfig
 from ..errors import KvtierError, require
 from ..manager import BlockManager
+from ..results import save_if_asked
 from ..stores.local_redis import LocalRedis
 from . import bench_parser, run_as_script
 
@@ -78,6 +79,11 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def _ms(seconds: list[float]) -> float:
     return statistics.median(seconds) * 1e3
+
+
+def _samples(seconds: list[float]) -> list[float]:
+    """Every round's time in ms, in order: the spread behind a median of :func:`_ms`."""
+    return [t * 1e3 for t in seconds]
 
 
 def run(prompt: int, rounds: int, url: str, log: Callable[..., None]) -> dict[str, Any]:
@@ -148,6 +154,8 @@ def run(prompt: int, rounds: int, url: str, log: Callable[..., None]) -> dict[st
         "publish": {
             "step_ms": _ms(publish),
             "step_ms_without_sharing": _ms(plain_step),
+            "step_ms_samples": _samples(publish),
+            "step_ms_without_sharing_samples": _samples(plain_step),
             "gb_per_s": nbytes / statistics.median(publish) / 1e9,
         },
         "take": {
@@ -156,8 +164,11 @@ def run(prompt: int, rounds: int, url: str, log: Callable[..., None]) -> dict[st
             "baseline": "one redis-py pipeline of GETs, bytes only",
             "baseline_ms": raw_ms,
             "ratio_vs_baseline": take_ms / raw_ms,
+            "add_sequence_ms_samples": _samples(take),
+            "baseline_ms_samples": _samples(raw_get),
         },
         "append_prompt_ms": _ms(append),
+        "append_prompt_ms_samples": _samples(append),
     }
 
 
@@ -210,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         url = args.redis_url or stack.enter_context(LocalRedis()).url
         result = run(prompt, rounds, url, log)
     print(json.dumps(result, indent=2) if args.json else _table(result))
+    save_if_asked(args, result, ap.prog, argv)
     return 0
 
 

@@ -58,6 +58,7 @@ from ..cli import positive_int
 from ..config import parse_bytes
 from ..errors import ConfigError, KvtierError
 from ..report import human_bytes
+from ..results import save_if_asked
 from ..stores import DiskStore, HostStore, KVStore, Namespace, RedisStore
 from ..stores.local_redis import LocalRedis, RedisUnavailableError
 from . import bench_parser, run_as_script
@@ -293,6 +294,7 @@ def measure(
     keys = [f"kvtier-bench-{i:06d}" for i in range(len(values))]
     sides: dict[str, Side] = {kind: StoreSide(store), f"{kind} baseline": baseline}
     best = {(name, op): math.inf for name in sides for op in ("put", "get")}
+    took_each: dict[tuple[str, str], list[float]] = {key: [] for key in best}  # by round
     ratios: dict[str, list[float]] = {"put": [], "get": []}
     # The first round puts new keys and every later one replaces them, as a cache in steady
     # state replaces what it evicts: then the memory a value leaves is what the next one
@@ -307,6 +309,7 @@ def measure(
             shares[op].append(took[CHECKSUM, op] / took[f"{kind} baseline", op])
             for name in sides:
                 best[name, op] = min(best[name, op], took[name, op])
+                took_each[name, op].append(took[name, op])
     for side in sides.values():
         side.clear(keys)
     moved = len(values) * size
@@ -331,6 +334,13 @@ def measure(
                 "overhead_pct": 100 * (statistics.median(ratios[op]) - 1),
                 "checksum_pct": (
                     100 * statistics.median(shares[op]) if store.checksummed else None
+                ),
+                # every round's figures, in order: the spread of the best and the medians above
+                "seconds_samples": took_each[kind, op],
+                "baseline_seconds_samples": took_each[f"{kind} baseline", op],
+                "overhead_pct_samples": [100 * (r - 1) for r in ratios[op]],
+                "checksum_pct_samples": (
+                    [100 * r for r in shares[op]] if store.checksummed else None
                 ),
             }
         )
@@ -555,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(_table(result))
+    save_if_asked(args, result, ap.prog, argv)
     return 0
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..cli import CommandParser, positive_int
 from ..codecs import BlockShape, Codec, available_codecs, get_codec
 from ..errors import ConfigError
+from ..results import add_save_option, save_if_asked
 from . import model as real
 
 #: Windows of WikiText-2 read by the model, and their length in tokens.
@@ -301,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         help="run a Python file first (to register codecs, e.g. examples/magdir_codec.py)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     for path in args.load:
         runpy.run_path(path)
@@ -308,4 +310,5 @@ def main(argv: list[str] | None = None) -> int:
     print(f"capturing K/V: {args.windows} x {args.tokens} tokens ...", file=sys.stderr)
     result = run(codecs, args.windows, args.tokens)
     print(to_json(result) if args.json else table(result))
+    save_if_asked(args, result, parser.prog, argv)
     return 0

@@ -45,6 +45,7 @@ from typing import Any
 
 from ..cli import CommandParser, positive_int
 from ..errors import ConfigError
+from ..results import add_save_option, save_if_asked
 
 __all__ = ["CONFIGS", "FULL", "QUICK", "Connector", "Settings", "main", "run", "table"]
 
@@ -338,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--text", type=Path, help="a UTF-8 text file (default: WikiText-2)")
     parser.add_argument("--json", action="store_true", help="print only the JSON")
+    add_save_option(parser)
     args = parser.parse_args(argv)
     base = QUICK if args.quick else FULL
     settings = Settings(
@@ -357,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--text: no such file: {args.text}")
     from ..integrations.vllm.engines import report
 
-    report(lambda log: run(settings, args.text, log), table, args.json)
+    result = report(lambda log: run(settings, args.text, log), table, args.json)
+    save_if_asked(args, result, parser.prog, argv)
     return 0
 
 

@@ -76,6 +76,7 @@ from dataclasses import asdict
 
 from ...cli import positive_int
 from ...integrations.vllm.engines import report
+from ...results import save_if_asked
 from .. import bench_parser, run_as_script
 from .driver import (
     CONFIGS,
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{flag}: expected a JSON object")
     for name, value in ENGINE_ENV.items():
         os.environ.setdefault(name, value)
-    report(
+    result = report(
         lambda log: run(
             settings,
             dict(args.ladder_config),
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         table,
         args.json,
     )
+    save_if_asked(args, result, ap.prog, argv)
     return 0
 
 

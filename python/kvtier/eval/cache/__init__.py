@@ -45,6 +45,7 @@ from typing import Any
 
 from ...cli import CommandParser, non_negative_int, positive_int
 from ...errors import ConfigError, require
+from ...results import add_save_option, save_if_asked
 from .methods import DEFAULT_METHODS, KVPRESS_INSTALL, PRESSES, Method, available, method, methods
 from .metrics import (
     CHUNK,
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"prompt lengths of the speed runs (default: {','.join(map(str, SPEED_PROMPTS))})",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_save_option(parser)
     parser.add_argument(
         "--plot",
         metavar="PATH",
@@ -226,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         type=Path,
         action="append",
-        help="read the results from a file of this command's --json output instead of running "
-        "the models (the options of the run are then ignored); given again, the files' rows "
-        "are merged (runs with the same settings, each method once)",
+        help="read the results from a file of this command's --json output (or --save) instead "
+        "of running the models (the options of the run are then ignored); given again, the "
+        "files' rows are merged (runs with the same settings, each method once)",
     )
     args = parser.parse_args(argv)
     plot_path = None
@@ -253,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     print(json.dumps(result, indent=2) if args.json else table(result))
+    save_if_asked(args, result, parser.prog, argv)
     if plot_path is not None:
         print(f"wrote {plot(result, plot_path)}", file=sys.stderr)
     return 0
@@ -264,7 +267,8 @@ _RUN_SETTINGS = ("model", "windows", "window_tokens", "chunk", "passkey_lengths"
 
 def merge(results: list[dict[str, Any]], paths: list[Path] | None = None) -> dict[str, Any]:
     """One result holding the rows of ``results`` (runs with the same settings) in order, each
-    row's figures against ``dynamic`` recomputed from the merged rows."""
+    row's figures against ``dynamic`` recomputed from the merged rows. The provenance of each
+    result that has one (a ``--save``d file) is kept in ``merged_from``."""
     names = [str(p) for p in paths] if paths else [f"result {i + 1}" for i in range(len(results))]
     first = results[0]
 
@@ -274,7 +278,14 @@ def merge(results: list[dict[str, Any]], paths: list[Path] | None = None) -> dic
             "text": Path(str(result.get("text"))).name,
         }
 
-    merged = {**first, "rows": [], "skipped": []}
+    merged = {k: v for k, v in first.items() if k != "provenance"} | {"rows": [], "skipped": []}
+    sources = [
+        {"file": name, "provenance": result["provenance"]}
+        for name, result in zip(names, results, strict=True)
+        if "provenance" in result
+    ]
+    if sources:
+        merged["merged_from"] = sources
     seen: dict[str, str] = {}
     for name, result in zip(names, results, strict=True):
         if settings(result) != settings(first):
@@ -299,8 +310,8 @@ def merge(results: list[dict[str, Any]], paths: list[Path] | None = None) -> dic
 
 
 def _load(path: Path) -> dict[str, Any]:
-    """A result written by ``kvtier eval cache --json``."""
-    hint = "give a file written by 'kvtier eval cache --json > FILE'"
+    """A result written by ``kvtier eval cache --json`` (or ``--save``)."""
+    hint = "give a file written by 'kvtier eval cache --json > FILE' or '--save FILE'"
     try:
         result = json.loads(path.read_text())
     except OSError as exc:

@@ -287,7 +287,8 @@ def speed(
 
 
 def _rates(times: list[float], start: float, prompt: int, new_tokens: int) -> dict[str, Any]:
-    steps = sorted(b - a for a, b in itertools.pairwise(times))
+    in_order = [b - a for a, b in itertools.pairwise(times)]
+    steps = sorted(in_order)
     # The median step: on a shared machine a few steps stall on other work, and the mean
     # would carry those stalls into one method's figure and not another's.
     median = steps[len(steps) // 2] if steps else 0.0
@@ -297,6 +298,7 @@ def _rates(times: list[float], start: float, prompt: int, new_tokens: int) -> di
         "prefill_s": times[0] - start,
         "decode_tokens_per_s": 1 / median if median > 0 else None,
         "decode_mean_tokens_per_s": len(steps) / sum(steps) if steps else None,
+        "decode_step_s_samples": in_order,  # every step, in order: the spread of the median
     }
 
 

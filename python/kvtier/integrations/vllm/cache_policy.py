@@ -10,7 +10,7 @@ one decides by kvtier's core, as ``kvtier simulate`` replays it:
   goes only once no cached chunk continues its prefix, and no cached chunk is ever stranded
   behind a missing one;
 - leaves are ranked by the core's policy (``KVTIER_POLICY``, default ``importance``: measured
-  reuse and its chance of coming back, see the README's "Simulate");
+  reuse and its chance of coming back, see docs/simulate.md);
 - a request whose ``kv_transfer_params`` hold ``{"kvtier": {"release": true}}`` ends its
   conversation: its chain goes first (:func:`~.scheduler.release_requested`'s rule).
 

@@ -97,9 +97,10 @@ def report(
     measure: Callable[[Callable[..., None]], dict[str, Any]],
     table: Callable[[dict[str, Any]], str],
     json_only: bool,
-) -> None:
+) -> dict[str, Any]:
     """Runs ``measure(log)`` with what the engines print sent to stderr, then prints its
-    ``table`` on stderr (unless ``json_only``) and its result as JSON on stdout."""
+    ``table`` on stderr (unless ``json_only``) and its result as JSON on stdout; returns the
+    result."""
 
     def log(*parts: object) -> None:
         print(*parts, file=sys.stderr, flush=True)
@@ -109,6 +110,7 @@ def report(
     if not json_only:
         log(table(result))
     print(json.dumps(result, indent=2))
+    return result
 
 
 @contextlib.contextmanager
