@@ -12,6 +12,8 @@ Quality is reported on held-out windows (text the codec never saw), beside ``int
 
     python examples/learned_codec.py --rank 24 --steps 30 --out /tmp/kv_rank24.safetensors
 
+``--save PATH`` also writes the result with its provenance (``kvtier.results``): the training's
+attention errors and, per codec, the held-out figures of the table (``kvtier eval codecs``'s rows).
 The saved file is loaded with ``LearnedCodec.load(path)`` and registered as ``learned:<name>``,
 so a ladder such as ``fp16,int8,learned:rank24`` can use it.
 """
@@ -20,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 
 from kvtier.codecs import LearnedCodec, fit_pca, get_codec
 from kvtier.eval import codecs as quality
 from kvtier.eval import model as real
+from kvtier.results import add_save_option, save_if_asked
 
 
 def split(kv: quality.RealKV, train: int) -> tuple[quality.RealKV, quality.RealKV]:
@@ -51,6 +55,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="Adam steps after PCA")
     parser.add_argument("--windows", type=int, default=6, help="windows of 512 tokens (2 held out)")
     parser.add_argument("--out", default="kv_learned.safetensors", help="where to save the codec")
+    add_save_option(parser)
     args = parser.parse_args()
 
     model, tokenizer = real.load_smollm2()
@@ -60,19 +65,23 @@ def main() -> None:
     compressor, decompressor = fit_pca(train.blocks(), args.rank)
     codec = LearnedCodec(f"rank{args.rank}", compressor, decompressor)
     reference = quality.attention(train.queries, train.keys, train.values)
-    print(f"PCA  train attention error {attention_loss(codec, train, reference).item():.4f}")
+    pca_error = attention_loss(codec, train, reference).item()
+    print(f"PCA  train attention error {pca_error:.4f}")
 
     params = [*compressor.parameters(), *decompressor.parameters()]
     optimizer = torch.optim.Adam(params, lr=1e-3)
     start = time.perf_counter()
+    losses = []  # the train attention error before each step
     for step in range(args.steps):
         optimizer.zero_grad()
         loss = attention_loss(codec, train, reference)
         loss.backward()
         optimizer.step()
+        losses.append(loss.item())
         if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  train attention error {loss.item():.4f}")
-    print(f"trained {args.steps} steps in {time.perf_counter() - start:.1f} s")
+    train_s = time.perf_counter() - start
+    print(f"trained {args.steps} steps in {train_s:.1f} s")
 
     # Save, then measure the codec as a user would load it: from the file.
     codec = LearnedCodec(f"rank{args.rank}", compressor, decompressor)
@@ -89,6 +98,26 @@ def main() -> None:
     ]
     print(f"\nheld-out windows: {args.windows - 2}..{args.windows - 1} (not trained on)\n")
     print(quality.table({"rows": rows}))
+    result: dict[str, Any] = {
+        "model": "smollm2-135m",
+        "text": str(real.wikitext_path()),
+        "window_tokens": 512,
+        "block_size": kv.block_size,
+        "keys": "after RoPE, as the model caches them",
+        "rank": args.rank,
+        "steps": args.steps,
+        "learning_rate": 1e-3,
+        "train_windows": list(range(args.windows - 2)),
+        "held_out_windows": [args.windows - 2, args.windows - 1],
+        "training": {
+            "pca_train_attn_rel_error": pca_error,
+            "train_attn_rel_error_before_step": losses,
+            "train_s": train_s,
+        },
+        # on the held-out windows: int8, int4, the PCA projection untrained, the trained one
+        "rows": rows,
+    }
+    save_if_asked(args, result, "python examples/learned_codec.py", None)
 
 
 if __name__ == "__main__":
