@@ -71,10 +71,16 @@ run pytest-gpu "${GPU_CHECK_PYTEST_TIMEOUT:-170}" "${PYTEST[@]}" -m "gpu and not
 run pytest-vllm "${GPU_CHECK_VLLM_TIMEOUT:-140}" "${PYTEST[@]}" -m "gpu and vllm" -rs \
     ${GPU_CHECK_TESTS:-tests}
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
-    run bench-codecs 35 python3 -m kvtier bench codecs --no-quanto --no-cpu
-    run bench-attend 35 python3 -m kvtier bench attend --backend cuda
-    run bench-manager 25 python3 -m kvtier bench manager --no-cpu
-    run bench-vllm-paths 20 python3 benchmarks/vllm_paths.py --device cuda
+    # each benchmark also saves its result with its provenance under $OUT/results, for the docs
+    # (docs/results/) to quote: a GPU figure with no saved file is not put in a doc
+    run bench-codecs 35 python3 -m kvtier bench codecs --no-quanto --no-cpu \
+        --save "$OUT/results/bench-codecs.json"
+    run bench-attend 35 python3 -m kvtier bench attend --backend cuda \
+        --save "$OUT/results/bench-attend.json"
+    run bench-manager 25 python3 -m kvtier bench manager --no-cpu \
+        --save "$OUT/results/bench-manager.json"
+    run bench-vllm-paths 20 python3 benchmarks/vllm_paths.py --device cuda \
+        --save "$OUT/results/vllm-paths.json"
 fi
 {
     echo "=== summary ($(head -n 1 "$OUT/gpu.txt" 2>/dev/null), $SECONDS s in all)"

@@ -230,7 +230,7 @@ def test_every_figure_of_the_ladder_table_is_its_saved_result() -> None:
 
 def test_the_loads_tables_figures_are_the_saved_rounds() -> None:
     """docs/results/vllm-loads: each round's prefill means, ratio and counts are
-    ``loads.json``'s, and the median README.md quotes is its median."""
+    ``loads.json``'s, and the median docs/vllm.md quotes is its median."""
     saved = json.loads((DOCS / "results" / "vllm-loads" / "loads.json").read_text())
     text = (DOCS / "results" / "vllm-loads" / "README.md").read_text()
     rows = _table_rows(text, "| round |")
@@ -245,7 +245,7 @@ def test_the_loads_tables_figures_are_the_saved_rounds() -> None:
         assert int(row[4]) == r["hit_requests"] and int(row[5]) == r["slower_hit_requests"]
         assert row[6] == f"{r['same_output']}/17"
     median = f"**{saved['median_prefill_ratio']:.3f}**"
-    assert median in text and median in (DOCS.parent / "README.md").read_text()
+    assert median in text and median in (DOCS / "vllm.md").read_text()
 
 
 def test_the_vllm_policy_tables_figures_are_the_saved_runs() -> None:
