@@ -563,15 +563,7 @@ def check_console(block: Block, env: dict[str, str]) -> None:
         assert argv[0] == "kvtier" or argv[0].startswith("benchmarks/"), (
             f"{block.doc}:{line}: a console block holds kvtier or benchmarks/ commands: {argv}"
         )
-        proc = subprocess.run(
-            [sys.executable, "-c", PARSE_ONLY, *argv],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=False,
-        )
+        proc = bash(shlex.join([sys.executable, "-c", PARSE_ONLY, *argv]), env, timeout=180)
         assert proc.returncode == 0, (
             f"{block.doc}:{line}: {shlex.join(argv)} is not a command line it takes "
             f"(exit {proc.returncode}):\n{proc.stderr[-2000:]}"
@@ -659,6 +651,16 @@ def test_rules_parse_and_skip_as_documented() -> None:
     # a rule whose text left the block is reported, not silently skipped
     moved = Block(1, "python", "BlockManager: moved", "bm = BlockManager(device='cpu')\n")
     assert substituted(moved, {})[1] == substitutions_for(moved) != []
+    console = Block(
+        1,
+        "console",
+        "x",
+        "A=1 kvtier eval x \\\n  --y 2 > out.json  # long\npython benchmarks/b.py\n",
+    )
+    assert console_commands(console) == [
+        (2, ["kvtier", "eval", "x", "--y", "2"]),
+        (4, ["benchmarks/b.py"]),
+    ]
     text = "# t\n\n## A `b`\n\n```python\nx = 1\n```\n\n```\nplain\n```\n"
     assert readme_blocks(text) == [
         Block(5, "python", "A b", "x = 1\n"),

@@ -434,7 +434,7 @@ def device_blocks(result: Mapping[str, Any]) -> float:
     model, trace = result["model"], result["trace"]
     level0 = next(iter(model["bytes_per_token"].values()))
     device = next(t for t in result["tiers"] if t["tier"] == "device")
-    return float(device["budget_bytes"]) / (level0 * trace["block_tokens"])
+    return float(device["budget_bytes"]) / float(level0 * trace["block_tokens"])
 
 
 def capacity_curves(saved: Sequence[Mapping[str, Any]]) -> dict[str, list[tuple[float, float]]]:
