@@ -77,20 +77,44 @@ def test_staging_levels_hold_one_steps_saves_and_the_bottom_level_the_rest(
     """The manager built from the shares has ``stage_blocks`` slots (bounded) at each middle
     level and twice as many at level 0 (a step's saves land beside the step before's, which
     move down meanwhile) where that costs the bottom level little, and the bottom level takes
-    every byte they leave."""
+    every byte they leave (here without the chains' ends, which add rooms of their own: see
+    the next test)."""
     from kvtier import BlockManager
     from kvtier.codecs.base import BlockShape
 
     shape = BlockShape(2, 2, 32, 64, "bf16")
     bf16_block = 2 * 2 * 2 * 32 * 64 * 2
     budget = host_budget if isinstance(host_budget, str) else host_budget * bf16_block
-    cfg = connector_config({"host_budget": str(budget)}, block_size=32, environ={})
+    extra = {"host_budget": str(budget), "sink_blocks": 0, "keep_leaves": False}
+    cfg = connector_config(extra, block_size=32, environ={})
     shares = vllm_integration.staging_shares(cfg, shape, stage_blocks)
     assert len(shares) == 3 and abs(sum(shares) - 1.0) < 1e-9
     bm = BlockManager(cfg.replace(pool_shares=shares), 2, 2, 64, dtype="bf16", device="cpu")
     assert {lv: bm.slots["device", lv] for lv in (0, 1)} == slots
     staged = sum(bm.level_bytes[lv] * n for lv, n in slots.items())
     assert bm.slots["device", 2] == (cfg.device_budget - staged) // bm.level_bytes[2]
+
+
+@pytest.mark.parametrize("ladder", ["bf16,int8,int4", "bf16,int4,int2-rot-g64", "bf16,int4"])
+def test_the_chains_ends_have_rooms_of_their_own_and_settle_there(ladder: str) -> None:
+    """Beside the staging slots, level 0 keeps SINK_SHARE of the budget for the cached chains'
+    sinks and level 1, where it is not the bottom, LEAF_SHARE for their last blocks; the
+    connector's cached blocks settle (``settle_cached``) unless told otherwise."""
+    from kvtier.codecs.base import BlockShape
+
+    shape = BlockShape(2, 2, 32, 64, "bf16")
+    cfg = connector_config({"host_budget": "1GiB", "ladder": ladder}, block_size=32, environ={})
+    assert cfg.settle_cached and cfg.keep_leaves and cfg.sink_blocks == 1
+    bare = cfg.replace(sink_blocks=0, keep_leaves=False)
+    shares = vllm_integration.staging_shares(cfg, shape, 8)
+    staging = vllm_integration.staging_shares(bare, shape, 8)
+    rooms = [a - b for a, b in zip(shares[:-1], staging[:-1], strict=True)]
+    leaf = [vllm_integration.LEAF_SHARE] if len(rooms) > 1 else []
+    assert rooms == pytest.approx([vllm_integration.SINK_SHARE, *leaf])
+    assert shares[-1] == pytest.approx(1.0 - sum(shares[:-1]))
+    assert not connector_config({"settle_cached": False}, block_size=32, environ={}).settle_cached
+    off = connector_config({}, block_size=32, environ={"KVTIER_SETTLE_CACHED": "0"})
+    assert not off.settle_cached
 
 
 @pytest.mark.parametrize(

@@ -252,6 +252,21 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "demoted last",
     ),
     _var(
+        "keep_leaves",
+        "bool",
+        "boolean",
+        "a cached prefix's last block (where the next turn continues: its recent window) is "
+        "demoted after every other cached block but the sinks",
+    ),
+    _var(
+        "settle_cached",
+        "bool",
+        "boolean",
+        "cached blocks settle where a full cache keeps them as soon as that level has room "
+        "(sinks at level 0, a prefix's last block at level 1, the rest at the bottom), not "
+        "only under pressure; pools sized by `pool_shares` only (the vLLM connector's default)",
+    ),
+    _var(
         "weights", "weights", "3 numbers >= 0", "importance weights `magnitude,learned,attention`"
     ),
     _var(
@@ -433,6 +448,8 @@ class KvtierConfig:
     block_size: int = 16
     recent_window: int = 128
     sink_blocks: int = 1
+    keep_leaves: bool = True
+    settle_cached: bool = False
     #: importance weights (magnitude, learned, attention).
     weights: tuple[float, float, float] = (0.4, 0.4, 0.2)
     device_budget: int | None = None
@@ -544,6 +561,8 @@ class KvtierConfig:
             "drop_ratio": self.drop_ratio,
             "recent_window": self.recent_window,
             "sink_blocks": self.sink_blocks,
+            "keep_leaves": self.keep_leaves,
+            "settle_cached": self.settle_cached,
             "weights": self.weights,
             "headroom": self.headroom,
             "hysteresis": self.hysteresis,
@@ -590,6 +609,8 @@ class KvtierConfig:
         set_("write_through", _bool(self, "write_through"))
         set_("evict_on_full", _bool(self, "evict_on_full"))
         set_("prefix_aware", _bool(self, "prefix_aware"))
+        set_("keep_leaves", _bool(self, "keep_leaves"))
+        set_("settle_cached", _bool(self, "settle_cached"))
         set_("share_prefixes", _bool(self, "share_prefixes"))
 
         set_("compression_ratio", _number(self, "compression_ratio", 0.0, 1.0))

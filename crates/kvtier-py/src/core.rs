@@ -207,7 +207,8 @@ impl PyCore {
     #[pyo3(signature = (
         level_bytes, *, tiers = vec![("device".to_string(), None)], block_size = 16,
         policy = "importance", enable_compression = true, pressure_only = false, compression_ratio = 0.5,
-        drop_ratio = 0.0, recent_window = 128, sink_blocks = 1, weights = (0.4, 0.4, 0.2), headroom = 0.1,
+        drop_ratio = 0.0, recent_window = 128, sink_blocks = 1, keep_leaves = true,
+        settle_cached = false, weights = (0.4, 0.4, 0.2), headroom = 0.1,
         hysteresis = 0.1, max_move_bytes = None, decay = 0.9, attention_ema = 0.5,
         scissorhands_window = 8, write_through = false, evict_on_full = true,
         namespace = "default", pool_slots = vec![], pool_headroom = false, prefix_aware = true
@@ -224,6 +225,8 @@ impl PyCore {
         drop_ratio: f32,
         recent_window: i64,
         sink_blocks: i64,
+        keep_leaves: bool,
+        settle_cached: bool,
         weights: (f32, f32, f32),
         headroom: f32,
         hysteresis: f32,
@@ -263,6 +266,8 @@ impl PyCore {
             drop_ratio,
             recent_window: config_int("recent_window", recent_window.into())?,
             sink_blocks: config_int("sink_blocks", sink_blocks.into())?,
+            keep_leaves,
+            settle_cached,
             weights: [weights.0, weights.1, weights.2],
             headroom,
             hysteresis,
@@ -566,8 +571,7 @@ impl PyCore {
     }
 
     /// Places new blocks of a save (pinned, unwritten, held by one sequence) where a cached
-    /// block settles: each at the most precise level below 0 with a free device slot, but the
-    /// sinks and those no slot is left for, which stay at level 0. Returns each one's level.
+    /// block settles (see `kvtier::Core::place_saved`). Returns each one's level.
     fn place_saved<'py>(
         &self,
         py: Python<'py>,

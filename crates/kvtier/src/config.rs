@@ -126,6 +126,16 @@ pub struct Config {
     pub recent_window: u32,
     /// Leading blocks of each sequence kept at level 0 (attention sinks).
     pub sink_blocks: u32,
+    /// A cached chain's last block (a leaf of its prefix tree, where the next turn continues)
+    /// is demoted and offloaded after every other cached block of its pool but the sinks.
+    pub keep_leaves: bool,
+    /// Cached blocks settle where a full cache would keep them, as soon as that level has a
+    /// free slot, not only under pressure: a sink at level 0, a chain's leaf at level 1, any
+    /// other block at the last kept level (see `End::home`). For a prefix cache whose pools
+    /// above the bottom level stage what is saved (vLLM's connector): what a hit loads then
+    /// does not depend on how full the cache happens to be. Explicitly sized pools only
+    /// (`pool_slots` with `pool_headroom`).
+    pub settle_cached: bool,
     /// Weights of magnitude, learned score and attention in the importance score.
     pub weights: [f32; 3],
     /// Fraction of a tier's budget the scheduler keeps free by demoting and offloading.
@@ -178,6 +188,8 @@ impl Default for Config {
             drop_ratio: 0.0,
             recent_window: 128,
             sink_blocks: 1,
+            keep_leaves: true,
+            settle_cached: false,
             weights: [0.4, 0.4, 0.2],
             headroom: 0.1,
             hysteresis: 0.1,

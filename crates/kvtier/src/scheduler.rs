@@ -21,12 +21,14 @@
 //!    back precision: a promotion restores from a write-through copy when one exists,
 //!    otherwise it is counted as a no-op.
 //! 3. pressure, tier by tier: above `budget * (1 - headroom)` the lowest-ranked blocks are
-//!    demoted one level or offloaded to the next tier (a cached prefix's sink blocks after
-//!    every other cached block); above the budget itself, cached blocks are evicted and, if
-//!    the ladder has a `drop` level, live ones dropped.
+//!    demoted one level or offloaded to the next tier (a cached chain's ends after every other
+//!    cached block: its last block, then its sinks); above the budget itself, cached blocks
+//!    are evicted and, if the ladder has a `drop` level, live ones dropped.
+//! 4. with `pool_headroom`, pool by pool: cached blocks settle at their home levels
+//!    (`settle_cached`), then a pool filled past its headroom passes blocks down.
 
 use crate::config::{Config, Tier};
-use crate::core::{Cached, Core};
+use crate::core::{Cached, Core, End};
 use crate::error::{Error, Result};
 use crate::stats::BlockStats;
 use crate::types::{Key, Loc, NO_BLOCK, NO_SLOT};
@@ -1023,6 +1025,9 @@ impl Core {
         if !explicit || cap == 0 {
             return;
         }
+        if self.cfg.settle_cached {
+            self.settle_pool(pass, t, level);
+        }
         let headroom = (f64::from(cap) * f64::from(self.cfg.headroom)).ceil() as u32;
         // The device's level-0 pool is where the blocks that asked for room will go.
         let room = if tier == Tier::Device && level == 0 {
@@ -1144,6 +1149,31 @@ impl Core {
             };
             if moved {
                 used -= 1;
+            }
+        }
+    }
+
+    /// With `settle_cached`, before pass 4 makes a pool's headroom: the cached blocks of pool
+    /// (tier `t`, `level`) that settle deeper (see [`End::home`]: every block but the chains'
+    /// ends, and at level 0 the chains' leaves too) go down, lowest-ranked first, each to the
+    /// deepest level between that has a free slot, as far as free slots and the move cap go.
+    fn settle_pool(&mut self, pass: &mut Pass, t: usize, level: u8) {
+        let tier = self.cfg.tiers[t].tier;
+        let p = self.pool_index(tier, level);
+        let last_kept = self.cfg.last_kept_level();
+        if !self.cfg.enable_compression {
+            return;
+        }
+        for end in [End::None, End::Leaf] {
+            let home = end.home(last_kept);
+            while let Some((_, b)) = self.peek_cached(p, Cached::Ranked(end)) {
+                let free = |l: u8| self.pools[self.pool_index(tier, l)].free_count() > 0;
+                let Some(to) = (level + 1..=home).rev().find(|&l| free(l)) else {
+                    break; // none free for this block, and so none for the others of its kind
+                };
+                if !self.demote_to(pass, b, to) {
+                    return; // the move cap
+                }
             }
         }
     }

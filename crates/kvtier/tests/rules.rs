@@ -946,6 +946,98 @@ fn a_cached_prefix_keeps_its_sink_at_level_0_longest() {
     }
 }
 
+/// A cached chain keeps its other end too (`keep_leaves`): its last block, where the next turn
+/// continues, is demoted after every other cached block but the sink, whatever its key (here
+/// the least recently used); without the rule it goes first.
+#[test]
+fn a_cached_prefix_keeps_its_leaf_after_the_others_and_before_its_sink() {
+    for keep_leaves in [true, false] {
+        let mut c = core(Config {
+            recent_window: 0,
+            keep_leaves,
+            compression_ratio: 0.0,
+            headroom: 0.0,
+            pool_slots: vec![
+                (Tier::Device, 0, 5),
+                (Tier::Device, 1, 0),
+                (Tier::Device, 2, 8),
+            ],
+            pool_headroom: true,
+            policy: kvtier::PolicyKind::Lru,
+            ..cfg()
+        });
+        let (s, blocks) = seq_with(&mut c, 1, 5);
+        c.free_sequence(s).unwrap();
+        // Read in order 4, 0, 1, 2, 3: the leaf (block 4) is the least recently used.
+        for b in [4, 0, 1, 2, 3] {
+            c.record_reads(&[blocks[b]]).unwrap();
+        }
+        let mut demoted = Vec::new();
+        for room_blocks in 1..=5 {
+            let plan = c.plan_with_room(room_blocks * 64).unwrap().clone();
+            c.commit(plan.id).unwrap();
+            demoted.extend(
+                plan.moves
+                    .iter()
+                    .map(|m| blocks.iter().position(|&b| b == m.block).unwrap()),
+            );
+        }
+        if keep_leaves {
+            assert_eq!(demoted, [1, 2, 3, 4, 0]);
+        } else {
+            assert_eq!(demoted, [4, 1, 2, 3, 0]);
+        }
+    }
+}
+
+/// With `settle_cached`, a cached chain settles where a full cache keeps it as soon as there is
+/// room, not under pressure: the sink at level 0, the leaf at level 1, the others at the
+/// bottom, lowest-ranked first, each at the deepest level between with a free slot (level 1
+/// once the bottom is full). A saved block is placed there before it is written.
+#[test]
+fn cached_blocks_settle_at_their_home_levels() {
+    let settling = |bottom: u32| {
+        core(Config {
+            recent_window: 0,
+            compression_ratio: 0.0,
+            pool_slots: vec![
+                (Tier::Device, 0, 8),
+                (Tier::Device, 1, 4),
+                (Tier::Device, 2, bottom),
+            ],
+            pool_headroom: true,
+            settle_cached: true,
+            pressure_only: true, // live blocks stay at level 0
+            policy: kvtier::PolicyKind::Lru,
+            ..cfg()
+        })
+    };
+    let levels = |c: &Core, blocks: &[u32]| -> Vec<u8> {
+        blocks
+            .iter()
+            .map(|&b| c.block_loc(b).unwrap().level)
+            .collect()
+    };
+    let mut c = settling(8);
+    let (s, blocks) = seq_with(&mut c, 1, 5);
+    commit(&mut c);
+    assert_eq!(levels(&c, &blocks), [0; 5], "live: nothing settles");
+    c.free_sequence(s).unwrap();
+    commit(&mut c);
+    assert_eq!(levels(&c, &blocks), [0, 2, 2, 2, 1]);
+    // A bottom of two slots: the two lowest-ranked middles go there, the third to level 1.
+    let mut c = settling(2);
+    let (s, blocks) = seq_with(&mut c, 1, 5);
+    c.free_sequence(s).unwrap();
+    commit(&mut c);
+    assert_eq!(levels(&c, &blocks), [0, 2, 2, 1, 1]);
+    // Saved blocks go straight there (the sink stays, the leaf has its level 1 slot).
+    let mut c = settling(8);
+    let (_, blocks) = seq_with(&mut c, 1, 5);
+    c.pin(&blocks).unwrap();
+    assert_eq!(c.place_saved(&blocks).unwrap(), [0, 2, 2, 2, 1]);
+}
+
 /// A save's new blocks, placed before any byte is written: the sink stays at level 0, the
 /// others go to the most precise lower level with a free slot (level 1 while it has one,
 /// then level 2), and those no slot is left for stay at level 0. Bytes follow the slots. A

@@ -14,9 +14,11 @@ complete blocks. Then the whole window is scored through vLLM's ``prompt_logprob
 - each kvtier configuration (a ladder, and connector keys beside it): vLLM's prefix cache is
   reset after the saves, so the prefix loads from kvtier's host tier at the levels its
   scheduler left the blocks in. The connector's own pool shares stage a step's saves at the
-  levels above the bottom and leave the rest to it; the ``-room`` configurations give level 0
-  room for every window's first block, with the sink rule (a cached prefix's sink blocks
-  demoted last) on, or off (``sink_blocks`` 0: the same room goes to other blocks).
+  levels above the bottom, keep rooms for the chains' ends (each prefix's first block at level
+  0, its last at level 1) and leave the rest to the bottom level, where the other blocks
+  settle; the ``-room`` configurations give level 0 room for every window's first block, with
+  the sink rule (a cached prefix's sink blocks demoted last) on, or off (``sink_blocks`` 0: the
+  same room goes to other blocks).
 
 Scored: the continuation's tokens from its second on (the first one's logits come from the
 prefix's last position, which a loaded prefix never computes: vLLM gives no logprob there),
@@ -24,7 +26,8 @@ alike in every configuration; vLLM skips its caches for ``prompt_logprobs`` requ
 ``skip_reading_prefix_cache=False``, and its detokenizer cannot read the positions of a loaded
 prefix (``detokenize=False``). Figures: perplexity of the scored tokens and its change against
 the reference, the mean |Δ logprob| per token, the prefix tokens loaded and the levels they
-came from, and greedy agreement: G tokens generated after the prefix alone (loaded again), and
+came from, the bytes they were held in against bf16's (each level's codec's packed bytes with
+its scales, for the model's blocks), and greedy agreement: G tokens generated after the prefix alone (loaded again), and
 how many of them equal the reference's before the first that differs.
 
 Prints a table on stderr and one JSON object on stdout (``--json``: the JSON only). Needs vLLM
@@ -47,7 +50,17 @@ from ..cli import CommandParser, positive_int
 from ..errors import ConfigError
 from ..results import add_save_option, save_if_asked
 
-__all__ = ["CONFIGS", "FULL", "QUICK", "Connector", "Settings", "main", "run", "table"]
+__all__ = [
+    "CONFIGS",
+    "FULL",
+    "QUICK",
+    "Connector",
+    "Settings",
+    "bytes_vs_bf16",
+    "main",
+    "run",
+    "table",
+]
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,9 @@ HOST_BUDGET = "512MiB"
 SINK_ROOM = "0.025,0.002,0.973"
 DEFAULT_LADDER = "bf16,int8,int4"
 TWO_BIT_LADDER = "bf16,int2-rot,int2-rot-g64"
+#: The 2-bit ladder for a prefix cache: its level 1, where each chain's last block settles, at
+#: int4 (the next turn's recent window: int4 holds it about as well as bf16, int2 does not).
+TWO_BIT_INT4_LADDER = "bf16,int4,int2-rot-g64"
 #: The configurations: name -> the connector's (None: no connector).
 CONFIGS: dict[str, Connector | None] = {
     "reference": None,
@@ -86,6 +102,7 @@ CONFIGS: dict[str, Connector | None] = {
     "2bit-unrot": Connector("bf16,int2,int2-g64"),
     "2bit-room": Connector(TWO_BIT_LADDER, {"pool_shares": SINK_ROOM}),
     "2bit-room-nosink": Connector(TWO_BIT_LADDER, {"pool_shares": SINK_ROOM, "sink_blocks": 0}),
+    "2bit-int4": Connector(TWO_BIT_INT4_LADDER),
 }
 BLOCK = 32
 #: vLLM's max_num_batched_tokens in every engine (see :func:`_engine`).
@@ -247,6 +264,30 @@ def _compare(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any
     }
 
 
+def _block_shape(model_dir: Path) -> Any:
+    """The shape of one of the model's blocks, as the connector holds them."""
+    from transformers import AutoConfig
+
+    from ..codecs.base import BlockShape
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return BlockShape(cfg.num_hidden_layers, cfg.num_key_value_heads, BLOCK, head_dim, "bf16")
+
+
+def bytes_vs_bf16(tokens_by_level: Mapping[str, int], shape: Any) -> float | None:
+    """The bytes of the tokens loaded, at the levels they came from (each codec's packed bytes
+    with its scales), against the same tokens at bf16; None where none were loaded."""
+    from ..codecs import get_codec
+
+    total = sum(tokens_by_level.values())
+    if not total:
+        return None
+    bf16 = get_codec("bf16").bytes_per_block(shape)
+    held = sum(n * get_codec(c).bytes_per_block(shape) for c, n in tokens_by_level.items())
+    return held / (total * bf16)
+
+
 def run(
     settings: Settings, text: Path | None = None, log: Callable[..., None] = lambda *a: None
 ) -> dict[str, Any]:
@@ -269,12 +310,15 @@ def run(
         )
         raw[name] = _run_config(name, model_dir, windows, settings)
     rows = {}
+    shape = _block_shape(model_dir)
     for name, r in raw.items():
+        levels = r["loaded_tokens_by_level"]
         rows[name] = {
             "ladder": r["ladder"],
             **_compare(r, raw["reference"]),
             "prefix_tokens_not_computed": r["prefix_tokens_not_computed"],
-            "loaded_tokens_by_level": r["loaded_tokens_by_level"],
+            "loaded_tokens_by_level": levels,
+            "loaded_bytes_vs_bf16": None if levels is None else bytes_vs_bf16(levels, shape),
             "prefix_saves": r["prefix_saves"],
             "seconds": r["seconds"],
         }
@@ -296,19 +340,22 @@ def table(result: dict[str, Any]) -> str:
         f"continuation {s['continuation']} (scored from its second token); {s['generated']} "
         "greedy tokens after the prefix",
         f"{'configuration':19s} {'ladder':56s} {'perplexity':>10s} {'vs ref':>8s} "
-        f"{'mean |dlp|':>10s} {'prefix not computed':>19s} {'greedy equal':>12s}  loaded by level",
+        f"{'mean |dlp|':>10s} {'prefix not computed':>19s} {'greedy equal':>12s} "
+        f"{'bytes':>6s}  loaded by level",
     ]
     for name, r in result["rows"].items():
-        levels = r["loaded_tokens_by_level"]
+        levels, ratio = r["loaded_tokens_by_level"], r.get("loaded_bytes_vs_bf16")
         lines.append(
             f"{name:19s} {r['ladder'] or '-':56s} {r['perplexity']:10.4f} "
             f"{r['ppl_change'] * 100:+7.2f}% {r['mean_abs_logprob_change']:10.4f} "
-            f"{r['prefix_tokens_not_computed']:19,d} {r['greedy_equal_fraction']:12.1%}  "
+            f"{r['prefix_tokens_not_computed']:19,d} {r['greedy_equal_fraction']:12.1%} "
+            + (f"{ratio:6.3f}  " if ratio is not None else f"{'-':>6s}  ")
             + (", ".join(f"{k} {v}" for k, v in levels.items() if v) if levels else "-")
         )
     lines.append(
         "vs ref: perplexity against the reference (no connector, vLLM's own prefix cache); "
-        "greedy equal: generated tokens equal to the reference's before the first difference"
+        "greedy equal: generated tokens equal to the reference's before the first difference; "
+        "bytes: the loaded prefix's bytes at its levels against bf16's"
     )
     return "\n".join(lines)
 

@@ -135,8 +135,8 @@ class ModelCore:
     f32 rounding; all five policies' ranking keys; ``pin``/``unpin``; ``plan``/``commit``/
     ``abort`` — the live rank split with sinks, recent window, ``compression_ratio`` and
     hysteresis, no-op promotions, the move cap, and budget pressure (demote one level lowest key
-    first, a prefix-aware core's cached sinks after every other cached block, drop live blocks
-    above the budget, then evict cached blocks until within it);
+    first, a prefix-aware core's cached chain ends after every other cached block: leaves, then
+    sinks; drop live blocks above the budget, then evict cached blocks until within it);
     ``set_budget``; the event counters; ``reclaimable``.
 
     Prefix trees (``prefix_aware``, the default, as in the core): each indexed block links to its
@@ -178,6 +178,8 @@ class ModelCore:
         drop_ratio: float = 0.0,
         recent_window: int = 128,
         sink_blocks: int = 1,
+        keep_leaves: bool = True,
+        settle_cached: bool = False,
         weights: tuple[float, float, float] = (0.4, 0.4, 0.2),
         headroom: float = 0.1,
         hysteresis: float = 0.1,
@@ -235,6 +237,11 @@ class ModelCore:
             raise bad("weights", "expected non-negative weights with a positive sum")
         if not 1 <= scissorhands_window <= 32:
             raise bad("scissorhands_window", "expected 1 to 32 reports")
+        if settle_cached:
+            raise NotImplementedError(
+                "ModelCore leaves out explicitly sized pools (pool_headroom), where cached "
+                "blocks settle"
+            )
         for tier, level, _ in pool_slots:
             if tier != "device" or not 0 <= level < len(lb):
                 raise bad("pool_slots", f"no pool {tier}/level {level} in this config")
@@ -249,6 +256,7 @@ class ModelCore:
         self.drop_ratio = drop_ratio
         self.recent_window = recent_window
         self.sink_blocks = sink_blocks
+        self.keep_leaves = keep_leaves
         self.weights = ws
         self.headroom = headroom
         self.hysteresis = hyst
@@ -488,10 +496,15 @@ class ModelCore:
         ):
             self._release(b)
 
-    def _is_sink(self, b: int) -> bool:
-        """A block at a sink position of a prefix-aware core, which demotion takes after every
-        other cached block."""
-        return self.prefix_aware and self.position[b] < self.sink_blocks
+    def _end(self, b: int) -> int:
+        """Which end of its chain a cached block of a prefix-aware core is, in the order
+        demotion takes them, after every other cached block: 0 none, 1 the chain's last block
+        (a leaf, with ``keep_leaves``), 2 a sink (one of the first ``sink_blocks``)."""
+        if not self.prefix_aware:
+            return 0
+        if self.position[b] < self.sink_blocks:
+            return 2
+        return int(self.keep_leaves and self.indexed[b] and not self.children[b])
 
     def _lowest(self, levels: Iterable[int], key: Callable[[int], Key]) -> int | None:
         """The cached block of ``levels`` lowest by ``key``, if any."""
@@ -749,14 +762,12 @@ class ModelCore:
     def _evict_level0_slot(self) -> int:
         """Evicts one block towards a free level-0 slot: the lowest level-0 leaf by eviction
         key, else the first leaf down (first children) from the lowest-ranked reclaimable
-        level-0 block, sinks after the others (its subtree sits at lower levels; there is one:
+        level-0 block, chains' ends after the others (its subtree sits at lower levels; there is one:
         room was checked). Returns its hash."""
         leaf = self._lowest_evictable([0])
         if leaf is None:
             reclaimable = self._reclaimable()
-            top = min(
-                (self._is_sink(b), self._key(b), b) for b in reclaimable if self.level[b] == 0
-            )[2]
+            top = min((self._end(b), self._key(b), b) for b in reclaimable if self.level[b] == 0)[2]
             leaf = top
             while self.children[leaf]:
                 leaf = self.children[leaf][0]
@@ -1316,11 +1327,12 @@ class ModelCore:
             live.sort(reverse=True)
 
         while p.projected > (budget if hard else soft):
-            # A sink goes after every other cached block; against live blocks, by key alone.
-            ranked: tuple[bool, Key, int] | None = None
+            # A chain's end goes after every other cached block, a sink last; against live
+            # blocks, by key alone.
+            ranked: tuple[int, Key, int] | None = None
             for b in self.cached:
                 if level[b] in demote_from and b not in aside:
-                    c = (self._is_sink(b), key(b), b)
+                    c = (self._end(b), key(b), b)
                     if ranked is None or c < ranked:
                         ranked = c
             cached = None if ranked is None else ranked[1:]

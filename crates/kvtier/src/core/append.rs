@@ -9,6 +9,7 @@ use crate::prefix::chain_hash;
 
 use super::blocks::BlockRow;
 use super::passes::{share_indexed, NewBlocks};
+use super::ranking::End;
 use super::{Appended, Core};
 
 /// A block `append_tokens` is about to add: its hash and the hash before it (a full block),
@@ -267,12 +268,16 @@ impl Core {
 
     /// Places new blocks that are about to be written straight into a prefix cache (a
     /// connector's save: its sequence lets go of them at once, so no recent window keeps them)
-    /// where a cached block of theirs would settle, before any byte of them is written: each
-    /// goes to the most precise level below 0 whose device pool has a free slot, but the sinks
-    /// (see [`super::ranking::Ranking::is_sink`]), which stay at level 0, and blocks no such
-    /// slot is left for. Each must be a level-0 device block just allocated: live, pinned,
-    /// held by one sequence, not moving, with no lower-tier copy. Returns the level of each
-    /// block; a call that fails changes nothing.
+    /// where a cached block of theirs would settle, before any byte of them is written. With
+    /// `settle_cached`, each goes to the level it settles at (see
+    /// [`super::ranking::End::home`]: a sink stays at level 0, the chain's last block goes to
+    /// level 1, any other block to the bottom) where that level has a free slot, else to the
+    /// most precise level below 0 that has one; without, the chain's ends (see
+    /// [`super::ranking::End`]) stay at level 0 and every other block goes to the most precise
+    /// level below 0 with a free slot. A block no slot is left for stays at level 0. Each must
+    /// be a level-0 device block just allocated: live, pinned, held by one sequence, not moving,
+    /// with no lower-tier copy. Returns the level of each block; a call that fails changes
+    /// nothing.
     pub fn place_saved(&mut self, ids: &[u32]) -> Result<Vec<u8>> {
         self.check_blocks(ids)?;
         for &b in ids {
@@ -298,9 +303,16 @@ impl Core {
         let mut levels = Vec::with_capacity(ids.len());
         for &b in ids {
             let row = self.blocks.rows[b as usize];
+            let end = self.ranking().end(&row, &self.blocks.links[b as usize]);
+            let wanted = match (self.cfg.settle_cached, end) {
+                (true, end) => end.home(last),
+                (false, End::None) => 1,
+                (false, _) => 0,
+            };
             let mut at = row.loc;
-            if !self.ranking().is_sink(&row) {
-                if let Some(loc) = (1..=last).find_map(|l| self.take_slot(Tier::Device, l)) {
+            if wanted > 0 && last > 0 {
+                let mut levels = std::iter::once(wanted).chain(1..=last);
+                if let Some(loc) = levels.find_map(|l| self.take_slot(Tier::Device, l)) {
                     self.give_slot(row.loc);
                     at = loc;
                 }

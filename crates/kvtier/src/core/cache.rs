@@ -1,5 +1,6 @@
-//! The cache index of each pool ([`PoolCache`]): its cached blocks in three queues in key order
-//! (the cached blocks but the sinks; the cached sinks; the cached leaves), how many, and how
+//! The cache index of each pool ([`PoolCache`]): its cached blocks in queues in key order (the
+//! cached blocks by which end of their chain they are: none, the leaf, a sink; the cached
+//! leaves, for eviction), how many, and how
 //! many are reclaimable; with the functions that keep it over the block table's parts, taken
 //! apart from `Core` so that a loop over many blocks holds them at once: entering a block
 //! ([`enqueue_if_cached`]), leaving ([`BlockRow::leave_cache`]), settling the reclaimable flags
@@ -13,20 +14,20 @@ use crate::types::{Key, NO_BLOCK};
 
 use super::blocks::{BlockRow, Link, NOT_CACHED};
 use super::frequency::CLASSES;
-use super::ranking::{with_policy_key, PoolMap, Ranking};
+use super::ranking::{with_policy_key, End, PoolMap, Ranking};
 
 /// The cached blocks of one pool: how many, and queues in key order (which may also hold stale
-/// entries): every cached block but the sinks, and the cached sinks, what demotion and offload
-/// take (the sinks after all the others, see [`Ranking::is_sink`]); and the cached leaves, what
-/// eviction takes (prefix-aware cores; a plain core evicts from the first, and has no sinks),
+/// entries): one per [`End`], what demotion and offload take (the chains' ends after all the
+/// others, the sinks last); and the cached leaves, what eviction takes (prefix-aware cores; a
+/// plain core evicts from the first, and has no ends),
 /// one queue per class (see `frequency`: all in the first but under `importance`) and, under
 /// `importance`, the first-seen ones youngest first too.
 #[derive(Debug, Clone)]
 pub(crate) struct PoolCache {
-    pub(super) cached: EvictionQueue,
-    /// Apart from `cached`, not ranked above it by a term of the key: each queue's fast path
-    /// wants keys that arrive in order, which a sink arriving first in each sequence breaks.
-    pub(super) sinks: EvictionQueue,
+    /// By [`End`]: apart, not ranked above the others by a term of the key, because each
+    /// queue's fast path wants keys that arrive in order, which a sink arriving first and a
+    /// leaf last in each sequence would break.
+    pub(super) ranked: [EvictionQueue; 3],
     pub(super) leaves: [EvictionQueue; CLASSES],
     pub(super) young: EvictionQueue,
     pub(super) count: u64,
@@ -37,20 +38,19 @@ pub(crate) struct PoolCache {
     pushes_to_check: u64,
 }
 
-/// Which queue of a pool: every cached block (the sinks after the others), the cached sinks
-/// alone, or the cached leaves.
+/// Which queue of a pool: every cached block (the ends after the others, see [`End`]), the
+/// cached blocks of one kind of end (or of none), or the cached leaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Cached {
     Any,
-    Sinks,
+    Ranked(End),
     Leaves,
 }
 
 impl PoolCache {
     pub(super) fn new(slot_bytes: u64) -> PoolCache {
         PoolCache {
-            cached: EvictionQueue::default(),
-            sinks: EvictionQueue::default(),
+            ranked: Default::default(),
             leaves: Default::default(),
             young: EvictionQueue::default(),
             count: 0,
@@ -60,13 +60,9 @@ impl PoolCache {
         }
     }
 
-    /// The queue of `Any` or `Sinks` (the leaves are several: see `Core::peek_cached`).
-    pub(super) fn queue(&mut self, which: Cached) -> &mut EvictionQueue {
-        match which {
-            Cached::Any => &mut self.cached,
-            Cached::Sinks => &mut self.sinks,
-            Cached::Leaves => unreachable!("the leaf queues are read one by one"),
-        }
+    /// The queue of the cached blocks of one kind of end, or of none.
+    pub(super) fn queue(&mut self, end: End) -> &mut EvictionQueue {
+        &mut self.ranked[end as usize]
     }
 
     /// Counts `n` blocks just queued; every so many pushes, drops the stale entries once they
@@ -84,7 +80,7 @@ impl PoolCache {
     #[inline(never)]
     fn drop_stale_entries(&mut self, rows: &[BlockRow], links: &[Link], p: usize) {
         let bound = 2 * self.count + 1024;
-        for queue in [&mut self.cached, &mut self.sinks] {
+        for queue in &mut self.ranked {
             if queue.len() as u64 > bound {
                 queue.retain(|e| entry_valid(rows, p, e));
             }
@@ -96,24 +92,15 @@ impl PoolCache {
         }
         // A push adds at most one entry to each queue: neither passes the bound sooner than
         // this (give or take the live count shrinking meanwhile, which the next check catches).
-        let longest = [&self.cached, &self.sinks, &self.young]
-            .into_iter()
+        let longest = self
+            .ranked
+            .iter()
+            .chain([&self.young])
             .chain(&self.leaves)
             .map(EvictionQueue::len)
             .max()
             .unwrap_or(0) as u64;
         self.pushes_to_check = (bound + 1).saturating_sub(longest).max(1);
-    }
-
-    /// The queue of a cached block that demotion and offload take from: the sinks' or the
-    /// others'.
-    #[inline(always)]
-    pub(super) fn ranked(&mut self, sink: bool) -> &mut EvictionQueue {
-        if sink {
-            &mut self.sinks
-        } else {
-            &mut self.cached
-        }
     }
 
     /// Bytes of the reclaimable blocks (derived: every block moving in or out would pay for a
@@ -209,7 +196,7 @@ pub(super) fn enqueue_if_cached(
     };
     let q = &mut queues[p];
     q.reclaimable += u64::from(row.reclaimable);
-    q.ranked(ranking.is_sink(row)).push(key, ticket);
+    q.queue(ranking.end(row, &links[i])).push(key, ticket);
     if leaves && links[i].is_leaf() {
         push_leaf(
             &mut q.leaves,

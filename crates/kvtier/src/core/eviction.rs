@@ -12,7 +12,7 @@ use super::cache::{
     enqueue_if_cached, entry_valid, leaf_valid, pop_evictable, settle_reclaimable, youngest_first,
     Cached, PoolCache,
 };
-use super::ranking::Ranking;
+use super::ranking::{End, Ranking};
 use super::Core;
 
 impl Core {
@@ -90,8 +90,8 @@ impl Core {
         }
     }
 
-    /// The lowest-ranked block of a pool's queue `which` (for `Any`, of the blocks but the
-    /// sinks), left in place. For `Leaves`, what eviction takes: the lowest front of the class
+    /// The lowest-ranked block of a pool's queue `which` (for `Any`, of the blocks that are no
+    /// chain's end: a plain core's every cached block), left in place. For `Leaves`, what eviction takes: the lowest front of the class
     /// queues, ranked by `Frequency::rank` under `importance` (the young-first rule may name
     /// another block, under the same rank).
     #[inline]
@@ -102,8 +102,12 @@ impl Core {
             stats: &self.stats,
         }; // not self.ranking(): the queue below is borrowed mutably
         let (rows, links) = (&self.blocks.rows, &self.blocks.links);
-        if which != Cached::Leaves {
-            let top = self.caches[pool].queue(which).peek_valid(
+        if let Cached::Any | Cached::Ranked(_) = which {
+            let end = match which {
+                Cached::Ranked(end) => end,
+                _ => End::None,
+            };
+            let top = self.caches[pool].queue(end).peek_valid(
                 |t| entry_valid(rows, pool, t),
                 |b| ranking.key(b as usize, &rows[b as usize]),
             );
@@ -138,8 +142,8 @@ impl Core {
         Some((key, b))
     }
 
-    /// Takes the lowest-ranked entry of a pool's cached blocks out of its queue, the sinks
-    /// after the others (the block stays cached: the caller puts the entry back).
+    /// Takes the lowest-ranked entry of a pool's cached blocks out of its queue, the chains'
+    /// ends after the others (the block stays cached: the caller puts the entry back).
     pub(crate) fn pop_cached(&mut self, pool: usize) -> Option<(Key, Ticket)> {
         let ranking = Ranking {
             cfg: &self.cfg,
@@ -149,8 +153,9 @@ impl Core {
         let rows = &self.blocks.rows;
         let key_of = |b: u32| ranking.key(b as usize, &rows[b as usize]);
         let cache = &mut self.caches[pool];
-        let t = [&mut cache.cached, &mut cache.sinks]
-            .into_iter()
+        let t = cache
+            .ranked
+            .iter_mut()
             .find_map(|queue| queue.pop_valid(|t| entry_valid(rows, pool, t), key_of))?;
         Some((key_of(t.block), t))
     }
@@ -159,23 +164,27 @@ impl Core {
     pub(crate) fn restore_cached(&mut self, pool: usize, key: Key, ticket: Ticket) {
         let row = &self.blocks.rows[ticket.block as usize];
         if entry_valid(&self.blocks.rows, pool, &ticket) {
-            let sink = self.ranking().is_sink(row);
-            self.caches[pool].ranked(sink).push(key, ticket);
+            let end = self
+                .ranking()
+                .end(row, &self.blocks.links[ticket.block as usize]);
+            self.caches[pool].queue(end).push(key, ticket);
         }
     }
 
-    /// The lowest-ranked block of queue `which` among `pools`; for `Any`, a sink only where
-    /// none of the pools holds another cached block.
+    /// The lowest-ranked block of queue `which` among `pools`; for `Any`, a chain's end only
+    /// where none of the pools holds a cached block that is not one, and a sink only where
+    /// none holds a leaf either (see [`End`]).
     #[inline]
     pub(crate) fn lowest_cached(
         &mut self,
         pools: impl IntoIterator<Item = usize> + Clone,
         which: Cached,
     ) -> Option<(Key, u32)> {
-        let lowest = self.lowest_in(pools.clone(), which);
         match which {
-            Cached::Any if lowest.is_none() => self.lowest_in(pools, Cached::Sinks),
-            _ => lowest,
+            Cached::Any => End::ALL
+                .into_iter()
+                .find_map(|end| self.lowest_in(pools.clone(), Cached::Ranked(end))),
+            _ => self.lowest_in(pools, which),
         }
     }
 
@@ -343,7 +352,7 @@ impl Core {
         let ranking = Ranking { cfg, decay, stats };
         let cache = &mut caches[pool];
         pop_evictable(
-            &mut cache.cached,
+            cache.queue(End::None),
             &mut blocks.rows,
             index,
             ranking,

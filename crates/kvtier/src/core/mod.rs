@@ -62,6 +62,7 @@ use self::ranking::{PoolMap, Ranking};
 
 pub(crate) use self::cache::Cached;
 pub use self::index_log::IndexChange;
+pub(crate) use self::ranking::End;
 pub use crate::types::{Key, Loc, NO_SLOT};
 
 /// Hashes an id by one multiply: a sequence id, or a block hash (a trace's may be a small

@@ -11,7 +11,7 @@ use crate::types::NO_SLOT;
 
 use super::blocks::{BlockRow, Link};
 use super::cache::{enqueue_if_cached, push_leaf, settle_reclaimable, PoolCache};
-use super::ranking::{with_policy_key, PoolMap, Ranking};
+use super::ranking::{with_policy_key, End, PoolMap, Ranking};
 use super::Appended;
 
 /// The lookup pass of an append: each hash's indexed block, referenced at once (shared) so that
@@ -144,13 +144,13 @@ pub(super) fn drop_refs(
     let mut pushed = 0;
     with_policy_key!(ranking, |key| {
         let PoolCache {
-            cached,
-            sinks,
+            ranked,
             leaves,
             young,
             ..
         } = &mut queues[p0];
-        let mut pusher = cached.pusher(blocks.len());
+        let [others, ends @ ..] = ranked;
+        let mut pusher = others.pusher(blocks.len());
         let adaptive = ranking.adaptive();
         for &b in blocks {
             let row = &mut rows[b as usize];
@@ -177,10 +177,10 @@ pub(super) fn drop_refs(
                 block: b,
                 version: row.version,
             };
-            if ranking.is_sink(row) {
-                sinks.push(k, ticket); // a few a sequence: one pusher each is cheap
-            } else {
-                pusher.push(k, ticket);
+            match ranking.end(row, &links[b as usize]) {
+                End::None => pusher.push(k, ticket),
+                // A few a sequence: one pusher each is cheap.
+                end => ends[end as usize - 1].push(k, ticket),
             }
             if prefix_aware && links[b as usize].is_leaf() {
                 let key = ranking.evict_key(b as usize, row);

@@ -6,7 +6,40 @@ use crate::config::{Config, PolicyKind, Tier};
 use crate::stats::{BlockStats, DecayTable};
 use crate::types::Key;
 
-use super::blocks::BlockRow;
+use super::blocks::{BlockRow, Link};
+
+/// The ends of a cached chain, which demotion and offload take after every other cached block
+/// of their pool, the sinks last: a saved prefix keeps its attention sink and the block the
+/// next turn continues from (its recent window) at the higher precision longest, as a live
+/// sequence keeps them at level 0. Eviction ranks them as any other leaf. The order of the
+/// variants is the order demotion takes them in; each is the index of its queue in a pool
+/// (see `cache::PoolCache`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum End {
+    /// Not an end.
+    None = 0,
+    /// The chain's last block: a leaf of the prefix tree (`keep_leaves`).
+    Leaf = 1,
+    /// One of the chain's first `sink_blocks`.
+    Sink = 2,
+}
+
+impl End {
+    pub(crate) const ALL: [End; 3] = [End::None, End::Leaf, End::Sink];
+
+    /// The level a cached block of this kind settles at (`settle_cached`) in a ladder whose
+    /// last kept level is `last_kept`: a sink at level 0, a leaf at the first level below it
+    /// (int4 there holds the next turn's recent window about as well as full precision, and
+    /// int2 does not), any other block at the bottom.
+    #[inline(always)]
+    pub(crate) fn home(self, last_kept: u8) -> u8 {
+        match self {
+            End::Sink => 0,
+            End::Leaf => last_kept.min(1),
+            End::None => last_kept,
+        }
+    }
+}
 
 /// What a block's ranking key is computed from besides its row, borrowed apart from the rows
 /// and the eviction queues, so that a loop can hold all three at once (and a queue can ask for
@@ -47,14 +80,21 @@ impl Ranking<'_> {
         }
     }
 
-    /// Whether a cached block is a sink: one of the first `sink_blocks` of its prefix, which
-    /// demotion and offload take after every other cached block of its pool (a saved prefix
-    /// keeps its attention sink at the higher precision longest, as a live sequence keeps it
-    /// at level 0). Eviction ranks it as any other leaf. Prefix-aware cores only: a plain core
-    /// ranks its cached blocks as independent ones, in one queue for every move.
+    /// Which end of its chain a cached block is, if any (see [`End`]): one of the first
+    /// `sink_blocks` of its prefix, else (`keep_leaves`) its chain's last block, a leaf of the
+    /// prefix tree. Prefix-aware cores only: a plain core ranks its cached blocks as
+    /// independent ones, in one queue for every move.
     #[inline(always)]
-    pub(crate) fn is_sink(&self, row: &BlockRow) -> bool {
-        self.cfg.prefix_aware && row.position < self.cfg.sink_blocks
+    pub(crate) fn end(&self, row: &BlockRow, link: &Link) -> End {
+        if !self.cfg.prefix_aware {
+            End::None
+        } else if row.position < self.cfg.sink_blocks {
+            End::Sink
+        } else if self.cfg.keep_leaves && row.indexed && link.is_leaf() {
+            End::Leaf
+        } else {
+            End::None
+        }
     }
 
     /// The key eviction queues a cached leaf under (prefix-aware cores): [`Ranking::key`], but

@@ -4,7 +4,7 @@
 
 use crate::types::NO_BLOCK;
 
-use super::blocks::{attach, detach};
+use super::blocks::{attach, detach, NOT_CACHED};
 use super::{Appended, Core};
 
 impl Core {
@@ -38,10 +38,22 @@ impl Core {
         if self.prefix_aware() {
             attach(&mut self.blocks.links, &self.blocks.rows, b, parent);
             if parent != NO_BLOCK {
-                self.settle_block(parent);
+                self.child_added(parent);
             }
         }
         true
+    }
+
+    /// Settles `parent` after it gained a child: a cached one is queued again (it is no
+    /// chain's leaf any more, see `ranking::End`); any has its reclaimable flag brought up to
+    /// date.
+    #[inline(always)]
+    fn child_added(&mut self, parent: u32) {
+        if self.blocks.rows[parent as usize].cached_in != NOT_CACHED {
+            self.refresh_evictable(parent);
+        } else {
+            self.settle_block(parent);
+        }
     }
 
     /// Takes `b` out of the prefix index, with every indexed descendant first (a block whose
@@ -159,7 +171,7 @@ impl Core {
                 Some(parent) => {
                     attach(&mut self.blocks.links, &self.blocks.rows, b, parent);
                     if parent != NO_BLOCK {
-                        self.settle_block(parent);
+                        self.child_added(parent);
                     }
                 }
                 None => {

@@ -10,6 +10,7 @@ fails the same way in the scheduler and in the workers. Nothing here imports vLL
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -29,7 +30,9 @@ __all__ = [
     "CONNECTOR_KEYS",
     "DEFAULT_HOST_BUDGET",
     "KV_CACHE_DTYPES",
+    "LEAF_SHARE",
     "MAX_STAGING_SHARE",
+    "SINK_SHARE",
     "VLLM_OWNED",
     "ConnectorSettings",
     "attention_spec",
@@ -44,6 +47,11 @@ __all__ = [
 
 #: Of the host budget, at most this fraction stages saves at the levels above the bottom.
 MAX_STAGING_SHARE = 0.25
+#: Of the host budget, what level 0 keeps for cached prefixes' sinks (``sink_blocks``) and
+#: level 1 for their last blocks (``keep_leaves``), beside the staging: where the chains' ends
+#: settle (``settle_cached``) while the rest goes to the bottom level.
+SINK_SHARE = 0.02
+LEAF_SHARE = 0.05
 #: The host tier's budget when the extra config names none.
 DEFAULT_HOST_BUDGET = "2GiB"
 #: Keys of ``kv_connector_extra_config`` that are the connector's own, not KvtierConfig fields.
@@ -73,7 +81,9 @@ def connector_config(
 
     ``pool_shares``, when neither the extra config nor ``KVTIER_POOL_SHARES`` gives it and the
     ladder has several levels, stays unset here: the worker sizes it once it knows the bytes of
-    a block (:func:`staging_shares`)."""
+    a block (:func:`staging_shares`). ``settle_cached`` is on unless the extra config or
+    ``KVTIER_SETTLE_CACHED`` says otherwise: the levels above the bottom stage saves and keep
+    the chains' ends, and a saved block goes where a full host keeps it."""
     extra = {k: v for k, v in extra.items() if k not in CONNECTOR_KEYS}
     for name, owner in VLLM_OWNED.items():
         if extra.get(name) is not None:
@@ -91,6 +101,10 @@ def connector_config(
         elif isinstance(value, list):
             value = tuple(value)
         overrides[name] = value
+    if "settle_cached" not in overrides and "KVTIER_SETTLE_CACHED" not in (
+        os.environ if environ is None else environ
+    ):
+        overrides["settle_cached"] = True
     env = KvtierConfig.from_env(environ=environ, **overrides)
     host = env.host_budget
     if host is None and env.host_blocks is None:
@@ -128,18 +142,22 @@ def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -
     """The connector's own ``pool_shares`` for blocks of ``shape``: ``stage_blocks`` slots (the
     blocks one step of vLLM may complete: ``max_num_batched_tokens`` over the block size) at
     each middle level and twice as many at level 0 (once where a stage of that takes more than
-    an eighth of the budget), at most a quarter of the budget and at least one stage, and the
+    an eighth of the budget), at most a quarter of the budget and at least one stage; beside
+    them :data:`SINK_SHARE` of the budget at level 0 (with ``sink_blocks``) and
+    :data:`LEAF_SHARE` at level 1 where it is not the bottom (with ``keep_leaves``); and the
     rest of the budget at the bottom level.
 
     vLLM's own pool holds the hot blocks at full precision; behind it the connector is
     capacity. A save lands at level 0 (pinned there until its last layer is written), and the
-    tiers' step after vLLM's, on a thread of its own, demotes it as deep as a free slot is (the
-    bottom level making room by evicting its lowest-ranked leaf). So the levels above the
-    bottom only stage what a step passes on, level 0 twice over: one step's saves land in one
-    half while the step before's move down from the other. Sized so, they leave the rest of the
-    bytes to the bottom level (``int4`` holds a block in 0.31 of its bf16 bytes). A save larger
-    than level 0 has free goes in pieces after the forward pass, each making room for the next,
-    so a long prefill chunk still fits."""
+    tiers' step after vLLM's, on a thread of its own, moves it down (the bottom level making
+    room by evicting its lowest-ranked leaf): with ``settle_cached``, to where a full host
+    keeps it, the chains' sinks at level 0 and their last blocks at level 1 (where the next
+    turn continues: int4 holds that about as well as full precision, int2 does not) and the
+    rest at the bottom. So the levels above the bottom stage what a step passes on, level 0
+    twice over (one step's saves land in one half while the step before's move down from the
+    other), and keep the chains' ends; sized so, they leave the rest of the bytes to the
+    bottom level. A save larger than level 0 has free goes in pieces after the forward pass,
+    each making room for the next, so a long prefill chunk still fits."""
     ladder = config.resolved_ladder(shape.dtype)
     level_bytes = [get_codec(name).bytes_per_block(shape) for name in ladder]
     budget = config.device_budget
@@ -156,6 +174,10 @@ def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -
     # Half a byte more than the slots take: the manager's floor of share * budget / bytes
     # must not lose one to rounding.
     above = [(stage * b + 0.5) / budget for b in staged]
+    if config.sink_blocks > 0:
+        above[0] += SINK_SHARE
+    if config.keep_leaves and len(above) > 1:
+        above[1] += LEAF_SHARE
     if sum(above) >= 1.0:
         raise ConfigError(
             f"host budget {budget} B holds no level-0 block with room below it: one block "

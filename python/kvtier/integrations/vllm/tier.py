@@ -320,14 +320,20 @@ class _ServerProbes(AsyncLookupManager):
 
 def _manager(layout: ChunkLayout, extra: dict[str, Any], model: str) -> tuple[BlockManager, bool]:
     """The tier's manager: the connector's config from the tier's keys, one block a chunk, one
-    layer a (worker, layer), no sinks or recent window (a chunk is a cached entry, not part of
-    a running sequence), no headroom (a store makes its room by evicting), and its own staging
+    layer a (worker, layer), no sinks, leaves or recent window (a chunk is a cached entry, not
+    part of a chain or a running sequence), no headroom (a store makes its room by evicting), and its own staging
     shares (small: level 0 and the middle levels only pass a store's chunks down) unless the
     config has some. Beside it, whether the shares are the tier's own (then each store's step
     makes room at level 0 for the next)."""
     chunk = layout.block_size
     config = connector_config(extra, block_size=chunk)
-    fixed = {"sink_blocks": 0, "recent_window": 0, "evict_on_full": True, "headroom": 0.0}
+    fixed = {
+        "sink_blocks": 0,
+        "keep_leaves": False,
+        "recent_window": 0,
+        "evict_on_full": True,
+        "headroom": 0.0,
+    }
     config = config.replace(**{k: v for k, v in fixed.items() if k not in extra})
     shape = BlockShape(
         layout.workers * layout.layers,
