@@ -708,8 +708,8 @@ def test_a_learned_scorer_decides_which_saved_blocks_keep_full_precision(
 ) -> None:
     """With ``"scorer"`` (and the importance weights on the learned signal only), the blocks
     the host tier demotes to make room are those the scorer ranks lowest: within each prompt,
-    every block still at bf16 scored above every block at int8 (no sink kept above the rest:
-    the scorer alone decides)."""
+    every block still at bf16 scored above every block at int8 (no sink nor chain end kept
+    above the rest: the scorer alone decides)."""
     engine = engine_factory(
         num_blocks=64,
         host_budget="80KiB",  # 4 blocks at bf16, 14 at int8: the 16 blocks saved all stay
@@ -718,6 +718,7 @@ def test_a_learned_scorer_decides_which_saved_blocks_keep_full_precision(
         policy="importance",
         weights="0,1,0",
         sink_blocks=0,
+        keep_leaves=False,
         scorer="test_vllm_scheduler:first_channel_scorer",
     )
     prompts = [prompt(20 + i, 4) for i in range(4)]

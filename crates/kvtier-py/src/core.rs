@@ -571,7 +571,11 @@ impl PyCore {
     }
 
     /// Places new blocks of a save (pinned, unwritten, held by one sequence) where a cached
-    /// block settles (see `kvtier::Core::place_saved`). Returns each one's level.
+    /// block settles: with ``settle_cached``, a sink at level 0, the chain's last block at
+    /// level 1, any other at the bottom level, where that level has a free device slot, else
+    /// the most precise level below 0 with one; without, the chain's ends at level 0 and the
+    /// others at the most precise level below 0 with a free slot. A block no slot is left for
+    /// stays at level 0. Returns each one's level.
     fn place_saved<'py>(
         &self,
         py: Python<'py>,

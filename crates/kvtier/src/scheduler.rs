@@ -1028,7 +1028,7 @@ impl Core {
         if self.cfg.settle_cached {
             self.settle_pool(pass, t, level);
         }
-        let headroom = (f64::from(cap) * f64::from(self.cfg.headroom)).ceil() as u32;
+        let headroom = self.headroom_slots(p);
         // The device's level-0 pool is where the blocks that asked for room will go.
         let room = if tier == Tier::Device && level == 0 {
             let slots = pass.reserved[t].div_ceil(self.level_bytes(0));
@@ -1153,10 +1153,16 @@ impl Core {
         }
     }
 
+    /// The slots pass 4 keeps free in pool `p`: `headroom` of its capacity, rounded up.
+    fn headroom_slots(&self, p: usize) -> u32 {
+        (f64::from(self.pools[p].capacity()) * f64::from(self.cfg.headroom)).ceil() as u32
+    }
+
     /// With `settle_cached`, before pass 4 makes a pool's headroom: the cached blocks of pool
     /// (tier `t`, `level`) that settle deeper (see [`End::home`]: every block but the chains'
     /// ends, and at level 0 the chains' leaves too) go down, lowest-ranked first, each to the
-    /// deepest level between that has a free slot, as far as free slots and the move cap go.
+    /// deepest level between that has a free slot beyond its headroom (a level filled to the
+    /// brim would evict to make its headroom again), as far as slots and the move cap go.
     fn settle_pool(&mut self, pass: &mut Pass, t: usize, level: u8) {
         let tier = self.cfg.tiers[t].tier;
         let p = self.pool_index(tier, level);
@@ -1167,8 +1173,11 @@ impl Core {
         for end in [End::None, End::Leaf] {
             let home = end.home(last_kept);
             while let Some((_, b)) = self.peek_cached(p, Cached::Ranked(end)) {
-                let free = |l: u8| self.pools[self.pool_index(tier, l)].free_count() > 0;
-                let Some(to) = (level + 1..=home).rev().find(|&l| free(l)) else {
+                let spare = |l: u8| {
+                    let p = self.pool_index(tier, l);
+                    self.pools[p].free_count() > self.headroom_slots(p)
+                };
+                let Some(to) = (level + 1..=home).rev().find(|&l| spare(l)) else {
                     break; // none free for this block, and so none for the others of its kind
                 };
                 if !self.demote_to(pass, b, to) {

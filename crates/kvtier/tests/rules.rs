@@ -992,11 +992,12 @@ fn a_cached_prefix_keeps_its_leaf_after_the_others_and_before_its_sink() {
 
 /// With `settle_cached`, a cached chain settles where a full cache keeps it as soon as there is
 /// room, not under pressure: the sink at level 0, the leaf at level 1, the others at the
-/// bottom, lowest-ranked first, each at the deepest level between with a free slot (level 1
-/// once the bottom is full). A saved block is placed there before it is written.
+/// bottom, lowest-ranked first, each at the deepest level between with a free slot beyond its
+/// headroom (level 1 once the bottom is that full: settling never fills a pool so far that it
+/// evicts to make its headroom again). A saved block is placed there before it is written.
 #[test]
 fn cached_blocks_settle_at_their_home_levels() {
-    let settling = |bottom: u32| {
+    let settling = |bottom: u32, keep_leaves: bool| {
         core(Config {
             recent_window: 0,
             compression_ratio: 0.0,
@@ -1007,6 +1008,7 @@ fn cached_blocks_settle_at_their_home_levels() {
             ],
             pool_headroom: true,
             settle_cached: true,
+            keep_leaves,
             pressure_only: true, // live blocks stay at level 0
             policy: kvtier::PolicyKind::Lru,
             ..cfg()
@@ -1018,21 +1020,34 @@ fn cached_blocks_settle_at_their_home_levels() {
             .map(|&b| c.block_loc(b).unwrap().level)
             .collect()
     };
-    let mut c = settling(8);
+    let mut c = settling(8, true);
     let (s, blocks) = seq_with(&mut c, 1, 5);
     commit(&mut c);
     assert_eq!(levels(&c, &blocks), [0; 5], "live: nothing settles");
     c.free_sequence(s).unwrap();
     commit(&mut c);
     assert_eq!(levels(&c, &blocks), [0, 2, 2, 2, 1]);
-    // A bottom of two slots: the two lowest-ranked middles go there, the third to level 1.
-    let mut c = settling(2);
+    // A bottom of three slots, one of them headroom: the two lowest-ranked middles go there,
+    // the third to level 1.
+    let mut c = settling(3, true);
     let (s, blocks) = seq_with(&mut c, 1, 5);
     c.free_sequence(s).unwrap();
     commit(&mut c);
     assert_eq!(levels(&c, &blocks), [0, 2, 2, 1, 1]);
+    // Without the leaf rule, a second chain finds the bottom at its headroom: it settles at
+    // level 1, and the first chain's leaf at the bottom is not evicted to make headroom.
+    let mut c = settling(3, false);
+    let (s, first) = seq_with(&mut c, 1, 3);
+    c.free_sequence(s).unwrap();
+    commit(&mut c);
+    let (s, second) = seq_with(&mut c, 100, 3);
+    c.free_sequence(s).unwrap();
+    commit(&mut c);
+    assert_eq!(levels(&c, &first), [0, 2, 2]);
+    assert_eq!(levels(&c, &second), [0, 1, 1]);
+    assert_eq!(c.counters().evictions, 0);
     // Saved blocks go straight there (the sink stays, the leaf has its level 1 slot).
-    let mut c = settling(8);
+    let mut c = settling(8, true);
     let (_, blocks) = seq_with(&mut c, 1, 5);
     c.pin(&blocks).unwrap();
     assert_eq!(c.place_saved(&blocks).unwrap(), [0, 2, 2, 2, 1]);
