@@ -783,6 +783,30 @@ def test_a_saved_prefix_keeps_its_sink_block_at_bf16_longest(
         assert not all(sinks_kept), levels
 
 
+def test_the_saves_staging_leaves_the_sinks_room_alone(
+    engine_factory: Callable[..., Engine],
+) -> None:
+    """Under the connector's own shares, level 0 holds two steps' saves and a room for the
+    sinks. Ten saved prompts, a step at a time: each keeps its first block at bf16 (the room
+    holds ten) and the rest settle at int8, each step's after it; the
+    room the next step's saves ask for is the staging's, not the sinks' (it took four sinks of
+    twelve prompts in ``kvtier eval vllm`` when it was half of all level 0)."""
+    engine = engine_factory(
+        num_blocks=128,
+        host_budget="3MiB",  # the sinks' room: 10 bf16 blocks (2 %)
+        ladder="bf16,int8",
+    )
+    prompts = [prompt(60 + i, 4) for i in range(10)]
+    for i, p in enumerate(prompts):
+        engine.add(f"p{i}", p)
+    engine.run()
+    engine.tiers.manager.step()  # the step after the last save
+    core = engine.tiers.manager.core
+    assert core.usage()[0][3] == 2 * 4 + 10  # level 0: two steps of 4 blocks, and the room
+    levels = [core.block_info(core.lookup_tokens(p))["level"].tolist() for p in prompts]
+    assert levels == [[0, 1, 1, 1]] * 10
+
+
 def test_a_scorer_that_is_not_importable_is_refused(vllm_model_dir: Any) -> None:
     from kvtier.errors import ConfigError
 

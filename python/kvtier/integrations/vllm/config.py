@@ -160,10 +160,7 @@ def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -
     each making room for the next, so a long prefill chunk still fits."""
     ladder = config.resolved_ladder(shape.dtype)
     level_bytes = [get_codec(name).bytes_per_block(shape) for name in ladder]
-    budget = config.device_budget
-    if budget is None:
-        assert config.device_blocks is not None, "connector_config sets one of the two"
-        budget = config.device_blocks * level_bytes[0]
+    budget = _host_budget(config, level_bytes[0])
     # One stage's bytes at each level, level 0 twice over where that takes at most half the
     # staging share (else a small budget would lose bottom-level blocks to it).
     staged = [2 * level_bytes[0], *level_bytes[1:-1]]
@@ -186,6 +183,22 @@ def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -
             "raise host_budget or host_blocks"
         )
     return (*above, 1.0 - sum(above))
+
+
+def sink_room_slots(config: KvtierConfig, block_bytes: int) -> int:
+    """The level-0 slots :func:`staging_shares` keeps for the sinks (:data:`SINK_SHARE` of the
+    budget; none without ``sink_blocks``) in a host tier of ``config`` whose level-0 blocks
+    take ``block_bytes``: what the saves' staging must leave alone."""
+    if config.sink_blocks <= 0:
+        return 0
+    return int(SINK_SHARE * _host_budget(config, block_bytes)) // block_bytes
+
+
+def _host_budget(config: KvtierConfig, block_bytes: int) -> int:
+    if config.device_budget is not None:
+        return config.device_budget
+    assert config.device_blocks is not None, "connector_config sets one of the two"
+    return config.device_blocks * block_bytes
 
 
 @dataclass(frozen=True)

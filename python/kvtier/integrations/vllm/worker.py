@@ -9,7 +9,7 @@ layer waiting for its own), the others in the background while their requests wa
 step's complete blocks a layer at a time as the forward pass finishes each layer (on the CPU, one
 native pass out of vLLM's cache into the host tier's level 0; on a GPU, encoded there to the level
 the core places them at and copied encoded, on a stream and thread of their own that the forward
-pass does not wait for), scoring them with the user's scorer if there is one; a save longer than half of level 0 waits for the end of the forward pass and goes in
+pass does not wait for), scoring them with the user's scorer if there is one; a save longer than half of level 0 (its staging, beside the sinks' room) waits for the end of the forward pass and goes in
 pieces there. The scheduler's step that moves the saved blocks down the ladder (their encoding) runs
 on a thread of its own after vLLM's step; a save that finds level 0 full while it runs is shed
 (counted), never waited for. A block it cannot load is handed to vLLM as a load error (vLLM
@@ -40,7 +40,7 @@ import torch
 from ...errors import ConfigError, KvtierError
 from ...manager import BlockManager
 from ...manager.timing import DecayedRate
-from .config import backend_name, engine_namespace, tiers_config, tp_rank
+from .config import backend_name, engine_namespace, sink_room_slots, tiers_config, tp_rank
 from .events import KVTierEvents, TierEvents
 from .link import CONNECTOR_TIERS, Held, LoadCosts, Place, forget, serve
 from .metadata import KVTierMetadata, LoadSpec, ReleaseSpec, SaveSpec
@@ -512,7 +512,7 @@ class KVTierWorker:
         manager = self.tiers.manager
         bs = self.settings.block_size
         # What the layer saves of a step may pin at level 0 at once, in all.
-        piece = max(1, int(manager.pools["device", 0].shape[0]) // 2)
+        piece = max(1, self._stage_slots() // 2)
         free, busy = self._level0_free(), self._stepping()
         layer_saves: list[_LayerSave] = []
         self._deferred = []
@@ -590,6 +590,20 @@ class KVTierWorker:
             finally:
                 manager.free(save.seq)
 
+    def _staging(self) -> bool:
+        """Whether the tiers' levels are the connector's own staging shares."""
+        return self.settings.config.pool_shares is None and len(self.tiers.manager.ladder) > 1
+
+    def _stage_slots(self) -> int:
+        """The host tier's level-0 slots for saves (pinned there until written, then moved
+        down): all of them but, under the connector's own shares, the sinks' room, which a
+        save's room must not take from the sinks that settled there."""
+        manager = self.tiers.manager
+        slots = int(manager.pools["device", 0].shape[0])
+        if self._staging():
+            slots -= sink_room_slots(manager.config, manager.level_bytes[0])
+        return max(1, slots)
+
     def _level0_free(self) -> int:
         """Free slots of the host tier's level 0 now."""
         for tier, level, used, capacity, *_ in self.tiers.manager.core.usage():
@@ -604,15 +618,13 @@ class KVTierWorker:
     def _step_later(self) -> None:
         """The manager's step on the stepper thread, unless one is running (the next covers
         what it does not). Under the connector's own staging shares it also makes room at
-        level 0 for the next step's saves (half of it: a step's blocks, see
+        level 0 for the next step's saves (half of its staging slots: a step's blocks, see
         :func:`~.config.staging_shares`); under the user's, the next save makes its own."""
         if self._stepping():
             return
         self._settle()
         manager = self.tiers.manager
-        staging = self.settings.config.pool_shares is None and len(manager.ladder) > 1
-        room = int(manager.pools["device", 0].shape[0]) // 2 * manager.level_bytes[0]
-        room *= staging
+        room = self._stage_slots() // 2 * manager.level_bytes[0] if self._staging() else 0
         self._stepper = self._stepper or ThreadPoolExecutor(1, "kvtier-step")
         self._step_job = self._stepper.submit(manager.step, room)
 
@@ -628,13 +640,13 @@ class KVTierWorker:
 
     def _save(self, save: SaveSpec) -> None:
         """Saves what the tiers lack of the request's complete blocks so far, in pieces of at
-        most the host tier's level-0 pool (this runs once the step's layer saves are done and
+        most the host tier's level-0 staging (this runs once the step's layer saves are done and
         before its background step): the blocks a piece writes stay at level 0 until written,
         and the next piece makes room by demoting them (a long prompt, or a long prefill
         chunk, fits a level 0 kept small for capacity)."""
         bs = self.settings.block_size
         blocks = len(save.block_ids)
-        piece = max(1, int(self.tiers.manager.pools["device", 0].shape[0]))
+        piece = self._stage_slots()
         if blocks <= piece:
             self._save_prefix(save)
             return
