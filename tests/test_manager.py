@@ -1117,8 +1117,8 @@ def test_blocks_named_by_hash_are_shared_through_the_server(redis_server: Any) -
 def test_blocks_saved_encoded_below_level_0_are_not_published(redis_server: Any) -> None:
     """An encoded save places blocks below level 0 before a byte is written: only their
     codec's bytes exist, so they are not published (their slot number names a row of another
-    pool); the chain's ends that stayed at level 0 are, exactly, and another engine takes the
-    sink (the chain's last block follows blocks it cannot take)."""
+    pool); the chain's ends that stayed at level 0 (its sink, its last two blocks) are,
+    exactly, and another engine takes the sink (the last blocks follow one it cannot take)."""
     shape = BlockShape(LAYERS, HEADS, BS, DIM, "bf16")
     int8 = 2.5 * get_codec("int8").bytes_per_block(shape) / (64 * shape.fp16_bytes)
     a2, b2 = sharing(
@@ -1131,9 +1131,9 @@ def test_blocks_saved_encoded_below_level_0_are_not_published(redis_server: Any)
     seq = a2.add_sequence(ids)
     for layer in range(LAYERS):
         a2.append_blocks(seq, layer, as_blocks(x, layer, 0, 4), encode=True)
-    assert a2.core.block_info(a2.core.sequence_blocks(seq))["level"].tolist() == [0, 1, 1, 0]
+    assert a2.core.block_info(a2.core.sequence_blocks(seq))["level"].tolist() == [0, 1, 0, 0]
     a2.step()
-    assert a2.stats().counters["prefix_published"] == 2
+    assert a2.stats().counters["prefix_published"] == 3
     got = b2.add_sequence(ids)
     assert b2.num_tokens(got) == BS
     for layer in range(LAYERS):
@@ -1430,7 +1430,7 @@ def test_whole_blocks_into_a_block_another_sequence_is_writing_keep_its_tokens()
 def test_bad_whole_blocks_are_refused_saying_what_was_expected_and_store_nothing(
     encode: bool,
 ) -> None:
-    bm = manager(ladder=("fp16", "int8", "int4"))
+    bm = manager(ladder=("fp16", "int8", "int4"), keep_leaves=1)  # block 1 is no chain end
     seq = bm.add_sequence(np.arange(3 * BS))
     x = kv(3 * BS, seed=42)
     good = as_blocks(x, 0, 0, 2)
@@ -1464,8 +1464,8 @@ def test_encoded_whole_blocks_land_below_level_0_as_their_codec_encodes_them(
     request: Any, device: str
 ) -> None:
     """A save's blocks (``append_blocks`` with ``encode``) go where a cached block settles:
-    the chain's ends (its sink and its last block) at level 0, the next two at int8 (its two
-    slots), the one after at int4; each layer is encoded where the K/V lies (on CUDA, by the
+    the chain's ends (its sink and its last two blocks) at level 0, the next two at int8 (its
+    two slots), the one after at int4; each layer is encoded where the K/V lies (on CUDA, by the
     kernels; only encoded bytes cross) and gathers as the codec decodes it, with the key-norm
     signal of a plain append. Freed, the prompt is cached whole; a prompt that shares it
     appends its next blocks encoded too."""
@@ -1474,17 +1474,17 @@ def test_encoded_whole_blocks_land_below_level_0_as_their_codec_encodes_them(
     shape = BlockShape(LAYERS, HEADS, BS, DIM, "bf16")
     int8 = 2.5 * get_codec("int8").bytes_per_block(shape) / (64 * shape.fp16_bytes)
     shares = (0.4, int8, 0.6 - int8)  # int8: 2 slots
-    x = kv(5 * BS, seed=43, device=device, dtype=torch.bfloat16)
-    tokens = np.arange(5 * BS)
+    x = kv(6 * BS, seed=43, device=device, dtype=torch.bfloat16)
+    tokens = np.arange(6 * BS)
     bm = manager(dtype=torch.bfloat16, ladder=("bf16", "int8", "int4"), pool_shares=shares)
     plain = manager(dtype=torch.bfloat16, ladder=("bf16", "int8", "int4"), pool_shares=shares)
     seq, ref = bm.add_sequence(tokens), plain.add_sequence(tokens)
     for layer in range(LAYERS):
-        bm.append_blocks(seq, layer, as_blocks(x, layer, 0, 5), encode=True)
-        plain.append_blocks(ref, layer, as_blocks(x, layer, 0, 5).cpu())
+        bm.append_blocks(seq, layer, as_blocks(x, layer, 0, 6), encode=True)
+        plain.append_blocks(ref, layer, as_blocks(x, layer, 0, 6).cpu())
     blocks = bm.core.sequence_blocks(seq)
     levels = bm.core.block_info(blocks)["level"].tolist()
-    assert levels == [0, 1, 1, 2, 0]
+    assert levels == [0, 1, 1, 2, 0, 0]
     for layer in range(LAYERS):
         got = bm.gather_blocks(seq, layer)
         for i, level in enumerate(levels):
@@ -1498,11 +1498,15 @@ def test_encoded_whole_blocks_land_below_level_0_as_their_codec_encodes_them(
         rtol=1e-4,
     )
     bm.free(seq)
-    assert bm.lookup(tokens) == 5 * BS
-    longer = bm.add_sequence(np.arange(7 * BS))
-    y = kv(7 * BS, seed=44, device=device, dtype=torch.bfloat16)
+    assert bm.lookup(tokens) == 6 * BS
+    longer = bm.add_sequence(np.arange(9 * BS))
+    y = kv(9 * BS, seed=44, device=device, dtype=torch.bfloat16)
     for layer in range(LAYERS):
-        bm.append_blocks(longer, layer, as_blocks(y, layer, 5, 2), encode=True)
-    assert bm.num_tokens(longer, LAYERS - 1) == 7 * BS
-    new = bm.core.sequence_blocks(longer)[5:]
-    assert bm.core.block_info(new)["level"].tolist() == [2, 0]  # int8 is full; the new end at bf16
+        bm.append_blocks(longer, layer, as_blocks(y, layer, 6, 3), encode=True)
+    assert bm.num_tokens(longer, LAYERS - 1) == 9 * BS
+    new = bm.core.sequence_blocks(longer)[6:]
+    assert bm.core.block_info(new)["level"].tolist() == [
+        2,
+        0,
+        0,
+    ]  # int8 is full; the new ends at bf16

@@ -109,7 +109,7 @@ def test_any_mix_of_write_paths_reads_back_its_levels_and_leaves_other_sequences
 
 
 def test_the_reported_mix_reads_back_and_leaves_the_other_sequence_alone() -> None:
-    """The case that corrupted another sequence: layer 0 encoded (blocks 1-3 placed at int8,
+    """The case that corrupted another sequence: layer 0 encoded (blocks 1-2 placed at int8,
     the chain's ends at fp16), layers 1 and 2 plain; the plain path wrote level-0 slots at the
     int8 pool's slot numbers."""
     config = KvtierConfig(
@@ -123,17 +123,17 @@ def test_the_reported_mix_reads_back_and_leaves_the_other_sequence_alone() -> No
     seq = bm.add_sequence(list(range(BLOCKS * BS)))
     x = torch.randn(LAYERS, BLOCKS, 2, HEADS, BS, DIM).half()
     bm.append_blocks(seq, 0, x[0], encode=True)
-    assert bm.core.block_info(bm.core.sequence_blocks(seq))["level"].tolist() == [0, 1, 1, 1, 0]
+    assert bm.core.block_info(bm.core.sequence_blocks(seq))["level"].tolist() == [0, 1, 1, 0, 0]
     bm.append_blocks(seq, 1, x[1])
     k, v = x[2].permute(1, 0, 3, 2, 4).reshape(2, BLOCKS * BS, HEADS, DIM)
     bm.append(seq, 2, k, v)
     for layer in range(LAYERS):
         assert torch.equal(bm.gather_blocks(other, layer), y)
         got = bm.gather_blocks(seq, layer)
-        assert torch.equal(got[0], x[layer, 0]) and torch.equal(got[-1], x[layer, -1])
+        assert torch.equal(got[0], x[layer, 0]) and torch.equal(got[3:], x[layer, 3:])
         int8 = bm.codecs[1]
-        want = int8.decode(int8.encode(x[layer, 1:-1, None]))[:, 0]
-        assert torch.equal(got[1:-1], want)
+        want = int8.decode(int8.encode(x[layer, 1:3, None]))[:, 0]
+        assert torch.equal(got[1:3], want)
     seq2 = bm.add_sequence(list(range(1000, 1000 + BLOCKS * BS)))
     bm.append_blocks(seq2, 0, x[0], encode=True)
     bm.append(seq2, 1, k[:7], v[:7])  # the sink's part, then part of an int8 block:

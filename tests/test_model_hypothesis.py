@@ -94,7 +94,7 @@ def configs(draw: st.DrawFn, kind: str = "any") -> dict[str, Any]:
         # Trace replay: 512-token blocks, a 128-token window: the window is under one block.
         "recent_window": one(st.sampled_from([0, 2] if split or cache else [0, 2, 4, 8])),
         "sink_blocks": one(st.sampled_from([0, 0, 1] if cache else [0, 0, 1, 2])),
-        "keep_leaves": one(st.booleans()),
+        "keep_leaves": one(st.sampled_from([0, 1, 1, 2])),
         "weights": one(st.sampled_from([(0.4, 0.4, 0.2), (1.0, 0.0, 0.0), (0.0, 0.3, 0.7)])),
         "headroom": one(st.sampled_from([0.0, 0.1, 0.3])),
         "hysteresis": one(st.sampled_from([0.0, 0.0, 0.1, 0.25])),

@@ -85,7 +85,7 @@ def test_staging_levels_hold_one_steps_saves_and_the_bottom_level_the_rest(
     shape = BlockShape(2, 2, 32, 64, "bf16")
     bf16_block = 2 * 2 * 2 * 32 * 64 * 2
     budget = host_budget if isinstance(host_budget, str) else host_budget * bf16_block
-    extra = {"host_budget": str(budget), "sink_blocks": 0, "keep_leaves": False}
+    extra = {"host_budget": str(budget), "sink_blocks": 0, "keep_leaves": 0}
     cfg = connector_config(extra, block_size=32, environ={})
     shares = vllm_integration.staging_shares(cfg, shape, stage_blocks)
     assert len(shares) == 3 and abs(sum(shares) - 1.0) < 1e-9
@@ -95,23 +95,39 @@ def test_staging_levels_hold_one_steps_saves_and_the_bottom_level_the_rest(
     assert bm.slots["device", 2] == (cfg.device_budget - staged) // bm.level_bytes[2]
 
 
-@pytest.mark.parametrize("ladder", ["bf16,int8,int4", "bf16,int4,int2-rot-g64", "bf16,int4"])
-def test_the_chains_ends_have_rooms_of_their_own_and_settle_there(ladder: str) -> None:
-    """Beside the staging slots, level 0 keeps SINK_SHARE of the budget for the cached chains'
-    sinks and level 1, where it is not the bottom, LEAF_SHARE for their last blocks; the
-    connector's cached blocks settle (``settle_cached``) unless told otherwise."""
+@pytest.mark.parametrize(
+    ("extra", "ends"),
+    [
+        ({"ladder": "bf16,int8,int4"}, 2),  # int4 is the bottom: no room above it
+        ({"ladder": "bf16,int4,int2-rot-g64"}, 1),
+        ({"ladder": "bf16,int4,int2-rot-g64", "keep_leaves": 2}, 1),
+        ({"ladder": "bf16,int2-rot,int2-rot-g64"}, 0),  # nothing between of 4 bits or more
+        ({"ladder": "bf16,int8,int4", "ends_level": 0}, 0),
+        ({"ladder": "bf16,int4"}, 1),
+    ],
+)
+def test_the_chains_ends_have_a_room_where_they_settle(extra: dict[str, object], ends: int) -> None:
+    """The cached chains' ends (sinks, last blocks) settle at the deepest level of at least 4
+    bits a value (a quarter of bf16's bytes), or at ``ends_level``, where the core puts them;
+    above the bottom, that level keeps a room for them beside the staging slots: SINK_SHARE of
+    the budget, and LEAF_SHARE for each of the ``keep_leaves`` last blocks. The connector's
+    cached blocks settle (``settle_cached``) unless told otherwise."""
+    from kvtier import BlockManager
     from kvtier.codecs.base import BlockShape
 
     shape = BlockShape(2, 2, 32, 64, "bf16")
-    cfg = connector_config({"host_budget": "1GiB", "ladder": ladder}, block_size=32, environ={})
-    assert cfg.settle_cached and cfg.keep_leaves and cfg.sink_blocks == 1
-    bare = cfg.replace(sink_blocks=0, keep_leaves=False)
+    cfg = connector_config({"host_budget": "1GiB", **extra}, block_size=32, environ={})
+    assert cfg.settle_cached and cfg.sink_blocks == 1
+    bare = cfg.replace(sink_blocks=0, keep_leaves=0)
     shares = vllm_integration.staging_shares(cfg, shape, 8)
     staging = vllm_integration.staging_shares(bare, shape, 8)
     rooms = [a - b for a, b in zip(shares[:-1], staging[:-1], strict=True)]
-    leaf = [vllm_integration.LEAF_SHARE] if len(rooms) > 1 else []
-    assert rooms == pytest.approx([vllm_integration.SINK_SHARE, *leaf])
+    room = vllm_integration.SINK_SHARE + vllm_integration.LEAF_SHARE * cfg.keep_leaves
+    want = [room if level == ends else 0.0 for level in range(len(rooms))]
+    assert rooms == pytest.approx(want)
     assert shares[-1] == pytest.approx(1.0 - sum(shares[:-1]))
+    bm = BlockManager(cfg.replace(pool_shares=shares), 2, 2, 64, dtype="bf16", device="cpu")
+    assert bm.core.ends_level == vllm_integration.ends_level_of(cfg, bm.level_bytes) == ends
     assert not connector_config({"settle_cached": False}, block_size=32, environ={}).settle_cached
     off = connector_config({}, block_size=32, environ={"KVTIER_SETTLE_CACHED": "0"})
     assert not off.settle_cached

@@ -35,14 +35,13 @@ def test_a_prefix_loaded_at_int8_or_the_default_ladder_scores_close_to_vllms_pre
     int8, default = rows["int8"], rows["default"]
     assert int8["loaded_tokens_by_level"]["int8"] >= prefix_tokens // 2
     assert default["loaded_tokens_by_level"]["int4"] >= prefix_tokens // 2
-    # each chain keeps its ends: every window's first block at bf16 (the sink rule), its last
-    # at int8 (keep_leaves: level 1), the blocks between settled at int4 (the last step's two
-    # blocks may still be staged at bf16 when the load comes: here they never were)
-    windows, block = QUICK.windows, 32
-    levels = default["loaded_tokens_by_level"]
-    assert levels["bf16"] >= windows * block and levels["int8"] >= (windows - 1) * block
-    assert levels["int4"] >= prefix_tokens - 2 * windows * block - 2 * block
-    assert default["loaded_bytes_vs_bf16"] < 0.45 < int8["loaded_bytes_vs_bf16"] < 0.6
+    # the chains' ends settle at the deepest level of 4 bits or more, here the bottom of both
+    # ladders, with the blocks between (the last step's two blocks may still be staged above
+    # it when the load comes: here they never were)
+    block = 32
+    assert int8["loaded_tokens_by_level"]["int8"] >= prefix_tokens - 2 * block
+    assert default["loaded_tokens_by_level"]["int4"] >= prefix_tokens - 2 * block
+    assert default["loaded_bytes_vs_bf16"] < 0.35 < int8["loaded_bytes_vs_bf16"] < 0.6
     for r in (int8, default):
         assert 0.0 < r["mean_abs_logprob_change"] < 0.15
     # (here -0.02 % and +0.07 %; the full run: +0.14 % and +0.02 %. With vLLM's CPU cache

@@ -429,8 +429,8 @@ def test_a_run_of_whole_blocks_ends_complete_whatever_wrote_its_middle_layer() -
 @pytest.mark.parametrize("case", ["cpu-amx", "flash-nhd"])
 def test_encoded_saves_land_where_cached_blocks_settle_and_load_back_decoded(case: str) -> None:
     """The worker's saves as it runs them on a GPU (``encode``), here on CPU caches: the core
-    places each block before it is written (the chain's ends, its sink and its last block, at
-    bf16, the others at int8 while it has slots, then int4), each layer is encoded where the
+    places each block before it is written (the chain's ends, its sink and its last two blocks,
+    at bf16, the others at int8 while it has slots, then int4), each layer is encoded where the
     cache is, and a load gives back what each level's codec decodes of the block vLLM wrote."""
     shape = BlockShape(LAYERS, H, N, D, "bf16")
     budget = 1 << 20
@@ -442,19 +442,19 @@ def test_encoded_saves_land_where_cached_blocks_settle_and_load_back_decoded(cas
         pool_shares=(0.3, int8, 0.7 - int8),
     )
     bm = BlockManager(cfg, LAYERS, H, D, dtype="bf16", device="cpu")
-    tokens = list(range(500, 500 + 5 * N))
-    layout, caches, kvs = caches_for(case, 5, [3, 0, 6, 2, 5], seed=50)
+    tokens = list(range(500, 500 + 6 * N))
+    layout, caches, kvs = caches_for(case, 6, [3, 0, 6, 2, 5, 1], seed=50)
     seq = bm.add_sequence(tokens)
-    assert WorkerTiers(bm, layout, caches, encode=True).save(seq, [3, 0, 6, 2, 5]) == 5
+    assert WorkerTiers(bm, layout, caches, encode=True).save(seq, [3, 0, 6, 2, 5, 1]) == 6
     levels = bm.core.block_info(bm.core.sequence_blocks(seq))["level"].tolist()
-    assert levels == [0, 1, 1, 2, 0]
+    assert levels == [0, 1, 1, 2, 0, 0]
     bm.free(seq)
     pin = bm.add_sequence(tokens)
-    assert bm.num_tokens(pin) == 5 * N
+    assert bm.num_tokens(pin) == 6 * N
     _, fresh, _ = caches_for(case, 1, [7], seed=51)
-    assert WorkerTiers(bm, layout, fresh).load(pin, 0, 5 * N, [1, 4, 5, 0, 6]) == 5
+    assert WorkerTiers(bm, layout, fresh).load(pin, 0, 6 * N, [1, 4, 5, 0, 6, 7]) == 6
     for layer in range(LAYERS):
-        got = layout.read(fresh[layer], torch.tensor([1, 4, 5, 0, 6]))
+        got = layout.read(fresh[layer], torch.tensor([1, 4, 5, 0, 6, 7]))
         for i, level in enumerate(levels):
             block = kvs[layer][:, i * N : (i + 1) * N]  # [2, N, H, D]
             codec = get_codec(bm.ladder[level])

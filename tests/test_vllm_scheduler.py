@@ -718,7 +718,7 @@ def test_a_learned_scorer_decides_which_saved_blocks_keep_full_precision(
         policy="importance",
         weights="0,1,0",
         sink_blocks=0,
-        keep_leaves=False,
+        keep_leaves=0,
         scorer="test_vllm_scheduler:first_channel_scorer",
     )
     prompts = [prompt(20 + i, 4) for i in range(4)]
@@ -766,6 +766,7 @@ def test_a_saved_prefix_keeps_its_sink_block_at_bf16_longest(
         pool_shares="0.3,0.7",
         policy="lru",
         sink_blocks=sink_blocks,
+        ends_level=0,  # the ends settle at bf16 (by default: at int8, the bottom here)
     )
     prompts = [prompt(40 + i, 4) for i in range(3)]
     for i, p in enumerate(prompts):
@@ -783,18 +784,21 @@ def test_a_saved_prefix_keeps_its_sink_block_at_bf16_longest(
         assert not all(sinks_kept), levels
 
 
-def test_the_saves_staging_leaves_the_sinks_room_alone(
+def test_the_saves_staging_leaves_the_chains_ends_alone(
     engine_factory: Callable[..., Engine],
 ) -> None:
-    """Under the connector's own shares, level 0 holds two steps' saves and a room for the
-    sinks. Ten saved prompts, a step at a time: each keeps its first block at bf16 (the room
-    holds ten) and the rest settle at int8, each step's after it; the
-    room the next step's saves ask for is the staging's, not the sinks' (it took four sinks of
-    twelve prompts in ``kvtier eval vllm`` when it was half of all level 0)."""
+    """Under the connector's own shares with the chains' ends kept at level 0 (``ends_level``
+    0), level 0 holds two steps' saves and a room for the ends. Ten saved prompts, a step at a
+    time: each keeps its first and last blocks at bf16 (the room holds 35) and the rest settle
+    at int8, each step's after it; the room the next step's saves ask for is the staging's, not
+    the ends' (it took four sinks of twelve prompts in ``kvtier eval vllm`` when it was half of
+    all level 0)."""
     engine = engine_factory(
         num_blocks=128,
-        host_budget="3MiB",  # the sinks' room: 10 bf16 blocks (2 %)
+        host_budget="3MiB",  # the ends' room: 7 % of it, 35 bf16 blocks
         ladder="bf16,int8",
+        ends_level=0,
+        keep_leaves=1,
     )
     prompts = [prompt(60 + i, 4) for i in range(10)]
     for i, p in enumerate(prompts):
@@ -802,9 +806,9 @@ def test_the_saves_staging_leaves_the_sinks_room_alone(
     engine.run()
     engine.tiers.manager.step()  # the step after the last save
     core = engine.tiers.manager.core
-    assert core.usage()[0][3] == 2 * 4 + 10  # level 0: two steps of 4 blocks, and the room
+    assert core.usage()[0][3] == 2 * 4 + 35  # level 0: two steps of 4 blocks, and the room
     levels = [core.block_info(core.lookup_tokens(p))["level"].tolist() for p in prompts]
-    assert levels == [[0, 1, 1, 1]] * 10
+    assert levels == [[0, 1, 1, 0]] * 10
 
 
 def test_a_scorer_that_is_not_importable_is_refused(vllm_model_dir: Any) -> None:

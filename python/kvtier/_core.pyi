@@ -76,7 +76,8 @@ class Core:
         drop_ratio: float = 0.0,
         recent_window: int = 128,
         sink_blocks: int = 1,
-        keep_leaves: bool = True,
+        keep_leaves: int = 2,
+        ends_level: int | None = None,
         settle_cached: bool = False,
         weights: tuple[float, float, float] = ...,
         headroom: float = 0.1,
@@ -97,6 +98,10 @@ class Core:
     @property
     def prefix_aware(self) -> bool:
         """Whether cached blocks form prefix trees and eviction takes leaves only."""
+    @property
+    def ends_level(self) -> int:
+        """The level a cached chain's ends settle at (``settle_cached``): ``ends_level`` as given,
+        or the deepest kept level whose blocks take at least a quarter of level 0's bytes."""
     @property
     def policy(self) -> str: ...
     @property
@@ -168,11 +173,12 @@ class Core:
         returns their hashes (uint64), or None, with nothing evicted, if fewer than `n` could go."""
     def place_saved(self, blocks: _Ids) -> npt.NDArray[np.uint8]:
         """Places new blocks of a save (pinned, unwritten, held by one sequence) where a cached
-        block settles: with ``settle_cached``, a sink at level 0, the chain's last block at
-        level 1, any other at the bottom level, where that level has a free device slot, else
-        the most precise level below 0 with one; without, the chain's ends at level 0 and the
-        others at the most precise level below 0 with a free slot. A block no slot is left for
-        stays at level 0. Returns each one's level."""
+        block settles: with ``settle_cached``, the chain's ends (its sinks and its last
+        ``keep_leaves`` blocks) at the ends' level (``ends_level``), any other at the bottom
+        level, where that level has a free device slot, else the most precise level below 0
+        with one; without, the chain's ends at level 0 and the others at the most precise level
+        below 0 with a free slot. A block no slot is left for stays at level 0. Returns each
+        one's level."""
     def plan(self, room_bytes: int = 0, *, keep: _Ids | None = None) -> Plan:
         """Plans moves and holds them pending until `commit(plan.id)` or `abort(plan.id)`.
         `room_bytes`: also free that much of the device budget for blocks about to be allocated

@@ -253,18 +253,26 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     _var(
         "keep_leaves",
-        "bool",
-        "boolean",
-        "a cached prefix's last block (where the next turn continues: its recent window) is "
-        "demoted after every other cached block but the sinks",
+        "int",
+        "blocks",
+        "a cached prefix's last blocks (where the next turn continues: its recent window) are "
+        "demoted after every other cached block but the sinks; 0: off",
+    ),
+    _var(
+        "ends_level",
+        "int",
+        "level",
+        "where a cached prefix's ends (its sinks and last `keep_leaves` blocks) settle with "
+        "`settle_cached`; unset: the deepest level of at least a quarter of level 0's bytes "
+        "(4 bits a value under 16-bit blocks)",
     ),
     _var(
         "settle_cached",
         "bool",
         "boolean",
         "cached blocks settle where a full cache keeps them as soon as that level has room "
-        "(sinks at level 0, a prefix's last block at level 1, the rest at the bottom), not "
-        "only under pressure; pools sized by `pool_shares` only (the vLLM connector's default)",
+        "(a prefix's ends at `ends_level`, the rest at the bottom), not only under pressure; "
+        "pools sized by `pool_shares` only (the vLLM connector's default)",
     ),
     _var(
         "weights", "weights", "3 numbers >= 0", "importance weights `magnitude,learned,attention`"
@@ -448,7 +456,11 @@ class KvtierConfig:
     block_size: int = 16
     recent_window: int = 128
     sink_blocks: int = 1
-    keep_leaves: bool = True
+    #: a cached prefix's last blocks kept after the others (0: off)
+    keep_leaves: int = 2
+    #: where a cached prefix's ends settle (``settle_cached``); ``None``: the deepest level of
+    #: at least a quarter of level 0's bytes
+    ends_level: int | None = None
     settle_cached: bool = False
     #: importance weights (magnitude, learned, attention).
     weights: tuple[float, float, float] = (0.4, 0.4, 0.2)
@@ -562,6 +574,7 @@ class KvtierConfig:
             "recent_window": self.recent_window,
             "sink_blocks": self.sink_blocks,
             "keep_leaves": self.keep_leaves,
+            "ends_level": self.ends_level,
             "settle_cached": self.settle_cached,
             "weights": self.weights,
             "headroom": self.headroom,
@@ -609,7 +622,6 @@ class KvtierConfig:
         set_("write_through", _bool(self, "write_through"))
         set_("evict_on_full", _bool(self, "evict_on_full"))
         set_("prefix_aware", _bool(self, "prefix_aware"))
-        set_("keep_leaves", _bool(self, "keep_leaves"))
         set_("settle_cached", _bool(self, "settle_cached"))
         set_("share_prefixes", _bool(self, "share_prefixes"))
 
@@ -626,6 +638,9 @@ class KvtierConfig:
         set_("block_size", _integer(self, "block_size", 1))
         set_("recent_window", _integer(self, "recent_window", 0))
         set_("sink_blocks", _integer(self, "sink_blocks", 0))
+        set_("keep_leaves", _integer(self, "keep_leaves", 0))
+        if self.ends_level is not None:
+            set_("ends_level", _integer(self, "ends_level", 0))
         set_("scissorhands_window", _integer(self, "scissorhands_window", 1))
         for name in _BYTE_FIELDS:
             if getattr(self, name) is not None:

@@ -207,8 +207,8 @@ impl PyCore {
     #[pyo3(signature = (
         level_bytes, *, tiers = vec![("device".to_string(), None)], block_size = 16,
         policy = "importance", enable_compression = true, pressure_only = false, compression_ratio = 0.5,
-        drop_ratio = 0.0, recent_window = 128, sink_blocks = 1, keep_leaves = true,
-        settle_cached = false, weights = (0.4, 0.4, 0.2), headroom = 0.1,
+        drop_ratio = 0.0, recent_window = 128, sink_blocks = 1, keep_leaves = 2,
+        ends_level = None, settle_cached = false, weights = (0.4, 0.4, 0.2), headroom = 0.1,
         hysteresis = 0.1, max_move_bytes = None, decay = 0.9, attention_ema = 0.5,
         scissorhands_window = 8, write_through = false, evict_on_full = true,
         namespace = "default", pool_slots = vec![], pool_headroom = false, prefix_aware = true
@@ -225,7 +225,8 @@ impl PyCore {
         drop_ratio: f32,
         recent_window: i64,
         sink_blocks: i64,
-        keep_leaves: bool,
+        keep_leaves: i64,
+        ends_level: Option<Int>,
         settle_cached: bool,
         weights: (f32, f32, f32),
         headroom: f32,
@@ -266,7 +267,10 @@ impl PyCore {
             drop_ratio,
             recent_window: config_int("recent_window", recent_window.into())?,
             sink_blocks: config_int("sink_blocks", sink_blocks.into())?,
-            keep_leaves,
+            keep_leaves: config_int("keep_leaves", keep_leaves.into())?,
+            ends_level: ends_level
+                .map(|l| config_int("ends_level", l))
+                .transpose()?,
             settle_cached,
             weights: [weights.0, weights.1, weights.2],
             headroom,
@@ -298,6 +302,13 @@ impl PyCore {
     #[getter]
     fn prefix_aware(&self) -> bool {
         self.config().prefix_aware
+    }
+
+    /// The level a cached chain's ends settle at (``settle_cached``): ``ends_level`` as given,
+    /// or the deepest kept level whose blocks take at least a quarter of level 0's bytes.
+    #[getter]
+    fn ends_level(&self) -> u8 {
+        self.config().resolved_ends_level()
     }
 
     #[getter]
@@ -571,11 +582,12 @@ impl PyCore {
     }
 
     /// Places new blocks of a save (pinned, unwritten, held by one sequence) where a cached
-    /// block settles: with ``settle_cached``, a sink at level 0, the chain's last block at
-    /// level 1, any other at the bottom level, where that level has a free device slot, else
-    /// the most precise level below 0 with one; without, the chain's ends at level 0 and the
-    /// others at the most precise level below 0 with a free slot. A block no slot is left for
-    /// stays at level 0. Returns each one's level.
+    /// block settles: with ``settle_cached``, the chain's ends (its sinks and its last
+    /// ``keep_leaves`` blocks) at the ends' level (``ends_level``), any other at the bottom
+    /// level, where that level has a free device slot, else the most precise level below 0
+    /// with one; without, the chain's ends at level 0 and the others at the most precise level
+    /// below 0 with a free slot. A block no slot is left for stays at level 0. Returns each
+    /// one's level.
     fn place_saved<'py>(
         &self,
         py: Python<'py>,

@@ -126,12 +126,18 @@ pub struct Config {
     pub recent_window: u32,
     /// Leading blocks of each sequence kept at level 0 (attention sinks).
     pub sink_blocks: u32,
-    /// A cached chain's last block (a leaf of its prefix tree, where the next turn continues)
-    /// is demoted and offloaded after every other cached block of its pool but the sinks.
-    pub keep_leaves: bool,
+    /// A cached chain's last `keep_leaves` blocks (its leaf of the prefix tree and the blocks
+    /// just before it: where the next turn continues, that turn's recent window) are demoted
+    /// and offloaded after every other cached block of their pool but the sinks. 0: off.
+    pub keep_leaves: u32,
+    /// The level a cached chain's ends (its sinks and its last `keep_leaves` blocks) settle at
+    /// (`settle_cached`). `None`: the deepest kept level whose blocks take at least a quarter
+    /// of level 0's bytes (with a 16-bit level 0, at least 4 bits a value: int4 holds a chain's
+    /// ends about as well as full precision, int2 does not).
+    pub ends_level: Option<u8>,
     /// Cached blocks settle where a full cache would keep them, as soon as that level has a
-    /// free slot, not only under pressure: a sink at level 0, a chain's leaf at level 1, any
-    /// other block at the last kept level (see `End::home`). For a prefix cache whose pools
+    /// free slot, not only under pressure: a chain's ends at `ends_level`, any other block at
+    /// the last kept level (see `End::home`). For a prefix cache whose pools
     /// above the bottom level stage what is saved (vLLM's connector): what a hit loads then
     /// does not depend on how full the cache happens to be. Explicitly sized pools only
     /// (`pool_slots` with `pool_headroom`).
@@ -188,7 +194,8 @@ impl Default for Config {
             drop_ratio: 0.0,
             recent_window: 128,
             sink_blocks: 1,
-            keep_leaves: true,
+            keep_leaves: 2,
+            ends_level: None,
             settle_cached: false,
             weights: [0.4, 0.4, 0.2],
             headroom: 0.1,
@@ -317,6 +324,23 @@ impl Config {
     pub fn last_kept_level(&self) -> u8 {
         let kept = self.level_bytes.iter().take_while(|&&b| b > 0).count();
         (kept - 1) as u8
+    }
+
+    /// The level a cached chain's ends settle at: `ends_level` (at most the last kept level),
+    /// or by default the deepest kept level whose blocks take at least a quarter of level 0's
+    /// bytes.
+    pub fn resolved_ends_level(&self) -> u8 {
+        let last = self.last_kept_level();
+        self.ends_level.map_or_else(
+            || {
+                let full = self.level_bytes[0];
+                (0..=last)
+                    .rev()
+                    .find(|&l| 4 * self.level_bytes[usize::from(l)] >= full)
+                    .unwrap_or(0)
+            },
+            |l| l.min(last),
+        )
     }
 
     /// The first drop level, if the ladder has one.

@@ -1160,18 +1160,18 @@ impl Core {
 
     /// With `settle_cached`, before pass 4 makes a pool's headroom: the cached blocks of pool
     /// (tier `t`, `level`) that settle deeper (see [`End::home`]: every block but the chains'
-    /// ends, and at level 0 the chains' leaves too) go down, lowest-ranked first, each to the
+    /// ends, and above the ends' level those too) go down, lowest-ranked first, each to the
     /// deepest level between that has a free slot beyond its headroom (a level filled to the
     /// brim would evict to make its headroom again), as far as slots and the move cap go.
     fn settle_pool(&mut self, pass: &mut Pass, t: usize, level: u8) {
         let tier = self.cfg.tiers[t].tier;
         let p = self.pool_index(tier, level);
-        let last_kept = self.cfg.last_kept_level();
+        let (last_kept, ends) = (self.cfg.last_kept_level(), self.cfg.resolved_ends_level());
         if !self.cfg.enable_compression {
             return;
         }
-        for end in [End::None, End::Leaf] {
-            let home = end.home(last_kept);
+        for end in End::ALL {
+            let home = end.home(ends, last_kept);
             while let Some((_, b)) = self.peek_cached(p, Cached::Ranked(end)) {
                 let spare = |l: u8| {
                     let p = self.pool_index(tier, l);

@@ -946,12 +946,12 @@ fn a_cached_prefix_keeps_its_sink_at_level_0_longest() {
     }
 }
 
-/// A cached chain keeps its other end too (`keep_leaves`): its last block, where the next turn
-/// continues, is demoted after every other cached block but the sink, whatever its key (here
-/// the least recently used); without the rule it goes first.
+/// A cached chain keeps its other end too (`keep_leaves`): its last blocks, where the next turn
+/// continues, are demoted after every other cached block but the sink, whatever their key (here
+/// the last block is the least recently used); without the rule they go as their key says.
 #[test]
-fn a_cached_prefix_keeps_its_leaf_after_the_others_and_before_its_sink() {
-    for keep_leaves in [true, false] {
+fn a_cached_prefix_keeps_its_last_blocks_after_the_others_and_before_its_sink() {
+    for keep_leaves in [1, 2, 0] {
         let mut c = core(Config {
             recent_window: 0,
             keep_leaves,
@@ -982,23 +982,87 @@ fn a_cached_prefix_keeps_its_leaf_after_the_others_and_before_its_sink() {
                     .map(|m| blocks.iter().position(|&b| b == m.block).unwrap()),
             );
         }
-        if keep_leaves {
-            assert_eq!(demoted, [1, 2, 3, 4, 0]);
-        } else {
-            assert_eq!(demoted, [4, 1, 2, 3, 0]);
-        }
+        let want: [usize; 5] = match keep_leaves {
+            1 => [1, 2, 3, 4, 0],
+            2 => [1, 2, 4, 3, 0],
+            _ => [4, 1, 2, 3, 0],
+        };
+        assert_eq!(demoted, want, "keep_leaves {keep_leaves}");
     }
 }
 
+/// The last blocks follow the chain: a block appended after a cached chain's leaf makes the
+/// block `keep_leaves` before it an ordinary one again, demoted with the others first, and
+/// evicting the leaf makes the block before its parent an end again.
+#[test]
+fn a_chains_last_blocks_move_with_its_leaf() {
+    let mut c = core(Config {
+        recent_window: 0,
+        keep_leaves: 2,
+        compression_ratio: 0.0,
+        headroom: 0.0,
+        pool_slots: vec![
+            (Tier::Device, 0, 6),
+            (Tier::Device, 1, 0),
+            (Tier::Device, 2, 8),
+        ],
+        pool_headroom: true,
+        policy: kvtier::PolicyKind::Lru,
+        ..cfg()
+    });
+    let (s, blocks) = seq_with(&mut c, 1, 4);
+    c.free_sequence(s).unwrap();
+    let s = c.add_sequence();
+    let grown = c.append_blocks(s, &[1, 2, 3, 4, 5]).unwrap().blocks;
+    assert_eq!(&grown[..4], &blocks[..]);
+    c.free_sequence(s).unwrap();
+    // Read in order 2, 1, 3, 4, 0: block 2 was an end (the leaf's parent) and is not now.
+    for b in [2, 1, 3, 4, 0] {
+        c.record_reads(&[grown[b]]).unwrap();
+    }
+    let plan = c.plan_with_room(3 * 64).unwrap().clone();
+    c.commit(plan.id).unwrap();
+    let first: Vec<u32> = plan.moves.iter().map(|m| m.block).collect();
+    assert_eq!(first, [grown[2], grown[1]]);
+    // A chain of five, cached: evicting its leaf (4) leaves 2 and 3 its last blocks.
+    let mut c = core(Config {
+        recent_window: 0,
+        keep_leaves: 2,
+        compression_ratio: 0.0,
+        headroom: 0.0,
+        pool_slots: vec![
+            (Tier::Device, 0, 6),
+            (Tier::Device, 1, 0),
+            (Tier::Device, 2, 8),
+        ],
+        pool_headroom: true,
+        policy: kvtier::PolicyKind::Lru,
+        ..cfg()
+    });
+    let (s, blocks) = seq_with(&mut c, 1, 5);
+    c.free_sequence(s).unwrap();
+    for b in [2, 1, 3, 0] {
+        c.record_reads(&[blocks[b]]).unwrap();
+    }
+    assert_eq!(c.evict_cached(1, &[]).unwrap().unwrap(), [5]);
+    let plan = c.plan_with_room(3 * 64).unwrap().clone();
+    c.commit(plan.id).unwrap();
+    let first: Vec<u32> = plan.moves.iter().map(|m| m.block).collect();
+    assert_eq!(first, [blocks[1]]);
+}
+
 /// With `settle_cached`, a cached chain settles where a full cache keeps it as soon as there is
-/// room, not under pressure: the sink at level 0, the leaf at level 1, the others at the
-/// bottom, lowest-ranked first, each at the deepest level between with a free slot beyond its
-/// headroom (level 1 once the bottom is that full: settling never fills a pool so far that it
-/// evicts to make its headroom again). A saved block is placed there before it is written.
+/// room, not under pressure: its ends (the sink and its last `keep_leaves` blocks) at
+/// `ends_level`, by default the deepest level of at least a quarter of level 0's bytes (4 bits
+/// a value under 16-bit blocks), the others at the bottom, lowest-ranked first, each at the
+/// deepest level between with a free slot beyond its headroom (level 1 once the bottom is that
+/// full: settling never fills a pool so far that it evicts to make its headroom again). A saved
+/// block is placed there before it is written.
 #[test]
 fn cached_blocks_settle_at_their_home_levels() {
-    let settling = |bottom: u32, keep_leaves: bool| {
+    let settling = |level_bytes: Vec<u64>, bottom: u32, keep_leaves: u32, ends: Option<u8>| {
         core(Config {
+            level_bytes,
             recent_window: 0,
             compression_ratio: 0.0,
             pool_slots: vec![
@@ -1009,6 +1073,7 @@ fn cached_blocks_settle_at_their_home_levels() {
             pool_headroom: true,
             settle_cached: true,
             keep_leaves,
+            ends_level: ends,
             pressure_only: true, // live blocks stay at level 0
             policy: kvtier::PolicyKind::Lru,
             ..cfg()
@@ -1020,23 +1085,37 @@ fn cached_blocks_settle_at_their_home_levels() {
             .map(|&b| c.block_loc(b).unwrap().level)
             .collect()
     };
-    let mut c = settling(8, true);
+    // Level 1 takes a quarter of level 0's bytes, the bottom less: the ends settle at level 1.
+    let mut c = settling(vec![64, 16, 8], 8, 1, None);
     let (s, blocks) = seq_with(&mut c, 1, 5);
     commit(&mut c);
     assert_eq!(levels(&c, &blocks), [0; 5], "live: nothing settles");
     c.free_sequence(s).unwrap();
     commit(&mut c);
-    assert_eq!(levels(&c, &blocks), [0, 2, 2, 2, 1]);
+    assert_eq!(levels(&c, &blocks), [1, 2, 2, 2, 1]);
+    // The bottom takes a quarter (64, 32, 16): there is nothing above it for the ends; with
+    // `ends_level` 0 they stay, the last two blocks with `keep_leaves` 2.
+    for (ends, keep_leaves, want) in [
+        (None, 1, [2, 2, 2, 2, 2]),
+        (Some(0), 1, [0, 2, 2, 2, 0]),
+        (Some(0), 2, [0, 2, 2, 0, 0]),
+    ] {
+        let mut c = settling(vec![64, 32, 16], 8, keep_leaves, ends);
+        let (s, blocks) = seq_with(&mut c, 1, 5);
+        c.free_sequence(s).unwrap();
+        commit(&mut c);
+        assert_eq!(levels(&c, &blocks), want, "{ends:?} {keep_leaves}");
+    }
     // A bottom of three slots, one of them headroom: the two lowest-ranked middles go there,
     // the third to level 1.
-    let mut c = settling(3, true);
+    let mut c = settling(vec![64, 16, 8], 3, 1, None);
     let (s, blocks) = seq_with(&mut c, 1, 5);
     c.free_sequence(s).unwrap();
     commit(&mut c);
-    assert_eq!(levels(&c, &blocks), [0, 2, 2, 1, 1]);
+    assert_eq!(levels(&c, &blocks), [1, 2, 2, 1, 1]);
     // Without the leaf rule, a second chain finds the bottom at its headroom: it settles at
     // level 1, and the first chain's leaf at the bottom is not evicted to make headroom.
-    let mut c = settling(3, false);
+    let mut c = settling(vec![64, 16, 8], 3, 0, Some(0));
     let (s, first) = seq_with(&mut c, 1, 3);
     c.free_sequence(s).unwrap();
     commit(&mut c);
@@ -1046,17 +1125,17 @@ fn cached_blocks_settle_at_their_home_levels() {
     assert_eq!(levels(&c, &first), [0, 2, 2]);
     assert_eq!(levels(&c, &second), [0, 1, 1]);
     assert_eq!(c.counters().evictions, 0);
-    // Saved blocks go straight there (the sink stays, the leaf has its level 1 slot).
-    let mut c = settling(8, true);
+    // Saved blocks go straight there.
+    let mut c = settling(vec![64, 16, 8], 8, 2, None);
     let (_, blocks) = seq_with(&mut c, 1, 5);
     c.pin(&blocks).unwrap();
-    assert_eq!(c.place_saved(&blocks).unwrap(), [0, 2, 2, 2, 1]);
+    assert_eq!(c.place_saved(&blocks).unwrap(), [1, 2, 2, 1, 1]);
 }
 
-/// A save's new blocks, placed before any byte is written: the sink stays at level 0, the
-/// others go to the most precise lower level with a free slot (level 1 while it has one,
-/// then level 2), and those no slot is left for stay at level 0. Bytes follow the slots. A
-/// block that is not new (shared, unpinned, already placed) is refused, and nothing moves.
+/// A save's new blocks, placed before any byte is written: the chain's ends (its sink and,
+/// here, its one last block) stay at level 0, the others go to the most precise lower level
+/// with a free slot (level 1 while it has one, then level 2). Bytes follow the slots. A block
+/// that is not new (shared, unpinned, already placed) is refused, and nothing moves.
 #[test]
 fn a_saved_block_is_placed_where_a_cached_one_settles_before_it_is_written() {
     let mut c = core(Config {
@@ -1065,6 +1144,7 @@ fn a_saved_block_is_placed_where_a_cached_one_settles_before_it_is_written() {
             (Tier::Device, 1, 2),
             (Tier::Device, 2, 2),
         ],
+        keep_leaves: 1,
         ..cfg()
     });
     let (s, blocks) = seq_with(&mut c, 1, 6);

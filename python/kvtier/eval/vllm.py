@@ -14,11 +14,11 @@ complete blocks. Then the whole window is scored through vLLM's ``prompt_logprob
 - each kvtier configuration (a ladder, and connector keys beside it): vLLM's prefix cache is
   reset after the saves, so the prefix loads from kvtier's host tier at the levels its
   scheduler left the blocks in. The connector's own pool shares stage a step's saves at the
-  levels above the bottom, keep rooms for the chains' ends (each prefix's first block at level
-  0, its last at level 1) and leave the rest to the bottom level, where the other blocks
-  settle; the ``-room`` configurations give level 0 room for every window's first block, with
-  the sink rule (a cached prefix's sink blocks demoted last) on, or off (``sink_blocks`` 0: the
-  same room goes to other blocks).
+  levels above the bottom, keep a room for the chains' ends (each prefix's first block and
+  last two, at the deepest level of 4 bits or more) and leave the rest to the bottom level,
+  where the other blocks settle; the ``-room`` configurations give level 0 room for every
+  window's first block, with the sink rule (a cached prefix's sink blocks demoted last) on,
+  or off (``sink_blocks`` 0: the same room goes to other blocks).
 
 Scored: the continuation's tokens from its second on (the first one's logits come from the
 prefix's last position, which a loaded prefix never computes: vLLM gives no logprob there),
@@ -84,8 +84,9 @@ HOST_BUDGET = "512MiB"
 SINK_ROOM = "0.025,0.002,0.973"
 DEFAULT_LADDER = "bf16,int8,int4"
 TWO_BIT_LADDER = "bf16,int2-rot,int2-rot-g64"
-#: The 2-bit ladder for a prefix cache: its level 1, where each chain's last block settles, at
-#: int4 (the next turn's recent window: int4 holds it about as well as bf16, int2 does not).
+#: The 2-bit ladder for a prefix cache: its level 1, where each chain's ends settle (its sink,
+#: and its last blocks: the next turn's recent window), at int4, which holds them about as well
+#: as bf16 (int2 does not); the rest at 2 bits.
 TWO_BIT_INT4_LADDER = "bf16,int4,int2-rot-g64"
 #: The configurations: name -> the connector's (None: no connector).
 CONFIGS: dict[str, Connector | None] = {
@@ -103,6 +104,7 @@ CONFIGS: dict[str, Connector | None] = {
     "2bit-room": Connector(TWO_BIT_LADDER, {"pool_shares": SINK_ROOM}),
     "2bit-room-nosink": Connector(TWO_BIT_LADDER, {"pool_shares": SINK_ROOM, "sink_blocks": 0}),
     "2bit-int4": Connector(TWO_BIT_INT4_LADDER),
+    "2bit-int4-last1": Connector(TWO_BIT_INT4_LADDER, {"keep_leaves": 1}),
 }
 BLOCK = 32
 #: vLLM's max_num_batched_tokens in every engine (see :func:`_engine`).

@@ -483,10 +483,10 @@ class BlockManager:
         ``encode``: for blocks saved into a prefix cache (the sequence is freed once they are
         written, so no recent window keeps them at level 0), such as a connector's saves. The
         core places the blocks no layer has written yet where a cached block settles
-        (:meth:`~kvtier._core.Core.place_saved`: with ``settle_cached``, a sink at level 0, the
-        chain's last block at level 1 and the others at the bottom level where it has a free
-        slot; else the chain's ends at level 0 and the others at the most precise level below
-        0 with a free slot; a block no slot is left for stays at level 0) and each
+        (:meth:`~kvtier._core.Core.place_saved`: with ``settle_cached``, the chain's ends at
+        the ends' level and the others at the bottom level where it has a free slot; else the
+        chain's ends at level 0 and the others at the most precise level below 0 with a free
+        slot; a block no slot is left for stays at level 0) and each
         layer's blocks are encoded where ``blocks`` lie, by their level's codec (on a GPU, with
         its CUDA kernels), so only encoded bytes cross to the pools. ``blocks`` may be on any
         device. Under a ladder whose lower levels are not all layer-major codecs, the blocks

@@ -178,7 +178,8 @@ class ModelCore:
         drop_ratio: float = 0.0,
         recent_window: int = 128,
         sink_blocks: int = 1,
-        keep_leaves: bool = True,
+        keep_leaves: int = 2,
+        ends_level: int | None = None,  # where ends settle: settle_cached only, left out here
         settle_cached: bool = False,
         weights: tuple[float, float, float] = (0.4, 0.4, 0.2),
         headroom: float = 0.1,
@@ -498,13 +499,21 @@ class ModelCore:
 
     def _end(self, b: int) -> int:
         """Which end of its chain a cached block of a prefix-aware core is, in the order
-        demotion takes them, after every other cached block: 0 none, 1 the chain's last block
-        (a leaf, with ``keep_leaves``), 2 a sink (one of the first ``sink_blocks``)."""
+        demotion takes them, after every other cached block: 0 none, 1 one of the chain's last
+        ``keep_leaves`` blocks (a leaf, or a block that many links above one), 2 a sink (one of
+        the first ``sink_blocks``)."""
         if not self.prefix_aware:
             return 0
         if self.position[b] < self.sink_blocks:
             return 2
-        return int(self.keep_leaves and self.indexed[b] and not self.children[b])
+        return int(
+            self.keep_leaves > 0 and self.indexed[b] and self._near_leaf(b, self.keep_leaves - 1)
+        )
+
+    def _near_leaf(self, b: int, below: int) -> bool:
+        """Whether a leaf of the prefix tree is ``b`` or lies at most ``below`` links under it."""
+        children = self.children[b]
+        return not children or (below > 0 and any(self._near_leaf(c, below - 1) for c in children))
 
     def _lowest(self, levels: Iterable[int], key: Callable[[int], Key]) -> int | None:
         """The cached block of ``levels`` lowest by ``key``, if any."""

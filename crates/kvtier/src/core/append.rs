@@ -270,8 +270,8 @@ impl Core {
     /// connector's save: its sequence lets go of them at once, so no recent window keeps them)
     /// where a cached block of theirs would settle, before any byte of them is written. With
     /// `settle_cached`, each goes to the level it settles at (see
-    /// [`super::ranking::End::home`]: a sink stays at level 0, the chain's last block goes to
-    /// level 1, any other block to the bottom) where that level has a free slot, else to the
+    /// [`super::ranking::End::home`]: the chain's ends to the ends' level, any other block to
+    /// the bottom) where that level has a free slot, else to the
     /// most precise level below 0 that has one; without, the chain's ends (see
     /// [`super::ranking::End`]) stay at level 0 and every other block goes to the most precise
     /// level below 0 with a free slot. A block no slot is left for stays at level 0. Each must
@@ -299,13 +299,13 @@ impl Core {
                 });
             }
         }
-        let last = self.cfg.last_kept_level();
+        let (last, ends) = (self.cfg.last_kept_level(), self.cfg.resolved_ends_level());
         let mut levels = Vec::with_capacity(ids.len());
         for &b in ids {
             let row = self.blocks.rows[b as usize];
-            let end = self.ranking().end(&row, &self.blocks.links[b as usize]);
+            let end = self.ranking().end(&row, &self.blocks.links, b);
             let wanted = match (self.cfg.settle_cached, end) {
-                (true, end) => end.home(last),
+                (true, end) => end.home(ends, last),
                 (false, End::None) => 1,
                 (false, _) => 0,
             };

@@ -150,6 +150,27 @@ impl Link {
     }
 }
 
+/// Whether a leaf of the prefix tree is `b` or lies at most `below` links under it: `b` is one
+/// of the last `below + 1` blocks of a chain through it.
+pub(crate) fn near_leaf(links: &[Link], b: u32, below: u32) -> bool {
+    let link = &links[b as usize];
+    if link.is_leaf() {
+        return true;
+    }
+    let mut c = if below > 0 {
+        link.first_child
+    } else {
+        NO_BLOCK
+    };
+    while c != NO_BLOCK {
+        if near_leaf(links, c, below - 1) {
+            return true;
+        }
+        c = links[c as usize].next;
+    }
+    false
+}
+
 /// Links indexed block `b` (whose row is `rows[b]`; in no parent's list of children) under
 /// `parent` (`NO_BLOCK`: a root), with whatever children it has. The caller settles the
 /// parent's `reclaimable` and evictability.

@@ -196,7 +196,7 @@ pub(super) fn enqueue_if_cached(
     };
     let q = &mut queues[p];
     q.reclaimable += u64::from(row.reclaimable);
-    q.queue(ranking.end(row, &links[i])).push(key, ticket);
+    q.queue(ranking.end(row, links, b)).push(key, ticket);
     if leaves && links[i].is_leaf() {
         push_leaf(
             &mut q.leaves,

@@ -164,9 +164,7 @@ impl Core {
     pub(crate) fn restore_cached(&mut self, pool: usize, key: Key, ticket: Ticket) {
         let row = &self.blocks.rows[ticket.block as usize];
         if entry_valid(&self.blocks.rows, pool, &ticket) {
-            let end = self
-                .ranking()
-                .end(row, &self.blocks.links[ticket.block as usize]);
+            let end = self.ranking().end(row, &self.blocks.links, ticket.block);
             self.caches[pool].queue(end).push(key, ticket);
         }
     }

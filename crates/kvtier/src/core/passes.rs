@@ -177,7 +177,7 @@ pub(super) fn drop_refs(
                 block: b,
                 version: row.version,
             };
-            match ranking.end(row, &links[b as usize]) {
+            match ranking.end(row, links, b) {
                 End::None => pusher.push(k, ticket),
                 // A few a sequence: one pusher each is cheap.
                 end => ends[end as usize - 1].push(k, ticket),

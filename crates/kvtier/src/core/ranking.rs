@@ -6,7 +6,7 @@ use crate::config::{Config, PolicyKind, Tier};
 use crate::stats::{BlockStats, DecayTable};
 use crate::types::Key;
 
-use super::blocks::{BlockRow, Link};
+use super::blocks::{near_leaf, BlockRow, Link};
 
 /// The ends of a cached chain, which demotion and offload take after every other cached block
 /// of their pool, the sinks last: a saved prefix keeps its attention sink and the block the
@@ -18,7 +18,8 @@ use super::blocks::{BlockRow, Link};
 pub(crate) enum End {
     /// Not an end.
     None = 0,
-    /// The chain's last block: a leaf of the prefix tree (`keep_leaves`).
+    /// One of the chain's last `keep_leaves` blocks: a leaf of the prefix tree, or a block
+    /// with one fewer than `keep_leaves` blocks between it and a leaf below it.
     Leaf = 1,
     /// One of the chain's first `sink_blocks`.
     Sink = 2,
@@ -27,15 +28,12 @@ pub(crate) enum End {
 impl End {
     pub(crate) const ALL: [End; 3] = [End::None, End::Leaf, End::Sink];
 
-    /// The level a cached block of this kind settles at (`settle_cached`) in a ladder whose
-    /// last kept level is `last_kept`: a sink at level 0, a leaf at the first level below it
-    /// (int4 there holds the next turn's recent window about as well as full precision, and
-    /// int2 does not), any other block at the bottom.
+    /// The level a cached block of this kind settles at (`settle_cached`): a chain's ends at
+    /// `ends` (`Config::resolved_ends_level`), any other block at the bottom, `last_kept`.
     #[inline(always)]
-    pub(crate) fn home(self, last_kept: u8) -> u8 {
+    pub(crate) fn home(self, ends: u8, last_kept: u8) -> u8 {
         match self {
-            End::Sink => 0,
-            End::Leaf => last_kept.min(1),
+            End::Sink | End::Leaf => ends,
             End::None => last_kept,
         }
     }
@@ -80,17 +78,18 @@ impl Ranking<'_> {
         }
     }
 
-    /// Which end of its chain a cached block is, if any (see [`End`]): one of the first
-    /// `sink_blocks` of its prefix, else (`keep_leaves`) its chain's last block, a leaf of the
-    /// prefix tree. Prefix-aware cores only: a plain core ranks its cached blocks as
-    /// independent ones, in one queue for every move.
+    /// Which end of its chain cached block `b` (whose row is `row`) is, if any (see [`End`]):
+    /// one of the first `sink_blocks` of its prefix, else one of its chain's last
+    /// `keep_leaves` blocks in the prefix tree `links`. Prefix-aware cores only: a plain core
+    /// ranks its cached blocks as independent ones, in one queue for every move.
     #[inline(always)]
-    pub(crate) fn end(&self, row: &BlockRow, link: &Link) -> End {
+    pub(crate) fn end(&self, row: &BlockRow, links: &[Link], b: u32) -> End {
+        let leaves = self.cfg.keep_leaves;
         if !self.cfg.prefix_aware {
             End::None
         } else if row.position < self.cfg.sink_blocks {
             End::Sink
-        } else if self.cfg.keep_leaves && row.indexed && link.is_leaf() {
+        } else if leaves > 0 && row.indexed && near_leaf(links, b, leaves - 1) {
             End::Leaf
         } else {
             End::None

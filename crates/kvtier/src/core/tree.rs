@@ -54,6 +54,22 @@ impl Core {
         } else {
             self.settle_block(parent);
         }
+        self.ends_moved(parent);
+    }
+
+    /// After the children of `parent` changed, with `keep_leaves` above 1: its ancestors
+    /// fewer than `keep_leaves` links above it may have become, or stopped being, one of their
+    /// chain's last blocks (see `ranking::End`); the cached ones are queued again.
+    #[inline(always)]
+    fn ends_moved(&mut self, parent: u32) {
+        let mut a = parent;
+        for _ in 1..self.cfg.keep_leaves {
+            a = self.blocks.links[a as usize].parent;
+            if a == NO_BLOCK {
+                return;
+            }
+            self.refresh_evictable_if_indexed(a);
+        }
     }
 
     /// Takes `b` out of the prefix index, with every indexed descendant first (a block whose
@@ -96,6 +112,7 @@ impl Core {
             let parent = detach(&mut self.blocks.links, &self.blocks.rows, b);
             if parent != NO_BLOCK {
                 self.refresh_evictable(parent); // a leaf now, perhaps
+                self.ends_moved(parent);
             }
         }
     }
@@ -109,6 +126,7 @@ impl Core {
             return None;
         }
         self.refresh_evictable(parent); // a leaf now, perhaps
+        self.ends_moved(parent);
         Some(self.blocks.rows[parent as usize].hash)
     }
 
@@ -133,6 +151,7 @@ impl Core {
         attach(&mut self.blocks.links, &self.blocks.rows, b, parent);
         if parent != NO_BLOCK {
             self.refresh_evictable(parent); // not a leaf any more
+            self.ends_moved(parent);
         }
     }
 

@@ -79,6 +79,7 @@ from .config import (
     SINK_SHARE,
     VLLM_OWNED,
     connector_config,
+    ends_level_of,
     staging_shares,
 )
 
@@ -111,6 +112,7 @@ __all__ = [
     "LoadSpec",
     "SaveSpec",
     "connector_config",
+    "ends_level_of",
     "hit_sources",
     "staging_shares",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -38,6 +38,8 @@ __all__ = [
     "attention_spec",
     "backend_name",
     "connector_config",
+    "ends_level_of",
+    "ends_room_share",
     "engine_namespace",
     "import_scorer",
     "staging_shares",
@@ -47,9 +49,9 @@ __all__ = [
 
 #: Of the host budget, at most this fraction stages saves at the levels above the bottom.
 MAX_STAGING_SHARE = 0.25
-#: Of the host budget, what level 0 keeps for cached prefixes' sinks (``sink_blocks``) and
-#: level 1 for their last blocks (``keep_leaves``), beside the staging: where the chains' ends
-#: settle (``settle_cached``) while the rest goes to the bottom level.
+#: Of the host budget, what the level where cached prefixes' ends settle (``ends_level``,
+#: with ``settle_cached``) keeps for their sinks (``sink_blocks``) and for each of their last
+#: blocks (``keep_leaves``), beside the staging, while the rest goes to the bottom level.
 SINK_SHARE = 0.02
 LEAF_SHARE = 0.05
 #: The host tier's budget when the extra config names none.
@@ -143,16 +145,16 @@ def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -
     blocks one step of vLLM may complete: ``max_num_batched_tokens`` over the block size) at
     each middle level and twice as many at level 0 (once where a stage of that takes more than
     an eighth of the budget), at most a quarter of the budget and at least one stage; beside
-    them :data:`SINK_SHARE` of the budget at level 0 (with ``sink_blocks``) and
-    :data:`LEAF_SHARE` at level 1 where it is not the bottom (with ``keep_leaves``); and the
-    rest of the budget at the bottom level.
+    them, at the level where the chains' ends settle where that is not the bottom, the ends'
+    room (:func:`ends_room_share`); and the rest of the budget at the bottom level.
 
     vLLM's own pool holds the hot blocks at full precision; behind it the connector is
     capacity. A save lands at level 0 (pinned there until its last layer is written), and the
     tiers' step after vLLM's, on a thread of its own, moves it down (the bottom level making
     room by evicting its lowest-ranked leaf): with ``settle_cached``, to where a full host
-    keeps it, the chains' sinks at level 0 and their last blocks at level 1 (where the next
-    turn continues: int4 holds that about as well as full precision, int2 does not) and the
+    keeps it, the chains' ends (their sinks, and their last blocks: where the next turn
+    continues) at the ends' level (``ends_level``: by default the deepest of at least 4 bits a
+    value, as int4 holds the ends about as well as full precision and int2 does not) and the
     rest at the bottom. So the levels above the bottom stage what a step passes on, level 0
     twice over (one step's saves land in one half while the step before's move down from the
     other), and keep the chains' ends; sized so, they leave the rest of the bytes to the
@@ -171,10 +173,9 @@ def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -
     # Half a byte more than the slots take: the manager's floor of share * budget / bytes
     # must not lose one to rounding.
     above = [(stage * b + 0.5) / budget for b in staged]
-    if config.sink_blocks > 0:
-        above[0] += SINK_SHARE
-    if config.keep_leaves and len(above) > 1:
-        above[1] += LEAF_SHARE
+    ends = ends_level_of(config, level_bytes)
+    if ends < len(above):
+        above[ends] += ends_room_share(config)
     if sum(above) >= 1.0:
         raise ConfigError(
             f"host budget {budget} B holds no level-0 block with room below it: one block "
@@ -185,13 +186,27 @@ def staging_shares(config: KvtierConfig, shape: BlockShape, stage_blocks: int) -
     return (*above, 1.0 - sum(above))
 
 
-def sink_room_slots(config: KvtierConfig, block_bytes: int) -> int:
-    """The level-0 slots :func:`staging_shares` keeps for the sinks (:data:`SINK_SHARE` of the
-    budget; none without ``sink_blocks``) in a host tier of ``config`` whose level-0 blocks
-    take ``block_bytes``: what the saves' staging must leave alone."""
-    if config.sink_blocks <= 0:
-        return 0
-    return int(SINK_SHARE * _host_budget(config, block_bytes)) // block_bytes
+def ends_room_share(config: KvtierConfig) -> float:
+    """The share of the budget :func:`staging_shares` gives the level where the chains' ends
+    settle: :data:`SINK_SHARE` with ``sink_blocks``, and :data:`LEAF_SHARE` for each of the
+    ``keep_leaves`` last blocks."""
+    return SINK_SHARE * (config.sink_blocks > 0) + LEAF_SHARE * config.keep_leaves
+
+
+def ends_level_of(config: KvtierConfig, level_bytes: Sequence[int]) -> int:
+    """The level the chains' ends settle at under a ladder of ``level_bytes``, as the core
+    resolves it (:attr:`kvtier._core.Core.ends_level`): ``ends_level`` (at most the last kept
+    level), or the deepest kept level whose blocks take at least a quarter of level 0's."""
+    last = sum(1 for b in level_bytes if b > 0) - 1
+    if config.ends_level is not None:
+        return min(config.ends_level, last)
+    return max(level for level in range(last + 1) if 4 * level_bytes[level] >= level_bytes[0])
+
+
+def ends_room_slots(config: KvtierConfig, block_bytes: int) -> int:
+    """The slots of the ends' room in a host tier of ``config`` at a level whose blocks take
+    ``block_bytes``: at level 0, what the saves' staging must leave alone."""
+    return int(ends_room_share(config) * _host_budget(config, block_bytes)) // block_bytes
 
 
 def _host_budget(config: KvtierConfig, block_bytes: int) -> int:

@@ -329,7 +329,7 @@ def _manager(layout: ChunkLayout, extra: dict[str, Any], model: str) -> tuple[Bl
     config = connector_config(extra, block_size=chunk)
     fixed = {
         "sink_blocks": 0,
-        "keep_leaves": False,
+        "keep_leaves": 0,
         "recent_window": 0,
         "evict_on_full": True,
         "headroom": 0.0,

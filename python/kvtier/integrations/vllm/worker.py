@@ -9,7 +9,7 @@ layer waiting for its own), the others in the background while their requests wa
 step's complete blocks a layer at a time as the forward pass finishes each layer (on the CPU, one
 native pass out of vLLM's cache into the host tier's level 0; on a GPU, encoded there to the level
 the core places them at and copied encoded, on a stream and thread of their own that the forward
-pass does not wait for), scoring them with the user's scorer if there is one; a save longer than half of level 0 (its staging, beside the sinks' room) waits for the end of the forward pass and goes in
+pass does not wait for), scoring them with the user's scorer if there is one; a save longer than half of level 0 (its staging, beside the chains' ends) waits for the end of the forward pass and goes in
 pieces there. The scheduler's step that moves the saved blocks down the ladder (their encoding) runs
 on a thread of its own after vLLM's step; a save that finds level 0 full while it runs is shed
 (counted), never waited for. A block it cannot load is handed to vLLM as a load error (vLLM
@@ -40,7 +40,7 @@ import torch
 from ...errors import ConfigError, KvtierError
 from ...manager import BlockManager
 from ...manager.timing import DecayedRate
-from .config import backend_name, engine_namespace, sink_room_slots, tiers_config, tp_rank
+from .config import backend_name, ends_room_slots, engine_namespace, tiers_config, tp_rank
 from .events import KVTierEvents, TierEvents
 from .link import CONNECTOR_TIERS, Held, LoadCosts, Place, forget, serve
 from .metadata import KVTierMetadata, LoadSpec, ReleaseSpec, SaveSpec
@@ -596,12 +596,12 @@ class KVTierWorker:
 
     def _stage_slots(self) -> int:
         """The host tier's level-0 slots for saves (pinned there until written, then moved
-        down): all of them but, under the connector's own shares, the sinks' room, which a
-        save's room must not take from the sinks that settled there."""
+        down): all of them but, under the connector's own shares, the room of the chains'
+        ends where they settle at level 0, which a save's room must not take from them."""
         manager = self.tiers.manager
         slots = int(manager.pools["device", 0].shape[0])
-        if self._staging():
-            slots -= sink_room_slots(manager.config, manager.level_bytes[0])
+        if self._staging() and manager.core.ends_level == 0:
+            slots -= ends_room_slots(manager.config, manager.level_bytes[0])
         return max(1, slots)
 
     def _level0_free(self) -> int:
