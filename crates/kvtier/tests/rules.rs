@@ -996,20 +996,23 @@ fn a_cached_prefix_keeps_its_last_blocks_after_the_others_and_before_its_sink() 
 /// evicting the leaf makes the block before its parent an end again.
 #[test]
 fn a_chains_last_blocks_move_with_its_leaf() {
-    let mut c = core(Config {
-        recent_window: 0,
-        keep_leaves: 2,
-        compression_ratio: 0.0,
-        headroom: 0.0,
-        pool_slots: vec![
-            (Tier::Device, 0, 6),
-            (Tier::Device, 1, 0),
-            (Tier::Device, 2, 8),
-        ],
-        pool_headroom: true,
-        policy: kvtier::PolicyKind::Lru,
-        ..cfg()
-    });
+    let last_two = || {
+        core(Config {
+            recent_window: 0,
+            keep_leaves: 2,
+            compression_ratio: 0.0,
+            headroom: 0.0,
+            pool_slots: vec![
+                (Tier::Device, 0, 6),
+                (Tier::Device, 1, 0),
+                (Tier::Device, 2, 8),
+            ],
+            pool_headroom: true,
+            policy: kvtier::PolicyKind::Lru,
+            ..cfg()
+        })
+    };
+    let mut c = last_two();
     let (s, blocks) = seq_with(&mut c, 1, 4);
     c.free_sequence(s).unwrap();
     let s = c.add_sequence();
@@ -1025,20 +1028,7 @@ fn a_chains_last_blocks_move_with_its_leaf() {
     let first: Vec<u32> = plan.moves.iter().map(|m| m.block).collect();
     assert_eq!(first, [grown[2], grown[1]]);
     // A chain of five, cached: evicting its leaf (4) leaves 2 and 3 its last blocks.
-    let mut c = core(Config {
-        recent_window: 0,
-        keep_leaves: 2,
-        compression_ratio: 0.0,
-        headroom: 0.0,
-        pool_slots: vec![
-            (Tier::Device, 0, 6),
-            (Tier::Device, 1, 0),
-            (Tier::Device, 2, 8),
-        ],
-        pool_headroom: true,
-        policy: kvtier::PolicyKind::Lru,
-        ..cfg()
-    });
+    let mut c = last_two();
     let (s, blocks) = seq_with(&mut c, 1, 5);
     c.free_sequence(s).unwrap();
     for b in [2, 1, 3, 0] {
