@@ -22,7 +22,7 @@
 //!    otherwise it is counted as a no-op.
 //! 3. pressure, tier by tier: above `budget * (1 - headroom)` the lowest-ranked blocks are
 //!    demoted one level or offloaded to the next tier (a cached chain's ends after every other
-//!    cached block: its last block, then its sinks); above the budget itself, cached blocks
+//!    cached block: its last blocks, then its sinks); above the budget itself, cached blocks
 //!    are evicted and, if the ladder has a `drop` level, live ones dropped.
 //! 4. with `pool_headroom`, pool by pool: cached blocks settle at their home levels
 //!    (`settle_cached`), then a pool filled past its headroom passes blocks down.

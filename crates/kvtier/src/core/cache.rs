@@ -1,8 +1,8 @@
 //! The cache index of each pool ([`PoolCache`]): its cached blocks in queues in key order (the
-//! cached blocks by which end of their chain they are: none, the leaf, a sink; the cached
-//! leaves, for eviction), how many, and how
-//! many are reclaimable; with the functions that keep it over the block table's parts, taken
-//! apart from `Core` so that a loop over many blocks holds them at once: entering a block
+//! cached blocks by which end of their chain they are: none, the last blocks, a sink; the
+//! cached leaves, for eviction), how many, and how many are reclaimable; with the functions
+//! that keep it over the block table's parts, taken apart from `Core` so that a loop over many
+//! blocks holds them at once: entering a block
 //! ([`enqueue_if_cached`]), leaving ([`BlockRow::leave_cache`]), settling the reclaimable flags
 //! up the prefix tree ([`settle_reclaimable`]) and a plain core's eviction pass
 //! ([`pop_evictable`]).
@@ -163,11 +163,12 @@ pub(super) fn settle_reclaimable(
     }
 }
 
-/// Enters block `b`, in no cache index, into its pool's if it is cached now: the queue of every
-/// cached block (ranked by its key), and the leaf queue too (by its eviction key) when `leaves`
-/// (prefix-aware) and it is a leaf. Counts it (as reclaimable too if its flag says so; the caller settles the flag).
-/// Takes the core's parts apart (rows, queues) so that a loop over many blocks keeps them at
-/// hand instead of reloading them from the core after every write.
+/// Enters block `b`, in no cache index, into its pool's if it is cached now: the queue of its
+/// kind of chain end (ranked by its key), and the leaf queue too (by its eviction key) when
+/// `leaves` (prefix-aware) and it is a leaf. Counts it (as reclaimable too if its flag says so;
+/// the caller settles the flag). Takes the core's parts apart (rows, queues) so that a loop
+/// over many blocks keeps them at hand instead of reloading them from the core after every
+/// write.
 #[inline(always)]
 pub(super) fn enqueue_if_cached(
     rows: &mut [BlockRow],

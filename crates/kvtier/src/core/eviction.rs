@@ -91,9 +91,9 @@ impl Core {
     }
 
     /// The lowest-ranked block of a pool's queue `which` (for `Any`, of the blocks that are no
-    /// chain's end: a plain core's every cached block), left in place. For `Leaves`, what eviction takes: the lowest front of the class
-    /// queues, ranked by `Frequency::rank` under `importance` (the young-first rule may name
-    /// another block, under the same rank).
+    /// chain's end: a plain core's every cached block), left in place. For `Leaves`, what
+    /// eviction takes: the lowest front of the class queues, ranked by `Frequency::rank` under
+    /// `importance` (the young-first rule may name another block, under the same rank).
     #[inline]
     pub(crate) fn peek_cached(&mut self, pool: usize, which: Cached) -> Option<(Key, u32)> {
         let ranking = Ranking {

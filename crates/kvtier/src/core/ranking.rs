@@ -9,7 +9,7 @@ use crate::types::Key;
 use super::blocks::{near_leaf, BlockRow, Link};
 
 /// The ends of a cached chain, which demotion and offload take after every other cached block
-/// of their pool, the sinks last: a saved prefix keeps its attention sink and the block the
+/// of their pool, the sinks last: a saved prefix keeps its attention sink and the blocks the
 /// next turn continues from (its recent window) at the higher precision longest, as a live
 /// sequence keeps them at level 0. Eviction ranks them as any other leaf. The order of the
 /// variants is the order demotion takes them in; each is the index of its queue in a pool
